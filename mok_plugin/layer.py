@@ -1,0 +1,255 @@
+"""`MoKMoE`: the MoK mixture-of-experts layer as a plain `nn.Module`.
+
+Owns: the parameters (router, routed experts, shared experts, the expert-bias buffer), input
+checks, the backend switch (auto | triton | reference), and the per-step statistics
+(`last_tokens_per_expert`, `last_num_dropped`).
+
+Does not own: any math of its own; it calls routing, schedule and a backend's experts function.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from mok_plugin.config import MoKConfig, debug_checks_from_env
+from mok_plugin.reference import moe_experts_reference, shared_expert_forward
+from mok_plugin.routing import MoKRouting, route, update_expert_bias
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
+
+__all__ = ["MoKMoE", "MoKExperts", "MoKSharedExperts", "resolve_backend"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that runs on `device`: "auto" picks triton on CUDA, reference elsewhere.
+
+    Raises:
+        ValueError: an unknown backend, or "triton" where it cannot run.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend={backend!r}; allowed: 'auto', 'triton', 'reference'")
+    if backend == "reference":
+        return "reference"
+    triton_ready = _triton_backend_available()
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_ready else "reference"
+    if not triton_ready:
+        raise ValueError("backend='triton' needs the Triton kernels (mok_plugin.ops) and triton installed")
+    if device.type != "cuda" and not _triton_interpreter_on():
+        raise ValueError(
+            f"backend='triton' needs a CUDA device (got {device.type}); use backend='reference' or 'auto' on the CPU, "
+            "or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
+        )
+    return "triton"
+
+
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_backend_available() -> bool:
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None and importlib.util.find_spec("mok_plugin.ops") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _init_(tensor: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    # Initialise in fp32 and cast, so bf16 and fp32 layers built from one seed hold the same values.
+    with torch.no_grad():
+        values = torch.empty(tensor.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
+        tensor.copy_(values.to(tensor.device))
+
+
+class MoKExperts(nn.Module):
+    """The routed experts' weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
+
+
+class MoKSharedExperts(nn.Module):
+    """The shared experts as one dense SwiGLU MLP: `gate_up_proj` [2Is, H], `down_proj` [H, Is]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return shared_expert_forward(x, self.gate_up_proj, self.down_proj)
+
+
+class MoKMoE(nn.Module):
+    """A mixture-of-experts layer with SwiGLU experts, deterministic by construction.
+
+    Parameters: `router.weight` [E, H]; `experts.gate_up_proj` [E, 2I, H]; `experts.down_proj`
+    [E, H, I]; with shared experts, `shared_experts.gate_up_proj` [2Is, H] and
+    `shared_experts.down_proj` [H, Is]. With `config.expert_bias`, the buffer `expert_bias` fp32 [E].
+
+    Args:
+        config: the layer's MoKConfig (ep_size must be 1 here; expert parallelism is a later layer).
+        device: where the parameters are created.
+        init_std: standard deviation of the normal initialisation (Megatron's default 0.02).
+        seed: seeds the initialisation, so two layers built alike hold equal weights.
+
+    Raises:
+        ValueError: config.ep_size > 1 (use the expert-parallel layer with a process group).
+    """
+
+    def __init__(
+        self,
+        config: MoKConfig,
+        *,
+        device: torch.device | str | None = None,
+        init_std: float = 0.02,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if config.ep_size != 1:
+            raise ValueError(
+                f"mok.ep_size={config.ep_size}: MoKMoE(config) runs all experts on one device; "
+                "expert parallelism needs an ep_group (not available yet)"
+            )
+        self.config = config
+        dtype = _DTYPES[config.params_dtype]
+        H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
+        self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
+        self.experts = MoKExperts(E, H, I, dtype, device)
+        self.shared_experts = (
+            MoKSharedExperts(H, config.shared_intermediate_size, dtype, device) if config.num_shared_experts else None
+        )
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
+        else:
+            self.expert_bias = None
+        self.register_buffer("last_tokens_per_expert", torch.zeros(E, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("last_num_dropped", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.init_std = init_std
+        self.reset_parameters(seed)
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        for param in self.parameters():
+            _init_(param, self.init_std, generator)
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return self.experts.gate_up_proj.dtype
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        H = self.config.hidden_size
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be hidden_size={H}")
+        if x.dtype != self.params_dtype:
+            raise TypeError(
+                f"x has dtype {x.dtype} but the layer's parameters are {self.params_dtype} "
+                f"(mok.params_dtype={self.config.params_dtype}); cast x or the layer"
+            )
+        if x.device != self.experts.gate_up_proj.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self.experts.gate_up_proj.device}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route, run the experts, combine.
+
+        Args:
+            x: [..., H] in the params dtype, on the parameters' device.
+        Returns:
+            (output shaped like x, aux_loss fp32 scalar: load-balancing loss + z-loss, zero when
+            both coefficients are zero).
+        Raises:
+            ValueError / TypeError: wrong last dimension, dtype or device; with debug checks on,
+                non-finite router logits.
+        """
+        self._check_input(x)
+        cfg = self.config
+        x_TH = x.reshape(-1, cfg.hidden_size)
+        T = x_TH.shape[0]
+
+        debug = cfg.debug_checks or debug_checks_from_env()
+        routing = self.route(x_TH, debug=debug)
+        capacity = (
+            None if cfg.capacity_factor is None else expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        )
+        schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
+        experts_fn = self._experts_fn(x_TH.device)
+        out = experts_fn(
+            x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule
+        )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_TH)
+
+        with torch.no_grad():
+            self.last_tokens_per_expert.copy_(routing.tokens_per_expert)
+            self.last_num_dropped.copy_(schedule.num_dropped)
+            if debug and capacity is not None:
+                dropped = int(schedule.num_dropped)  # host-ok: opt-in debug report
+                if dropped:
+                    warnings.warn(
+                        f"MoK dropped {dropped} of {T * cfg.top_k} routed (token, k) pairs at "
+                        f"mok.capacity_factor={cfg.capacity_factor}; raise it or set it to null (dropless)",
+                        stacklevel=2,
+                    )
+        return out.view(x.shape), routing.aux_loss
+
+    def route(self, x_TH: torch.Tensor, debug: bool = False) -> MoKRouting:
+        """The routing decision for tokens x_TH [T, H]: logits in fp32, then `routing.route`.
+
+        Raises:
+            ValueError: with `debug`, when a router logit is NaN or infinite.
+        """
+        cfg = self.config
+        router_logits = torch.nn.functional.linear(x_TH.float(), self.router.weight.float())
+        if debug and not torch.isfinite(router_logits).all():  # host-ok: opt-in debug check
+            bad = (~torch.isfinite(router_logits)).any(dim=-1).nonzero()[:5, 0].tolist()  # host-ok: debug
+            raise ValueError(f"non-finite router logits for tokens {bad} (first 5); check the layer input")
+        return route(
+            router_logits,
+            top_k=cfg.top_k,
+            score_function=cfg.score_function,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            expert_bias=self.expert_bias,
+            aux_loss_coeff=cfg.aux_loss_coeff,
+            z_loss_coeff=cfg.z_loss_coeff,
+        )
+
+    def _experts_fn(self, device: torch.device):
+        if resolve_backend(self.config.backend, device) == "triton":
+            from mok_plugin import ops
+
+            return ops.moe_experts
+        return moe_experts_reference
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing step from `tokens_per_expert` (default: the last forward's counts).
+
+        Raises:
+            RuntimeError: the layer was built without `mok.expert_bias`.
+        """
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias needs mok.expert_bias=true")
+        counts = self.last_tokens_per_expert if tokens_per_expert is None else tokens_per_expert
+        update_expert_bias(self.expert_bias, counts, self.config.expert_bias_update_rate)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"H={c.hidden_size}, I={c.ffn_hidden_size}, E={c.num_experts}, K={c.top_k}, "
+            f"shared={c.num_shared_experts}, score={c.score_function}, backend={c.backend}, dtype={c.params_dtype}"
+        )

@@ -1,0 +1,145 @@
+"""The device-side schedule: where each routed (token, k) row lives in expert order.
+
+Owns: `MoKSchedule` and `build_schedule()`. From `topk_ids` alone, with integer counts, prefix sums
+and a stable sort, it lays the R = T*K routed rows out expert by expert. Each expert's segment
+starts at a multiple of the GEMM tile `tile_m`, so a tile of rows never spans two experts; within
+an expert, rows are in ascending (token, k) order, which fixes the order of every reduction over
+an expert's rows (the weight gradients).
+
+Row space: rows are indexed in a buffer of static size `num_rows` (an upper bound of the padded
+total, computed from T, K, E and tile_m on the host without looking at data), so nothing here
+synchronises the host. Padding rows map to -1.
+
+Capacity: with a capacity of C rows per expert, the rows past C of an expert (in (token, k) order)
+are dropped: their `tk_to_row` is -1 and `num_dropped` counts them. Nothing is dropped silently:
+the count is on the schedule and the layer reports it.
+
+Does not own: the routing decision, or anything that moves floats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MoKSchedule", "build_schedule", "expert_capacity", "max_padded_rows", "DEFAULT_TILE_M"]
+
+#: Rows per GEMM tile that segments are padded to; the kernels' BLOCK_M divides it.
+DEFAULT_TILE_M = 128
+
+
+@dataclass(frozen=True, slots=True)
+class MoKSchedule:
+    """Where every routed row lives; all tensors are on the device of `topk_ids`."""
+
+    tokens_per_expert: torch.Tensor  # int64 [E], rows each expert computes (after any capacity drop)
+    expert_offsets: torch.Tensor  # int64 [E+1], exclusive prefix sum of tile-padded counts
+    row_to_tk: torch.Tensor  # int64 [num_rows], t*K + k of the row, -1 for padding
+    row_to_token: torch.Tensor  # int64 [num_rows], t of the row, -1 for padding
+    tk_to_row: torch.Tensor  # int64 [T*K], row of (t, k), -1 when dropped by capacity
+    tile_to_expert: torch.Tensor  # int64 [num_rows // tile_m], expert of each tile, -1 past the end
+    num_dropped: torch.Tensor  # int64 [], (token, k) pairs dropped by the capacity limit
+    num_tokens: int  # T
+    top_k: int  # K
+    num_experts: int  # E
+    tile_m: int  # segment padding
+    num_rows: int  # static size of the row space (an upper bound of expert_offsets[-1])
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows one expert may take: ceil(T*K/E * capacity_factor), at least 1."""
+    return max(1, math.ceil(num_tokens * top_k / num_experts * capacity_factor))
+
+
+def max_padded_rows(num_rows_routed: int, num_experts: int, tile_m: int, capacity: int | None = None) -> int:
+    """Static upper bound of the tile-padded row total, from sizes only (no data, no host sync).
+
+    Each expert pads by at most tile_m - 1 rows, and at most min(E, R) experts are non-empty; with a
+    capacity C no expert exceeds ceil(C / tile_m) tiles.
+    """
+    R = num_rows_routed
+    tiles = R // tile_m + min(num_experts, R)
+    if capacity is not None:
+        tiles = min(tiles, num_experts * math.ceil(capacity / tile_m))
+    return max(tiles, 1) * tile_m
+
+
+def build_schedule(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    tile_m: int = DEFAULT_TILE_M,
+    capacity: int | None = None,
+) -> MoKSchedule:
+    """Lay out the routed rows expert by expert, on the device, without synchronising the host.
+
+    Args:
+        topk_ids: int [T, K], expert of each (token, k); values in [0, E).
+        num_experts: E.
+        tile_m: segments start at multiples of this.
+        capacity: rows one expert may take; None = dropless.
+    Returns:
+        MoKSchedule.
+    Raises:
+        ValueError: topk_ids is not a 2-D integer tensor, or tile_m / capacity is not positive.
+    """
+    if topk_ids.dim() != 2 or topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise ValueError(f"topk_ids must be an integer [T, K] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if tile_m <= 0:
+        raise ValueError(f"tile_m={tile_m} must be positive")
+    if capacity is not None and capacity <= 0:
+        raise ValueError(f"capacity={capacity} must be positive")
+    T, K = topk_ids.shape
+    E = num_experts
+    R = T * K
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+
+    # Stable sort by expert: within an expert the tk indices stay ascending.
+    sorted_experts, sorted_tk = torch.sort(flat, stable=True)
+    routed_counts = torch.bincount(flat, minlength=E)[:E]
+    routed_starts = torch.cumsum(routed_counts, 0) - routed_counts
+    rank_in_expert = torch.arange(R, device=device) - routed_starts[sorted_experts]
+
+    if capacity is not None:
+        kept = rank_in_expert < capacity
+        tokens_per_expert = routed_counts.clamp(max=capacity)
+    else:
+        kept = torch.ones(R, dtype=torch.bool, device=device)
+        tokens_per_expert = routed_counts
+    num_dropped = (R - tokens_per_expert.sum()).to(torch.int64)
+
+    padded_counts = (tokens_per_expert + tile_m - 1) // tile_m * tile_m
+    expert_offsets = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    expert_offsets[1:] = torch.cumsum(padded_counts, 0)
+
+    num_rows = max_padded_rows(R, E, tile_m, capacity)
+    # Dropped rows are sent to a scratch slot past the end so every write has a unique target.
+    rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
+    row_to_tk = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+    row_to_tk[rows] = torch.where(kept, sorted_tk, -1)
+    row_to_tk = row_to_tk[:num_rows]
+    tk_to_row = torch.empty(R, dtype=torch.int64, device=device)
+    tk_to_row[sorted_tk] = torch.where(kept, rows, -1)
+    row_to_token = torch.where(row_to_tk >= 0, row_to_tk // max(K, 1), -1)
+
+    tile_starts = torch.arange(0, num_rows, tile_m, device=device)
+    tile_to_expert = torch.searchsorted(expert_offsets[1:], tile_starts, right=True)
+    tile_to_expert = torch.where(tile_to_expert < E, tile_to_expert, -1)
+
+    return MoKSchedule(
+        tokens_per_expert=tokens_per_expert,
+        expert_offsets=expert_offsets,
+        row_to_tk=row_to_tk,
+        row_to_token=row_to_token,
+        tk_to_row=tk_to_row,
+        tile_to_expert=tile_to_expert,
+        num_dropped=num_dropped,
+        num_tokens=T,
+        top_k=K,
+        num_experts=E,
+        tile_m=tile_m,
+        num_rows=num_rows,
+    )

@@ -1,0 +1,221 @@
+"""Shared by tests/ and scripts/: named shapes, seeded inputs, the float64 oracle, tolerances.
+
+Owns: `NAMED_SHAPES` ((T, H, I, E, K) of real models and of minimal cases), `make_layer_inputs`
+(seeded, never zeros), `oracle_moe` (a float64, per-token, per-chosen-expert loop written
+differently from `reference.py`, so it checks it), the tolerance table and `assert_close`, which
+reports max abs error, mean relative error and the first mismatch.
+
+Imports no pytest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "NAMED_SHAPES",
+    "MoEShape",
+    "Tolerance",
+    "TOLERANCES",
+    "assert_close",
+    "make_layer_inputs",
+    "oracle_experts",
+    "oracle_moe",
+    "oracle_kept_pairs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """One MoE layer shape, always in the order (T, H, I, E, K)."""
+
+    T: int
+    H: int
+    I: int
+    E: int
+    K: int
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.T, self.H, self.I, self.E, self.K)
+
+
+NAMED_SHAPES: dict[str, MoEShape] = {
+    # Real models (the benchmark's named shapes).
+    "qwen3-30b-a3b": MoEShape(16384, 2048, 768, 128, 8),
+    "olmoe": MoEShape(16384, 2048, 1024, 64, 8),
+    "mixtral-8x7b": MoEShape(8192, 4096, 14336, 8, 2),
+    "deepseek-v3": MoEShape(8192, 7168, 2048, 256, 8),
+    # Minimal cases for CPU tests and the interpreter.
+    "tiny": MoEShape(24, 32, 16, 4, 2),
+    "small": MoEShape(64, 64, 48, 8, 2),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """|actual - expected| <= atol * scale * growth + rtol * |expected|, scale = max |expected|.
+
+    `growth` is sqrt(n_reduce / 64) for a quantity that sums n_reduce rounded terms (weight
+    gradients over an expert's rows, dX over k): rounding errors of independent terms add like a
+    random walk, so the bound grows with the square root of the count, not linearly.
+    """
+
+    atol: float
+    rtol: float
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(atol=1e-10, rtol=1e-10),
+    torch.float32: Tolerance(atol=2e-5, rtol=2e-4),
+    torch.float16: Tolerance(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: Tolerance(atol=1.6e-2, rtol=5e-2),
+}
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str, n_reduce: int = 1
+) -> None:
+    """Raise AssertionError with max abs error, mean relative error and the first mismatch."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    tol = TOLERANCES[dtype]
+    a = actual.detach().to(torch.float64).cpu()
+    b = expected.detach().to(torch.float64).cpu()
+    if not torch.isfinite(a).all():
+        raise AssertionError(f"{name}: non-finite values in the result")
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    growth = math.sqrt(max(1.0, n_reduce / 64))
+    bound = tol.atol * max(scale, 1e-30) * growth + tol.rtol * b.abs()
+    err = (a - b).abs()
+    bad = err > bound
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        rel = (err / b.abs().clamp_min(scale * 1e-3 + 1e-30)).mean()
+        raise AssertionError(
+            f"{name} ({dtype}): {int(bad.sum())} of {b.numel()} elements outside tolerance; "
+            f"max abs err {float(err.max()):.3e} (scale {scale:.3e}), mean rel err {float(rel):.3e}; "
+            f"first at {first}: got {float(a[first]):.6e}, expected {float(b[first]):.6e}"
+        )
+
+
+def make_layer_inputs(
+    T: int, H: int, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> torch.Tensor:
+    """x [T, H] ~ N(0, 1) from a seeded CPU generator (the same values on every device)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=generator).to(device=device, dtype=dtype)
+
+
+def oracle_kept_pairs(topk_ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """Bool [T, K]: which (token, k) pairs survive a per-expert capacity, first come first served
+    in (token, k) order; a plain Python loop."""
+    T, K = topk_ids.shape
+    kept = torch.ones(T, K, dtype=torch.bool)
+    if capacity is None:
+        return kept
+    taken = [0] * num_experts
+    ids = topk_ids.tolist()
+    for t in range(T):
+        for k in range(K):
+            e = ids[t][k]
+            if taken[e] >= capacity:
+                kept[t, k] = False
+            else:
+                taken[e] += 1
+    return kept
+
+
+def oracle_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    kept: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_k w_tk * W2_e (silu(W1_e x_t) * W3_e x_t), one token and one chosen expert at a time.
+
+    Dropped pairs (kept False) contribute nothing. Float64 in, float64 out; autograd gives the
+    gradients of x, topk_weights and both weights.
+    """
+    T, H = x.shape
+    I = gate_up_proj.shape[1] // 2
+    K = topk_ids.shape[1]
+    ids = topk_ids.tolist()
+    kept_list = kept.tolist() if kept is not None else [[True] * K for _ in range(T)]
+    outputs = []
+    for t in range(T):
+        y = torch.zeros(H, dtype=x.dtype)
+        for k in range(K):
+            if kept_list[t][k]:
+                e = ids[t][k]
+                gate = gate_up_proj[e, :I] @ x[t]
+                up = gate_up_proj[e, I:] @ x[t]
+                y = y + topk_weights[t, k] * (down_proj[e] @ (gate * torch.sigmoid(gate) * up))
+        outputs.append(y)
+    return torch.stack(outputs)
+
+
+def oracle_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    score_function: str = "softmax",
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    aux_loss_coeff: float = 0.0,
+    z_loss_coeff: float = 0.0,
+    kept: torch.Tensor | None = None,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE layer in float64, one token at a time.
+
+    The expert choice `topk_ids` is taken as given (selection is discrete and tested apart); the
+    weights are recomputed from the logits here, so their gradient reaches the router weight.
+    Pass float64 leaf tensors with requires_grad to get gradients by autograd.
+
+    Returns:
+        (output [T, H], topk_weights [T, K], aux_loss []) in float64.
+    """
+    T, H = x.shape
+    E = gate_up_proj.shape[0]
+    K = topk_ids.shape[1]
+    ids = topk_ids.tolist()
+    weights, lse = [], []
+    for t in range(T):
+        logits = router_weight @ x[t]
+        lse.append(torch.logsumexp(logits, dim=0))
+        if score_function == "softmax":
+            scores = torch.exp(logits - logits.max()) / torch.exp(logits - logits.max()).sum()
+        else:
+            scores = 1.0 / (1.0 + torch.exp(-logits))
+        chosen = torch.stack([scores[e] for e in ids[t]])
+        if norm_topk_prob:
+            chosen = chosen / chosen.sum()
+        weights.append(chosen * routed_scaling_factor)
+    topk_weights = torch.stack(weights)
+    out = oracle_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, kept)
+    if shared_gate_up is not None:
+        Is = shared_gate_up.shape[0] // 2
+        g = x @ shared_gate_up[:Is].t()
+        u = x @ shared_gate_up[Is:].t()
+        out = out + (g * torch.sigmoid(g) * u) @ shared_down.t()
+
+    aux = torch.zeros((), dtype=x.dtype)
+    if aux_loss_coeff > 0:
+        logits_all = x @ router_weight.t()
+        probs = torch.softmax(logits_all, dim=-1) if score_function == "softmax" else torch.sigmoid(logits_all)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        for e in range(E):
+            picked = sum(row.count(e) for row in ids)
+            aux = aux + aux_loss_coeff * E * (picked / (T * K)) * probs[:, e].mean()
+    if z_loss_coeff > 0:
+        aux = aux + z_loss_coeff * torch.stack(lse).square().mean()
+    return out, topk_weights, aux

@@ -1,0 +1,85 @@
+"""Schedule: counts, padded offsets, row maps as exact permutation invariants, (token, k) order
+within an expert, capacity drops, empty experts, T = 1, and no host sync (it runs on meta-free
+device tensors built only from integer ops)."""
+
+import pytest
+import torch
+
+from mok_plugin.schedule import build_schedule, expert_capacity, max_padded_rows
+from mok_plugin.testing import oracle_kept_pairs
+
+
+def _check_invariants(ids: torch.Tensor, E: int, tile: int, capacity=None):
+    s = build_schedule(ids, E, tile_m=tile, capacity=capacity)
+    T, K = ids.shape
+    kept = oracle_kept_pairs(ids, E, capacity).flatten()
+    flat = ids.flatten()
+    expected_counts = torch.bincount(flat[kept], minlength=E)
+    assert torch.equal(s.tokens_per_expert, expected_counts)
+    padded = (expected_counts + tile - 1) // tile * tile
+    assert torch.equal(s.expert_offsets, torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)]))
+    assert int(s.expert_offsets[-1]) <= s.num_rows and s.num_rows % tile == 0
+    assert int(s.num_dropped) == int((~kept).sum())
+    # tk_to_row and row_to_tk are inverse on the kept pairs; dropped pairs map to -1.
+    for tk in range(T * K):
+        row = int(s.tk_to_row[tk])
+        if kept[tk]:
+            assert int(s.row_to_tk[row]) == tk and int(s.row_to_token[row]) == tk // K
+        else:
+            assert row == -1
+    assert int((s.row_to_tk >= 0).sum()) == int(kept.sum())
+    # Each expert's rows: contiguous from its offset, in ascending (token, k) order, then padding.
+    for e in range(E):
+        start, n = int(s.expert_offsets[e]), int(expected_counts[e])
+        seg = s.row_to_tk[start : start + n]
+        assert torch.equal(seg, torch.nonzero((flat == e) & kept).flatten())
+        assert bool((s.row_to_tk[start + n : int(s.expert_offsets[e + 1])] == -1).all())
+        for tile_idx in range(start // tile, int(s.expert_offsets[e + 1]) // tile):
+            assert int(s.tile_to_expert[tile_idx]) == e
+    assert bool((s.tile_to_expert[int(s.expert_offsets[-1]) // tile :] == -1).all())
+    return s
+
+
+@pytest.mark.parametrize(
+    "T, K, E, tile",
+    [
+        pytest.param(1, 1, 4, 8, id="T1"),  # a single token
+        pytest.param(37, 2, 8, 16, id="T_not_tile_multiple"),
+        pytest.param(64, 4, 16, 4, id="many_tiles"),
+        pytest.param(10, 3, 130, 8, id="more_experts_than_rows"),  # most experts empty
+    ],
+)
+def test_schedule_invariants_random(T, K, E, tile):
+    g = torch.Generator().manual_seed(T * 31 + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    _check_invariants(ids, E, tile)
+
+
+def test_all_rows_on_one_expert_and_empty_experts():
+    ids = torch.full((50, 1), 3)
+    s = _check_invariants(ids, 6, 16)
+    assert s.tokens_per_expert.tolist() == [0, 0, 0, 50, 0, 0]
+
+
+def test_capacity_drops_late_pairs_and_counts_them():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(30)])
+    ids[:20, 0] = 1  # skew onto expert 1 so it overflows
+    cap = expert_capacity(30, 2, 4, 1.0)
+    s = _check_invariants(ids, 4, 8, capacity=cap)
+    assert int(s.num_dropped) > 0
+    assert int(s.tokens_per_expert.max()) <= cap
+
+
+def test_padding_bound_is_tight_when_every_expert_overflows_a_tile_by_one():
+    # 8 experts with 17 rows each and a 16-row tile: each pads to 32, the worst case the bound covers.
+    ids = torch.arange(8).repeat_interleave(17).view(-1, 1)
+    s = _check_invariants(ids, 8, 16)
+    assert int(s.expert_offsets[-1]) == s.num_rows == max_padded_rows(136, 8, 16) == 256
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="integer"):
+        build_schedule(torch.zeros(3, 2), 4)
+    with pytest.raises(ValueError, match="tile_m=0"):
+        build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, tile_m=0)
