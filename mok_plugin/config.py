@@ -131,9 +131,7 @@ class MoKConfig(BaseModel):
                     f"of {E // G}; raise topk_group or lower top_k"
                 )
         if E % self.ep_size != 0:
-            problems.append(
-                f"mok.ep_size={self.ep_size} does not divide num_experts={E}; allowed: a divisor of {E}"
-            )
+            problems.append(f"mok.ep_size={self.ep_size} does not divide num_experts={E}; allowed: a divisor of {E}")
         if problems:
             raise ValueError("\n  ".join(problems))
         return self

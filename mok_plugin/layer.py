@@ -73,8 +73,12 @@ class MoKExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype, device=None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device)
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device)
+        )
 
 
 class MoKSharedExperts(nn.Module):
@@ -132,7 +136,9 @@ class MoKMoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
         else:
             self.expert_bias = None
-        self.register_buffer("last_tokens_per_expert", torch.zeros(E, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer(
+            "last_tokens_per_expert", torch.zeros(E, dtype=torch.int64, device=device), persistent=False
+        )
         self.register_buffer("last_num_dropped", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.init_std = init_std
         self.reset_parameters(seed)
@@ -185,9 +191,7 @@ class MoKMoE(nn.Module):
         )
         schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
         experts_fn = self._experts_fn(x_TH.device)
-        out = experts_fn(
-            x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule
-        )
+        out = experts_fn(x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
 

@@ -74,7 +74,7 @@ def _segments(schedule: MoKSchedule) -> list[tuple[int, int, int]]:
     """(expert, first row, row count) of every non-empty expert segment."""
     starts = schedule.expert_offsets[:-1].tolist()  # host-ok: reference backend loops on the host
     counts = schedule.tokens_per_expert.tolist()  # host-ok: reference backend loops on the host
-    return [(e, s, n) for e, (s, n) in enumerate(zip(starts, counts)) if n > 0]
+    return [(e, s, n) for e, (s, n) in enumerate(zip(starts, counts, strict=True)) if n > 0]
 
 
 class MoKReferenceExperts(torch.autograd.Function):

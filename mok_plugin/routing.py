@@ -91,7 +91,9 @@ def route(
         ValueError: logits not 2-D float, or top_k out of range.
     """
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a float [T, E] tensor, got {router_logits.dtype} {tuple(router_logits.shape)}")
+        raise ValueError(
+            f"router_logits must be a float [T, E] tensor, got {router_logits.dtype} {tuple(router_logits.shape)}"
+        )
     T, E = router_logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={E}")

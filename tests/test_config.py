@@ -31,20 +31,32 @@ def test_config_is_frozen():
     "changes, match",
     [
         pytest.param(dict(top_k=9), r"mok\.top_k=9 exceeds num_experts=8", id="k_gt_E"),
-        pytest.param(dict(n_group=3, topk_group=1), r"mok\.n_group=3 does not divide num_experts=8", id="group_not_dividing"),
+        pytest.param(
+            dict(n_group=3, topk_group=1), r"mok\.n_group=3 does not divide num_experts=8", id="group_not_dividing"
+        ),
         pytest.param(dict(n_group=4), r"mok\.n_group=4 and mok\.topk_group=None", id="group_half_set"),
         pytest.param(dict(n_group=4, topk_group=5), r"mok\.topk_group=5 exceeds n_group=4", id="topk_group_gt_groups"),
-        pytest.param(dict(n_group=4, topk_group=1, top_k=3), r"mok\.top_k=3 exceeds the 2 experts", id="k_gt_group_experts"),
+        pytest.param(
+            dict(n_group=4, topk_group=1, top_k=3), r"mok\.top_k=3 exceeds the 2 experts", id="k_gt_group_experts"
+        ),
         pytest.param(dict(n_group=4, topk_group=3), r"mok\.topk_group=3 exceeds top_k=2", id="topk_group_gt_k"),
         pytest.param(dict(ep_size=3), r"mok\.ep_size=3 does not divide num_experts=8", id="ep_not_dividing"),
-        pytest.param(dict(score_function="relu"), r"mok\.score_function='relu'.*'softmax' or 'sigmoid'", id="bad_literal"),
+        pytest.param(
+            dict(score_function="relu"), r"mok\.score_function='relu'.*'softmax' or 'sigmoid'", id="bad_literal"
+        ),
         pytest.param(dict(backend="cuda"), r"mok\.backend='cuda'.*'auto', 'triton' or 'reference'", id="bad_backend"),
         pytest.param(dict(top_k="2"), r"mok\.top_k='2'.*valid integer", id="wrong_type"),
         pytest.param(dict(top_k=0), r"mok\.top_k=0.*greater than 0", id="zero_k"),
         pytest.param(dict(capacity_factor=-1.0), r"mok\.capacity_factor=-1\.0", id="negative_capacity"),
         pytest.param(dict(topk=2), r"mok\.topk: unknown key; allowed keys: .*top_k", id="unknown_key"),
-        pytest.param(dict(shared_ffn_hidden_size=16), r"mok\.shared_ffn_hidden_size=16 is set but num_shared_experts=0", id="shared_size_without_shared"),
-        pytest.param(dict(params_dtype="fp8"), r"mok\.params_dtype='fp8'.*'float32', 'bfloat16' or 'float16'", id="bad_dtype"),
+        pytest.param(
+            dict(shared_ffn_hidden_size=16),
+            r"mok\.shared_ffn_hidden_size=16 is set but num_shared_experts=0",
+            id="shared_size_without_shared",
+        ),
+        pytest.param(
+            dict(params_dtype="fp8"), r"mok\.params_dtype='fp8'.*'float32', 'bfloat16' or 'float16'", id="bad_dtype"
+        ),
     ],
 )
 def test_invalid_values_name_the_field(changes, match):

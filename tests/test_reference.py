@@ -31,7 +31,9 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
     ((out.float() * probe).sum() + aux).backward()
 
     routing = layer.route(x.detach())
-    capacity = None if cfg.capacity_factor is None else expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+    capacity = (
+        None if cfg.capacity_factor is None else expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+    )
     kept = oracle_kept_pairs(routing.topk_ids, cfg.num_experts, capacity)
 
     def leaf(t):
@@ -43,10 +45,19 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
     s13 = leaf(shared.gate_up_proj) if shared is not None else None
     s2 = leaf(shared.down_proj) if shared is not None else None
     out64, _, aux64 = oracle_moe(
-        x64, wr64, w13, w2, routing.topk_ids,
-        score_function=cfg.score_function, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor, aux_loss_coeff=cfg.aux_loss_coeff,
-        z_loss_coeff=cfg.z_loss_coeff, kept=kept, shared_gate_up=s13, shared_down=s2,
+        x64,
+        wr64,
+        w13,
+        w2,
+        routing.topk_ids,
+        score_function=cfg.score_function,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        aux_loss_coeff=cfg.aux_loss_coeff,
+        z_loss_coeff=cfg.z_loss_coeff,
+        kept=kept,
+        shared_gate_up=s13,
+        shared_down=s2,
     )
     ((out64 * probe.double()).sum() + aux64).backward()
 
@@ -68,8 +79,13 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layer_matches_oracle(variant, shared, dtype):
     cfg = MoKConfig(
-        hidden_size=32, ffn_hidden_size=24, num_experts=8, top_k=4, num_shared_experts=shared,
-        params_dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], **ROUTER_VARIANTS[variant],
+        hidden_size=32,
+        ffn_hidden_size=24,
+        num_experts=8,
+        top_k=4,
+        num_shared_experts=shared,
+        params_dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+        **ROUTER_VARIANTS[variant],
     )
     _run_and_compare(cfg, T=37, seed=11, dtype=dtype)  # 37: not a multiple of the 128-row tile
 
@@ -88,7 +104,7 @@ def test_routing_weight_gradient_of_experts_function():
     (out * probe).sum().backward()
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
     (oracle_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3]) * probe).sum().backward()
-    for name, got, want in zip(["d_x", "d_topk_weights", "d_gate_up", "d_down"], (x, w, w13, w2), leaves):
+    for name, got, want in zip(["d_x", "d_topk_weights", "d_gate_up", "d_down"], (x, w, w13, w2), leaves, strict=True):
         assert_close(got.grad, want.grad, torch.float64, name)
 
 
@@ -115,7 +131,9 @@ def test_single_token():
 
 def test_capacity_drops_are_counted_and_excluded():
     bias = torch.tensor([1e4, 0.0, 0.0, 0.0, 0.0, 0.0])  # all first choices on expert 0: it overflows
-    layer, _ = _run_and_compare(_cfg(capacity_factor=1.0, expert_bias=True, score_function="sigmoid"), 30, 6, torch.float32, bias)
+    layer, _ = _run_and_compare(
+        _cfg(capacity_factor=1.0, expert_bias=True, score_function="sigmoid"), 30, 6, torch.float32, bias
+    )
     cap = expert_capacity(30, 2, 6, 1.0)
     assert int(layer.last_tokens_per_expert[0]) == 30  # routed count, before the drop
     assert int(layer.last_num_dropped) == 30 - cap
