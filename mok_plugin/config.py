@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["MoKConfig", "MoKConfigError", "load_config", "debug_checks_from_env"]
+__all__ = ["MoKConfig", "MoKConfigError", "load_config", "debug_checks_from_env", "triton_interpreter_from_env"]
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 Backend = Literal["auto", "triton", "reference"]
@@ -184,3 +184,8 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
 def debug_checks_from_env() -> bool:
     """`MOK_PLUGIN_DEBUG=1` turns on the debug checks for every layer (they sync the host)."""
     return os.environ.get("MOK_PLUGIN_DEBUG", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpreter_from_env() -> bool:
+    """`TRITON_INTERPRET=1` (Triton's own switch) lets the triton backend run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -9,13 +9,12 @@ Does not own: any math of its own; it calls routing, schedule and a backend's ex
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import nn
 
-from mok_plugin.config import MoKConfig, debug_checks_from_env
+from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward
 from mok_plugin.routing import MoKRouting, route, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
@@ -40,16 +39,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_ready else "reference"
     if not triton_ready:
         raise ValueError("backend='triton' needs the Triton kernels (mok_plugin.ops) and triton installed")
-    if device.type != "cuda" and not _triton_interpreter_on():
+    if device.type != "cuda" and not triton_interpreter_from_env():
         raise ValueError(
             f"backend='triton' needs a CUDA device (got {device.type}); use backend='reference' or 'auto' on the CPU, "
             "or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
         )
     return "triton"
-
-
-def _triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _triton_backend_available() -> bool:
@@ -141,7 +136,26 @@ class MoKMoE(nn.Module):
         )
         self.register_buffer("last_num_dropped", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.init_std = init_std
+        self.debug = config.debug_checks or debug_checks_from_env()
         self.reset_parameters(seed)
+        self._select_backend()
+
+    def _select_backend(self) -> None:
+        # Chosen when the parameters' device is known (here and after .to()/.cuda()), never in
+        # forward, so torch.compile traces no import machinery.
+        device = self.experts.gate_up_proj.device
+        self.backend = resolve_backend(self.config.backend, device) if device.type != "meta" else "reference"
+        if self.backend == "triton":
+            from mok_plugin import ops
+
+            self._experts_fn = ops.moe_experts
+        else:
+            self._experts_fn = moe_experts_reference
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._select_backend()
+        return module
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
@@ -184,14 +198,13 @@ class MoKMoE(nn.Module):
         x_TH = x.reshape(-1, cfg.hidden_size)
         T = x_TH.shape[0]
 
-        debug = cfg.debug_checks or debug_checks_from_env()
+        debug = self.debug
         routing = self.route(x_TH, debug=debug)
         capacity = (
             None if cfg.capacity_factor is None else expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         )
         schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
-        experts_fn = self._experts_fn(x_TH.device)
-        out = experts_fn(x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule)
+        out = self._experts_fn(x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
 
@@ -232,13 +245,6 @@ class MoKMoE(nn.Module):
             z_loss_coeff=cfg.z_loss_coeff,
         )
 
-    def _experts_fn(self, device: torch.device):
-        if resolve_backend(self.config.backend, device) == "triton":
-            from mok_plugin import ops
-
-            return ops.moe_experts
-        return moe_experts_reference
-
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step from `tokens_per_expert` (default: the last forward's counts).
@@ -255,5 +261,5 @@ class MoKMoE(nn.Module):
         c = self.config
         return (
             f"H={c.hidden_size}, I={c.ffn_hidden_size}, E={c.num_experts}, K={c.top_k}, "
-            f"shared={c.num_shared_experts}, score={c.score_function}, backend={c.backend}, dtype={c.params_dtype}"
+            f"shared={c.num_shared_experts}, score={c.score_function}, backend={self.backend}, dtype={c.params_dtype}"
         )

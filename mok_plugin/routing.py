@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MoKRouting", "route", "stable_topk", "update_expert_bias"]
+__all__ = ["MoKRouting", "count_per_expert", "route", "stable_topk", "update_expert_bias"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,17 @@ def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
         int64 [N, k] in descending value order.
     """
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def count_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many (token, k) pairs chose each expert.
+
+    Integer adds commute, so the result is exact in any order; unlike `torch.bincount`, the output
+    size does not depend on the data, which `torch.compile(fullgraph=True)` needs.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=topk_ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _group_limited_mask(selection_scores: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
@@ -121,7 +132,7 @@ def route(
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
 
-    tokens_per_expert = torch.bincount(topk_ids.reshape(-1), minlength=E)
+    tokens_per_expert = count_per_expert(topk_ids, E)
 
     aux_loss = logits.new_zeros(())
     if aux_loss_coeff > 0.0 and T > 0:

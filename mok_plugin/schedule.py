@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_plugin.routing import count_per_expert
+
 __all__ = ["MoKSchedule", "build_schedule", "expert_capacity", "max_padded_rows", "DEFAULT_TILE_M"]
 
 #: Rows per GEMM tile that segments are padded to; the kernels' BLOCK_M divides it.
@@ -99,7 +101,7 @@ def build_schedule(
 
     # Stable sort by expert: within an expert the tk indices stay ascending.
     sorted_experts, sorted_tk = torch.sort(flat, stable=True)
-    routed_counts = torch.bincount(flat, minlength=E)[:E]
+    routed_counts = count_per_expert(topk_ids, E)
     routed_starts = torch.cumsum(routed_counts, 0) - routed_counts
     rank_in_expert = torch.arange(R, device=device) - routed_starts[sorted_experts]
 

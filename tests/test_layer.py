@@ -60,6 +60,8 @@ def test_input_errors_name_the_problem():
         layer(torch.randn(4, 32, dtype=torch.float64))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         layer([[0.0] * 32])
+    with pytest.raises(ValueError, match="x is on meta but the layer's parameters are on cpu"):
+        layer(torch.empty(4, 32, device="meta"))
     with pytest.raises(ValueError, match="ep_size=2"):
         MoKMoE(MoKConfig(**CFG, ep_size=2))
 

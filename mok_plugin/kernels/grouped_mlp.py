@@ -1,0 +1,624 @@
+"""Grouped SwiGLU expert GEMMs over the schedule's row tiles, forward and backward.
+
+Math, per expert e over its rows r (token t_r, routing weight w_r), with the dimension letters of
+DESIGN.md:
+    gate_up_fwd    h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
+    down_fwd       y[r] = w_r * (A[r] @ W2_e^T)  [H]
+    down_dgrad     dA'[r] = dO[t_r] @ W2_e  [I]; partial <dA', A> per I-block (router gradient);
+                   dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]; A[r] recomputed from h and stored
+    gate_up_dgrad  dx[r] = dh[r] @ W13_e  [H]
+    wgrad          dW2_e = sum_r (w_r dO[t_r])^T A[r];  dW13_e = sum_r dh[r]^T x[t_r]
+
+Tensors: x [T, H], dO [T, H], h [R_pad, 2I], A [R_pad, I], y and dx [R_pad, H] in the params
+dtype; W13 [E, 2I, H], W2 [E, H, I]; w_R fp32 [R_pad] (0 on padding rows); row_to_token int64
+[R_pad] (-1 on padding rows); tile_to_expert int64 [R_pad / TILE_M] (-1 past the last segment);
+expert_offsets int64 [E+1], tokens_per_expert int64 [E].
+
+Grids and ownership: the row-tile GEMMs run a program per (row block of BLOCK_M rows, column
+block); a row block lies inside one expert segment because segments are padded to TILE_M, a
+multiple of BLOCK_M. The weight-gradient kernel runs a program per (expert, output tile) and loops
+over that expert's rows in ascending order, BLOCK_K rows at a time.
+
+Determinism: every output tile has exactly one owner; every reduction is one K-loop in a fixed
+BLOCK_K order with an fp32 accumulator (no split-K, no atomics); the router-gradient partials go to
+fixed slots [row, I-block] and are summed in ascending block order by `combine.py`. Tile shapes come
+from `configs.py` (never autotuned). Rows are gathered through pointer loads, so no permuted copy
+of x or dO is materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok_plugin.kernels.configs import MoKTileConfig, gemm_config, wgrad_config
+
+__all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgrad"]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would default to tf32 on the GPU; tests in fp32 need the full-precision path.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _metadata(name: str):
+    def launch_metadata(grid, kernel, args):
+        shape = {k: args[k] for k in ("K_DIM", "N_OUT") if k in args}
+        return {"name": f"{name} {shape}"}
+
+    return launch_metadata
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in fp32; the one formula both the forward and the backward use."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _row_tile_matmul(
+    a_ptr,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride)
+    a_rows,  # int64 [BLOCK_M] which rows of a_ptr this tile reads
+    a_row_ok,  # bool [BLOCK_M]
+    stride_a,
+    b_ptr,  # expert weight, element (k, n) at k * stride_b_k + n * stride_b_n
+    stride_b_k,
+    stride_b_n,
+    cols,  # int64 [BLOCK_N]
+    col_ok,  # bool [BLOCK_N]
+    K_DIM,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] = a[a_rows, :] @ b[:, cols], reducing over K in ascending BLOCK_K steps."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_DIM, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K_DIM
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(
+            b_ptr + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows, tokens, row_ok) of this program's row block; expert < 0 means no work."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = tl.load(row_to_token_ptr + rows)
+    return expert.to(tl.int64), rows, tokens, tokens >= 0
+
+
+@triton.jit(launch_metadata=_metadata("mok_gate_up_fwd"))
+def _gate_up_fwd_kernel(
+    x_ptr,  # (T, H) params dtype
+    w13_ptr,  # (E, 2I, H)
+    h_ptr,  # (R_pad, 2I) out
+    a_ptr,  # (R_pad, I) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    K_DIM,  # H
+    N_OUT,  # I
+    stride_x_t,
+    stride_w_e,
+    stride_w_n,
+    stride_h_r,
+    stride_a_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)). Program (m, n) owns h[rows, n-block] of the gate
+    and of the up half, and A[rows, n-block]; reduces over H in ascending BLOCK_K order."""
+    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    w_gate = w13_ptr + expert * stride_w_e + cols[None, :] * stride_w_n
+    w_up = w_gate + N_OUT * stride_w_n
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_DIM, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K_DIM
+        xa = tl.load(
+            x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
+    out_ty = h_ptr.dtype.element_ty
+    gate = acc_gate.to(out_ty)
+    up = acc_up.to(out_ty)
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(h_tile, gate, mask=mask)
+    tl.store(h_tile + N_OUT, up, mask=mask)
+    # A from the rounded h, exactly as the backward recomputes it.
+    a = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
+    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
+
+
+@triton.jit(launch_metadata=_metadata("mok_down_fwd"))
+def _down_fwd_kernel(
+    a_ptr,  # (R_pad, I)
+    w2_ptr,  # (E, H, I)
+    w_rows_ptr,  # (R_pad,) fp32 routing weight per row
+    y_ptr,  # (R_pad, H) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    K_DIM,  # I
+    N_OUT,  # H
+    stride_a_r,
+    stride_w_e,
+    stride_w_h,
+    stride_y_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M, cdiv(H, BLOCK_N)). Program (m, n) owns y[rows, n-block]; reduces over
+    I in ascending BLOCK_K order, then scales each row by its routing weight in fp32."""
+    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    acc = _row_tile_matmul(
+        a_ptr,
+        rows,
+        row_ok,
+        stride_a_r,
+        w2_ptr + expert * stride_w_e,
+        1,
+        stride_w_h,
+        cols,
+        col_ok,
+        K_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
+    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    y = acc * w[:, None]
+    tl.store(
+        y_ptr + rows[:, None] * stride_y_r + cols[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit(launch_metadata=_metadata("mok_down_dgrad"))
+def _down_dgrad_kernel(
+    d_out_ptr,  # (T, H)
+    w2_ptr,  # (E, H, I)
+    h_ptr,  # (R_pad, 2I) saved pre-activation
+    w_rows_ptr,  # (R_pad,) fp32
+    d_h_ptr,  # (R_pad, 2I) out
+    a_ptr,  # (R_pad, I) out: A recomputed, for the down weight gradient
+    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    K_DIM,  # H
+    N_OUT,  # I
+    stride_d_out_t,
+    stride_w_e,
+    stride_w_h,
+    stride_h_r,
+    stride_a_r,
+    stride_part_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)). Program (m, n) owns dA'[rows, n-block] (reduced
+    over H in ascending BLOCK_K order) and, in its epilogue, dh[rows, gate and up n-blocks],
+    A[rows, n-block] and the router-gradient partial slot [rows, n]."""
+    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert < 0:
+        return
+    pid_n = tl.program_id(1)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    d_a_prime = _row_tile_matmul(
+        d_out_ptr,
+        tokens,
+        row_ok,
+        stride_d_out_t,
+        w2_ptr + expert * stride_w_e,
+        stride_w_h,
+        1,
+        cols,
+        col_ok,
+        K_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
+    out_ty = d_h_ptr.dtype.element_ty
+    a = _silu_mul(gate, up).to(out_ty)
+    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a, mask=mask)
+    partial = tl.sum(d_a_prime * a.to(tl.float32), axis=1)
+    tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
+    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    d_a = d_a_prime * w[:, None]
+    sig = tl.sigmoid(gate)
+    d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = d_a * (gate * sig)
+    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(d_h_tile, d_gate.to(out_ty), mask=mask)
+    tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=mask)
+
+
+@triton.jit(launch_metadata=_metadata("mok_gate_up_dgrad"))
+def _gate_up_dgrad_kernel(
+    d_h_ptr,  # (R_pad, 2I)
+    w13_ptr,  # (E, 2I, H)
+    d_x_rows_ptr,  # (R_pad, H) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    K_DIM,  # 2I
+    N_OUT,  # H
+    stride_d_h_r,
+    stride_w_e,
+    stride_w_j,
+    stride_d_x_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M, cdiv(H, BLOCK_N)). Program (m, n) owns dx[rows, n-block]; reduces
+    over 2I in ascending BLOCK_K order."""
+    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    acc = _row_tile_matmul(
+        d_h_ptr,
+        rows,
+        row_ok,
+        stride_d_h_r,
+        w13_ptr + expert * stride_w_e,
+        stride_w_j,
+        1,
+        cols,
+        col_ok,
+        K_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
+    tl.store(
+        d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
+        acc.to(d_x_rows_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit(launch_metadata=_metadata("mok_expert_wgrad"))
+def _expert_wgrad_kernel(
+    left_ptr,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT)
+    right_ptr,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT)
+    w_rows_ptr,  # (R_pad,) fp32, scales the left rows when SCALE_LEFT
+    d_w_ptr,  # (E, M_OUT, N_OUT) out
+    row_to_token_ptr,  # (R_pad,) int64
+    expert_offsets_ptr,  # (E+1,) int64
+    tokens_per_expert_ptr,  # (E,) int64
+    M_OUT,
+    N_OUT,
+    stride_left,
+    stride_right,
+    stride_d_w_e,
+    stride_d_w_m,
+    LEFT_BY_TOKEN: tl.constexpr,
+    RIGHT_BY_TOKEN: tl.constexpr,
+    SCALE_LEFT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (E, cdiv(M_OUT, BLOCK_M), cdiv(N_OUT, BLOCK_N)). Program (e, m, n) owns dW_e[m-block,
+    n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in ascending row order,
+    BLOCK_K rows per step; an expert with no rows writes zeros."""
+    expert = tl.program_id(0).to(tl.int64)
+    ms = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = tl.program_id(2).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = ms < M_OUT
+    n_ok = ns < N_OUT
+    start = tl.load(expert_offsets_ptr + expert)
+    end = start + tl.load(tokens_per_expert_ptr + expert)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < end
+        tokens = tl.load(row_to_token_ptr + rows, mask=r_ok, other=0)
+        left_rows = tokens if LEFT_BY_TOKEN else rows
+        right_rows = tokens if RIGHT_BY_TOKEN else rows
+        # left^T tile [BLOCK_M, BLOCK_K]: element (m, r) = left[row r, m]
+        left_t = tl.load(
+            left_ptr + left_rows[None, :] * stride_left + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0
+        )
+        if SCALE_LEFT:
+            w = tl.load(w_rows_ptr + rows, mask=r_ok, other=0.0)
+            left_t = (left_t.to(tl.float32) * w[None, :]).to(left_ptr.dtype.element_ty)
+        right = tl.load(
+            right_ptr + right_rows[:, None] * stride_right + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0
+        )
+        acc = tl.dot(left_t, right, acc, input_precision=DOT_PRECISION)
+    tl.store(
+        d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :],
+        acc.to(d_w_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: check, allocate, launch. No autograd, no host synchronisation.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig) -> int:
+    _check("row_to_token", row_to_token, 1, torch.int64)
+    _check("tile_to_expert", tile_to_expert, 1, torch.int64)
+    num_rows = row_to_token.shape[0]
+    if tile_m % cfg.block_m != 0 or num_rows % tile_m != 0 or tile_to_expert.shape[0] != num_rows // tile_m:
+        raise ValueError(
+            f"schedule tile_m={tile_m} must be a multiple of BLOCK_M={cfg.block_m} and divide num_rows={num_rows}, "
+            f"with one tile_to_expert entry per tile (got {tile_to_expert.shape[0]})"
+        )
+    return num_rows
+
+
+def gate_up_fwd(
+    x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [R_pad, 2I] and A [R_pad, I] (params dtype) for the gathered rows; padding rows untouched."""
+    _check("x", x, 2)
+    _check("gate_up_proj", gate_up_proj, 3, x.dtype)
+    E, I2, H = gate_up_proj.shape
+    I = I2 // 2
+    if x.shape[1] != H:
+        raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
+    cfg = gemm_config(I, H)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
+    a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
+    grid = (num_rows // cfg.block_m, triton.cdiv(I, cfg.block_n))
+    _gate_up_fwd_kernel[grid](
+        x,
+        gate_up_proj,
+        h,
+        a,
+        row_to_token,
+        tile_to_expert,
+        H,
+        I,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        h.stride(0),
+        a.stride(0),
+        TILE_M=tile_m,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return h, a
+
+
+def down_fwd(
+    a: torch.Tensor,
+    down_proj: torch.Tensor,
+    w_rows: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+) -> torch.Tensor:
+    """y [R_pad, H] = w_r * (A[r] @ W2_e^T) in the params dtype."""
+    _check("a", a, 2)
+    _check("down_proj", down_proj, 3, a.dtype)
+    _check("w_rows", w_rows, 1, torch.float32)
+    E, H, I = down_proj.shape
+    cfg = gemm_config(H, I)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
+    grid = (num_rows // cfg.block_m, triton.cdiv(H, cfg.block_n))
+    _down_fwd_kernel[grid](
+        a,
+        down_proj,
+        w_rows,
+        y,
+        row_to_token,
+        tile_to_expert,
+        I,
+        H,
+        a.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        y.stride(0),
+        TILE_M=tile_m,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def down_dgrad(
+    d_out: torch.Tensor,
+    down_proj: torch.Tensor,
+    h: torch.Tensor,
+    w_rows: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh [R_pad, 2I], A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)])."""
+    _check("d_out", d_out, 2)
+    _check("down_proj", down_proj, 3, d_out.dtype)
+    _check("h", h, 2, d_out.dtype)
+    E, H, I = down_proj.shape
+    cfg = gemm_config(I, H)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    n_blocks = triton.cdiv(I, cfg.block_n)
+    d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
+    a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
+    partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
+    grid = (num_rows // cfg.block_m, n_blocks)
+    _down_dgrad_kernel[grid](
+        d_out,
+        down_proj,
+        h,
+        w_rows,
+        d_h,
+        a,
+        partial,
+        row_to_token,
+        tile_to_expert,
+        H,
+        I,
+        d_out.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        h.stride(0),
+        a.stride(0),
+        partial.stride(0),
+        TILE_M=tile_m,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(d_out.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return d_h, a, partial
+
+
+def gate_up_dgrad(
+    d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int
+) -> torch.Tensor:
+    """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype."""
+    _check("d_h", d_h, 2)
+    _check("gate_up_proj", gate_up_proj, 3, d_h.dtype)
+    E, I2, H = gate_up_proj.shape
+    cfg = gemm_config(H, I2)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
+    grid = (num_rows // cfg.block_m, triton.cdiv(H, cfg.block_n))
+    _gate_up_dgrad_kernel[grid](
+        d_h,
+        gate_up_proj,
+        d_x_rows,
+        row_to_token,
+        tile_to_expert,
+        I2,
+        H,
+        d_h.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        d_x_rows.stride(0),
+        TILE_M=tile_m,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(d_h.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return d_x_rows
+
+
+def expert_wgrad(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    w_rows: torch.Tensor | None,
+    row_to_token: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    left_by_token: bool,
+    right_by_token: bool,
+) -> torch.Tensor:
+    """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
+
+    A "by token" operand is indexed through row_to_token (x or dO); otherwise by row (A or dh).
+    With w_rows, the left rows are scaled by the routing weight first (the down-projection case).
+    """
+    _check("left", left, 2)
+    _check("right", right, 2, left.dtype)
+    _check("expert_offsets", expert_offsets, 1, torch.int64)
+    _check("tokens_per_expert", tokens_per_expert, 1, torch.int64)
+    E = tokens_per_expert.shape[0]
+    M, N = left.shape[1], right.shape[1]
+    cfg = wgrad_config(M, N)
+    d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
+    grid = (E, triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    _expert_wgrad_kernel[grid](
+        left,
+        right,
+        w_rows if w_rows is not None else left,
+        d_w,
+        row_to_token,
+        expert_offsets,
+        tokens_per_expert,
+        M,
+        N,
+        left.stride(0),
+        right.stride(0),
+        d_w.stride(0),
+        d_w.stride(1),
+        LEFT_BY_TOKEN=left_by_token,
+        RIGHT_BY_TOKEN=right_by_token,
+        SCALE_LEFT=w_rows is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(left.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return d_w

@@ -1,0 +1,154 @@
+"""The Triton backend's entry point: custom ops `mok_plugin::moe_experts_fwd` / `_bwd`, their fakes
+and the autograd wiring.
+
+Owns: `moe_experts` (same signature as `reference.moe_experts_reference`), the two ops, and which
+tensors are saved for backward: x, the routing weights, both weights, the schedule and the
+pre-activation h [R_pad, 2I]. The down-projection output is not saved; A = SwiGLU(h) is recomputed
+in the backward's dgrad epilogue.
+
+The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.compile` with
+`fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the
+host, so a CUDA graph can capture them.
+
+Does not own: kernel math (kernels/), routing or the schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
+from mok_plugin.kernels.grouped_mlp import down_dgrad, down_fwd, expert_wgrad, gate_up_dgrad, gate_up_fwd
+from mok_plugin.schedule import MoKSchedule
+
+__all__ = ["moe_experts"]
+
+
+def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
+    """fp32 [R_pad]: the routing weight of each row, 0 on padding rows."""
+    return torch.where(row_to_tk >= 0, topk_weights.reshape(-1)[row_to_tk.clamp(min=0)], 0.0).float().contiguous()
+
+
+@torch.library.custom_op("mok_plugin::moe_experts_fwd", mutates_args=())
+def moe_experts_fwd(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed experts forward. Returns (out [T, H], h [R_pad, 2I] saved for backward).
+
+    expert_offsets and tokens_per_expert are unused here; they are inputs so that autograd saves
+    them for the weight gradients."""
+    T, K = topk_weights.shape
+    w_rows = _row_weights(topk_weights, row_to_tk)
+    h, a = gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
+    y = down_fwd(a, down_proj, w_rows, row_to_token, tile_to_expert, tile_m)
+    return combine_rows(y, tk_to_row, T, K), h
+
+
+@moe_experts_fwd.register_fake
+def _(x, topk_weights, gate_up_proj, down_proj, row_to_token, *schedule_and_tile):
+    out = x.new_empty(x.shape)
+    h = x.new_empty(row_to_token.shape[0], gate_up_proj.shape[1])
+    return out, h
+
+
+@torch.library.custom_op("mok_plugin::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    h: torch.Tensor,
+    row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed experts backward. Returns (d_x [T, H], d_topk_weights fp32 [T, K], d_gate_up, d_down)."""
+    T, K = topk_weights.shape
+    d_out = d_out.contiguous()
+    w_rows = _row_weights(topk_weights, row_to_tk)
+    d_h, a, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
+    d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
+    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T, K)
+    d_down = expert_wgrad(
+        d_out, a, w_rows, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True, right_by_token=False
+    )
+    d_gate_up = expert_wgrad(
+        d_h, x, None, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False, right_by_token=True
+    )
+    return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
+
+
+@moe_experts_bwd.register_fake
+def _(d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule_and_tile):
+    return (
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        gate_up_proj.new_empty(gate_up_proj.shape),
+        down_proj.new_empty(down_proj.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, tile_m = inputs
+    ctx.tile_m = tile_m
+    ctx.save_for_backward(*tensors, output[1])
+
+
+def _backward(ctx, d_out, _d_h):
+    x, topk_weights, gate_up_proj, down_proj, *schedule, h = ctx.saved_tensors
+    d_x, d_w, d_gate_up, d_down = moe_experts_bwd(
+        d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m
+    )
+    return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mok_plugin::moe_experts_fwd", _backward, setup_context=_setup_context)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    schedule: MoKSchedule,
+) -> torch.Tensor:
+    """The routed experts' output for every token (Triton backend); same contract as
+    `reference.moe_experts_reference`.
+
+    Args:
+        x: [T, H] in the params dtype.
+        topk_weights: fp32 [T, K].
+        gate_up_proj: [E, 2I, H]; down_proj: [E, H, I].
+        schedule: from `build_schedule` with a tile_m that the kernels' BLOCK_M divides.
+    Returns:
+        [T, H] in x's dtype.
+    """
+    out, _ = moe_experts_fwd(
+        x.contiguous(),
+        topk_weights.float().contiguous(),
+        gate_up_proj.contiguous(),
+        down_proj.contiguous(),
+        schedule.row_to_token,
+        schedule.row_to_tk,
+        schedule.tk_to_row,
+        schedule.tile_to_expert,
+        schedule.expert_offsets,
+        schedule.tokens_per_expert,
+        schedule.tile_m,
+    )
+    return out
