@@ -12,8 +12,11 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
-from mok_plugin import ops  # noqa: E402
+from mok_plugin import (  # noqa: E402
+    MoKConfig,
+    MoKMoE,
+    ops,  # noqa: E402
+)
 from mok_plugin.reference import moe_experts_reference  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
@@ -160,4 +163,7 @@ def test_compile_fullgraph():
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"  # CPU: check graph capture, not codegen
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
     out, aux = compiled(x)
-    assert torch.equal(out, eager_out)
+    again, _ = compiled(x)
+    assert torch.equal(out, again)  # compiled runs repeat bitwise
+    # Inductor may fuse the router's softmax differently from eager, so only closeness is promised.
+    assert_close(out, eager_out, torch.float32, "compiled vs eager")

@@ -27,6 +27,7 @@ class MoKTileConfig:
     block_k: int  # reduction step; fixes the order of the K-loop
     num_warps: int
     num_stages: int
+    group_m: int = 8  # row blocks that share a column sweep, for L2 reuse of rows and weights
 
 
 def interpreter_on() -> bool:

@@ -89,9 +89,20 @@ def _row_tile_matmul(
 
 
 @triton.jit
-def _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, rows, tokens, row_ok) of this program's row block; expert < 0 means no work."""
-    pid_m = tl.program_id(0)
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1-D program id, GROUP_M row blocks sweeping the columns together, so
+    consecutive programs share their rows and their weight panel in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows, tokens, row_ok) of row block pid_m; expert < 0 means no work."""
     expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = tl.load(row_to_token_ptr + rows)
@@ -106,6 +117,7 @@ def _gate_up_fwd_kernel(
     a_ptr,  # (R_pad, I) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    NUM_ROWS,  # R_pad
     K_DIM,  # H
     N_OUT,  # I
     stride_x_t,
@@ -117,14 +129,16 @@ def _gate_up_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)). Program (m, n) owns h[rows, n-block] of the gate
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped. Program (m, n) owns h[rows, n-block] of the gate
     and of the up half, and A[rows, n-block]; reduces over H in ascending BLOCK_K order."""
-    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert < 0:
         return
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
     w_gate = w13_ptr + expert * stride_w_e + cols[None, :] * stride_w_n
     w_up = w_gate + N_OUT * stride_w_n
@@ -161,6 +175,7 @@ def _down_fwd_kernel(
     y_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    NUM_ROWS,
     K_DIM,  # I
     N_OUT,  # H
     stride_a_r,
@@ -171,14 +186,16 @@ def _down_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M, cdiv(H, BLOCK_N)). Program (m, n) owns y[rows, n-block]; reduces over
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped. Program (m, n) owns y[rows, n-block]; reduces over
     I in ascending BLOCK_K order, then scales each row by its routing weight in fp32."""
-    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert < 0:
         return
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
     acc = _row_tile_matmul(
         a_ptr,
@@ -216,6 +233,7 @@ def _down_dgrad_kernel(
     d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    NUM_ROWS,
     K_DIM,  # H
     N_OUT,  # I
     stride_d_out_t,
@@ -228,15 +246,16 @@ def _down_dgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)). Program (m, n) owns dA'[rows, n-block] (reduced
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped. Program (m, n) owns dA'[rows, n-block] (reduced
     over H in ascending BLOCK_K order) and, in its epilogue, dh[rows, gate and up n-blocks],
     A[rows, n-block] and the router-gradient partial slot [rows, n]."""
-    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert < 0:
         return
-    pid_n = tl.program_id(1)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
     d_a_prime = _row_tile_matmul(
@@ -281,6 +300,7 @@ def _gate_up_dgrad_kernel(
     d_x_rows_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    NUM_ROWS,
     K_DIM,  # 2I
     N_OUT,  # H
     stride_d_h_r,
@@ -291,14 +311,16 @@ def _gate_up_dgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M, cdiv(H, BLOCK_N)). Program (m, n) owns dx[rows, n-block]; reduces
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped. Program (m, n) owns dx[rows, n-block]; reduces
     over 2I in ascending BLOCK_K order."""
-    expert, rows, tokens, row_ok = _tile_rows(row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert < 0:
         return
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
     acc = _row_tile_matmul(
         d_h_ptr,
@@ -344,14 +366,20 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (E, cdiv(M_OUT, BLOCK_M), cdiv(N_OUT, BLOCK_N)). Program (e, m, n) owns dW_e[m-block,
-    n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in ascending row order,
-    BLOCK_K rows per step; an expert with no rows writes zeros."""
-    expert = tl.program_id(0).to(tl.int64)
-    ms = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = tl.program_id(2).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major, grouped within an
+    expert (so the programs running together read the same expert's rows). Program (e, m, n) owns
+    dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
+    ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros."""
+    num_pid_m = tl.cdiv(M_OUT, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    pid = tl.program_id(0)
+    expert = (pid // (num_pid_m * num_pid_n)).to(tl.int64)
+    pid_m, pid_n = _grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
+    ms = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = ms < M_OUT
     n_ok = ns < N_OUT
     start = tl.load(expert_offsets_ptr + expert)
@@ -408,7 +436,12 @@ def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, ti
 
 
 def gate_up_fwd(
-    x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+    config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R_pad, 2I] and A [R_pad, I] (params dtype) for the gathered rows; padding rows untouched."""
     _check("x", x, 2)
@@ -417,11 +450,11 @@ def gate_up_fwd(
     I = I2 // 2
     if x.shape[1] != H:
         raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
-    cfg = gemm_config(I, H)
+    cfg = config or gemm_config(I, H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
-    grid = (num_rows // cfg.block_m, triton.cdiv(I, cfg.block_n))
+    grid = (num_rows // cfg.block_m * triton.cdiv(I, cfg.block_n),)
     _gate_up_fwd_kernel[grid](
         x,
         gate_up_proj,
@@ -429,6 +462,7 @@ def gate_up_fwd(
         a,
         row_to_token,
         tile_to_expert,
+        num_rows,
         H,
         I,
         x.stride(0),
@@ -440,6 +474,7 @@ def gate_up_fwd(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -454,16 +489,17 @@ def down_fwd(
     row_to_token: torch.Tensor,
     tile_to_expert: torch.Tensor,
     tile_m: int,
+    config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] = w_r * (A[r] @ W2_e^T) in the params dtype."""
     _check("a", a, 2)
     _check("down_proj", down_proj, 3, a.dtype)
     _check("w_rows", w_rows, 1, torch.float32)
     E, H, I = down_proj.shape
-    cfg = gemm_config(H, I)
+    cfg = config or gemm_config(H, I)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
-    grid = (num_rows // cfg.block_m, triton.cdiv(H, cfg.block_n))
+    grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
     _down_fwd_kernel[grid](
         a,
         down_proj,
@@ -471,6 +507,7 @@ def down_fwd(
         y,
         row_to_token,
         tile_to_expert,
+        num_rows,
         I,
         H,
         a.stride(0),
@@ -481,6 +518,7 @@ def down_fwd(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(a.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -496,19 +534,20 @@ def down_dgrad(
     row_to_token: torch.Tensor,
     tile_to_expert: torch.Tensor,
     tile_m: int,
+    config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh [R_pad, 2I], A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)])."""
     _check("d_out", d_out, 2)
     _check("down_proj", down_proj, 3, d_out.dtype)
     _check("h", h, 2, d_out.dtype)
     E, H, I = down_proj.shape
-    cfg = gemm_config(I, H)
+    cfg = config or gemm_config(I, H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     n_blocks = triton.cdiv(I, cfg.block_n)
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
-    grid = (num_rows // cfg.block_m, n_blocks)
+    grid = (num_rows // cfg.block_m * n_blocks,)
     _down_dgrad_kernel[grid](
         d_out,
         down_proj,
@@ -519,6 +558,7 @@ def down_dgrad(
         partial,
         row_to_token,
         tile_to_expert,
+        num_rows,
         H,
         I,
         d_out.stride(0),
@@ -531,6 +571,7 @@ def down_dgrad(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(d_out.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -539,22 +580,28 @@ def down_dgrad(
 
 
 def gate_up_dgrad(
-    d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int
+    d_h: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+    config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype."""
     _check("d_h", d_h, 2)
     _check("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, I2, H = gate_up_proj.shape
-    cfg = gemm_config(H, I2)
+    cfg = config or gemm_config(H, I2)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
-    grid = (num_rows // cfg.block_m, triton.cdiv(H, cfg.block_n))
+    grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
     _gate_up_dgrad_kernel[grid](
         d_h,
         gate_up_proj,
         d_x_rows,
         row_to_token,
         tile_to_expert,
+        num_rows,
         I2,
         H,
         d_h.stride(0),
@@ -565,6 +612,7 @@ def gate_up_dgrad(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(d_h.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -582,6 +630,7 @@ def expert_wgrad(
     *,
     left_by_token: bool,
     right_by_token: bool,
+    config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
 
@@ -594,9 +643,9 @@ def expert_wgrad(
     _check("tokens_per_expert", tokens_per_expert, 1, torch.int64)
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
-    cfg = wgrad_config(M, N)
+    cfg = config or wgrad_config(M, N)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
-    grid = (E, triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _expert_wgrad_kernel[grid](
         left,
         right,
@@ -617,6 +666,7 @@ def expert_wgrad(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(left.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

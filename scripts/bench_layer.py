@@ -1,0 +1,333 @@
+"""Time one MoE layer (forward, backward, forward + backward) on the GPU against its peers.
+
+Providers, all on the same inputs in one process:
+  mok            the triton backend (multi-kernel), schedule build included in the time
+  torch          the plain PyTorch path: index gather, grouped_mm gate/up, SwiGLU, grouped_mm down,
+                 weighted fixed-order sum over k
+  megatron       Megatron-Core's stock MoELayer, when megatron-core is importable (router included)
+  liger          Liger-Kernel's fused MoE, when liger-kernel is importable
+
+Every provider is checked against the reference backend and for bitwise repeatability before it
+is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling is measured in
+the same run. Router logits and the top-k choice are the same for every provider and are not
+timed (the megatron peer includes its own router).
+
+    python scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe --routing uniform --out out/
+    python scripts/bench_layer.py --shape 4096,2880,1024,32,4 --routing skewed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_plugin import ops  # noqa: E402
+from mok_plugin.reference import moe_experts_reference  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, TOLERANCES, MoEShape  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def moe_flops(shape: MoEShape, pass_name: str) -> float:
+    """DESIGN.md's convention: forward 6·T·K·H·I, backward 12·T·K·H·I (routed SwiGLU experts only)."""
+    per = {"forward": 6, "backward": 12, "fwd+bwd": 18}[pass_name]
+    return per * shape.T * shape.K * shape.H * shape.I
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(shape: MoEShape, routing: str, seed: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    T, H, I, E, K = shape.as_tuple()
+    if routing == "uniform":
+        probs = torch.ones(T, E, device=device)
+    else:  # Zipf-like: expert e drawn with probability ~ 1/(e+1)
+        probs = (1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32)).expand(T, E)
+    topk_ids = torch.multinomial(probs, K, replacement=False, generator=g)
+    topk_weights = torch.softmax(torch.randn(T, K, device=device, generator=g), dim=-1)
+    return {
+        "x": torch.randn(T, H, device=device, generator=g).to(DTYPE),
+        "topk_ids": topk_ids,
+        "topk_weights": topk_weights,
+        "gate_up_proj": (torch.randn(E, 2 * I, H, device=device, generator=g) / H**0.5).to(DTYPE),
+        "down_proj": (torch.randn(E, H, I, device=device, generator=g) / I**0.5).to(DTYPE),
+        "d_out": torch.randn(T, H, device=device, generator=g).to(DTYPE),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Providers: each returns fn(x, topk_weights, gate_up_proj, down_proj) -> out, given the routing
+# ------------------------------------------------------------------------------------------------
+
+
+def provider_mok(inputs: dict, shape: MoEShape) -> Callable:
+    ids = inputs["topk_ids"]
+
+    def run(x, w, w13, w2):
+        return ops.moe_experts(x, w, w13, w2, build_schedule(ids, shape.E, tile_m=DEFAULT_TILE_M))
+
+    return run
+
+
+def _grouped_mm():
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise RuntimeError("this torch has no grouped_mm")
+    return fn
+
+
+def provider_torch(inputs: dict, shape: MoEShape) -> Callable:
+    grouped_mm = _grouped_mm()
+    T, H, I, E, K = shape.as_tuple()
+    ids = inputs["topk_ids"]
+
+    def run(x, w, w13, w2):
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = grouped_mm(x[order // K], w13.transpose(-2, -1), offs=offs)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = grouped_mm(a, w2.transpose(-2, -1), offs=offs) * w.reshape(-1)[order, None].to(x.dtype)
+        y_tk = torch.zeros_like(y).index_copy(0, order, y)
+        return y_tk.view(T, K, H).sum(dim=1)
+
+    return run
+
+
+def provider_reference(inputs: dict, shape: MoEShape) -> Callable:
+    ids = inputs["topk_ids"]
+
+    def run(x, w, w13, w2):
+        return moe_experts_reference(x, w, w13, w2, build_schedule(ids, shape.E))
+
+    return run
+
+
+def provider_megatron(inputs: dict, shape: MoEShape) -> Callable:
+    raise RuntimeError("the Megatron-Core peer is not wired yet (the Megatron adapter issue adds it)")
+
+
+def provider_liger(inputs: dict, shape: MoEShape) -> Callable:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError("liger-kernel is not importable") from error
+    raise RuntimeError("liger-kernel is importable but its fused-MoE entry point is not wired yet")
+
+
+PROVIDERS = {"mok": provider_mok, "torch": provider_torch, "megatron": provider_megatron, "liger": provider_liger}
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------------
+
+
+def fwd_bwd(fn: Callable, inputs: dict) -> list[torch.Tensor]:
+    leaves = [inputs[k].detach().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, inputs["d_out"])
+    return [out.detach(), *grads]
+
+
+def time_ms(fn: Callable, iters: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def dense_gemm_tflops(iters: int = 20) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    ms = statistics.median(time_ms(lambda: a @ b, iters))
+    return 2 * 8192**3 / ms / 1e9
+
+
+def summarize(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=10)
+    return {"ms": statistics.median(times), "p20": q[1], "p80": q[7]}
+
+
+NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
+
+
+def check(results: list[torch.Tensor], expected: list[torch.Tensor], shape: MoEShape) -> str | None:
+    """None when every tensor is within the bf16 tolerance of the reference, else what failed."""
+    tol = TOLERANCES[DTYPE]
+    rows = max(1, shape.T * shape.K // shape.E)
+    growth = {"output": 1, "d_x": 2 * shape.I, "d_topk_weights": shape.H, "d_gate_up_proj": rows, "d_down_proj": rows}
+    for name, a, b in zip(NAMES, results, expected, strict=True):
+        a, b = a.float(), b.float()
+        scale = b.abs().max().clamp_min(1e-30)
+        bound = tol.atol * scale * max(1.0, (growth[name] / 64) ** 0.5) + tol.rtol * b.abs()
+        if not torch.isfinite(a).all() or ((a - b).abs() > bound).any():
+            return f"{name}: max abs err {(a - b).abs().max().item():.3e} (scale {scale.item():.3e})"
+    return None
+
+
+def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int) -> dict:
+    row: dict = {"provider": name}
+    first = fwd_bwd(fn, inputs)
+    row["error"] = check(first, expected, shape)
+    second = fwd_bwd(fn, inputs)
+    row["bitwise"] = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    del first, second
+    if row["error"]:
+        return row
+    leaves = [inputs[k].detach().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves)
+
+    out_holder: list = []
+
+    def backward():
+        torch.autograd.grad(out_holder[0], leaves, inputs["d_out"], retain_graph=True)
+
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn, inputs)
+    row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row["forward"] = summarize(time_ms(forward, iters))
+    out_holder.append(fn(*leaves))
+    row["backward"] = summarize(time_ms(backward, iters))
+    out_holder.clear()
+    row["fwd+bwd"] = summarize(time_ms(lambda: fwd_bwd(fn, inputs), iters))
+    return row
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        default=["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"],
+        help=f"named shapes: {', '.join(NAMED_SHAPES)}",
+    )
+    parser.add_argument("--shape", action="append", default=[], help="extra shape T,H,I,E,K")
+    parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="*", default=["uniform"])
+    parser.add_argument("--providers", nargs="*", default=list(PROVIDERS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_layer.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    shapes = [(n, NAMED_SHAPES[n]) for n in args.shapes]
+    for text in args.shape:
+        T, H, I, E, K = (int(v) for v in text.split(","))
+        shapes.append((text, MoEShape(T, H, I, E, K)))
+    gemm = dense_gemm_tflops()
+    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
+    rows = []
+    for shape_name, shape in shapes:
+        for routing in args.routing:
+            inputs = make_inputs(shape, routing, args.seed)
+            expected = fwd_bwd(provider_reference(inputs, shape), inputs)
+            for provider in args.providers:
+                t0 = time.time()
+                try:
+                    fn = PROVIDERS[provider](inputs, shape)
+                except RuntimeError as why:
+                    print(f"  {shape_name} {routing} {provider}: skipped ({why})", flush=True)
+                    continue
+                row = bench_provider(provider, fn, inputs, shape, expected, args.iters)
+                row.update(shape=shape_name, dims=list(shape.as_tuple()), routing=routing)
+                rows.append(row)
+                print(
+                    f"  {shape_name} {routing} {provider}: done in {time.time() - t0:.1f} s"
+                    + (f" WRONG: {row['error']}" if row["error"] else ""),
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
+            del inputs, expected
+            torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dense_gemm_tflops": gemm,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    (args.out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    print()
+    print(
+        f"{'shape':<16} {'routing':<8} {'provider':<9} {'pass':<8} {'ms':>8} {'p20-p80':>15} {'TFLOP/s':>8} "
+        f"{'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
+    )
+    for row in rows:
+        if row["error"]:
+            print(f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<9} WRONG: {row['error']}")
+            continue
+        shape = MoEShape(*row["dims"])
+        torch_row = next(
+            (
+                r
+                for r in rows
+                if r["provider"] == "torch"
+                and r["shape"] == row["shape"]
+                and r["routing"] == row["routing"]
+                and not r["error"]
+            ),
+            None,
+        )
+        for pass_name in ("forward", "backward", "fwd+bwd"):
+            ms = row[pass_name]["ms"]
+            tflops = moe_flops(shape, pass_name) / ms / 1e9
+            ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row else "-"
+            print(
+                f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<9} {pass_name:<8} {ms:8.2f} "
+                f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
+                f"{row['peak_mib']:9.0f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
+            )
+    print(f"dense bf16 GEMM {gemm:.0f} TFLOP/s; details in {args.out / 'bench_layer.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Time each Triton kernel of the layer alone, under candidate tile configs, on the GPU.
+
+Prints per kernel and config: ms (median of --iters), TFLOP/s; and the share of each kernel in
+its pass at the default config. Used to choose the pinned table in mok_plugin/kernels/configs.py;
+the choices and numbers go to BENCHMARKS.md.
+
+    python scripts/tune_kernels.py --shapes qwen3-30b-a3b mixtral-8x7b --out out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
+from mok_plugin.kernels.combine import combine_rows  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, gemm_config, wgrad_config  # noqa: E402
+from mok_plugin.ops import _row_weights  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import make_inputs, time_ms  # noqa: E402
+
+CANDIDATES = [
+    MoKTileConfig(128, 128, 64, 8, 3),
+    MoKTileConfig(128, 128, 64, 8, 4),
+    MoKTileConfig(128, 256, 64, 8, 3),
+    MoKTileConfig(128, 128, 128, 8, 3),
+    MoKTileConfig(128, 64, 64, 4, 4),
+    MoKTileConfig(64, 128, 64, 4, 4),
+]
+
+
+def _tune_shape(name: str, iters: int) -> list[dict]:
+    results: list[dict] = []
+    shape = NAMED_SHAPES[name]
+    T, H, I, E, K = shape.as_tuple()
+    inp = make_inputs(shape, "uniform", 0)
+    s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
+    x, w13, w2, d_out = inp["x"], inp["gate_up_proj"], inp["down_proj"], inp["d_out"]
+    w_rows = _row_weights(inp["topk_weights"], s.row_to_tk)
+    h, a = gm.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
+    y = gm.down_fwd(a, w2, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+    d_h, a2, _ = gm.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+    rt = (s.row_to_token, s.tile_to_expert, s.tile_m)
+    seg = (s.row_to_token, s.expert_offsets, s.tokens_per_expert)
+    kernels = {
+        # name: (flops, fn(config), default config)
+        "gate_up_fwd": (2 * T * K * H * 2 * I, lambda c: gm.gate_up_fwd(x, w13, *rt, config=c), gemm_config(I, H)),
+        "down_fwd": (2 * T * K * H * I, lambda c: gm.down_fwd(a, w2, w_rows, *rt, config=c), gemm_config(H, I)),
+        "down_dgrad": (
+            2 * T * K * H * I,
+            lambda c: gm.down_dgrad(d_out, w2, h, w_rows, *rt, config=c),
+            gemm_config(I, H),
+        ),
+        "gate_up_dgrad": (
+            4 * T * K * H * I,
+            lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c),
+            gemm_config(H, 2 * I),
+        ),
+        "wgrad_down": (
+            2 * T * K * H * I,
+            lambda c: gm.expert_wgrad(d_out, a2, w_rows, *seg, left_by_token=True, right_by_token=False, config=c),
+            wgrad_config(H, I),
+        ),
+        "wgrad_gate_up": (
+            4 * T * K * H * I,
+            lambda c: gm.expert_wgrad(d_h, x, None, *seg, left_by_token=False, right_by_token=True, config=c),
+            wgrad_config(2 * I, H),
+        ),
+    }
+    fixed = {
+        "schedule": lambda: build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M),
+        "combine": lambda: combine_rows(y, s.tk_to_row, T, K),
+    }
+    for kname, fn in fixed.items():
+        ms = statistics.median(time_ms(fn, iters))
+        results.append({"shape": name, "kernel": kname, "config": "-", "ms": ms, "tflops": 0.0, "default": True})
+        print(f"{name:<14} {kname:<14} {'-':<28} {ms:8.3f} ms", flush=True)
+    for kname, (flops, fn, default) in kernels.items():
+        for cfg in [default] + [c for c in CANDIDATES if c != default]:
+            if kname == "gate_up_fwd" and cfg.block_n > 128:
+                continue  # two accumulators of 128x256 fp32 do not fit the registers
+            try:
+                ms = statistics.median(time_ms(functools.partial(fn, cfg), iters))
+            except Exception as error:  # a config the compiler rejects (shared memory, registers)
+                print(f"{name:<14} {kname:<14} {cfg} failed: {type(error).__name__}", flush=True)
+                continue
+            row = {
+                "shape": name,
+                "kernel": kname,
+                "config": str(cfg),
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "default": cfg == default,
+            }
+            results.append(row)
+            tag = "(default)" if cfg == default else ""
+            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            print(f"{name:<14} {kname:<14} {c:<28} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {tag}", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.shapes:
+        results += _tune_shape(name, args.iters)
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tune_kernels.json").write_text(json.dumps(results, indent=2))
+    print("\nbest per kernel:")
+    for name in args.shapes:
+        for kname in ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up"):
+            rows = [r for r in results if r["shape"] == name and r["kernel"] == kname]
+            if rows:
+                best = min(rows, key=lambda r: r["ms"])
+                default = next(r for r in rows if r["default"])
+                print(
+                    f"{name:<14} {kname:<14} default {default['ms']:7.3f} ms ({default['tflops']:4.0f}) "
+                    f"best {best['ms']:7.3f} ms ({best['tflops']:4.0f}) {best['config']}"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

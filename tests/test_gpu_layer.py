@@ -1,0 +1,139 @@
+"""GPU only: the triton backend in bf16 against the reference backend at real shapes (H = 2880,
+T = 1, skewed routing, many experts), bitwise repeatability across runs and across processes,
+torch.compile(fullgraph=True) with inductor, and CUDA-graph capture of forward + backward."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+
+SHAPES = [
+    pytest.param((4096, 2048, 768, 128, 8), id="qwen3_like"),  # fine-grained, many experts
+    pytest.param((2048, 2880, 1024, 32, 4), id="H2880"),  # H not a multiple of 128 (GPT-OSS)
+    pytest.param((1, 2048, 768, 128, 8), id="T1"),  # one token: 120 experts empty
+    pytest.param((1000, 1024, 4096, 8, 2), id="coarse_T_not_tile_multiple"),
+]
+
+
+def _layer(shape, backend, skew=False, seed=0):
+    T, H, I, E, K = shape
+    cfg = MoKConfig(
+        hidden_size=H,
+        ffn_hidden_size=I,
+        num_experts=E,
+        top_k=K,
+        params_dtype="bfloat16",
+        backend=backend,
+        aux_loss_coeff=1e-3,
+    )
+    layer = MoKMoE(cfg, device="cuda", seed=seed, init_std=0.02)
+    if skew:  # push most tokens towards the first experts through the router weight
+        with torch.no_grad():
+            layer.router.weight[: E // 8] += 0.05
+    return layer
+
+
+def _fwd_bwd(layer, x, probe):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, aux = layer(x)
+    ((out.float() * probe).sum() + aux).backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_matches_reference_and_repeats(shape, skew):
+    T, H, I, E, K = shape
+    x = make_layer_inputs(T, H, dtype=torch.bfloat16, device="cuda", seed=1)
+    probe = make_layer_inputs(T, H, device="cuda", seed=2)
+    got = _fwd_bwd(_layer(shape, "triton", skew), x, probe)
+    want = _fwd_bwd(_layer(shape, "reference", skew), x, probe)
+    names = ["output", "d_x", "d_router", "d_gate_up_proj", "d_down_proj"]
+    reduce = [1, 2 * I, T, max(1, T * K // E), max(1, T * K // E)]
+    for name, a, b, n in zip(names, got, want, reduce, strict=True):
+        assert_close(a, b, torch.bfloat16, name, n_reduce=n)
+    again = _fwd_bwd(_layer(shape, "triton", skew), x, probe)
+    for name, a, b in zip(names, got, again, strict=True):
+        assert torch.equal(a, b), f"{name} not bitwise equal across runs"
+
+
+def _results_in_process():
+    shape = (4096, 2048, 768, 128, 8)
+    x = make_layer_inputs(shape[0], shape[1], dtype=torch.bfloat16, device="cuda", seed=1)
+    probe = make_layer_inputs(shape[0], shape[1], device="cuda", seed=2)
+    return [t.cpu() for t in _fwd_bwd(_layer(shape, "triton"), x, probe)]
+
+
+def test_bitwise_equal_across_processes(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_gpu_layer import _results_in_process
+        torch.save(_results_in_process(), sys.argv[1])
+        """
+    )
+    path = tmp_path / "child.pt"
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=600)
+    child = torch.load(path)
+    for i, (a, b) in enumerate(zip(child, _results_in_process(), strict=True)):
+        assert torch.equal(a, b), f"tensor {i} differs between processes"
+
+
+def test_compile_fullgraph_inductor():
+    shape = (512, 1024, 512, 16, 4)
+    layer = _layer(shape, "triton")
+    x = make_layer_inputs(512, 1024, dtype=torch.bfloat16, device="cuda", seed=3)
+    probe = make_layer_inputs(512, 1024, device="cuda", seed=4)
+    eager = _fwd_bwd(layer, x, probe)
+    compiled = torch.compile(layer, fullgraph=True)
+    results = [_fwd_bwd(compiled, x, probe) for _ in range(2)]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)  # compiled runs repeat bitwise
+    for a, b in zip(results[0], eager, strict=True):
+        assert_close(a, b, torch.bfloat16, "compiled vs eager", n_reduce=512)
+
+
+def test_cuda_graph_capture_forward_backward():
+    shape = (1024, 1024, 512, 16, 4)
+    layer = _layer(shape, "triton")
+    x = make_layer_inputs(1024, 1024, dtype=torch.bfloat16, device="cuda", seed=5).requires_grad_()
+    probe = make_layer_inputs(1024, 1024, device="cuda", seed=6)
+
+    def step():
+        out, aux = layer(x)
+        ((out.float() * probe).sum() + aux).backward()
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (compiles kernels) outside the capture
+            layer.zero_grad(set_to_none=False)
+            x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for p in layer.parameters():
+        p.grad.zero_()
+    x.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [out.clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    eager = _fwd_bwd(layer, x, probe)
+    for i, (a, b) in enumerate(zip(replayed, eager, strict=True)):
+        assert torch.equal(a, b), f"tensor {i}: graph replay differs from eager"
