@@ -81,14 +81,14 @@ def moe_experts_bwd(
     T, K = topk_weights.shape
     d_out = d_out.contiguous()
     w_rows = _row_weights(topk_weights, row_to_tk)
-    d_h, a, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
+    d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T, K)
     d_down = expert_wgrad(
-        d_out, a, w_rows, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True, right_by_token=False
+        d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True, right_by_token=False
     )
     d_gate_up = expert_wgrad(
-        d_h, x, None, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False, right_by_token=True
+        d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False, right_by_token=True
     )
     return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
 

@@ -74,6 +74,7 @@ def build_schedule(
     *,
     tile_m: int = DEFAULT_TILE_M,
     capacity: int | None = None,
+    impl: str = "auto",
 ) -> MoKSchedule:
     """Lay out the routed rows expert by expert, on the device, without synchronising the host.
 
@@ -82,10 +83,14 @@ def build_schedule(
         num_experts: E.
         tile_m: segments start at multiples of this.
         capacity: rows one expert may take; None = dropless.
+        impl: "torch" (sort and prefix sums in PyTorch ops), "triton" (two kernels, from
+            kernels/schedule.py), or "auto": triton on a CUDA device, torch elsewhere. Both give
+            bitwise the same schedule.
     Returns:
         MoKSchedule.
     Raises:
-        ValueError: topk_ids is not a 2-D integer tensor, or tile_m / capacity is not positive.
+        ValueError: topk_ids is not a 2-D integer tensor, tile_m / capacity is not positive, or
+            impl is unknown.
     """
     if topk_ids.dim() != 2 or topk_ids.is_floating_point() or topk_ids.is_complex():
         raise ValueError(f"topk_ids must be an integer [T, K] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
@@ -93,9 +98,33 @@ def build_schedule(
         raise ValueError(f"tile_m={tile_m} must be positive")
     if capacity is not None and capacity <= 0:
         raise ValueError(f"capacity={capacity} must be positive")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl={impl!r}; allowed: 'auto', 'torch', 'triton'")
     T, K = topk_ids.shape
     E = num_experts
     R = T * K
+    num_rows = max_padded_rows(R, E, tile_m, capacity)
+    if impl == "triton" or (impl == "auto" and topk_ids.is_cuda):
+        # Imported here so that `import mok_plugin` does not import triton.
+        from mok_plugin.kernels.schedule import schedule_maps
+
+        tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, _ = schedule_maps(
+            topk_ids, E, tile_m, capacity, num_rows
+        )
+        return MoKSchedule(
+            tokens_per_expert=tokens_per_expert,
+            expert_offsets=expert_offsets,
+            row_to_tk=row_to_tk,
+            row_to_token=row_to_token,
+            tk_to_row=tk_to_row,
+            tile_to_expert=tile_to_expert,
+            num_dropped=R - tokens_per_expert.sum(),
+            num_tokens=T,
+            top_k=K,
+            num_experts=E,
+            tile_m=tile_m,
+            num_rows=num_rows,
+        )
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
 
@@ -117,7 +146,6 @@ def build_schedule(
     expert_offsets = torch.zeros(E + 1, dtype=torch.int64, device=device)
     expert_offsets[1:] = torch.cumsum(padded_counts, 0)
 
-    num_rows = max_padded_rows(R, E, tile_m, capacity)
     # Dropped rows are sent to a scratch slot past the end so every write has a unique target.
     rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
     row_to_tk = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)

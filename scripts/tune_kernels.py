@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
 from mok_plugin.kernels.combine import combine_rows  # noqa: E402
-from mok_plugin.kernels.configs import MoKTileConfig, gemm_config, wgrad_config  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
 from mok_plugin.ops import _row_weights  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import NAMED_SHAPES  # noqa: E402
@@ -37,6 +37,7 @@ CANDIDATES = [
     MoKTileConfig(128, 128, 128, 8, 3),
     MoKTileConfig(128, 64, 64, 4, 4),
     MoKTileConfig(64, 128, 64, 4, 4),
+    MoKTileConfig(128, 256, 64, 8, 4),
 ]
 
 
@@ -55,27 +56,35 @@ def _tune_shape(name: str, iters: int) -> list[dict]:
     seg = (s.row_to_token, s.expert_offsets, s.tokens_per_expert)
     kernels = {
         # name: (flops, fn(config), default config)
-        "gate_up_fwd": (2 * T * K * H * 2 * I, lambda c: gm.gate_up_fwd(x, w13, *rt, config=c), gemm_config(I, H)),
-        "down_fwd": (2 * T * K * H * I, lambda c: gm.down_fwd(a, w2, w_rows, *rt, config=c), gemm_config(H, I)),
+        "gate_up_fwd": (
+            2 * T * K * H * 2 * I,
+            lambda c: gm.gate_up_fwd(x, w13, *rt, config=c),
+            kernel_config("gate_up_fwd", I),
+        ),
+        "down_fwd": (
+            2 * T * K * H * I,
+            lambda c: gm.down_fwd(a, w2, w_rows, *rt, config=c),
+            kernel_config("down_fwd", H),
+        ),
         "down_dgrad": (
             2 * T * K * H * I,
             lambda c: gm.down_dgrad(d_out, w2, h, w_rows, *rt, config=c),
-            gemm_config(I, H),
+            kernel_config("down_dgrad", I),
         ),
         "gate_up_dgrad": (
             4 * T * K * H * I,
             lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c),
-            gemm_config(H, 2 * I),
+            kernel_config("gate_up_dgrad", H),
         ),
         "wgrad_down": (
             2 * T * K * H * I,
-            lambda c: gm.expert_wgrad(d_out, a2, w_rows, *seg, left_by_token=True, right_by_token=False, config=c),
-            wgrad_config(H, I),
+            lambda c: gm.expert_wgrad(d_out, a2, *seg, left_by_token=True, right_by_token=False, config=c),
+            kernel_config("wgrad", I),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
-            lambda c: gm.expert_wgrad(d_h, x, None, *seg, left_by_token=False, right_by_token=True, config=c),
-            wgrad_config(2 * I, H),
+            lambda c: gm.expert_wgrad(d_h, x, *seg, left_by_token=False, right_by_token=True, config=c),
+            kernel_config("wgrad", H),
         ),
     }
     fixed = {

@@ -83,3 +83,34 @@ def test_bad_arguments():
         build_schedule(torch.zeros(3, 2), 4)
     with pytest.raises(ValueError, match="tile_m=0"):
         build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, tile_m=0)
+
+
+@pytest.mark.parametrize(
+    "T, K, E, tile, capacity, kind",
+    [
+        pytest.param(37, 2, 8, 16, None, "random", id="T_not_tile_multiple"),
+        pytest.param(1, 1, 4, 8, None, "random", id="T1"),
+        pytest.param(10, 3, 130, 8, None, "random", id="E_not_power_of_two_most_empty"),
+        pytest.param(30, 2, 4, 8, 12, "random", id="capacity"),
+        pytest.param(50, 1, 6, 16, None, "one_expert", id="one_expert"),
+        pytest.param(700, 2, 5, 32, None, "random", id="pairs_span_several_scan_blocks"),  # R > the 1024 scan block
+    ],
+)
+def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
+    pytest.importorskip("triton", reason="the triton schedule needs triton")
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if kind == "one_expert":
+        ids[:] = 3
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
+    ids = ids.to(device)
+    a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
+    b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
+    for field in a.__slots__:
+        x, y = getattr(a, field), getattr(b, field)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
+
+
+def test_unknown_impl():
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, impl="cuda")

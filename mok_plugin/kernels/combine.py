@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.configs import combine_config
+from mok_plugin.kernels.configs import kernel_config
 
 __all__ = ["combine_rows", "reduce_router_grad"]
 
@@ -101,7 +101,7 @@ def combine_rows(rows: torch.Tensor, tk_to_row: torch.Tensor, num_tokens: int, t
     out = torch.empty(num_tokens, H, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
         return out
-    cfg = combine_config(H)
+    cfg = kernel_config("combine", H)
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(H, cfg.block_n))
     _combine_rows_kernel[grid](
         rows,

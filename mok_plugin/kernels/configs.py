@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["MoKTileConfig", "gemm_config", "wgrad_config", "combine_config", "interpreter_on"]
+__all__ = ["MoKTileConfig", "kernel_config", "interpreter_on"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,28 +35,34 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def gemm_config(n_out: int, k_dim: int) -> MoKTileConfig:
-    """Row-tile GEMMs over the schedule (gate/up, down, and their dgrads).
+# Pinned per kernel (bf16/fp16 on Hopper). Chosen from scripts/tune_kernels.py on the H200 over
+# qwen3-30b-a3b and mixtral-8x7b (BENCHMARKS.md, "kernel tuning"): the best of six candidates for
+# each kernel, one entry for both shapes where they agreed.
+_TABLE: dict[str, MoKTileConfig] = {
+    "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 3),  # two accumulators: 128x256 of fp32 per program
+    "down_fwd": MoKTileConfig(128, 256, 64, 8, 3),
+    "down_dgrad": MoKTileConfig(128, 128, 64, 8, 4),  # heavy epilogue (dSwiGLU, router partials)
+    "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 3),
+    "wgrad": MoKTileConfig(128, 128, 64, 8, 4),
+    "combine": MoKTileConfig(8, 256, 1, 4, 1),
+}
+_INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
+_INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
-    Args:
-        n_out: output columns (I for gate/up, H for down and dX).
-        k_dim: reduction length (H or I or 2I).
+
+def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
+    """The pinned config of `kernel` for an output n_out columns wide.
+
+    The only shape rule: BLOCK_N shrinks (to a power of two, at least 64) when the output is
+    narrower than the table's tile, so small layers do not compute mostly-masked tiles.
+
+    Raises:
+        KeyError: an unknown kernel name.
     """
     if interpreter_on():
-        return MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
-    block_n = 128 if n_out >= 128 else 64
-    return MoKTileConfig(block_m=128, block_n=block_n, block_k=64, num_warps=8, num_stages=3)
-
-
-def wgrad_config(m_out: int, n_out: int) -> MoKTileConfig:
-    """Per-expert weight-gradient GEMMs, reducing over the expert's rows in BLOCK_K steps."""
-    if interpreter_on():
-        return MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
-    return MoKTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-
-
-def combine_config(hidden: int) -> MoKTileConfig:
-    """The fixed-order sum over k: BLOCK_M tokens by BLOCK_N columns per program."""
-    if interpreter_on():
-        return MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
-    return MoKTileConfig(block_m=8, block_n=256, block_k=1, num_warps=4, num_stages=1)
+        return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
+    cfg = _TABLE[kernel]
+    if kernel != "combine" and n_out < cfg.block_n:
+        narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
+        cfg = MoKTileConfig(cfg.block_m, min(cfg.block_n, narrow), cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return cfg

@@ -5,9 +5,9 @@ DESIGN.md:
     gate_up_fwd    h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
     down_fwd       y[r] = w_r * (A[r] @ W2_e^T)  [H]
     down_dgrad     dA'[r] = dO[t_r] @ W2_e  [I]; partial <dA', A> per I-block (router gradient);
-                   dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]; A[r] recomputed from h and stored
+                   dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]; w_r * A[r] (A recomputed from h) stored
     gate_up_dgrad  dx[r] = dh[r] @ W13_e  [H]
-    wgrad          dW2_e = sum_r (w_r dO[t_r])^T A[r];  dW13_e = sum_r dh[r]^T x[t_r]
+    wgrad          dW2_e = sum_r dO[t_r]^T (w_r A[r]);  dW13_e = sum_r dh[r]^T x[t_r]
 
 Tensors: x [T, H], dO [T, H], h [R_pad, 2I], A [R_pad, I], y and dx [R_pad, H] in the params
 dtype; W13 [E, 2I, H], W2 [E, H, I]; w_R fp32 [R_pad] (0 on padding rows); row_to_token int64
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.configs import MoKTileConfig, gemm_config, wgrad_config
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config
 
 __all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgrad"]
 
@@ -229,7 +229,7 @@ def _down_dgrad_kernel(
     h_ptr,  # (R_pad, 2I) saved pre-activation
     w_rows_ptr,  # (R_pad,) fp32
     d_h_ptr,  # (R_pad, 2I) out
-    a_ptr,  # (R_pad, I) out: A recomputed, for the down weight gradient
+    a_weighted_ptr,  # (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
     d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
@@ -279,11 +279,12 @@ def _down_dgrad_kernel(
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
     out_ty = d_h_ptr.dtype.element_ty
-    a = _silu_mul(gate, up).to(out_ty)
-    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a, mask=mask)
-    partial = tl.sum(d_a_prime * a.to(tl.float32), axis=1)
+    a = _silu_mul(gate, up).to(out_ty).to(tl.float32)  # A exactly as the forward stored it
+    partial = tl.sum(d_a_prime * a, axis=1)
     tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
     w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
+    tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], (a * w[:, None]).to(out_ty), mask=mask)
     d_a = d_a_prime * w[:, None]
     sig = tl.sigmoid(gate)
     d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
@@ -349,7 +350,6 @@ def _gate_up_dgrad_kernel(
 def _expert_wgrad_kernel(
     left_ptr,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT)
     right_ptr,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT)
-    w_rows_ptr,  # (R_pad,) fp32, scales the left rows when SCALE_LEFT
     d_w_ptr,  # (E, M_OUT, N_OUT) out
     row_to_token_ptr,  # (R_pad,) int64
     expert_offsets_ptr,  # (E+1,) int64
@@ -362,7 +362,6 @@ def _expert_wgrad_kernel(
     stride_d_w_m,
     LEFT_BY_TOKEN: tl.constexpr,
     RIGHT_BY_TOKEN: tl.constexpr,
-    SCALE_LEFT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -391,17 +390,15 @@ def _expert_wgrad_kernel(
         tokens = tl.load(row_to_token_ptr + rows, mask=r_ok, other=0)
         left_rows = tokens if LEFT_BY_TOKEN else rows
         right_rows = tokens if RIGHT_BY_TOKEN else rows
-        # left^T tile [BLOCK_M, BLOCK_K]: element (m, r) = left[row r, m]
-        left_t = tl.load(
-            left_ptr + left_rows[None, :] * stride_left + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0
+        # Both tiles load row-major ([rows, cols], cols contiguous); the transpose is left to the
+        # MMA's operand layout (measured faster than loading the left tile transposed).
+        left = tl.load(
+            left_ptr + left_rows[:, None] * stride_left + ms[None, :], mask=r_ok[:, None] & m_ok[None, :], other=0.0
         )
-        if SCALE_LEFT:
-            w = tl.load(w_rows_ptr + rows, mask=r_ok, other=0.0)
-            left_t = (left_t.to(tl.float32) * w[None, :]).to(left_ptr.dtype.element_ty)
         right = tl.load(
             right_ptr + right_rows[:, None] * stride_right + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0
         )
-        acc = tl.dot(left_t, right, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(left), right, acc, input_precision=DOT_PRECISION)
     tl.store(
         d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :],
         acc.to(d_w_ptr.dtype.element_ty),
@@ -450,7 +447,7 @@ def gate_up_fwd(
     I = I2 // 2
     if x.shape[1] != H:
         raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
-    cfg = config or gemm_config(I, H)
+    cfg = config or kernel_config("gate_up_fwd", I)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
@@ -496,7 +493,7 @@ def down_fwd(
     _check("down_proj", down_proj, 3, a.dtype)
     _check("w_rows", w_rows, 1, torch.float32)
     E, H, I = down_proj.shape
-    cfg = config or gemm_config(H, I)
+    cfg = config or kernel_config("down_fwd", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
     grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
@@ -536,12 +533,12 @@ def down_dgrad(
     tile_m: int,
     config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh [R_pad, 2I], A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)])."""
+    """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)])."""
     _check("d_out", d_out, 2)
     _check("down_proj", down_proj, 3, d_out.dtype)
     _check("h", h, 2, d_out.dtype)
     E, H, I = down_proj.shape
-    cfg = config or gemm_config(I, H)
+    cfg = config or kernel_config("down_dgrad", I)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     n_blocks = triton.cdiv(I, cfg.block_n)
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
@@ -591,7 +588,7 @@ def gate_up_dgrad(
     _check("d_h", d_h, 2)
     _check("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, I2, H = gate_up_proj.shape
-    cfg = config or gemm_config(H, I2)
+    cfg = config or kernel_config("gate_up_dgrad", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
@@ -623,7 +620,6 @@ def gate_up_dgrad(
 def expert_wgrad(
     left: torch.Tensor,
     right: torch.Tensor,
-    w_rows: torch.Tensor | None,
     row_to_token: torch.Tensor,
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
@@ -634,8 +630,7 @@ def expert_wgrad(
 ) -> torch.Tensor:
     """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
 
-    A "by token" operand is indexed through row_to_token (x or dO); otherwise by row (A or dh).
-    With w_rows, the left rows are scaled by the routing weight first (the down-projection case).
+    A "by token" operand is indexed through row_to_token (x or dO); otherwise by row (w*A or dh).
     """
     _check("left", left, 2)
     _check("right", right, 2, left.dtype)
@@ -643,13 +638,12 @@ def expert_wgrad(
     _check("tokens_per_expert", tokens_per_expert, 1, torch.int64)
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
-    cfg = config or wgrad_config(M, N)
+    cfg = config or kernel_config("wgrad", N)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _expert_wgrad_kernel[grid](
         left,
         right,
-        w_rows if w_rows is not None else left,
         d_w,
         row_to_token,
         expert_offsets,
@@ -662,7 +656,6 @@ def expert_wgrad(
         d_w.stride(1),
         LEFT_BY_TOKEN=left_by_token,
         RIGHT_BY_TOKEN=right_by_token,
-        SCALE_LEFT=w_rows is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
