@@ -201,7 +201,6 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     row: dict = {"provider": name}
     first = fwd_bwd(fn, inputs)
     row["error"] = check(first, expected, shape)
-    # Repeat one tensor at a time so that only one extra copy of a gradient is alive.
     second = fwd_bwd(fn, inputs)
     row["bitwise"] = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     del first, second
