@@ -14,10 +14,12 @@ dtype; W13 [E, 2I, H], W2 [E, H, I]; w_R fp32 [R_pad] (0 on padding rows); row_t
 [R_pad] (-1 on padding rows); tile_to_expert int64 [R_pad / TILE_M] (-1 past the last segment);
 expert_offsets int64 [E+1], tokens_per_expert int64 [E].
 
-Grids and ownership: the row-tile GEMMs run a program per (row block of BLOCK_M rows, column
+Grids and ownership: each `_*_tile` device function computes one output tile, and both the
+standalone kernels here and the persistent megakernel (megakernel.py) call them, so the two
+variants run the same arithmetic. A row-tile GEMM tile is (row block of BLOCK_M rows, column
 block); a row block lies inside one expert segment because segments are padded to TILE_M, a
-multiple of BLOCK_M. The weight-gradient kernel runs a program per (expert, output tile) and loops
-over that expert's rows in ascending order, BLOCK_K rows at a time.
+multiple of BLOCK_M. A weight-gradient tile is (expert, output tile) and loops over that expert's
+rows in ascending order, BLOCK_K rows at a time.
 
 Determinism: every output tile has exactly one owner; every reduction is one K-loop in a fixed
 BLOCK_K order with an fp32 accumulator (no split-K, no atomics); the router-gradient partials go to
@@ -57,6 +59,27 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1-D tile index, GROUP_M row blocks sweeping the columns together, so
+    consecutive programs share their rows and their weight panel in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows, tokens, row_ok) of row block pid_m; expert < 0 means no work."""
+    expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = tl.load(row_to_token_ptr + rows)
+    return expert.to(tl.int64), rows, tokens, tokens >= 0
+
+
+@triton.jit
 def _row_tile_matmul(
     a_ptr,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride)
     a_rows,  # int64 [BLOCK_M] which rows of a_ptr this tile reads
@@ -88,36 +111,21 @@ def _row_tile_matmul(
     return acc
 
 
-@triton.jit
-def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of a 1-D program id, GROUP_M row blocks sweeping the columns together, so
-    consecutive programs share their rows and their weight panel in L2."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    return pid_m, pid_n
+# ----------------------------------------------------------------------------------------------
+# Tiles: one output tile each; shared by the kernels below and by megakernel.py
+# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, rows, tokens, row_ok) of row block pid_m; expert < 0 means no work."""
-    expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tokens = tl.load(row_to_token_ptr + rows)
-    return expert.to(tl.int64), rows, tokens, tokens >= 0
-
-
-@triton.jit(launch_metadata=_metadata("mok_gate_up_fwd"))
-def _gate_up_fwd_kernel(
+def _gate_up_tile(
+    pid_m,
+    pid_n,
     x_ptr,  # (T, H) params dtype
     w13_ptr,  # (E, 2I, H)
     h_ptr,  # (R_pad, 2I) out
     a_ptr,  # (R_pad, I) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    NUM_ROWS,  # R_pad
     K_DIM,  # H
     N_OUT,  # I
     stride_x_t,
@@ -129,53 +137,51 @@ def _gate_up_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped. Program (m, n) owns h[rows, n-block] of the gate
-    and of the up half, and A[rows, n-block]; reduces over H in ascending BLOCK_K order."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
+    ascending BLOCK_K order. Nothing for a row block past the last segment."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if expert < 0:
-        return
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N_OUT
-    w_gate = w13_ptr + expert * stride_w_e + cols[None, :] * stride_w_n
-    w_up = w_gate + N_OUT * stride_w_n
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_DIM, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K_DIM
-        xa = tl.load(
-            x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
-    out_ty = h_ptr.dtype.element_ty
-    gate = acc_gate.to(out_ty)
-    up = acc_up.to(out_ty)
-    mask = row_ok[:, None] & col_ok[None, :]
-    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    tl.store(h_tile, gate, mask=mask)
-    tl.store(h_tile + N_OUT, up, mask=mask)
-    # A from the rounded h, exactly as the backward recomputes it.
-    a = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
-    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        w_gate = w13_ptr + expert * stride_w_e + cols[None, :] * stride_w_n
+        w_up = w_gate + N_OUT * stride_w_n
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_DIM, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K_DIM
+            xa = tl.load(
+                x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+            acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
+        out_ty = h_ptr.dtype.element_ty
+        gate = acc_gate.to(out_ty)
+        up = acc_up.to(out_ty)
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        tl.store(h_tile, gate, mask=mask)
+        tl.store(h_tile + N_OUT, up, mask=mask)
+        # A from the rounded h, exactly as the backward recomputes it.
+        a = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
+        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
 
 
-@triton.jit(launch_metadata=_metadata("mok_down_fwd"))
-def _down_fwd_kernel(
+@triton.jit
+def _down_tile(
+    pid_m,
+    pid_n,
     a_ptr,  # (R_pad, I)
     w2_ptr,  # (E, H, I)
     w_rows_ptr,  # (R_pad,) fp32 routing weight per row
     y_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    NUM_ROWS,
     K_DIM,  # I
     N_OUT,  # H
     stride_a_r,
@@ -186,44 +192,31 @@ def _down_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped. Program (m, n) owns y[rows, n-block]; reduces over
-    I in ascending BLOCK_K order, then scales each row by its routing weight in fp32."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
+    routing weight in fp32."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if expert < 0:
-        return
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N_OUT
-    acc = _row_tile_matmul(
-        a_ptr,
-        rows,
-        row_ok,
-        stride_a_r,
-        w2_ptr + expert * stride_w_e,
-        1,
-        stride_w_h,
-        cols,
-        col_ok,
-        K_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        DOT_PRECISION,
-    )
-    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
-    y = acc * w[:, None]
-    tl.store(
-        y_ptr + rows[:, None] * stride_y_r + cols[None, :],
-        y.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        acc = _row_tile_matmul(
+            a_ptr, rows, row_ok, stride_a_r, w2_ptr + expert * stride_w_e, 1, stride_w_h, cols, col_ok, K_DIM,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+        w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+        y = acc * w[:, None]
+        tl.store(
+            y_ptr + rows[:, None] * stride_y_r + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
 
-@triton.jit(launch_metadata=_metadata("mok_down_dgrad"))
-def _down_dgrad_kernel(
+@triton.jit
+def _down_dgrad_tile(
+    pid_m,
+    pid_n,
     d_out_ptr,  # (T, H)
     w2_ptr,  # (E, H, I)
     h_ptr,  # (R_pad, 2I) saved pre-activation
@@ -233,7 +226,6 @@ def _down_dgrad_kernel(
     d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    NUM_ROWS,
     K_DIM,  # H
     N_OUT,  # I
     stride_d_out_t,
@@ -246,62 +238,47 @@ def _down_dgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped. Program (m, n) owns dA'[rows, n-block] (reduced
-    over H in ascending BLOCK_K order) and, in its epilogue, dh[rows, gate and up n-blocks],
-    A[rows, n-block] and the router-gradient partial slot [rows, n]."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and, in the epilogue,
+    dh[rows, gate and up n-blocks], w*A[rows, n-block] and the router-gradient slot [rows, n]."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if expert < 0:
-        return
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N_OUT
-    d_a_prime = _row_tile_matmul(
-        d_out_ptr,
-        tokens,
-        row_ok,
-        stride_d_out_t,
-        w2_ptr + expert * stride_w_e,
-        stride_w_h,
-        1,
-        cols,
-        col_ok,
-        K_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        DOT_PRECISION,
-    )
-    mask = row_ok[:, None] & col_ok[None, :]
-    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
-    out_ty = d_h_ptr.dtype.element_ty
-    a = _silu_mul(gate, up).to(out_ty).to(tl.float32)  # A exactly as the forward stored it
-    partial = tl.sum(d_a_prime * a, axis=1)
-    tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
-    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
-    # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
-    tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], (a * w[:, None]).to(out_ty), mask=mask)
-    d_a = d_a_prime * w[:, None]
-    sig = tl.sigmoid(gate)
-    d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
-    d_up = d_a * (gate * sig)
-    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    tl.store(d_h_tile, d_gate.to(out_ty), mask=mask)
-    tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=mask)
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        d_a_prime = _row_tile_matmul(
+            d_out_ptr, tokens, row_ok, stride_d_out_t, w2_ptr + expert * stride_w_e, stride_w_h, 1, cols, col_ok,
+            K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
+        out_ty = d_h_ptr.dtype.element_ty
+        a = _silu_mul(gate, up).to(out_ty).to(tl.float32)  # A exactly as the forward stored it
+        partial = tl.sum(d_a_prime * a, axis=1)
+        tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
+        w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+        # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
+        tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], (a * w[:, None]).to(out_ty), mask=mask)
+        d_a = d_a_prime * w[:, None]
+        sig = tl.sigmoid(gate)
+        d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
+        d_up = d_a * (gate * sig)
+        d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        tl.store(d_h_tile, d_gate.to(out_ty), mask=mask)
+        tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=mask)
 
 
-@triton.jit(launch_metadata=_metadata("mok_gate_up_dgrad"))
-def _gate_up_dgrad_kernel(
+@triton.jit
+def _gate_up_dgrad_tile(
+    pid_m,
+    pid_n,
     d_h_ptr,  # (R_pad, 2I)
     w13_ptr,  # (E, 2I, H)
     d_x_rows_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    NUM_ROWS,
     K_DIM,  # 2I
     N_OUT,  # H
     stride_d_h_r,
@@ -312,42 +289,29 @@ def _gate_up_dgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped. Program (m, n) owns dx[rows, n-block]; reduces
-    over 2I in ascending BLOCK_K order."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if expert < 0:
-        return
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N_OUT
-    acc = _row_tile_matmul(
-        d_h_ptr,
-        rows,
-        row_ok,
-        stride_d_h_r,
-        w13_ptr + expert * stride_w_e,
-        stride_w_j,
-        1,
-        cols,
-        col_ok,
-        K_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        DOT_PRECISION,
-    )
-    tl.store(
-        d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
-        acc.to(d_x_rows_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        acc = _row_tile_matmul(
+            d_h_ptr, rows, row_ok, stride_d_h_r, w13_ptr + expert * stride_w_e, stride_w_j, 1, cols, col_ok, K_DIM,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+        tl.store(
+            d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
+            acc.to(d_x_rows_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
 
-@triton.jit(launch_metadata=_metadata("mok_expert_wgrad"))
-def _expert_wgrad_kernel(
+@triton.jit
+def _wgrad_tile(
+    expert,
+    pid_m,
+    pid_n,
     left_ptr,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT)
     right_ptr,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT)
     d_w_ptr,  # (E, M_OUT, N_OUT) out
@@ -365,18 +329,11 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major, grouped within an
-    expert (so the programs running together read the same expert's rows). Program (e, m, n) owns
-    dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
+    """dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
     ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros."""
-    num_pid_m = tl.cdiv(M_OUT, BLOCK_M)
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    pid = tl.program_id(0)
-    expert = (pid // (num_pid_m * num_pid_n)).to(tl.int64)
-    pid_m, pid_n = _grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
+    expert = expert.to(tl.int64)
     ms = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = ms < M_OUT
@@ -404,6 +361,93 @@ def _expert_wgrad_kernel(
         acc.to(d_w_ptr.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (the multi-kernel variant): a 1-D grid of tiles in grouped order
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(launch_metadata=_metadata("mok_gate_up_fwd"))
+def _gate_up_fwd_kernel(
+    x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _gate_up_tile(
+        pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit(launch_metadata=_metadata("mok_down_fwd"))
+def _down_fwd_kernel(
+    a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    stride_a_r, stride_w_e, stride_w_h, stride_y_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _down_tile(
+        pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit(launch_metadata=_metadata("mok_down_dgrad"))
+def _down_dgrad_kernel(
+    d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
+    tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns down-dgrad tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _down_dgrad_tile(
+        pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
+        row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
+        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit(launch_metadata=_metadata("mok_gate_up_dgrad"))
+def _gate_up_dgrad_kernel(
+    d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _gate_up_dgrad_tile(
+        pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit(launch_metadata=_metadata("mok_expert_wgrad"))
+def _expert_wgrad_kernel(
+    left_ptr, right_ptr, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT,
+    stride_left, stride_right, stride_d_w_e, stride_d_w_m,
+    LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
+    expert, so the programs running together read the same expert's rows."""
+    num_pid_m = tl.cdiv(M_OUT, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
+    _wgrad_tile(
+        pid // (num_pid_m * num_pid_n), pid_m, pid_n, left_ptr, right_ptr, d_w_ptr, row_to_token_ptr,
+        expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT, stride_left, stride_right, stride_d_w_e,
+        stride_d_w_m, LEFT_BY_TOKEN, RIGHT_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
