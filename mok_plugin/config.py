@@ -23,6 +23,7 @@ __all__ = ["MoKConfig", "MoKConfigError", "load_config", "debug_checks_from_env"
 ScoreFunction = Literal["softmax", "sigmoid"]
 Backend = Literal["auto", "triton", "reference"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
+KernelVariant = Literal["megakernel", "multi_kernel"]
 
 
 class MoKConfigError(ValueError):
@@ -90,6 +91,10 @@ class MoKConfig(BaseModel):
 
     # --- execution -------------------------------------------------------------------------------
     backend: Backend = "auto"
+    kernel_variant: KernelVariant = Field(
+        default="megakernel",
+        description="Triton backend: one persistent launch per pass, or one launch per GEMM (same arithmetic).",
+    )
     deterministic: bool = True
     params_dtype: ParamsDtype = "float32"
     debug_checks: bool = Field(default=False, description="Check router logits for NaN/inf (syncs the host).")

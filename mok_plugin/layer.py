@@ -9,6 +9,7 @@ Does not own: any math of its own; it calls routing, schedule and a backend's ex
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -148,7 +149,7 @@ class MoKMoE(nn.Module):
         if self.backend == "triton":
             from mok_plugin import ops
 
-            self._experts_fn = ops.moe_experts
+            self._experts_fn = functools.partial(ops.moe_experts, variant=self.config.kernel_variant)
         else:
             self._experts_fn = moe_experts_reference
 

@@ -6,6 +6,9 @@ tensors are saved for backward: x, the routing weights, both weights, the schedu
 pre-activation h [R_pad, 2I]. The down-projection output is not saved; A = SwiGLU(h) is recomputed
 in the backward's dgrad epilogue.
 
+Two kernel variants sit behind the ops: the persistent megakernel (one launch per pass) and the
+multi-kernel one (one launch per GEMM); `kernel_variant` picks one.
+
 The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.compile` with
 `fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the
 host, so a CUDA graph can capture them.
@@ -19,6 +22,7 @@ import torch
 
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
 from mok_plugin.kernels.grouped_mlp import down_dgrad, down_fwd, expert_wgrad, gate_up_dgrad, gate_up_fwd
+from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.schedule import MoKSchedule
 
 __all__ = ["moe_experts"]
@@ -42,6 +46,7 @@ def moe_experts_fwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    megakernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed experts forward. Returns (out [T, H], h [R_pad, 2I] saved for backward).
 
@@ -49,6 +54,10 @@ def moe_experts_fwd(
     them for the weight gradients."""
     T, K = topk_weights.shape
     w_rows = _row_weights(topk_weights, row_to_tk)
+    if megakernel:
+        return forward_megakernel(
+            x, gate_up_proj, down_proj, w_rows, row_to_token, tile_to_expert, tk_to_row, tile_m, K
+        )
     h, a = gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
     y = down_fwd(a, down_proj, w_rows, row_to_token, tile_to_expert, tile_m)
     return combine_rows(y, tk_to_row, T, K), h
@@ -76,11 +85,18 @@ def moe_experts_bwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    megakernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed experts backward. Returns (d_x [T, H], d_topk_weights fp32 [T, K], d_gate_up, d_down)."""
     T, K = topk_weights.shape
     d_out = d_out.contiguous()
     w_rows = _row_weights(topk_weights, row_to_tk)
+    if megakernel:
+        d_x, d_topk_weights, d_gate_up, d_down = backward_megakernel(
+            d_out, x, gate_up_proj, down_proj, h, w_rows, row_to_token, tile_to_expert, tk_to_row, expert_offsets,
+            tokens_per_expert, tile_m, K,
+        )  # fmt: skip
+        return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
     d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T, K)
@@ -104,17 +120,18 @@ def _(d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule_and_tile):
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, tile_m = inputs
+    *tensors, tile_m, megakernel = inputs
     ctx.tile_m = tile_m
+    ctx.megakernel = megakernel
     ctx.save_for_backward(*tensors, output[1])
 
 
 def _backward(ctx, d_out, _d_h):
     x, topk_weights, gate_up_proj, down_proj, *schedule, h = ctx.saved_tensors
     d_x, d_w, d_gate_up, d_down = moe_experts_bwd(
-        d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m
+        d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m, ctx.megakernel
     )
-    return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None
+    return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mok_plugin::moe_experts_fwd", _backward, setup_context=_setup_context)
@@ -126,6 +143,7 @@ def moe_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
+    variant: str = "megakernel",
 ) -> torch.Tensor:
     """The routed experts' output for every token (Triton backend); same contract as
     `reference.moe_experts_reference`.
@@ -135,6 +153,8 @@ def moe_experts(
         topk_weights: fp32 [T, K].
         gate_up_proj: [E, 2I, H]; down_proj: [E, H, I].
         schedule: from `build_schedule` with a tile_m that the kernels' BLOCK_M divides.
+        variant: "megakernel" (one persistent launch per pass) or "multi_kernel" (one launch per
+            GEMM); both run the same tile functions.
     Returns:
         [T, H] in x's dtype.
     """
@@ -150,5 +170,12 @@ def moe_experts(
         schedule.expert_offsets,
         schedule.tokens_per_expert,
         schedule.tile_m,
+        _megakernel(variant),
     )
     return out
+
+
+def _megakernel(variant: str) -> bool:
+    if variant not in ("megakernel", "multi_kernel"):
+        raise ValueError(f"kernel_variant={variant!r}; allowed: 'megakernel', 'multi_kernel'")
+    return variant == "megakernel"

@@ -7,6 +7,8 @@ Without CUDA this runs in Triton's CPU interpreter (tests/conftest.py sets TRITO
 fp32 and fp16: the interpreter's bf16 tl.dot is unreliable. With CUDA the same tests run compiled.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def _run(fn, x, w, w13, w2, schedule, probe):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _compare(T, H, I, E, K, kind, dtype, seed=0, capacity=None):
+def _compare(T, H, I, E, K, kind, dtype, seed=0, capacity=None, variant="megakernel"):
     g = torch.Generator().manual_seed(seed)
     ids = _routing(T, E, K, kind, g).to(DEVICE)
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
@@ -54,18 +56,24 @@ def _compare(T, H, I, E, K, kind, dtype, seed=0, capacity=None):
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
     probe = torch.randn(T, H, generator=g).to(DEVICE)
     schedule = build_schedule(ids, E, tile_m=DEFAULT_TILE_M, capacity=capacity)
-    got = _run(ops.moe_experts, x, w, w13, w2, schedule, probe)
+    triton_fn = functools.partial(ops.moe_experts, variant=variant)
+    got = _run(triton_fn, x, w, w13, w2, schedule, probe)
     want = _run(moe_experts_reference, x, w, w13, w2, schedule, probe)
     rows = max(1, T * K // E)
     names = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
     reduce = [1, 2 * I, H, rows, rows]
     for name, a, b, n in zip(names, got, want, reduce, strict=True):
         assert_close(a, b, dtype, name, n_reduce=n)
-    again = _run(ops.moe_experts, x, w, w13, w2, schedule, probe)
+    again = _run(triton_fn, x, w, w13, w2, schedule, probe)
     for name, a, b in zip(names, got, again, strict=True):
         assert torch.equal(a, b), f"{name} differs between two runs"
+    return got
 
 
+VARIANTS = [pytest.param("megakernel", id="mega"), pytest.param("multi_kernel", id="multi")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "T, H, I, E, K, kind",
@@ -78,12 +86,26 @@ def _compare(T, H, I, E, K, kind, dtype, seed=0, capacity=None):
         pytest.param(130, 32, 16, 3, 1, "uniform", id="segment_spans_two_tiles"),  # > DEFAULT_TILE_M rows/expert
     ],
 )
-def test_kernels_match_reference(T, H, I, E, K, kind, dtype):
-    _compare(T, H, I, E, K, kind, dtype)
+def test_kernels_match_reference(T, H, I, E, K, kind, dtype, variant):
+    _compare(T, H, I, E, K, kind, dtype, variant=variant)
 
 
-def test_kernels_with_capacity_drops():
-    _compare(48, 32, 16, 4, 2, "one_expert", torch.float32, capacity=20)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernels_with_capacity_drops(variant):
+    _compare(48, 32, 16, 4, 2, "one_expert", torch.float32, capacity=20, variant=variant)
+
+
+def test_megakernel_equals_multi_kernel_bitwise():
+    # Both variants run the same tile functions with the same tile shapes.
+    mega = _compare(90, 48, 40, 5, 2, "skewed", torch.float32, seed=4, variant="megakernel")
+    multi = _compare(90, 48, 40, 5, 2, "skewed", torch.float32, seed=4, variant="multi_kernel")
+    for a, b in zip(mega, multi, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="kernel_variant='fast'"):
+        _compare(4, 32, 16, 4, 2, "uniform", torch.float32, variant="fast")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,6 +154,7 @@ def _op_args(dtype=torch.float32):
         s.expert_offsets,
         s.tokens_per_expert,
         s.tile_m,
+        True,  # megakernel
     )
 
 

@@ -53,8 +53,10 @@ _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps
 def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     """The pinned config of `kernel` for an output n_out columns wide.
 
-    The only shape rule: BLOCK_N shrinks (to a power of two, at least 64) when the output is
-    narrower than the table's tile, so small layers do not compute mostly-masked tiles.
+    The only shape rule: a row-tile GEMM's BLOCK_N shrinks (to a power of two, at least 64) when
+    the output is narrower than the table's tile, so small layers do not compute mostly-masked
+    tiles. The weight-gradient tile never changes, so dW2 and dW13 (and both kernel variants)
+    always share one config.
 
     Raises:
         KeyError: an unknown kernel name.
@@ -62,7 +64,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     if interpreter_on():
         return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
     cfg = _TABLE[kernel]
-    if kernel != "combine" and n_out < cfg.block_n:
+    if kernel not in ("combine", "wgrad") and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         cfg = MoKTileConfig(cfg.block_m, min(cfg.block_n, narrow), cfg.block_k, cfg.num_warps, cfg.num_stages)
     return cfg
