@@ -108,7 +108,7 @@ def build_schedule(
         # Imported here so that `import mok_plugin` does not import triton.
         from mok_plugin.kernels.schedule import schedule_maps
 
-        tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, _ = schedule_maps(
+        tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert = schedule_maps(
             topk_ids, E, tile_m, capacity, num_rows
         )
         return MoKSchedule(

@@ -1,7 +1,8 @@
 """Time one MoE layer (forward, backward, forward + backward) on the GPU against its peers.
 
 Providers, all on the same inputs in one process:
-  mok            the triton backend (multi-kernel), schedule build included in the time
+  mok-mega       the triton backend, persistent megakernel (one launch per pass), schedule included
+  mok-multi      the triton backend, one launch per GEMM, schedule included
   torch          the plain PyTorch path: index gather, grouped_mm gate/up, SwiGLU, grouped_mm down,
                  weighted fixed-order sum over k
   megatron       Megatron-Core's stock MoELayer, when megatron-core is importable (router included)
@@ -76,13 +77,17 @@ def make_inputs(shape: MoEShape, routing: str, seed: int, device: str = "cuda") 
 # ------------------------------------------------------------------------------------------------
 
 
-def provider_mok(inputs: dict, shape: MoEShape) -> Callable:
-    ids = inputs["topk_ids"]
+def _provider_mok(variant: str) -> Callable:
+    def provider(inputs: dict, shape: MoEShape) -> Callable:
+        ids = inputs["topk_ids"]
 
-    def run(x, w, w13, w2):
-        return ops.moe_experts(x, w, w13, w2, build_schedule(ids, shape.E, tile_m=DEFAULT_TILE_M))
+        def run(x, w, w13, w2):
+            schedule = build_schedule(ids, shape.E, tile_m=DEFAULT_TILE_M)
+            return ops.moe_experts(x, w, w13, w2, schedule, variant=variant)
 
-    return run
+        return run
+
+    return provider
 
 
 def _grouped_mm():
@@ -132,7 +137,13 @@ def provider_liger(inputs: dict, shape: MoEShape) -> Callable:
     raise RuntimeError("liger-kernel is importable but its fused-MoE entry point is not wired yet")
 
 
-PROVIDERS = {"mok": provider_mok, "torch": provider_torch, "megatron": provider_megatron, "liger": provider_liger}
+PROVIDERS = {
+    "mok-mega": _provider_mok("megakernel"),
+    "mok-multi": _provider_mok("multi_kernel"),
+    "torch": provider_torch,
+    "megatron": provider_megatron,
+    "liger": provider_liger,
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"{'shape':<16} {'routing':<8} {'provider':<9} {'pass':<8} {'ms':>8} {'p20-p80':>15} {'TFLOP/s':>8} "
+        f"{'shape':<16} {'routing':<8} {'provider':<10} {'pass':<8} {'ms':>8} {'p20-p80':>15} {'TFLOP/s':>8} "
         f"{'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
     )
     for row in rows:
         if row["error"]:
-            print(f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<9} WRONG: {row['error']}")
+            print(f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} WRONG: {row['error']}")
             continue
         shape = MoEShape(*row["dims"])
         torch_row = next(
@@ -329,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             tflops = moe_flops(shape, pass_name) / ms / 1e9
             ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row else "-"
             print(
-                f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<9} {pass_name:<8} {ms:8.2f} "
+                f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} {pass_name:<8} {ms:8.2f} "
                 f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
                 f"{row['peak_mib']:9.0f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
             )

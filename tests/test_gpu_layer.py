@@ -137,3 +137,17 @@ def test_cuda_graph_capture_forward_backward():
     eager = _fwd_bwd(layer, x, probe)
     for i, (a, b) in enumerate(zip(replayed, eager, strict=True)):
         assert torch.equal(a, b), f"tensor {i}: graph replay differs from eager"
+
+
+def test_megakernel_and_multi_kernel_agree():
+    shape = (4096, 2048, 768, 128, 8)
+    x = make_layer_inputs(shape[0], shape[1], dtype=torch.bfloat16, device="cuda", seed=7)
+    probe = make_layer_inputs(shape[0], shape[1], device="cuda", seed=8)
+    results = {}
+    for variant in ("megakernel", "multi_kernel"):
+        layer = _layer(shape, "triton", skew=True)
+        layer.config = layer.config.replace(kernel_variant=variant)
+        layer._select_backend()
+        results[variant] = _fwd_bwd(layer, x, probe)
+    for i, (a, b) in enumerate(zip(results["megakernel"], results["multi_kernel"], strict=True)):
+        assert torch.equal(a, b), f"tensor {i}: the two variants differ"

@@ -94,6 +94,7 @@ def test_bad_arguments():
         pytest.param(30, 2, 4, 8, 12, "random", id="capacity"),
         pytest.param(50, 1, 6, 16, None, "one_expert", id="one_expert"),
         pytest.param(700, 2, 5, 32, None, "random", id="pairs_span_several_scan_blocks"),  # R > the 1024 scan block
+        pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
     ],
 )
 def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):

@@ -8,14 +8,16 @@ Math (R = T*K routed pairs, flat index tk = t*K + k, e = topk_ids[tk]):
     tk_to_row[tk]    = offsets[e] + rank(tk) if rank(tk) < capacity else -1
     row_to_tk[row]   = tk for every kept pair (padding rows keep the -1 they were filled with)
 
-Tensors: topk_ids int [T*K]; counts int32 [E]; tokens_per_expert int64 [E]; expert_offsets int64
-[E+1]; tk_to_row int64 [T*K]; row_to_tk and row_to_token int64 [R_pad]; tile_to_expert int64
-[R_pad / TILE_M].
+Tensors: topk_ids int [T*K]; chunk_counts and chunk_prefix int64 [C, E]; tokens_per_expert
+int64 [E]; expert_offsets int64 [E+1]; tk_to_row int64 [T*K]; row_to_tk and row_to_token int64
+[R_pad]; tile_to_expert int64 [R_pad / TILE_M].
 
-Grids: the histogram runs a program per BLOCK pairs and adds its per-expert counts with integer
-atomics (order-free: integer addition commutes). The scatter runs one program per expert, which
-owns that expert's offsets, segment, tiles and map entries; it scans the pairs in ascending tk, so
-ranks are in (token, k) order by construction. No float arithmetic; nothing here reads the host.
+Grids: three kernels over chunks of CHUNK pairs. The histogram runs a program per chunk and writes
+that chunk's per-expert counts; the offsets kernel runs a program per expert, which turns its
+column of chunk counts into an exclusive prefix over chunks and owns the expert's count, offset
+and tiles; the scatter runs a program per (expert, chunk), which ranks that expert's pairs in the
+chunk in ascending tk, so rows within an expert are in (token, k) order by construction. No
+atomics, no float arithmetic; nothing here reads the host.
 """
 
 from __future__ import annotations
@@ -28,61 +30,93 @@ __all__ = ["schedule_maps"]
 
 
 @triton.jit
-def _expert_histogram_kernel(
+def _chunk_histogram_kernel(
     ids_ptr,  # (R,) int
-    counts_ptr,  # (E,) int32, zero-filled
+    chunk_counts_ptr,  # (C, E) int64 out
     R,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """Grid: (cdiv(R, BLOCK),). Program b adds the expert histogram of pairs [b*BLOCK, (b+1)*BLOCK)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + offs, mask=offs < R, other=E_POW2).to(tl.int32)
+    """Grid: (C,). Program c owns chunk_counts[c, :], the expert histogram of pairs
+    [c*CHUNK, (c+1)*CHUNK)."""
+    c = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_POW2)
-    # [BLOCK, E_POW2] one-hot summed over the block; padding lanes hold E_POW2 and match nothing.
-    hist = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0))
+    hist = tl.zeros((E_POW2,), dtype=tl.int64)
+    for s0 in range(0, CHUNK, SUB):
+        offs = c * CHUNK + s0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < R, other=E_POW2).to(tl.int32)
+        # [SUB, E_POW2] one-hot summed over the pairs; padding lanes hold E_POW2 and match nothing.
+        hist += tl.sum((ids[:, None] == experts[None, :]).to(tl.int64), axis=0)
+    tl.store(chunk_counts_ptr + c * E + experts, hist, mask=experts < E)
 
 
 @triton.jit
-def _schedule_scatter_kernel(
-    ids_ptr,  # (R,) int
-    counts_ptr,  # (E,) int32
+def _expert_offsets_kernel(
+    chunk_counts_ptr,  # (C, E) int64 per-chunk counts (read by every program, so never written here)
+    chunk_prefix_ptr,  # (C, E) int64 out: exclusive prefix over chunks
     tokens_per_expert_ptr,  # (E,) int64 out
     expert_offsets_ptr,  # (E+1,) int64 out
-    tk_to_row_ptr,  # (R,) int64 out
-    row_to_tk_ptr,  # (R_pad,) int64, pre-filled with -1
-    row_to_token_ptr,  # (R_pad,) int64, pre-filled with -1
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64, pre-filled with -1
-    R,
+    C,
     capacity,
-    K: tl.constexpr,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
     TILE_M: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
-    """Grid: (E,). Program e owns expert e's offset, count, tiles and map entries; scans the pairs
-    in ascending tk order."""
+    """Grid: (E,). Program e owns column e of chunk_prefix (the exclusive prefix of column e of
+    chunk_counts over ascending chunks) and expert e's count, offset and tiles."""
     e = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int64)
-    kept = tl.minimum(counts, capacity)
+    totals = tl.zeros((E_POW2,), dtype=tl.int64)
+    mine = tl.zeros((), dtype=tl.int64)
+    for c0 in range(0, C, BLOCK_C):
+        cs = c0 + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        block = tl.load(
+            chunk_counts_ptr + cs[:, None] * E + experts[None, :], mask=c_ok[:, None] & (experts < E)[None, :], other=0
+        )
+        totals += tl.sum(block, axis=0)
+        col = tl.sum(tl.where(experts[None, :] == e, block, 0), axis=1)
+        tl.store(chunk_prefix_ptr + cs * E + e, mine + tl.cumsum(col, axis=0) - col, mask=c_ok)
+        mine += tl.sum(col, axis=0)
+    kept = tl.minimum(totals, capacity)
     padded = (kept + TILE_M - 1) // TILE_M * TILE_M
     offset = tl.sum(tl.where(experts < e, padded, 0))
-    my_kept = tl.sum(tl.where(experts == e, kept, 0))
     my_padded = tl.sum(tl.where(experts == e, padded, 0))
-    tl.store(tokens_per_expert_ptr + e, my_kept)
+    tl.store(tokens_per_expert_ptr + e, tl.sum(tl.where(experts == e, kept, 0)))
     tl.store(expert_offsets_ptr + e, offset)
     if e == E - 1:
         tl.store(expert_offsets_ptr + E, offset + my_padded)
     for tile in range(offset // TILE_M, (offset + my_padded) // TILE_M):
         tl.store(tile_to_expert_ptr + tile, e.to(tl.int64))
 
-    seen = tl.zeros((), dtype=tl.int64)
-    for start in range(0, R, BLOCK):
-        tk = start + tl.arange(0, BLOCK).to(tl.int64)
+
+@triton.jit
+def _schedule_scatter_kernel(
+    ids_ptr,  # (R,) int
+    chunk_prefix_ptr,  # (C, E) int64: pairs of expert e in chunks before c
+    expert_offsets_ptr,  # (E+1,) int64
+    tk_to_row_ptr,  # (R,) int64 out
+    row_to_tk_ptr,  # (R_pad,) int64, pre-filled with -1
+    row_to_token_ptr,  # (R_pad,) int64, pre-filled with -1
+    R,
+    capacity,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (E, C). Program (e, c) owns the map entries of expert e's pairs in chunk c; ranks
+    follow ascending tk, so rows within an expert are in (token, k) order."""
+    e = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    seen = tl.load(chunk_prefix_ptr + c * E + e)
+    offset = tl.load(expert_offsets_ptr + e)
+    for s0 in range(0, CHUNK, BLOCK):
+        tk = c * CHUNK + s0 + tl.arange(0, BLOCK).to(tl.int64)
         in_range = tk < R
         ids = tl.load(ids_ptr + tk, mask=in_range, other=-1)
         match = (ids == e) & in_range
@@ -95,10 +129,13 @@ def _schedule_scatter_kernel(
         seen += tl.sum(match.to(tl.int64), axis=0)
 
 
+_CHUNK = 2048
+
+
 def schedule_maps(
     topk_ids: torch.Tensor, num_experts: int, tile_m: int, capacity: int | None, num_rows: int
 ) -> tuple[torch.Tensor, ...]:
-    """(tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, routed_counts).
+    """(tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert).
 
     Args:
         topk_ids: int [T, K] on a CUDA device (or CPU under TRITON_INTERPRET=1).
@@ -112,7 +149,9 @@ def schedule_maps(
     E = num_experts
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
-    counts = torch.zeros(E, dtype=torch.int32, device=device)
+    C = max(1, triton.cdiv(R, _CHUNK))
+    chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
+    chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
     tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
     expert_offsets = torch.empty(E + 1, dtype=torch.int64, device=device)
     tk_to_row = torch.empty(R, dtype=torch.int64, device=device)
@@ -120,25 +159,15 @@ def schedule_maps(
     row_to_token = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     tile_to_expert = torch.full((num_rows // tile_m,), -1, dtype=torch.int64, device=device)
     e_pow2 = triton.next_power_of_2(E)
-    hist_block = max(16, min(1024, 8192 // e_pow2))  # keeps the [BLOCK, E] one-hot tile small
-    if R > 0:
-        _expert_histogram_kernel[(triton.cdiv(R, hist_block),)](ids, counts, R, E=E, E_POW2=e_pow2, BLOCK=hist_block)
+    sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
     cap = R if capacity is None else capacity
-    _schedule_scatter_kernel[(E,)](
-        ids,
-        counts,
-        tokens_per_expert,
-        expert_offsets,
-        tk_to_row,
-        row_to_tk,
-        row_to_token,
-        tile_to_expert,
-        R,
-        cap,
-        K=K,
-        E=E,
-        E_POW2=e_pow2,
-        TILE_M=tile_m,
+    _chunk_histogram_kernel[(C,)](ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
+    _expert_offsets_kernel[(E,)](
+        chunk_counts, chunk_prefix, tokens_per_expert, expert_offsets, tile_to_expert, C, cap,
+        E=E, E_POW2=e_pow2, TILE_M=tile_m, BLOCK_C=max(1, 4096 // e_pow2),
+    )  # fmt: skip
+    _schedule_scatter_kernel[(E, C)](
+        ids, chunk_prefix, expert_offsets, tk_to_row, row_to_tk, row_to_token, R, cap, K=K, E=E, CHUNK=_CHUNK,
         BLOCK=1024,
-    )
-    return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, counts
+    )  # fmt: skip
+    return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert
