@@ -92,7 +92,8 @@ class MoKConfig(BaseModel):
     # --- execution -------------------------------------------------------------------------------
     backend: Backend = "auto"
     kernel_variant: KernelVariant = Field(
-        default="megakernel",
+        # multi_kernel measured faster on the H200 (BENCHMARKS.md: qwen3-30b-a3b fwd+bwd 11.1 vs 16.3 ms).
+        default="multi_kernel",
         description="Triton backend: one persistent launch per pass, or one launch per GEMM (same arithmetic).",
     )
     deterministic: bool = True

@@ -143,7 +143,7 @@ def moe_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
-    variant: str = "megakernel",
+    variant: str = "multi_kernel",
 ) -> torch.Tensor:
     """The routed experts' output for every token (Triton backend); same contract as
     `reference.moe_experts_reference`.
