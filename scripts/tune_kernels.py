@@ -41,7 +41,25 @@ CANDIDATES = [
 ]
 
 
-def _tune_shape(name: str, iters: int) -> list[dict]:
+def compiled_report(jit_fn) -> list[str]:
+    """Registers, spills and shared memory of every compiled specialisation of a Triton kernel
+    (from Triton's own cache; empty when this Triton keeps it elsewhere)."""
+    lines = []
+    try:
+        compiled_kernels = [k for caches in jit_fn.device_caches.values() for k in caches[0].values()]
+    except (AttributeError, IndexError, TypeError):
+        return ["(this Triton keeps its compiled kernels elsewhere)"]
+    for compiled in compiled_kernels:
+        meta = getattr(compiled, "metadata", None)
+        lines.append(
+            f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')} "
+            f"smem {getattr(meta, 'shared', '?')} warps {getattr(meta, 'num_warps', '?')} "
+            f"stages {getattr(meta, 'num_stages', '?')}"
+        )
+    return lines
+
+
+def _tune_shape(name: str, iters: int, defaults_only: bool = False) -> list[dict]:
     results: list[dict] = []
     shape = NAMED_SHAPES[name]
     T, H, I, E, K = shape.as_tuple()
@@ -96,7 +114,7 @@ def _tune_shape(name: str, iters: int) -> list[dict]:
         results.append({"shape": name, "kernel": kname, "config": "-", "ms": ms, "tflops": 0.0, "default": True})
         print(f"{name:<14} {kname:<14} {'-':<28} {ms:8.3f} ms", flush=True)
     for kname, (flops, fn, default) in kernels.items():
-        for cfg in [default] + [c for c in CANDIDATES if c != default]:
+        for cfg in [default] + ([] if defaults_only else [c for c in CANDIDATES if c != default]):
             if kname == "gate_up_fwd" and cfg.block_n > 128:
                 continue  # two accumulators of 128x256 fp32 do not fit the registers
             try:
@@ -123,12 +141,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--defaults-only", action="store_true", help="time only the pinned configs")
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     results = []
     for name in args.shapes:
-        results += _tune_shape(name, args.iters)
+        results += _tune_shape(name, args.iters, args.defaults_only)
         torch.cuda.empty_cache()
+    print("\ncompiled kernels (registers per thread, spills, shared memory bytes):")
+    for kernel in (
+        gm._gate_up_fwd_kernel,
+        gm._down_fwd_kernel,
+        gm._down_dgrad_kernel,
+        gm._gate_up_dgrad_kernel,
+        gm._expert_wgrad_kernel,
+    ):
+        for line in compiled_report(kernel):
+            print(f"  {kernel.__name__:<24} {line}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune_kernels.json").write_text(json.dumps(results, indent=2))
     print("\nbest per kernel:")
