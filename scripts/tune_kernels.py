@@ -38,6 +38,8 @@ CANDIDATES = [
     MoKTileConfig(128, 64, 64, 4, 4),
     MoKTileConfig(64, 128, 64, 4, 4),
     MoKTileConfig(128, 256, 64, 8, 4),
+    MoKTileConfig(128, 64, 64, 8, 4),
+    MoKTileConfig(64, 64, 64, 4, 4),
 ]
 
 
@@ -59,7 +61,7 @@ def compiled_report(jit_fn) -> list[str]:
     return lines
 
 
-def _tune_shape(name: str, iters: int, defaults_only: bool = False) -> list[dict]:
+def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[str] | None = None) -> list[dict]:
     results: list[dict] = []
     shape = NAMED_SHAPES[name]
     T, H, I, E, K = shape.as_tuple()
@@ -114,6 +116,8 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False) -> list[dict
         results.append({"shape": name, "kernel": kname, "config": "-", "ms": ms, "tflops": 0.0, "default": True})
         print(f"{name:<14} {kname:<14} {'-':<28} {ms:8.3f} ms", flush=True)
     for kname, (flops, fn, default) in kernels.items():
+        if only and kname not in only:
+            continue
         for cfg in [default] + ([] if defaults_only else [c for c in CANDIDATES if c != default]):
             if kname == "gate_up_fwd" and cfg.block_n > 128:
                 continue  # two accumulators of 128x256 fp32 do not fit the registers
@@ -142,11 +146,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--defaults-only", action="store_true", help="time only the pinned configs")
+    parser.add_argument("--kernels", nargs="*", default=None, help="only these kernels (default: all)")
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     results = []
     for name in args.shapes:
-        results += _tune_shape(name, args.iters, args.defaults_only)
+        results += _tune_shape(name, args.iters, args.defaults_only, args.kernels)
         torch.cuda.empty_cache()
     print("\ncompiled kernels (registers per thread, spills, shared memory bytes):")
     for kernel in (
