@@ -106,25 +106,39 @@ def build_schedule(
     num_rows = max_padded_rows(R, E, tile_m, capacity)
     if impl == "triton" or (impl == "auto" and topk_ids.is_cuda):
         # Imported here so that `import mok_plugin` does not import triton.
-        from mok_plugin.kernels.schedule import schedule_maps
+        from mok_plugin.kernels.schedule import schedule_maps as maps_fn
+    else:
+        maps_fn = _schedule_maps_torch
+    tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert = maps_fn(
+        topk_ids, E, tile_m, capacity, num_rows
+    )
+    return MoKSchedule(
+        tokens_per_expert=tokens_per_expert,
+        expert_offsets=expert_offsets,
+        row_to_tk=row_to_tk,
+        row_to_token=row_to_token,
+        tk_to_row=tk_to_row,
+        tile_to_expert=tile_to_expert,
+        num_dropped=R - tokens_per_expert.sum(),
+        num_tokens=T,
+        top_k=K,
+        num_experts=E,
+        tile_m=tile_m,
+        num_rows=num_rows,
+    )
 
-        tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert = schedule_maps(
-            topk_ids, E, tile_m, capacity, num_rows
-        )
-        return MoKSchedule(
-            tokens_per_expert=tokens_per_expert,
-            expert_offsets=expert_offsets,
-            row_to_tk=row_to_tk,
-            row_to_token=row_to_token,
-            tk_to_row=tk_to_row,
-            tile_to_expert=tile_to_expert,
-            num_dropped=R - tokens_per_expert.sum(),
-            num_tokens=T,
-            top_k=K,
-            num_experts=E,
-            tile_m=tile_m,
-            num_rows=num_rows,
-        )
+
+def _schedule_maps_torch(
+    topk_ids: torch.Tensor, num_experts: int, tile_m: int, capacity: int | None, num_rows: int
+) -> tuple[torch.Tensor, ...]:
+    """The schedule with PyTorch ops: a stable sort by expert, counts and prefix sums.
+
+    Returns (tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert),
+    as `kernels.schedule.schedule_maps` does.
+    """
+    T, K = topk_ids.shape
+    E = num_experts
+    R = T * K
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
 
@@ -140,13 +154,12 @@ def build_schedule(
     else:
         kept = torch.ones(R, dtype=torch.bool, device=device)
         tokens_per_expert = routed_counts
-    num_dropped = (R - tokens_per_expert.sum()).to(torch.int64)
 
     padded_counts = (tokens_per_expert + tile_m - 1) // tile_m * tile_m
     expert_offsets = torch.zeros(E + 1, dtype=torch.int64, device=device)
     expert_offsets[1:] = torch.cumsum(padded_counts, 0)
 
-    # Dropped rows are sent to a scratch slot past the end so every write has a unique target.
+    # Dropped pairs all write into one scratch slot past the end, which is cut off afterwards.
     rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
     row_to_tk = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
     row_to_tk[rows] = torch.where(kept, sorted_tk, -1)
@@ -159,17 +172,4 @@ def build_schedule(
     tile_to_expert = torch.searchsorted(expert_offsets[1:], tile_starts, right=True)
     tile_to_expert = torch.where(tile_to_expert < E, tile_to_expert, -1)
 
-    return MoKSchedule(
-        tokens_per_expert=tokens_per_expert,
-        expert_offsets=expert_offsets,
-        row_to_tk=row_to_tk,
-        row_to_token=row_to_token,
-        tk_to_row=tk_to_row,
-        tile_to_expert=tile_to_expert,
-        num_dropped=num_dropped,
-        num_tokens=T,
-        top_k=K,
-        num_experts=E,
-        tile_m=tile_m,
-        num_rows=num_rows,
-    )
+    return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert

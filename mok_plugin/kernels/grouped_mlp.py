@@ -476,6 +476,22 @@ def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, ti
     return num_rows
 
 
+def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args):
+    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
+    grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
+    kernel[grid](
+        *args,
+        TILE_M=tile_m,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def gate_up_fwd(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -495,31 +511,11 @@ def gate_up_fwd(
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
-    grid = (num_rows // cfg.block_m * triton.cdiv(I, cfg.block_n),)
-    _gate_up_fwd_kernel[grid](
-        x,
-        gate_up_proj,
-        h,
-        a,
-        row_to_token,
-        tile_to_expert,
-        num_rows,
-        H,
-        I,
-        x.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        h.stride(0),
-        a.stride(0),
-        TILE_M=tile_m,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _launch_row_tiles(
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m,
+        x, gate_up_proj, h, a, row_to_token, tile_to_expert, num_rows, H, I, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), h.stride(0), a.stride(0),
+    )  # fmt: skip
     return h, a
 
 
@@ -540,30 +536,11 @@ def down_fwd(
     cfg = config or kernel_config("down_fwd", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
-    grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
-    _down_fwd_kernel[grid](
-        a,
-        down_proj,
-        w_rows,
-        y,
-        row_to_token,
-        tile_to_expert,
-        num_rows,
-        I,
-        H,
-        a.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        y.stride(0),
-        TILE_M=tile_m,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _launch_row_tiles(
+        _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
+        a, down_proj, w_rows, y, row_to_token, tile_to_expert, num_rows, I, H, a.stride(0), down_proj.stride(0),
+        down_proj.stride(1), y.stride(0),
+    )  # fmt: skip
     return y
 
 
@@ -588,35 +565,11 @@ def down_dgrad(
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
-    grid = (num_rows // cfg.block_m * n_blocks,)
-    _down_dgrad_kernel[grid](
-        d_out,
-        down_proj,
-        h,
-        w_rows,
-        d_h,
-        a,
-        partial,
-        row_to_token,
-        tile_to_expert,
-        num_rows,
-        H,
-        I,
-        d_out.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        h.stride(0),
-        a.stride(0),
-        partial.stride(0),
-        TILE_M=tile_m,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=_dot_precision(d_out.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _launch_row_tiles(
+        _down_dgrad_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
+        d_out, down_proj, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, num_rows, H, I,
+        d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
+    )  # fmt: skip
     return d_h, a, partial
 
 
@@ -635,29 +588,11 @@ def gate_up_dgrad(
     cfg = config or kernel_config("gate_up_dgrad", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
-    grid = (num_rows // cfg.block_m * triton.cdiv(H, cfg.block_n),)
-    _gate_up_dgrad_kernel[grid](
-        d_h,
-        gate_up_proj,
-        d_x_rows,
-        row_to_token,
-        tile_to_expert,
-        num_rows,
-        I2,
-        H,
-        d_h.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        d_x_rows.stride(0),
-        TILE_M=tile_m,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=_dot_precision(d_h.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _launch_row_tiles(
+        _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
+        d_h, gate_up_proj, d_x_rows, row_to_token, tile_to_expert, num_rows, I2, H, d_h.stride(0),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), d_x_rows.stride(0),
+    )  # fmt: skip
     return d_x_rows
 
 
