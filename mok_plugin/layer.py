@@ -10,6 +10,7 @@ Does not own: any math of its own; it calls routing, schedule and a backend's ex
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 
 import torch
@@ -39,7 +40,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_ready else "reference"
     if not triton_ready:
-        raise ValueError("backend='triton' needs the Triton kernels (mok_plugin.ops) and triton installed")
+        raise ValueError("backend='triton' needs the triton package (pip install triton; CUDA builds of torch ship it)")
     if device.type != "cuda" and not triton_interpreter_from_env():
         raise ValueError(
             f"backend='triton' needs a CUDA device (got {device.type}); use backend='reference' or 'auto' on the CPU, "
@@ -49,12 +50,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _triton_backend_available() -> bool:
-    try:
-        import importlib.util
-
-        return importlib.util.find_spec("triton") is not None and importlib.util.find_spec("mok_plugin.ops") is not None
-    except (ImportError, ValueError):
-        return False
+    # find_spec looks for the package without importing it: `import mok_plugin` stays cheap.
+    return importlib.util.find_spec("triton") is not None
 
 
 def _init_(tensor: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
