@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
+from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward
 from mok_plugin.routing import MoKRouting, route, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
@@ -54,11 +55,39 @@ def _triton_backend_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _init_(tensor: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
-    # Initialise in fp32 and cast, so bf16 and fp32 layers built from one seed hold the same values.
+def _init_(
+    tensor: torch.Tensor,
+    std: float,
+    generator: torch.Generator | None,
+    full_shape: tuple[int, ...] | None = None,
+    first: int = 0,
+) -> None:
+    """Fill tensor with N(0, std) drawn as a full_shape tensor, from row `first` on.
+
+    Drawn in fp32 on the CPU and cast, so bf16 and fp32 layers built from one seed hold the same
+    values, on any device.
+    """
+    shape = full_shape or tuple(tensor.shape)
     with torch.no_grad():
-        values = torch.empty(tensor.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
-        tensor.copy_(values.to(tensor.device))
+        values = torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
+        tensor.copy_(values[first : first + tensor.shape[0]].to(tensor.device))
+
+
+def _check_ep_group(ep_size: int, ep_group) -> tuple[object | None, int]:
+    """(group, this rank in it) for ep_size > 1, (None, 0) otherwise; errors name the mismatch."""
+    if ep_size == 1:
+        if ep_group is not None and torch.distributed.get_world_size(ep_group) != 1:
+            raise ValueError(
+                f"ep_group has {torch.distributed.get_world_size(ep_group)} ranks but mok.ep_size=1; "
+                "set mok.ep_size to the group's size"
+            )
+        return None, 0
+    if ep_group is None:
+        raise ValueError(f"mok.ep_size={ep_size} needs ep_group=<a torch.distributed process group of {ep_size} ranks>")
+    size = torch.distributed.get_world_size(ep_group)
+    if size != ep_size:
+        raise ValueError(f"mok.ep_size={ep_size} but ep_group has {size} ranks; they must be equal")
+    return ep_group, torch.distributed.get_rank(ep_group)
 
 
 class MoKExperts(nn.Module):
@@ -89,39 +118,46 @@ class MoKSharedExperts(nn.Module):
 class MoKMoE(nn.Module):
     """A mixture-of-experts layer with SwiGLU experts, deterministic by construction.
 
-    Parameters: `router.weight` [E, H]; `experts.gate_up_proj` [E, 2I, H]; `experts.down_proj`
-    [E, H, I]; with shared experts, `shared_experts.gate_up_proj` [2Is, H] and
-    `shared_experts.down_proj` [H, Is]. With `config.expert_bias`, the buffer `expert_bias` fp32 [E].
+    Parameters: `router.weight` [E, H] (replicated on every expert-parallel rank);
+    `experts.gate_up_proj` [E_l, 2I, H]; `experts.down_proj` [E_l, H, I], where E_l = E / ep_size
+    and rank r holds experts [r*E_l, (r+1)*E_l); with shared experts,
+    `shared_experts.gate_up_proj` [2Is, H] and `shared_experts.down_proj` [H, Is]. With
+    `config.expert_bias`, the buffer `expert_bias` fp32 [E].
 
     Args:
-        config: the layer's MoKConfig (ep_size must be 1 here; expert parallelism is a later layer).
+        config: the layer's MoKConfig.
+        ep_group: the expert-parallel process group, required when config.ep_size > 1; its size
+            must equal ep_size. Ranks' tokens form the global batch in rank order.
         device: where the parameters are created.
         init_std: standard deviation of the normal initialisation (Megatron's default 0.02).
-        seed: seeds the initialisation, so two layers built alike hold equal weights.
+        seed: seeds the initialisation; layers built with one seed hold the same weights whatever
+            the ep_size (each rank keeps its slice of the full expert tensors).
 
     Raises:
-        ValueError: config.ep_size > 1 (use the expert-parallel layer with a process group).
+        ValueError: ep_size > 1 without an ep_group, or a group of another size.
     """
 
     def __init__(
         self,
         config: MoKConfig,
         *,
+        ep_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         init_std: float = 0.02,
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if config.ep_size != 1:
+        if config.ep_size > 1 and config.capacity_factor is not None:
             raise ValueError(
-                f"mok.ep_size={config.ep_size}: MoKMoE(config) runs all experts on one device; "
-                "expert parallelism needs an ep_group (not available yet)"
+                f"mok.capacity_factor={config.capacity_factor} with mok.ep_size={config.ep_size}: token dropping "
+                "under expert parallelism is not supported yet; set capacity_factor to null (dropless)"
             )
+        self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
         self.config = config
         dtype = _DTYPES[config.params_dtype]
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
         self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
-        self.experts = MoKExperts(E, H, I, dtype, device)
+        self.experts = MoKExperts(config.num_local_experts, H, I, dtype, device)
         self.shared_experts = (
             MoKSharedExperts(H, config.shared_intermediate_size, dtype, device) if config.num_shared_experts else None
         )
@@ -158,8 +194,13 @@ class MoKMoE(nn.Module):
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        for param in self.parameters():
-            _init_(param, self.init_std, generator)
+        for name, param in self.named_parameters():
+            if name.startswith("experts."):
+                # Draw all E experts, keep this rank's slice: the weights do not depend on ep_size.
+                full_shape = (self.config.num_experts, *param.shape[1:])
+                _init_(param, self.init_std, generator, full_shape, first=self.ep_rank * param.shape[0])
+            else:
+                _init_(param, self.init_std, generator)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -198,19 +239,28 @@ class MoKMoE(nn.Module):
 
         debug = self.debug
         routing = self.route(x_TH, debug=debug)
-        capacity = (
-            None if cfg.capacity_factor is None else expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-        )
-        schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
-        out = self._experts_fn(x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        capacity = None
+        if self.ep_group is not None:
+            out = moe_experts_expert_parallel(
+                x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
+                cfg.num_experts, DEFAULT_TILE_M,
+            )  # fmt: skip
+            num_dropped = self.last_num_dropped.new_zeros(())
+        else:
+            if cfg.capacity_factor is not None:
+                capacity = expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+            schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
+            out = self._experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
+            num_dropped = schedule.num_dropped
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
 
         with torch.no_grad():
             self.last_tokens_per_expert.copy_(routing.tokens_per_expert)
-            self.last_num_dropped.copy_(schedule.num_dropped)
+            self.last_num_dropped.copy_(num_dropped)
             if debug and capacity is not None:
-                dropped = int(schedule.num_dropped)  # host-ok: opt-in debug report
+                dropped = int(num_dropped)  # host-ok: opt-in debug report
                 if dropped:
                     warnings.warn(
                         f"MoK dropped {dropped} of {T * cfg.top_k} routed (token, k) pairs at "
@@ -226,7 +276,11 @@ class MoKMoE(nn.Module):
             ValueError: with `debug`, when a router logit is NaN or infinite.
         """
         cfg = self.config
-        router_logits = torch.nn.functional.linear(x_TH.float(), self.router.weight.float())
+        # A GEMM's result for one row may depend on how many rows share the call (BLAS and cuBLAS
+        # pick kernels by shape), which would make routing depend on the batch and on ep_size.
+        # Computing in fp64 (and the scores too, in `route`) hides those last-bit differences; a
+        # fixed-order router kernel would be the exact fix.
+        router_logits = torch.nn.functional.linear(x_TH.double(), self.router.weight.double())
         if debug and not torch.isfinite(router_logits).all():  # host-ok: opt-in debug check
             bad = (~torch.isfinite(router_logits)).any(dim=-1).nonzero()[:5, 0].tolist()  # host-ok: debug
             raise ValueError(f"non-finite router logits for tokens {bad} (first 5); check the layer input")

@@ -23,14 +23,14 @@ import torch
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
 from mok_plugin.kernels.grouped_mlp import down_dgrad, down_fwd, expert_wgrad, gate_up_dgrad, gate_up_fwd
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
-from mok_plugin.schedule import MoKSchedule
+from mok_plugin.schedule import MoKSchedule, values_per_row
 
 __all__ = ["moe_experts"]
 
 
 def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
     """fp32 [R_pad]: the routing weight of each row, 0 on padding rows."""
-    return torch.where(row_to_tk >= 0, topk_weights.reshape(-1)[row_to_tk.clamp(min=0)], 0.0).float().contiguous()
+    return values_per_row(topk_weights, row_to_tk).float().contiguous()
 
 
 @torch.library.custom_op("mok_plugin::moe_experts_fwd", mutates_args=())

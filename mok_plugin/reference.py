@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mok_plugin.schedule import MoKSchedule
+from mok_plugin.schedule import MoKSchedule, values_per_row
 
 __all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "sum_over_k"]
 
@@ -67,7 +67,9 @@ def _rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K:
     """[num_rows, H] in expert order -> [T, K, H] in token order; dropped (t, k) give zero rows."""
     kept = (tk_to_row >= 0).unsqueeze(-1)
     gathered = rows_RH[tk_to_row.clamp(min=0)]
-    return torch.where(kept, gathered, torch.zeros((), dtype=rows_RH.dtype, device=rows_RH.device)).view(T, K, -1)
+    return torch.where(kept, gathered, torch.zeros((), dtype=rows_RH.dtype, device=rows_RH.device)).view(
+        T, K, rows_RH.shape[1]
+    )
 
 
 def _segments(schedule: MoKSchedule) -> list[tuple[int, int, int]]:
@@ -86,8 +88,7 @@ class MoKReferenceExperts(torch.autograd.Function):
         K = schedule.top_k
         dtype = x.dtype
         row_to_token = schedule.row_to_token
-        valid = schedule.row_to_tk >= 0
-        w_R = torch.where(valid, _acc(topk_weights.reshape(-1)[schedule.row_to_tk.clamp(min=0)]), 0.0)
+        w_R = _acc(values_per_row(topk_weights, schedule.row_to_tk))
 
         I2 = gate_up_proj.shape[1]
         h_R = x.new_zeros(schedule.num_rows, I2)

@@ -86,7 +86,7 @@ def route(
     """Choose K experts per token and compute their weights and the router losses.
 
     Args:
-        router_logits: fp32 [T, E] (differentiable).
+        router_logits: float [T, E] (differentiable); fp64 keeps the router batch-invariant.
         top_k: K.
         score_function: "softmax" (over all E) or "sigmoid" (per expert).
         norm_topk_prob: divide the K chosen scores by their sum.
@@ -108,12 +108,14 @@ def route(
     T, E = router_logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={E}")
-    logits = router_logits.float()
-
+    # Scores in fp64, rounded to fp32: vectorised exp/sigmoid kernels round a value differently
+    # depending on its position in the tensor (SIMD body vs tail), so an fp32 score could depend
+    # on the batch size; the fp64 result rounded to fp32 does not, in practice.
+    logits = router_logits.double()
     if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(logits, dim=-1).float()
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits).float()
     else:
         raise ValueError(f"score_function={score_function!r}; allowed: 'softmax', 'sigmoid'")
 
@@ -134,14 +136,14 @@ def route(
 
     tokens_per_expert = count_per_expert(topk_ids, E)
 
-    aux_loss = logits.new_zeros(())
+    aux_loss = scores.new_zeros(())
     if aux_loss_coeff > 0.0 and T > 0:
         # Sigmoid scores are normalised per token so that P_e is a distribution, as in Megatron-Core.
         probs = scores if score_function == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
         load = tokens_per_expert.to(torch.float32)
         aux_loss = aux_loss + (E * aux_loss_coeff / (top_k * T * T)) * (probs.sum(dim=0) * load).sum()
     if z_loss_coeff > 0.0 and T > 0:
-        aux_loss = aux_loss + z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        aux_loss = aux_loss + z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean().float()
 
     return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert)
 

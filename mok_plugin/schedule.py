@@ -26,7 +26,7 @@ import torch
 
 from mok_plugin.routing import count_per_expert
 
-__all__ = ["MoKSchedule", "build_schedule", "expert_capacity", "max_padded_rows", "DEFAULT_TILE_M"]
+__all__ = ["MoKSchedule", "build_schedule", "expert_capacity", "max_padded_rows", "values_per_row", "DEFAULT_TILE_M"]
 
 #: Rows per GEMM tile that segments are padded to; the kernels' BLOCK_M divides it.
 DEFAULT_TILE_M = 128
@@ -66,6 +66,13 @@ def max_padded_rows(num_rows_routed: int, num_experts: int, tile_m: int, capacit
     if capacity is not None:
         tiles = min(tiles, num_experts * math.ceil(capacity / tile_m))
     return max(tiles, 1) * tile_m
+
+
+def values_per_row(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
+    """[num_rows]: values_TK [T, K] placed in row order, 0 on padding rows (also when T = 0)."""
+    # A trailing zero serves every padding row, so no index is out of range even with no pairs.
+    padded = torch.cat([values_TK.reshape(-1), values_TK.new_zeros(1)])
+    return padded[torch.where(row_to_tk >= 0, row_to_tk, padded.shape[0] - 1)]
 
 
 def build_schedule(
