@@ -88,6 +88,16 @@ class MoKConfig(BaseModel):
 
     # --- parallel layout -------------------------------------------------------------------------
     ep_size: int = Field(default=1, gt=0, description="Expert-parallel world size W.")
+    ep_exchange: Literal["capacity", "exact"] = Field(
+        default="capacity",
+        description="capacity: fixed-size buffers, no host sync, same token count on every rank; "
+        "exact: buffers sized from exchanged counts (one host sync per layer), any token counts.",
+    )
+    ep_capacity_factor: float = Field(
+        default=2.0,
+        gt=0.0,
+        description="capacity exchange: rows each rank may send to each rank = ceil(factor * T * K / W).",
+    )
 
     # --- execution -------------------------------------------------------------------------------
     backend: Backend = "auto"

@@ -86,7 +86,8 @@ def build_schedule(
     """Lay out the routed rows expert by expert, on the device, without synchronising the host.
 
     Args:
-        topk_ids: int [T, K], expert of each (token, k); values in [0, E).
+        topk_ids: int [T, K], expert of each (token, k); a value outside [0, E) marks an empty
+            slot (expert parallelism's fixed-size buffers): it gets no row and is not counted.
         num_experts: E.
         tile_m: segments start at multiples of this.
         capacity: rows one expert may take; None = dropless.
@@ -126,7 +127,7 @@ def build_schedule(
         row_to_token=row_to_token,
         tk_to_row=tk_to_row,
         tile_to_expert=tile_to_expert,
-        num_dropped=R - tokens_per_expert.sum(),
+        num_dropped=((topk_ids >= 0) & (topk_ids < E)).sum() - tokens_per_expert.sum(),
         num_tokens=T,
         top_k=K,
         num_experts=E,
@@ -148,23 +149,26 @@ def _schedule_maps_torch(
     R = T * K
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
+    # Empty slots (ids outside [0, E)) go to an extra bin E, sorted last, and get no row.
+    flat = torch.where((flat >= 0) & (flat < E), flat, E)
 
     # Stable sort by expert: within an expert the tk indices stay ascending.
     sorted_experts, sorted_tk = torch.sort(flat, stable=True)
-    routed_counts = count_per_expert(topk_ids, E)
-    routed_starts = torch.cumsum(routed_counts, 0) - routed_counts
-    rank_in_expert = torch.arange(R, device=device) - routed_starts[sorted_experts]
+    bin_counts = count_per_expert(flat, E + 1)
+    bin_starts = torch.cumsum(bin_counts, 0) - bin_counts
+    rank_in_expert = torch.arange(R, device=device) - bin_starts[sorted_experts]
+    routed_counts = bin_counts[:E]
 
+    kept = sorted_experts < E
     if capacity is not None:
-        kept = rank_in_expert < capacity
+        kept = kept & (rank_in_expert < capacity)
         tokens_per_expert = routed_counts.clamp(max=capacity)
     else:
-        kept = torch.ones(R, dtype=torch.bool, device=device)
         tokens_per_expert = routed_counts
 
     padded_counts = (tokens_per_expert + tile_m - 1) // tile_m * tile_m
-    expert_offsets = torch.zeros(E + 1, dtype=torch.int64, device=device)
-    expert_offsets[1:] = torch.cumsum(padded_counts, 0)
+    expert_offsets = torch.zeros(E + 2, dtype=torch.int64, device=device)  # one more for the empty bin
+    expert_offsets[1 : E + 1] = torch.cumsum(padded_counts, 0)
 
     # Dropped pairs all write into one scratch slot past the end, which is cut off afterwards.
     rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
@@ -175,6 +179,7 @@ def _schedule_maps_torch(
     tk_to_row[sorted_tk] = torch.where(kept, rows, -1)
     row_to_token = torch.where(row_to_tk >= 0, row_to_tk // max(K, 1), -1)
 
+    expert_offsets = expert_offsets[: E + 1]
     tile_starts = torch.arange(0, num_rows, tile_m, device=device)
     tile_to_expert = torch.searchsorted(expert_offsets[1:], tile_starts, right=True)
     tile_to_expert = torch.where(tile_to_expert < E, tile_to_expert, -1)

@@ -1,8 +1,9 @@
-"""Expert parallelism on the CPU with gloo: 1, 2 and 4 processes share one global batch (split
-unevenly, one rank with no tokens) and must reproduce the single-process layer bitwise: outputs,
-input gradients and expert weight gradients, for top-1, top-2 and top-8 routing, uniform and
-skewed (every first choice on rank 0's expert, so other ranks send everything away and most
-experts get no token); bf16 too. Also: the router still gets a gradient, and bad groups raise."""
+"""Expert parallelism on the CPU with gloo: 1, 2 and 4 processes share one global batch and must
+reproduce the single-process layer bitwise: outputs, input gradients and expert weight gradients,
+for top-1, top-2 and top-8 routing, uniform and skewed (every first choice on rank 0's expert, so
+other ranks send everything away and most experts get no token); bf16 too; through both exchanges:
+exact (batch split unevenly, one rank with no tokens) and capacity (fixed-size buffers, equal
+split). Also: the router still gets a gradient, a capacity overflow and bad groups raise."""
 
 import os
 import socket
@@ -13,43 +14,50 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mok_plugin import MoKConfig, MoKMoE
-from mok_plugin.testing import make_layer_inputs
+from mok_plugin.testing import assert_close, make_layer_inputs
 
 pytestmark = pytest.mark.distributed
 
-T_GLOBAL, H, I, E = 30, 16, 12, 8
-# (name, top_k, skewed, dtype)
+H, I, E = 16, 12, 8
+# (name, top_k, skewed, dtype, exchange)
 CASES = [
-    ("top1_uniform", 1, False, "float32"),
-    ("top1_skewed", 1, True, "float32"),
-    ("top2_uniform", 2, False, "float32"),
-    ("top2_skewed", 2, True, "float32"),
-    ("top8_uniform", 8, False, "float32"),
-    ("top8_skewed", 8, True, "float32"),
-    ("top2_bf16", 2, False, "bfloat16"),
+    ("top1_uniform", 1, False, "float32", "exact"),
+    ("top1_skewed", 1, True, "float32", "exact"),
+    ("top2_uniform", 2, False, "float32", "exact"),
+    ("top2_skewed", 2, True, "float32", "exact"),
+    ("top8_uniform", 8, False, "float32", "exact"),
+    ("top8_skewed", 8, True, "float32", "exact"),
+    ("top2_bf16", 2, False, "bfloat16", "exact"),
+    ("capacity_top2_uniform", 2, False, "float32", "capacity"),
+    ("capacity_top1_skewed", 1, True, "float32", "capacity"),
+    ("capacity_top8_bf16", 8, False, "bfloat16", "capacity"),
 ]
-# Tokens per rank for each world size: uneven, and rank 1 of 4 has none.
-SPLITS = {1: [30], 2: [13, 17], 4: [5, 0, 15, 10]}
+# Tokens per rank for each world size. Exact: uneven, and rank 1 of 4 has none. Capacity: equal.
+SPLITS = {
+    "exact": {1: [30], 2: [13, 17], 4: [5, 0, 15, 10]},
+    "capacity": {1: [32], 2: [16, 16], 4: [8, 8, 8, 8]},
+}
 
 
-def _config(top_k: int, skewed: bool, dtype: str, ep_size: int) -> MoKConfig:
+def _config(top_k: int, skewed: bool, dtype: str, ep_size: int, exchange: str = "exact") -> MoKConfig:
     # No shared experts: their dense GEMM runs on each rank's own tokens and is not batch-invariant
-    # on the CPU (a known gap, see mok_plugin/parallel/dispatch.py).
+    # on the CPU (a known gap, see mok_plugin/parallel/dispatch.py). A capacity factor of ep_size
+    # lets one rank send all its pairs to one rank, so these cases never overflow.
     return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k,
                      score_function="sigmoid", expert_bias=skewed, params_dtype=dtype, ep_size=ep_size,
-                     backend="reference")  # fmt: skip
+                     ep_exchange=exchange, ep_capacity_factor=float(ep_size), backend="reference")  # fmt: skip
 
 
 def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
-    name, top_k, skewed, dtype = case
-    layer = MoKMoE(_config(top_k, skewed, dtype, ep_size), ep_group=group, seed=3, init_std=0.2)
+    name, top_k, skewed, dtype, exchange = case
+    layer = MoKMoE(_config(top_k, skewed, dtype, ep_size, exchange), ep_group=group, seed=3, init_std=0.2)
     if skewed:
         layer.expert_bias[0] = 100.0  # expert 0 (on rank 0) is everyone's first choice
     torch_dtype = layer.params_dtype
-    start = sum(SPLITS[ep_size][:rank])
-    stop = start + SPLITS[ep_size][rank]
-    x = make_layer_inputs(T_GLOBAL, H, dtype=torch_dtype, seed=4)[start:stop].clone().requires_grad_()
-    probe = make_layer_inputs(T_GLOBAL, H, seed=5)[start:stop]
+    splits = SPLITS[exchange][ep_size]
+    start, stop = sum(splits[:rank]), sum(splits[: rank + 1])
+    x = make_layer_inputs(sum(splits), H, dtype=torch_dtype, seed=4)[start:stop].clone().requires_grad_()
+    probe = make_layer_inputs(sum(splits), H, seed=5)[start:stop]
     out, aux = layer(x)
     ((out.float() * probe).sum() + aux).backward()
     return {
@@ -104,7 +112,24 @@ def test_topology_invariance_bitwise(world, tmp_path, single_process):
         # (in another order, so closely, not bitwise) to the single-process gradient.
         router = sum(r[name]["d_router"].double() for r in ranks)
         assert router.abs().sum() > 0, f"{name}: the router got no gradient"
-        torch.testing.assert_close(router, want["d_router"].double(), rtol=2e-2, atol=2e-3)
+        assert_close(router, want["d_router"], want["d_router"].dtype, f"{name}: d_router", n_reduce=64 * world)
+
+
+def _overflow_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = _config(1, True, "float32", world, "capacity").replace(ep_capacity_factor=0.5)
+        layer = MoKMoE(cfg, ep_group=dist.group.WORLD, seed=3)
+        layer.expert_bias[0] = 100.0  # every pair goes to rank 0: four times the buffer of 0.5
+        layer(make_layer_inputs(8, H, seed=rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_capacity_overflow_names_the_factor():
+    with pytest.raises(Exception, match=r"raise mok\.ep_capacity_factor"):
+        mp.spawn(_overflow_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 
 def test_bad_groups_raise():

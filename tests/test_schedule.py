@@ -95,6 +95,7 @@ def test_bad_arguments():
         pytest.param(50, 1, 6, 16, None, "one_expert", id="one_expert"),
         pytest.param(700, 2, 5, 32, None, "random", id="pairs_span_several_scan_blocks"),  # R > the 1024 scan block
         pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
+        pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
     ],
 )
 def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
@@ -103,6 +104,8 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     if kind == "one_expert":
         ids[:] = 3
+    if kind == "empty_slots":
+        ids[::3] = -1
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
     ids = ids.to(device)
     a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
@@ -115,3 +118,11 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
 def test_unknown_impl():
     with pytest.raises(ValueError, match="impl='cuda'"):
         build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, impl="cuda")
+
+
+def test_empty_slots_get_no_row_and_are_not_dropped():
+    ids = torch.tensor([[0, -1], [1, 0], [-1, -1], [1, 1]])
+    s = build_schedule(ids, 2, tile_m=4)
+    assert s.tokens_per_expert.tolist() == [2, 3]
+    assert int(s.num_dropped) == 0
+    assert s.tk_to_row.tolist() == [0, -1, 4, 1, -1, -1, 5, 6]

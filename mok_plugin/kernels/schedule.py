@@ -154,7 +154,7 @@ def schedule_maps(
     chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
     tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
     expert_offsets = torch.empty(E + 1, dtype=torch.int64, device=device)
-    tk_to_row = torch.empty(R, dtype=torch.int64, device=device)
+    tk_to_row = torch.full((R,), -1, dtype=torch.int64, device=device)  # empty slots match no expert
     row_to_tk = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     row_to_token = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     tile_to_expert = torch.full((num_rows // tile_m,), -1, dtype=torch.int64, device=device)

@@ -6,9 +6,9 @@ Glossary: W ranks in the expert-parallel group; rank r owns the E_l = E / W expe
 sorted by global expert (so by destination rank), then by local (token, k).
 
 What one forward does, on every rank:
-    1. count pairs per destination rank and exchange the counts (all_to_all_single on [W] ints);
-    2. read the counts on the host (the one synchronisation of the layer, see below) to size the
-       exchange, and send each pair's token row, routing weight and local expert id to its owner;
+    1. sort the pairs expert-major and send each pair's token row, routing weight and local expert
+       id to the rank that owns the expert (through fixed-size buffers, or sized by exchanged
+       counts: see the two exchanges below);
     3. the owner receives blocks in source-rank order, each block expert-major in the source's
        (token, k) order, and runs its local experts on them with the same schedule code as the
        single-process layer: within an expert, rows are in (source rank, local token, k) order,
@@ -29,10 +29,17 @@ size changes. The router computes in fp64 and rounds to fp32, which hides that i
 shared experts do not yet, so with shared experts the layer is topology-invariant only as far as
 the dense GEMM is batch-invariant.
 
-Barriers and host synchronisation: the counts exchange is a collective every rank joins; this
-exact-size mode reads the counts on the host once per forward (and the backward reuses them), which
-CUDA graphs cannot capture. A capacity-bounded mode with fixed-size buffers, which needs no host
-read, is still to come.
+Two exchanges (`mok.ep_exchange`):
+  capacity (default)  every rank sends every rank a fixed-size block of ceil(factor * T * K / W)
+                      rows; empty slots carry expert -1 and get no row in the receiver's schedule.
+                      No host read, so CUDA graphs can capture it. Needs the same T on every rank
+                      (checked with a device-side assertion); a block that would overflow is a
+                      device-side assertion naming mok.ep_capacity_factor.
+  exact               exchanges the per-rank counts and reads them on the host once per forward
+                      (the backward reuses them) to size the exchange exactly; any T per rank.
+
+Barriers: every collective here (the token-count check, the counts exchange, the row exchanges) is
+joined by every rank of the group in the same order; there is no other barrier.
 
 Caller's contract: every rank of the group calls forward and backward the same number of times, in
 the same order; `topk_ids` hold global expert ids.
@@ -40,6 +47,7 @@ the same order; `topk_ids` hold global expert ids.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -91,6 +99,23 @@ def _exchange_ints(t: torch.Tensor, send_splits: list[int], recv_splits: list[in
     return out
 
 
+def _exchange_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-to-all of W equal blocks of rows."""
+    return dist_fn.all_to_all_single(torch.empty_like(t), t.contiguous(), group=group)
+
+
+def _check_same_token_count(num_tokens: int, device: torch.device, group: dist.ProcessGroup) -> None:
+    """Fail (without reading on the host) unless every rank has num_tokens tokens."""
+    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    torch._assert_async(
+        (every == mine).all(),
+        "mok.ep_exchange='capacity' needs the same number of tokens on every expert-parallel rank; "
+        "use ep_exchange='exact' for ranks with different token counts",
+    )
+
+
 def moe_experts_expert_parallel(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -101,11 +126,12 @@ def moe_experts_expert_parallel(
     group: dist.ProcessGroup,
     num_experts: int,
     tile_m: int,
+    capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for this rank's tokens, with the experts spread over `group`.
 
     Args:
-        x: [T, H] this rank's tokens (T may differ between ranks, and may be 0).
+        x: [T, H] this rank's tokens.
         topk_ids: int [T, K] global expert ids.
         topk_weights: fp32 [T, K].
         gate_up_proj: [E_l, 2I, H] and down_proj: [E_l, H, I], this rank's experts.
@@ -113,28 +139,66 @@ def moe_experts_expert_parallel(
         group: the expert-parallel process group (W ranks).
         num_experts: E, all ranks together.
         tile_m: the schedule's segment padding.
+        capacity_factor: None for the exact-size exchange (one host read of the counts; any T per
+            rank); otherwise the capacity exchange: each rank sends each rank at most
+            ceil(capacity_factor * T * K / W) rows through fixed-size buffers, with no host read,
+            and every rank must have the same T.
     Returns:
         [T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending.
+    Raises:
+        RuntimeError: (capacity exchange) a rank would send more rows to one rank than its buffer
+            holds, or ranks have different token counts. On a GPU the check is a device-side
+            assertion, so it stops the process instead of raising.
     """
     W = dist.get_world_size(group)
     T, K = topk_ids.shape
+    R = T * K
     E_local = num_experts // W
     flat = topk_ids.reshape(-1).to(torch.int64)
     # Expert-major send order; stable, so (token, k) order within an expert.
     order = torch.sort(flat, stable=True).indices
-    send_counts = count_per_expert(flat.view(-1, 1) // E_local, W)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits = send_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
-    recv_splits = recv_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
+    dest = flat[order] // E_local
+    local_expert = flat[order] % E_local
+    rows = _GatherPairs.apply(x, order, K)
+    weights = topk_weights.reshape(-1)[order]
 
-    x_recv = _exchange(_GatherPairs.apply(x, order, K), send_splits, recv_splits, group)
-    w_recv = _exchange(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
-    expert_recv = _exchange_ints(flat[order] % E_local, send_splits, recv_splits, group)
+    if capacity_factor is None:
+        send_counts = count_per_expert(dest.view(-1, 1), W)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_splits = send_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
+        recv_splits = recv_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
+        x_recv = _exchange(rows, send_splits, recv_splits, group)
+        w_recv = _exchange(weights, send_splits, recv_splits, group)
+        expert_recv = _exchange_ints(local_expert, send_splits, recv_splits, group)
+
+        def send_back(y_recv: torch.Tensor) -> torch.Tensor:
+            return _exchange(y_recv, recv_splits, send_splits, group)
+
+    else:
+        _check_same_token_count(T, x.device, group)
+        slots = max(1, math.ceil(capacity_factor * R / W))
+        send_counts = count_per_expert(dest.view(-1, 1), W)
+        rank_in_block = torch.arange(R, device=x.device) - (torch.cumsum(send_counts, 0) - send_counts)[dest]
+        torch._assert_async(
+            (rank_in_block < slots).all(),
+            f"expert-parallel buffer overflow: a rank routes more than {slots} rows to one rank "
+            f"(ceil(mok.ep_capacity_factor={capacity_factor} * T * K / ep_size)); raise mok.ep_capacity_factor "
+            "or use mok.ep_exchange='exact'",
+        )
+        # Slot of each pair in the [W * slots] send buffer; empty slots carry expert -1.
+        slot = dest * slots + rank_in_block.clamp(max=slots - 1)
+        x_recv = _exchange_equal(rows.new_zeros(W * slots, rows.shape[1]).index_copy(0, slot, rows), group)
+        w_recv = _exchange_equal(weights.new_zeros(W * slots).index_copy(0, slot, weights), group)
+        expert_send = torch.full((W * slots,), -1, dtype=torch.int64, device=x.device).index_copy(0, slot, local_expert)
+        expert_recv = torch.empty_like(expert_send)
+        dist.all_to_all_single(expert_recv, expert_send, group=group)
+
+        def send_back(y_recv: torch.Tensor) -> torch.Tensor:
+            return _exchange_equal(y_recv, group)[slot]
 
     # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
     schedule = build_schedule(expert_recv.view(-1, 1), E_local, tile_m=tile_m)
     y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
-
-    y_back = _exchange(y_recv, recv_splits, send_splits, group)
-    return sum_over_k(_to_tk_order(y_back, order).view(T, K, y_back.shape[1]), x.dtype)
+    y_sent_order = send_back(y_recv)
+    return sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
