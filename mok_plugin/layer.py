@@ -153,6 +153,9 @@ class MoKMoE(nn.Module):
                 "under expert parallelism is not supported yet; set capacity_factor to null (dropless)"
             )
         self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
+        # Benchmark hook: a context-manager factory wrapped around the expert-parallel stages
+        # ("dispatch", "experts", "combine"); None in normal use (scripts/bench_ep.py sets it).
+        self.ep_stage_timer = None
         self.config = config
         dtype = _DTYPES[config.params_dtype]
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
@@ -245,6 +248,7 @@ class MoKMoE(nn.Module):
             out = moe_experts_expert_parallel(
                 x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
                 cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
+                phase=self.ep_stage_timer,
             )  # fmt: skip
             num_dropped = self.last_num_dropped.new_zeros(())
         else:

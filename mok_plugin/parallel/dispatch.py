@@ -15,7 +15,7 @@ What one forward does, on every rank:
        which is global token order because the global batch is rank-major;
     4. results go back by the inverse exchange; each source sums its token's K rows in ascending k
        in fp32 and rounds once, exactly as the single-process combine does.
-The backward mirrors it through the differentiable `torch.distributed.nn.functional` collectives;
+The backward mirrors it: each exchange's gradient goes back through the inverse exchange;
 the gradient of the row gather is the same fixed-order sum over k (not an index_add, whose order
 and bf16 accumulation would differ from the single-process layer).
 
@@ -47,12 +47,13 @@ the same order; `topk_ids` hold global expert ids.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from mok_plugin.reference import sum_over_k
 from mok_plugin.routing import count_per_expert
@@ -85,12 +86,28 @@ def _to_tk_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of rows (splits None = equal blocks); the backward sends gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, t, send_splits, recv_splits, group):  # type: ignore[override]
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        rows = sum(recv_splits) if recv_splits is not None else t.shape[0]
+        out = t.new_empty((rows, *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        send_splits, recv_splits = ctx.splits
+        return _AllToAll.apply(d_out, recv_splits, send_splits, ctx.group), None, None, None
+
+
 def _exchange(
     t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Differentiable all-to-all of the rows of t with uneven splits."""
-    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
-    return dist_fn.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+    return _AllToAll.apply(t, send_splits, recv_splits, group)
 
 
 def _exchange_ints(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -101,7 +118,7 @@ def _exchange_ints(t: torch.Tensor, send_splits: list[int], recv_splits: list[in
 
 def _exchange_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all of W equal blocks of rows."""
-    return dist_fn.all_to_all_single(torch.empty_like(t), t.contiguous(), group=group)
+    return _AllToAll.apply(t, None, None, group)
 
 
 def _check_same_token_count(num_tokens: int, device: torch.device, group: dist.ProcessGroup) -> None:
@@ -127,6 +144,7 @@ def moe_experts_expert_parallel(
     num_experts: int,
     tile_m: int,
     capacity_factor: float | None = None,
+    phase: Callable[[str], AbstractContextManager] | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for this rank's tokens, with the experts spread over `group`.
 
@@ -143,6 +161,8 @@ def moe_experts_expert_parallel(
             rank); otherwise the capacity exchange: each rank sends each rank at most
             ceil(capacity_factor * T * K / W) rows through fixed-size buffers, with no host read,
             and every rank must have the same T.
+        phase: optional context-manager factory wrapped around the "dispatch", "experts" and
+            "combine" stages of the forward (scripts/bench_ep.py times them with it).
     Returns:
         [T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending.
     Raises:
@@ -150,6 +170,24 @@ def moe_experts_expert_parallel(
             holds, or ranks have different token counts. On a GPU the check is a device-side
             assertion, so it stops the process instead of raising.
     """
+    stage = phase or (lambda name: contextlib.nullcontext())
+    with stage("dispatch"):
+        x_recv, w_recv, expert_recv, order, send_back = _dispatch(
+            x, topk_ids, topk_weights, group, num_experts, capacity_factor
+        )
+    with stage("experts"):
+        # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
+        schedule = build_schedule(expert_recv.view(-1, 1), num_experts // dist.get_world_size(group), tile_m=tile_m)
+        y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
+    with stage("combine"):
+        y_sent_order = send_back(y_recv)
+        T, K = topk_ids.shape
+        return sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
+
+
+def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor):
+    """(x_recv, w_recv, expert_recv, send order, send_back): this rank's pairs sent to their experts'
+    ranks, and the function that returns result rows to their senders, in send order."""
     W = dist.get_world_size(group)
     T, K = topk_ids.shape
     R = T * K
@@ -197,8 +235,4 @@ def moe_experts_expert_parallel(
         def send_back(y_recv: torch.Tensor) -> torch.Tensor:
             return _exchange_equal(y_recv, group)[slot]
 
-    # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
-    schedule = build_schedule(expert_recv.view(-1, 1), E_local, tile_m=tile_m)
-    y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
-    y_sent_order = send_back(y_recv)
-    return sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
+    return x_recv, w_recv, expert_recv, order, send_back

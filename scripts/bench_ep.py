@@ -1,0 +1,195 @@
+"""Time the expert-parallel MoK layer per rank: dispatch, experts and combine of the forward, the
+backward, bytes sent to other ranks and the bandwidth achieved.
+
+On GPUs, under torchrun (NCCL, one GPU per rank):
+    torchrun --nproc-per-node 8 scripts/bench_ep.py --shape qwen3-30b-a3b --tokens-per-rank 4096
+On the CPU, gloo processes spawned by the script itself (the reference backend; slow, for checks):
+    python scripts/bench_ep.py --nprocs 4 --shape 64,256,128,16,4 --tokens-per-rank 64
+
+`--shape` is a named shape or T,H,I,E,K; T is replaced by --tokens-per-rank (tokens on each rank).
+Every iteration synchronises the device around each stage, so stage times add up to a little more
+than an unsynchronised step. Per stage, the slowest rank of each iteration is taken, then the
+median over iterations. A table is printed last on rank 0; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, MoEShape, make_layer_inputs  # noqa: E402
+
+STAGES = ("dispatch", "experts", "combine", "backward")
+
+
+def parse_shape(text: str) -> MoEShape:
+    if text in NAMED_SHAPES:
+        return NAMED_SHAPES[text]
+    T, H, I, E, K = (int(v) for v in text.split(","))
+    return MoEShape(T, H, I, E, K)
+
+
+class StageTimer:
+    """Wall time of each stage, with the device synchronised at both ends (a benchmark may sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.times[name] = (time.perf_counter() - start) * 1e3
+
+
+def sent_bytes(layer: MoKMoE, x: torch.Tensor, exchange: str, capacity_factor: float, world: int) -> int:
+    """Bytes this rank sends to other ranks in one forward dispatch (rows + weights + expert ids)."""
+    with torch.no_grad():
+        routing = layer.route(x)
+    E_local = layer.config.num_experts // world
+    per_row = x.shape[1] * x.element_size() + 4 + 8
+    if exchange == "capacity":
+        slots = max(1, -(-int(capacity_factor * routing.topk_ids.numel()) // world))
+        return (world - 1) * slots * per_row
+    dest = routing.topk_ids.flatten() // E_local
+    return int((dest != dist.get_rank()).sum()) * per_row
+
+
+def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict | None:
+    shape = parse_shape(args.shape)
+    T, H, I, E, K = args.tokens_per_rank, shape.H, shape.I, shape.E, shape.K
+    cfg = MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=K, ep_size=world,
+                    ep_exchange=args.exchange, ep_capacity_factor=args.capacity_factor,
+                    params_dtype=args.dtype, backend="auto")  # fmt: skip
+    layer = MoKMoE(cfg, ep_group=dist.group.WORLD, device=device, seed=0)
+    x = make_layer_inputs(T, H, dtype=layer.params_dtype, device=device, seed=rank + 1)
+    grad = make_layer_inputs(T, H, dtype=layer.params_dtype, device=device, seed=rank + 101)
+    timer = StageTimer(device)
+
+    layer.ep_stage_timer = timer
+    per_iter = []
+    for i in range(args.warmup + args.iters):
+        xi = x.detach().requires_grad_()
+        out, aux = layer(xi)
+        with timer("backward"):
+            out.backward(grad)
+        if i >= args.warmup:
+            per_iter.append(dict(timer.times))
+    nbytes = sent_bytes(layer, x, args.exchange, args.capacity_factor, world)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "iters": per_iter, "bytes": nbytes})
+    return gathered if rank == 0 else None
+
+
+def summarize(gathered: list[dict], iters: int) -> dict:
+    per_rank = {}
+    for g in gathered:
+        per_rank[g["rank"]] = {s: statistics.median(it[s] for it in g["iters"]) for s in STAGES}
+        per_rank[g["rank"]]["bytes"] = g["bytes"]
+    slowest = {s: statistics.median(max(g["iters"][i][s] for g in gathered) for i in range(iters)) for s in STAGES}
+    return {"per_rank": per_rank, "slowest_rank_median": slowest}
+
+
+def print_table(summary: dict, args: argparse.Namespace, world: int, backend: str) -> None:
+    print(
+        f"\nbench_ep: shape {args.shape}, {args.tokens_per_rank} tokens/rank, {world} ranks ({backend}), "
+        f"exchange {args.exchange}, dtype {args.dtype}"
+    )
+    print(
+        f"{'rank':>5} {'dispatch ms':>12} {'experts ms':>11} {'combine ms':>11} {'backward ms':>12} "
+        f"{'sent MB':>9} {'dispatch GB/s':>14}"
+    )
+    for rank, row in sorted(summary["per_rank"].items()):
+        gbps = row["bytes"] / (row["dispatch"] * 1e-3) / 1e9 if row["dispatch"] > 0 else 0.0
+        print(
+            f"{rank:>5} {row['dispatch']:>12.3f} {row['experts']:>11.3f} {row['combine']:>11.3f} "
+            f"{row['backward']:>12.3f} {row['bytes'] / 1e6:>9.2f} {gbps:>14.2f}"
+        )
+    s = summary["slowest_rank_median"]
+    print(f"{'max':>5} {s['dispatch']:>12.3f} {s['experts']:>11.3f} {s['combine']:>11.3f} {s['backward']:>12.3f}")
+    print("dispatch GB/s = bytes sent to other ranks / dispatch time (the stage also sorts and exchanges metadata)")
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main_rank(args, rank, world, "gloo", torch.device("cpu"))
+
+
+def main_rank(args, rank: int, world: int, backend: str, device: torch.device) -> None:
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        gathered = run_rank(args, rank, world, device)
+        if rank == 0:
+            summary = summarize(gathered, args.iters)
+            print_table(summary, args, world, backend)
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "bench_ep.json").write_text(
+                    json.dumps(
+                        {
+                            "args": {k: str(v) for k, v in vars(args).items()},
+                            "world": world,
+                            "backend": backend,
+                            **summary,
+                        },
+                        indent=2,
+                    )
+                )
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", help=f"named ({', '.join(NAMED_SHAPES)}) or T,H,I,E,K")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--exchange", choices=["capacity", "exact"], default="capacity")
+    parser.add_argument("--capacity-factor", type=float, default=2.0)
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPUs, float32 on the CPU"
+    )
+    parser.add_argument("--nprocs", type=int, default=2, help="gloo processes when not under torchrun")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        on_gpu = torch.cuda.is_available()
+        args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+        if on_gpu:
+            torch.cuda.set_device(local)
+        main_rank(args, rank, world, "nccl" if on_gpu else "gloo", torch.device("cuda", local) if on_gpu else "cpu")
+        return 0
+    args.dtype = args.dtype or "float32"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
