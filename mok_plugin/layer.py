@@ -110,9 +110,10 @@ class MoKSharedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
+        self.batch_invariant = False  # set by MoKMoE: True with the reference backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return shared_expert_forward(x, self.gate_up_proj, self.down_proj)
+        return shared_expert_forward(x, self.gate_up_proj, self.down_proj, self.batch_invariant)
 
 
 class MoKMoE(nn.Module):
@@ -188,6 +189,8 @@ class MoKMoE(nn.Module):
             self._experts_fn = functools.partial(ops.moe_experts, variant=self.config.kernel_variant)
         else:
             self._experts_fn = moe_experts_reference
+        if self.shared_experts is not None:
+            self.shared_experts.batch_invariant = self.backend == "reference"
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

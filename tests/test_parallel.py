@@ -40,10 +40,10 @@ SPLITS = {
 
 
 def _config(top_k: int, skewed: bool, dtype: str, ep_size: int, exchange: str = "exact") -> MoKConfig:
-    # No shared experts: their dense GEMM runs on each rank's own tokens and is not batch-invariant
-    # on the CPU (a known gap, see mok_plugin/parallel/dispatch.py). A capacity factor of ep_size
-    # lets one rank send all its pairs to one rank, so these cases never overflow.
-    return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k,
+    # A shared expert too: it runs on each rank's own tokens, batch-invariant in the reference
+    # backend. A capacity factor of ep_size lets one rank send all its pairs to one rank, so these
+    # cases never overflow.
+    return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k, num_shared_experts=1,
                      score_function="sigmoid", expert_bias=skewed, params_dtype=dtype, ep_size=ep_size,
                      ep_exchange=exchange, ep_capacity_factor=float(ep_size), backend="reference")  # fmt: skip
 

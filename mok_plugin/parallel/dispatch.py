@@ -23,11 +23,12 @@ Why the result is bitwise the same for every W: each expert sees the same rows i
 with the same tile padding, so every per-expert GEMM and weight-gradient reduction adds the same
 floats in the same order; the sums over k run on the token's own rank in the same order.
 
-Known gap: the shared experts (a dense SwiGLU on each rank's own tokens) and the replicated router
-are plain GEMMs over the rank's batch; a GEMM library may round a row differently when the batch
-size changes. The router computes in fp64 and rounds to fp32, which hides that in practice; the
-shared experts do not yet, so with shared experts the layer is topology-invariant only as far as
-the dense GEMM is batch-invariant.
+Batch invariance of what runs on each rank's own tokens: the replicated router and the shared
+experts are GEMMs over the rank's batch, and a GEMM library may round a row differently when the
+batch size changes. The router computes in fp64 and rounds to fp32 (always); the shared experts do
+the same with the reference backend. With the triton backend the shared experts still use the
+params-dtype GEMM, so there they are topology-invariant only as far as cuBLAS is batch-invariant
+(a known gap: routing them through the row-tile kernels would close it).
 
 Two exchanges (`mok.ep_exchange`):
   capacity (default)  every rank sends every rank a fixed-size block of ceil(factor * T * K / W)
