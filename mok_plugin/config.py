@@ -93,6 +93,11 @@ class MoKConfig(BaseModel):
         description="capacity: fixed-size buffers, no host sync, same token count on every rank; "
         "exact: buffers sized from exchanged counts (one host sync per layer), any token counts.",
     )
+    ep_transport: Literal["nccl", "symmetric_memory"] = Field(
+        default="nccl",
+        description="nccl: torch.distributed all-to-all (any backend, gloo on the CPU); symmetric_memory: "
+        "ranks pull rows from peers' NVLink-mapped buffers (capacity exchange, CUDA, one NVLink domain).",
+    )
     ep_capacity_factor: float = Field(
         default=2.0,
         gt=0.0,
@@ -146,6 +151,11 @@ class MoKConfig(BaseModel):
                     f"mok.top_k={K} exceeds the {Gk * (E // G)} experts in topk_group={Gk} groups "
                     f"of {E // G}; raise topk_group or lower top_k"
                 )
+        if self.ep_transport == "symmetric_memory" and self.ep_exchange != "capacity":
+            problems.append(
+                "mok.ep_transport='symmetric_memory' needs mok.ep_exchange='capacity' (fixed-size buffers); "
+                f"got ep_exchange={self.ep_exchange!r}"
+            )
         if E % self.ep_size != 0:
             problems.append(f"mok.ep_size={self.ep_size} does not divide num_experts={E}; allowed: a divisor of {E}")
         if problems:

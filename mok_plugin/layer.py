@@ -251,7 +251,7 @@ class MoKMoE(nn.Module):
             out = moe_experts_expert_parallel(
                 x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
                 cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
-                phase=self.ep_stage_timer,
+                phase=self.ep_stage_timer, transport=cfg.ep_transport,
             )  # fmt: skip
             num_dropped = self.last_num_dropped.new_zeros(())
         else:

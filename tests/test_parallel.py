@@ -156,3 +156,13 @@ def test_bench_ep_runs_and_writes_json(tmp_path):
     assert set(result["per_rank"]) == {"0", "1"}
     for row in result["per_rank"].values():
         assert row["bytes"] > 0 and all(row[s] > 0 for s in ("dispatch", "experts", "combine", "backward"))
+
+
+def test_symmetric_memory_transport_errors():
+    from mok_plugin import MoKConfigError
+    from mok_plugin.parallel.symmetric import symmetric_all_to_all_equal
+
+    with pytest.raises(MoKConfigError, match=r"ep_transport='symmetric_memory' needs mok\.ep_exchange='capacity'"):
+        _config(2, False, "float32", 2, "exact").replace(ep_transport="symmetric_memory")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        symmetric_all_to_all_equal(torch.zeros(4, 2), group=None)

@@ -38,6 +38,9 @@ Two exchanges (`mok.ep_exchange`):
                       device-side assertion naming mok.ep_capacity_factor.
   exact               exchanges the per-rank counts and reads them on the host once per forward
                       (the backward reuses them) to size the exchange exactly; any T per rank.
+Two transports for the capacity exchange (`mok.ep_transport`): nccl (torch.distributed
+all-to-all, any backend) and symmetric_memory (ranks pull blocks from peers' NVLink-mapped buffers,
+symmetric.py).
 
 Barriers: every collective here (the token-count check, the counts exchange, the row exchanges) is
 joined by every rank of the group in the same order; there is no other barrier.
@@ -56,6 +59,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
+from mok_plugin.parallel.symmetric import symmetric_all_to_all_equal
 from mok_plugin.reference import sum_over_k
 from mok_plugin.routing import count_per_expert
 from mok_plugin.schedule import MoKSchedule, build_schedule
@@ -117,8 +121,11 @@ def _exchange_ints(t: torch.Tensor, send_splits: list[int], recv_splits: list[in
     return out
 
 
-def _exchange_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable all-to-all of W equal blocks of rows."""
+def _exchange_equal(t: torch.Tensor, group: dist.ProcessGroup, transport: str = "nccl") -> torch.Tensor:
+    """Differentiable all-to-all of W equal blocks of rows, through torch.distributed or by pulling
+    from peers' symmetric buffers (symmetric.py)."""
+    if transport == "symmetric_memory":
+        return symmetric_all_to_all_equal(t, group)
     return _AllToAll.apply(t, None, None, group)
 
 
@@ -146,6 +153,7 @@ def moe_experts_expert_parallel(
     tile_m: int,
     capacity_factor: float | None = None,
     phase: Callable[[str], AbstractContextManager] | None = None,
+    transport: str = "nccl",
 ) -> torch.Tensor:
     """The routed experts' output for this rank's tokens, with the experts spread over `group`.
 
@@ -164,6 +172,8 @@ def moe_experts_expert_parallel(
             and every rank must have the same T.
         phase: optional context-manager factory wrapped around the "dispatch", "experts" and
             "combine" stages of the forward (scripts/bench_ep.py times them with it).
+        transport: "nccl" (torch.distributed all-to-all, any backend) or "symmetric_memory"
+            (pull from peers' NVLink buffers; capacity exchange and CUDA only).
     Returns:
         [T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending.
     Raises:
@@ -174,7 +184,7 @@ def moe_experts_expert_parallel(
     stage = phase or (lambda name: contextlib.nullcontext())
     with stage("dispatch"):
         x_recv, w_recv, expert_recv, order, send_back = _dispatch(
-            x, topk_ids, topk_weights, group, num_experts, capacity_factor
+            x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport
         )
     with stage("experts"):
         # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
@@ -186,7 +196,7 @@ def moe_experts_expert_parallel(
         return sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
 
 
-def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor):
+def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport):
     """(x_recv, w_recv, expert_recv, send order, send_back): this rank's pairs sent to their experts'
     ranks, and the function that returns result rows to their senders, in send order."""
     W = dist.get_world_size(group)
@@ -202,6 +212,8 @@ def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor):
     weights = topk_weights.reshape(-1)[order]
 
     if capacity_factor is None:
+        if transport != "nccl":
+            raise ValueError(f"mok.ep_transport={transport!r} needs the capacity exchange (mok.ep_exchange='capacity')")
         send_counts = count_per_expert(dest.view(-1, 1), W)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
@@ -227,13 +239,13 @@ def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor):
         )
         # Slot of each pair in the [W * slots] send buffer; empty slots carry expert -1.
         slot = dest * slots + rank_in_block.clamp(max=slots - 1)
-        x_recv = _exchange_equal(rows.new_zeros(W * slots, rows.shape[1]).index_copy(0, slot, rows), group)
-        w_recv = _exchange_equal(weights.new_zeros(W * slots).index_copy(0, slot, weights), group)
+        x_send = rows.new_zeros(W * slots, rows.shape[1]).index_copy(0, slot, rows)
+        x_recv = _exchange_equal(x_send, group, transport)
+        w_recv = _exchange_equal(weights.new_zeros(W * slots).index_copy(0, slot, weights), group, transport)
         expert_send = torch.full((W * slots,), -1, dtype=torch.int64, device=x.device).index_copy(0, slot, local_expert)
-        expert_recv = torch.empty_like(expert_send)
-        dist.all_to_all_single(expert_recv, expert_send, group=group)
+        expert_recv = _exchange_equal(expert_send, group, transport)
 
         def send_back(y_recv: torch.Tensor) -> torch.Tensor:
-            return _exchange_equal(y_recv, group)[slot]
+            return _exchange_equal(y_recv, group, transport)[slot]
 
     return x_recv, w_recv, expert_recv, order, send_back
