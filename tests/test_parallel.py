@@ -19,18 +19,20 @@ from mok_plugin.testing import assert_close, make_layer_inputs
 pytestmark = pytest.mark.distributed
 
 H, I, E = 16, 12, 8
-# (name, top_k, skewed, dtype, exchange)
+# (name, top_k, skewed, dtype, exchange, backend)
 CASES = [
-    ("top1_uniform", 1, False, "float32", "exact"),
-    ("top1_skewed", 1, True, "float32", "exact"),
-    ("top2_uniform", 2, False, "float32", "exact"),
-    ("top2_skewed", 2, True, "float32", "exact"),
-    ("top8_uniform", 8, False, "float32", "exact"),
-    ("top8_skewed", 8, True, "float32", "exact"),
-    ("top2_bf16", 2, False, "bfloat16", "exact"),
-    ("capacity_top2_uniform", 2, False, "float32", "capacity"),
-    ("capacity_top1_skewed", 1, True, "float32", "capacity"),
-    ("capacity_top8_bf16", 8, False, "bfloat16", "capacity"),
+    ("top1_uniform", 1, False, "float32", "exact", "reference"),
+    ("top1_skewed", 1, True, "float32", "exact", "reference"),
+    ("top2_uniform", 2, False, "float32", "exact", "reference"),
+    ("top2_skewed", 2, True, "float32", "exact", "reference"),
+    ("top8_uniform", 8, False, "float32", "exact", "reference"),
+    ("top8_skewed", 8, True, "float32", "exact", "reference"),
+    ("top2_bf16", 2, False, "bfloat16", "exact", "reference"),
+    ("capacity_top2_uniform", 2, False, "float32", "capacity", "reference"),
+    ("capacity_top1_skewed", 1, True, "float32", "capacity", "reference"),
+    ("capacity_top8_bf16", 8, False, "bfloat16", "capacity", "reference"),
+    # The Triton kernels (in the interpreter on the CPU) on the received rows.
+    ("triton_top2_skewed", 2, True, "float32", "capacity", "triton"),
 ]
 # Tokens per rank for each world size. Exact: uneven, and rank 1 of 4 has none. Capacity: equal.
 SPLITS = {
@@ -39,18 +41,21 @@ SPLITS = {
 }
 
 
-def _config(top_k: int, skewed: bool, dtype: str, ep_size: int, exchange: str = "exact") -> MoKConfig:
-    # A shared expert too: it runs on each rank's own tokens, batch-invariant in the reference
-    # backend. A capacity factor of ep_size lets one rank send all its pairs to one rank, so these
-    # cases never overflow.
-    return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k, num_shared_experts=1,
-                     score_function="sigmoid", expert_bias=skewed, params_dtype=dtype, ep_size=ep_size,
-                     ep_exchange=exchange, ep_capacity_factor=float(ep_size), backend="reference")  # fmt: skip
+def _config(
+    top_k: int, skewed: bool, dtype: str, ep_size: int, exchange: str = "exact", backend: str = "reference"
+) -> MoKConfig:
+    # A shared expert with the reference backend, which computes it batch-invariantly; the triton
+    # backend's shared experts are a plain GEMM (a known gap), so its case has none. A capacity
+    # factor of ep_size lets one rank send all its pairs to one rank, so these cases never overflow.
+    return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k,
+                     num_shared_experts=1 if backend == "reference" else 0, score_function="sigmoid",
+                     expert_bias=skewed, params_dtype=dtype, ep_size=ep_size, ep_exchange=exchange,
+                     ep_capacity_factor=float(ep_size), backend=backend)  # fmt: skip
 
 
 def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
-    name, top_k, skewed, dtype, exchange = case
-    layer = MoKMoE(_config(top_k, skewed, dtype, ep_size, exchange), ep_group=group, seed=3, init_std=0.2)
+    name, top_k, skewed, dtype, exchange, backend = case
+    layer = MoKMoE(_config(top_k, skewed, dtype, ep_size, exchange, backend), ep_group=group, seed=3, init_std=0.2)
     if skewed:
         layer.expert_bias[0] = 100.0  # expert 0 (on rank 0) is everyone's first choice
     torch_dtype = layer.params_dtype
