@@ -104,16 +104,27 @@ class MoKExperts(nn.Module):
 
 
 class MoKSharedExperts(nn.Module):
-    """The shared experts as one dense SwiGLU MLP: `gate_up_proj` [2Is, H], `down_proj` [H, Is]."""
+    """The shared experts as one dense SwiGLU MLP: `gate_up_proj` [2Is, H], `down_proj` [H, Is].
+
+    Batch-invariant with both backends, so a token's result does not depend on its batch (and so
+    not on the expert-parallel size, since each rank runs this on its own tokens): the reference
+    backend computes in fp64 and rounds; the triton backend runs it as one more expert that every
+    token picks with weight 1, through the row-tile kernels, which own each row's arithmetic.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
-        self.batch_invariant = False  # set by MoKMoE: True with the reference backend
+        self.experts_fn = None  # set by MoKMoE: the triton backend's experts function, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return shared_expert_forward(x, self.gate_up_proj, self.down_proj, self.batch_invariant)
+        if self.experts_fn is None:
+            return shared_expert_forward(x, self.gate_up_proj, self.down_proj, batch_invariant=True)
+        every_token = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
+        schedule = build_schedule(every_token, 1, tile_m=DEFAULT_TILE_M)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return self.experts_fn(x, ones, self.gate_up_proj.unsqueeze(0), self.down_proj.unsqueeze(0), schedule)
 
 
 class MoKMoE(nn.Module):
@@ -190,7 +201,7 @@ class MoKMoE(nn.Module):
         else:
             self._experts_fn = moe_experts_reference
         if self.shared_experts is not None:
-            self.shared_experts.batch_invariant = self.backend == "reference"
+            self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

@@ -156,10 +156,9 @@ def test_megakernel_and_multi_kernel_agree():
 def test_forward_is_batch_invariant():
     # DESIGN.md: a token's output does not depend on which other tokens share the batch. The
     # row-tile kernels own each row's arithmetic and the router scores are rounded from fp64, so
-    # the first 100 tokens give the same bits alone and inside a batch of 3000 (no shared experts:
-    # their dense cuBLAS GEMM is not batch-invariant, a known gap).
+    # the first 100 tokens give the same bits alone and inside a batch of 3000, shared expert too.
     shape = (3000, 1024, 512, 32, 4)
-    layer = _layer(shape, "triton", skew=True)
+    layer = _layer(shape, "triton", skew=True, shared=1)
     x = make_layer_inputs(3000, 1024, dtype=torch.bfloat16, device="cuda", seed=9)
     with torch.no_grad():
         full, _ = layer(x)

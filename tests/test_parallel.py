@@ -44,11 +44,11 @@ SPLITS = {
 def _config(
     top_k: int, skewed: bool, dtype: str, ep_size: int, exchange: str = "exact", backend: str = "reference"
 ) -> MoKConfig:
-    # A shared expert with the reference backend, which computes it batch-invariantly; the triton
-    # backend's shared experts are a plain GEMM (a known gap), so its case has none. A capacity
-    # factor of ep_size lets one rank send all its pairs to one rank, so these cases never overflow.
+    # With a shared expert: it runs on each rank's own tokens, batch-invariantly with both backends.
+    # A capacity factor of ep_size lets one rank send all its pairs to one rank, so these cases
+    # never overflow.
     return MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k,
-                     num_shared_experts=1 if backend == "reference" else 0, score_function="sigmoid",
+                     num_shared_experts=1, score_function="sigmoid",
                      expert_bias=skewed, params_dtype=dtype, ep_size=ep_size, ep_exchange=exchange,
                      ep_capacity_factor=float(ep_size), backend=backend)  # fmt: skip
 

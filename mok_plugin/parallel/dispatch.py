@@ -24,11 +24,9 @@ with the same tile padding, so every per-expert GEMM and weight-gradient reducti
 floats in the same order; the sums over k run on the token's own rank in the same order.
 
 Batch invariance of what runs on each rank's own tokens: the replicated router and the shared
-experts are GEMMs over the rank's batch, and a GEMM library may round a row differently when the
-batch size changes. The router computes in fp64 and rounds to fp32 (always); the shared experts do
-the same with the reference backend. With the triton backend the shared experts still use the
-params-dtype GEMM, so there they are topology-invariant only as far as cuBLAS is batch-invariant
-(a known gap: routing them through the row-tile kernels would close it).
+experts work on the rank's batch, and a GEMM library may round a row differently when the batch
+size changes. The router computes in fp64 and rounds to fp32; the shared experts run through the
+row-tile kernels (triton backend) or in fp64 (reference backend). So they are batch-invariant too.
 
 Two exchanges (`mok.ep_exchange`):
   capacity (default)  every rank sends every rank a fixed-size block of ceil(factor * T * K / W)
