@@ -26,13 +26,14 @@ SHAPES = [
 ]
 
 
-def _layer(shape, backend, skew=False, seed=0):
+def _layer(shape, backend, skew=False, seed=0, shared=0):
     T, H, I, E, K = shape
     cfg = MoKConfig(
         hidden_size=H,
         ffn_hidden_size=I,
         num_experts=E,
         top_k=K,
+        num_shared_experts=shared,
         params_dtype="bfloat16",
         backend=backend,
         aux_loss_coeff=1e-3,
