@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
         if on_gpu:
             torch.cuda.set_device(local)
-        main_rank(args, rank, world, "nccl" if on_gpu else "gloo", torch.device("cuda", local) if on_gpu else "cpu")
+        device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+        main_rank(args, rank, world, "nccl" if on_gpu else "gloo", device)
         return 0
     args.dtype = args.dtype or "float32"
     with socket.socket() as s:
