@@ -131,3 +131,21 @@ def test_bitwise_equal_across_two_processes(tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
         assert torch.equal(a[name], here[name]), name
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_forward_is_batch_invariant(backend):
+    # DESIGN.md: a token's output does not depend on which other tokens share the batch. Without a
+    # GPU the triton backend runs in Triton's interpreter (tests/conftest.py).
+    if backend == "triton":
+        pytest.importorskip("triton", reason="the triton backend needs triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = MoKConfig(hidden_size=48, ffn_hidden_size=40, num_experts=6, top_k=2, num_shared_experts=1,
+                    score_function="softmax", norm_topk_prob=True, backend=backend)  # fmt: skip
+    layer = MoKMoE(cfg, seed=0, init_std=0.2, device=device)
+    x = make_layer_inputs(300, 48, seed=1, device=device)
+    with torch.no_grad():
+        full, _ = layer(x)
+        for start, stop in [(0, 37), (100, 250), (299, 300)]:
+            part, _ = layer(x[start:stop].clone())
+            assert torch.equal(full[start:stop], part), f"tokens {start}:{stop} changed with the batch"
