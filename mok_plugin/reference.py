@@ -8,16 +8,21 @@ It is the CPU backend and the oracle every kernel is tested against, so it follo
 fixed orders and rounding points as the kernels (DESIGN.md):
 
 forward, per expert e over its rows r in ascending (token, k) order:
-    h_r  = x[token_r] @ W13_e^T                  fp32 accumulate, stored in the params dtype
-    A_r  = silu(h_r[:I]) * h_r[I:]                fp32 math on the stored h, stored in the params dtype
-    y_r  = w_r * (A_r @ W2_e^T)                   fp32, stored per (token, k) row in the params dtype
+    h_r  = x[token_r] @ W13_e^T                  accumulated in fp64, stored in the params dtype
+    A_r  = silu(h_r[:I]) * h_r[I:]                fp64 math on the stored h, stored in the params dtype
+    y_r  = w_r * (A_r @ W2_e^T)                   fp64, stored per (token, k) row in the params dtype
     out_t = ((y_(t,0) + y_(t,1)) + ...) + y_(t,K-1)   fp32, k ascending, rounded once
 backward (the down-projection output z = A @ W2^T is never saved):
-    dA'_r = dO[token_r] @ W2_e                   fp32
-    dw_r  = <dA'_r, A_r>                           router-score gradient, fp32
+    dA'_r = dO[token_r] @ W2_e                   fp64
+    dw_r  = <dA'_r, A_r>                           router-score gradient, fp64 rounded to fp32
     dA_r  = w_r * dA'_r; dh_r = dSwiGLU(h_r, dA_r) stored in the params dtype
     dx_r  = dh_r @ W13_e                           stored per (token, k) row, then summed over k in order
     dW2_e = sum_r (w_r dO[token_r])^T A_r;  dW13_e = sum_r dh_r^T x[token_r]   over the expert's rows
+
+The kernels accumulate in fp32; the reference accumulates in fp64 and rounds at the same points.
+That keeps it a tighter oracle and makes it batch-invariant: a CPU GEMM or a vectorised silu may
+round a row differently when the number of rows changes (another kernel for one row, a SIMD tail),
+and an fp64 result rounded to the params dtype hides that.
 
 Expert segments come from `MoKSchedule`; the per-expert loop reads their bounds on the host, which
 is fine for a CPU backend and an oracle (the Triton backend never does).
@@ -36,18 +41,18 @@ __all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "sum_over
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
-    """t in the accumulation dtype: fp32 for 16- and 32-bit floats, fp64 for fp64 (tests)."""
-    return t if t.dtype == torch.float64 else t.float()
+    """t in the reference's accumulation dtype, fp64 (see the module docstring)."""
+    return t.double()
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up on [..., 2I] (gate first), computed in fp32 and returned in h's dtype."""
+    """silu(gate) * up on [..., 2I] (gate first), computed in fp64 and returned in h's dtype."""
     gate, up = _acc(h).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(h.dtype)
 
 
 def _swiglu_backward(h: torch.Tensor, d_a: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. h = [gate, up] of silu(gate) * up, given fp32 d_a; fp32 result."""
+    """Gradient w.r.t. h = [gate, up] of silu(gate) * up, given fp64 d_a; fp64 result."""
     gate, up = _acc(h).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
@@ -56,10 +61,12 @@ def _swiglu_backward(h: torch.Tensor, d_a: torch.Tensor) -> torch.Tensor:
 
 
 def sum_over_k(rows_TKH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Fixed-order sum over k of [T, K, H] rows in fp32: ((r0 + r1) + r2) + ...; rounded once."""
-    acc = _acc(rows_TKH[:, 0])
+    """Fixed-order sum over k of [T, K, H] rows in fp32 (fp64 for fp64 rows), as the kernels sum:
+    ((r0 + r1) + r2) + ...; rounded once."""
+    acc_dtype = torch.float64 if rows_TKH.dtype == torch.float64 else torch.float32
+    acc = rows_TKH[:, 0].to(acc_dtype)
     for k in range(1, rows_TKH.shape[1]):
-        acc = acc + _acc(rows_TKH[:, k])
+        acc = acc + rows_TKH[:, k].to(acc_dtype)
     return acc.to(out_dtype)
 
 
@@ -104,6 +111,7 @@ class MoKReferenceExperts(torch.autograd.Function):
 
         ctx.save_for_backward(x, w_R, gate_up_proj, down_proj, h_R)
         ctx.schedule = schedule
+        ctx.weights_dtype = topk_weights.dtype
         return out
 
     @staticmethod
@@ -137,7 +145,7 @@ class MoKReferenceExperts(torch.autograd.Function):
         d_x = sum_over_k(_rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
         kept = schedule.tk_to_row >= 0
         d_topk_weights = torch.where(kept, d_w_R[schedule.tk_to_row.clamp(min=0)], 0.0).view(T, K)
-        return d_x, d_topk_weights, d_gate_up, d_down, None
+        return d_x, d_topk_weights.to(ctx.weights_dtype), d_gate_up, d_down, None
 
 
 def moe_experts_reference(
