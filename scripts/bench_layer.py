@@ -130,11 +130,17 @@ def provider_megatron(inputs: dict, shape: MoEShape) -> Callable:
 
 
 def provider_liger(inputs: dict, shape: MoEShape) -> Callable:
+    """Liger-Kernel's fused MoE (same weight layout: gate_up [E, 2I, H] gate first, down [E, H, I])."""
     try:
-        import liger_kernel  # noqa: F401
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
     except ImportError as error:
-        raise RuntimeError("liger-kernel is not importable") from error
-    raise RuntimeError("liger-kernel is importable but its fused-MoE entry point is not wired yet")
+        raise RuntimeError("liger-kernel is not importable (pip install liger-kernel, or carry its wheel)") from error
+    ids = inputs["topk_ids"].to(torch.int32)
+
+    def run(x, w, w13, w2):
+        return LigerFusedMoEFunction.apply(x, w13, w2, ids, w)
+
+    return run
 
 
 PROVIDERS = {
