@@ -125,8 +125,73 @@ def provider_reference(inputs: dict, shape: MoEShape) -> Callable:
     return run
 
 
+def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device):
+    """Megatron-Core's stock MoELayer (local spec: SequentialMLP, no Transformer Engine) for shape,
+    in a one-rank process group. Returns the layer, with router and expert weights to be replaced."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    T, H, I, E, K = shape.as_tuple()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=I, moe_ffn_hidden_size=I,
+        num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bf16=True, params_dtype=DTYPE, moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        gradient_accumulation_fusion=False, use_cpu_initialization=True,
+    )  # fmt: skip
+    builder = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    return builder(config=config).to(device)
+
+
 def provider_megatron(inputs: dict, shape: MoEShape) -> Callable:
-    raise RuntimeError("the Megatron-Core peer is not wired yet (the Megatron adapter issue adds it)")
+    """Megatron-Core's stock MoELayer with the alltoall dispatcher and SequentialMLP experts.
+
+    Its router is replaced by the benchmark's routing (the same top-k ids and weights as every other
+    provider), so the output is checked like theirs and the time excludes the router, as theirs
+    does. The expert weights are the benchmark's, passed through `functional_call` so that their
+    gradients come back like every provider's.
+    """
+    try:
+        layer = build_megatron_moe(shape, "alltoall", inputs["x"].device)
+    except ImportError as error:
+        raise RuntimeError("megatron-core is not importable (pip install -e .[megatron])") from error
+    return megatron_run(layer, inputs, shape)
+
+
+def megatron_run(layer, inputs: dict, shape: MoEShape) -> Callable:
+    """run(x, w, w13, w2) through a stock MoELayer with the benchmark's routing and weights."""
+    T, H, I, E, K = shape.as_tuple()
+    ids = inputs["topk_ids"]
+    routing: dict = {}
+
+    def fixed_router(hidden, padding_mask=None):
+        probs = torch.zeros(T, E, dtype=routing["w"].dtype, device=ids.device).scatter(1, ids, routing["w"])
+        return probs, torch.zeros(T, E, dtype=torch.bool, device=ids.device).scatter(1, ids, True)
+
+    layer.router.forward = fixed_router
+
+    def run(x, w, w13, w2):
+        routing["w"] = w
+        params = {}
+        for e in range(E):
+            params[f"experts.local_experts.{e}.linear_fc1.weight"] = w13[e]
+            params[f"experts.local_experts.{e}.linear_fc2.weight"] = w2[e]
+        out, _ = torch.func.functional_call(layer, params, (x.view(T, 1, H),), strict=False)
+        return out.view(T, H)
+
+    return run
 
 
 def provider_liger(inputs: dict, shape: MoEShape) -> Callable:

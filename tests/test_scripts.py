@@ -32,3 +32,28 @@ def test_bench_layer_needs_a_gpu():
     run = subprocess.run([sys.executable, "scripts/bench_layer.py", "--shapes", "tiny"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+
+
+def test_megatron_peer_matches_reference_on_cpu():
+    # bench_layer's Megatron-Core peer: the stock MoELayer (allgather dispatcher on the CPU; the
+    # benchmark uses alltoall on GPUs) with the benchmark's routing and weights, against the reference.
+    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_layer
+
+    from mok_plugin.testing import MoEShape
+
+    shape = MoEShape(32, 64, 32, 4, 2)
+    inputs = bench_layer.make_inputs(shape, "uniform", 0, device="cpu")
+    try:
+        layer = bench_layer.build_megatron_moe(shape, "allgather", torch.device("cpu"))
+        got = bench_layer.fwd_bwd(bench_layer.megatron_run(layer, inputs, shape), inputs)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    want = bench_layer.fwd_bwd(bench_layer.provider_reference(inputs, shape), inputs)
+    assert bench_layer.check(got, want, shape) is None
