@@ -120,7 +120,7 @@ class MoKSharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts_fn is None:
-            return shared_expert_forward(x, self.gate_up_proj, self.down_proj, batch_invariant=True)
+            return shared_expert_forward(x, self.gate_up_proj, self.down_proj)
         every_token = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
         schedule = build_schedule(every_token, 1, tile_m=DEFAULT_TILE_M)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)

@@ -169,28 +169,21 @@ def moe_experts_reference(
     return MoKReferenceExperts.apply(x, topk_weights, gate_up_proj, down_proj, schedule)
 
 
-def shared_expert_forward(
-    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, batch_invariant: bool = False
-) -> torch.Tensor:
-    """Dense SwiGLU MLP applied to every token (plain autograd; dense GEMMs are deterministic).
+def shared_expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU MLP applied to every token (plain autograd), batch-invariant.
+
+    Computed in fp64 and rounded at the same points (h, A, output) as the params-dtype path: a GEMM
+    library may round a row differently when the number of rows changes, and vectorised silu
+    differs between a tensor's SIMD body and its tail; fp64 rounded back hides both, so a token's
+    result does not depend on its batch (which expert parallelism needs, since each rank runs this
+    on its own tokens). The triton backend runs shared experts through its row-tile kernels instead.
 
     Args:
         x: [T, H].
         gate_up_proj: [2Is, H], gate rows first.
         down_proj: [H, Is].
-        batch_invariant: compute in fp64 and round at the same points (h, A, output) as the
-            params-dtype path. A GEMM library may round a row differently when the number of rows
-            changes, and vectorised silu differs between a tensor's SIMD body and its tail; fp64
-            rounded back hides both, so a token's result does not depend on its batch (which
-            expert parallelism needs, since each rank runs this on its own tokens). The reference
-            backend uses it; on a GPU it would cost an fp64 GEMM.
     Returns:
-        [T, H].
+        [T, H] in x's dtype.
     """
-    if not batch_invariant:
-        return F.linear(swiglu(F.linear(x, gate_up_proj)), down_proj)
-    dtype = x.dtype
-    h = F.linear(x.double(), gate_up_proj.double()).to(dtype)
-    gate, up = h.double().chunk(2, dim=-1)
-    a = (F.silu(gate) * up).to(dtype)
-    return F.linear(a.double(), down_proj.double()).to(dtype)
+    h = F.linear(x.double(), gate_up_proj.double()).to(x.dtype)
+    return F.linear(_acc(swiglu(h)), down_proj.double()).to(x.dtype)

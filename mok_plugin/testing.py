@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "NAMED_SHAPES",
+    "parse_shape",
     "MoEShape",
     "Tolerance",
     "TOLERANCES",
@@ -52,6 +53,21 @@ NAMED_SHAPES: dict[str, MoEShape] = {
     "tiny": MoEShape(24, 32, 16, 4, 2),
     "small": MoEShape(64, 64, 48, 8, 2),
 }
+
+
+def parse_shape(text: str) -> MoEShape:
+    """A named shape, or "T,H,I,E,K".
+
+    Raises:
+        ValueError: neither a name in NAMED_SHAPES nor five comma-separated integers.
+    """
+    if text in NAMED_SHAPES:
+        return NAMED_SHAPES[text]
+    try:
+        T, H, I, E, K = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: expected one of {', '.join(NAMED_SHAPES)} or T,H,I,E,K") from None
+    return MoEShape(T, H, I, E, K)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,16 +31,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
-from mok_plugin.testing import NAMED_SHAPES, MoEShape, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, make_layer_inputs, parse_shape  # noqa: E402
 
 STAGES = ("dispatch", "experts", "combine", "backward")
-
-
-def parse_shape(text: str) -> MoEShape:
-    if text in NAMED_SHAPES:
-        return NAMED_SHAPES[text]
-    T, H, I, E, K = (int(v) for v in text.split(","))
-    return MoEShape(T, H, I, E, K)
 
 
 class StageTimer:

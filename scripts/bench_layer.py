@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin import ops  # noqa: E402
 from mok_plugin.reference import moe_experts_reference  # noqa: E402
+from mok_plugin.routing import count_per_expert  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
-from mok_plugin.testing import NAMED_SHAPES, TOLERANCES, MoEShape  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, TOLERANCES, MoEShape, parse_shape  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -105,8 +106,7 @@ def provider_torch(inputs: dict, shape: MoEShape) -> Callable:
     def run(x, w, w13, w2):
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = torch.cumsum(count_per_expert(flat, E), 0).to(torch.int32)
         h = grouped_mm(x[order // K], w13.transpose(-2, -1), offs=offs)
         a = F.silu(h[:, :I]) * h[:, I:]
         y = grouped_mm(a, w2.transpose(-2, -1), offs=offs) * w.reshape(-1)[order, None].to(x.dtype)
@@ -338,10 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_layer.py needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    shapes = [(n, NAMED_SHAPES[n]) for n in args.shapes]
-    for text in args.shape:
-        T, H, I, E, K = (int(v) for v in text.split(","))
-        shapes.append((text, MoEShape(T, H, I, E, K)))
+    shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
     gemm = dense_gemm_tflops()
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
     rows = []

@@ -22,8 +22,6 @@ from mok_plugin import MoKMoE, load_config
 from mok_plugin.layer import resolve_backend
 from mok_plugin.testing import make_layer_inputs
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -70,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config)
     device = torch.device(args.device)
-    dtype = _DTYPES[cfg.params_dtype]
     backend = resolve_backend(cfg.backend, device)
     T, H, I, E, K = args.tokens, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k
     print(f"MoK layer demo: config {args.config}")
@@ -79,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         f"dtype {cfg.params_dtype}, device {device}, backend {backend}"
     )
 
-    x = make_layer_inputs(T, H, dtype=dtype, device=device, seed=args.seed + 1)
+    layer = MoKMoE(cfg, device=device, seed=args.seed)
+    x = make_layer_inputs(T, H, dtype=layer.params_dtype, device=device, seed=args.seed + 1)
     probe = make_layer_inputs(T, H, dtype=torch.float32, device=device, seed=args.seed + 2)
 
     # Determinism: two layers built from the same seed, each run once, compared bit for bit.
@@ -90,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         f"  determinism: {len(runs[0])} tensors compared (output, aux loss, d_x, every weight gradient): "
         + ("bitwise equal" if bitwise else f"MISMATCH in {', '.join(mismatched)}")
     )
-
-    layer = MoKMoE(cfg, device=device, seed=args.seed)
 
     def forward():
         with torch.no_grad():
