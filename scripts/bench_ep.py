@@ -6,6 +6,11 @@ On GPUs, under torchrun (NCCL, one GPU per rank):
 On the CPU, gloo processes spawned by the script itself (the reference backend; slow, for checks):
     python scripts/bench_ep.py --nprocs 4 --shape 64,256,128,16,4 --tokens-per-rank 64
 
+--transport symmetric_memory pulls the capacity exchange's blocks from peers' NVLink buffers
+instead of NCCL's all-to-all (GPUs only). --megatron also times Megatron-Core's stock MoELayer
+(alltoall dispatcher, SequentialMLP experts, its own router) with the same EP size, tokens and
+shape in the same run; its time is forward and backward only (no stage split).
+
 `--shape` is a named shape or T,H,I,E,K; T is replaced by --tokens-per-rank (tokens on each rank).
 Every iteration synchronises the device around each stage, so stage times add up to a little more
 than an unsynchronised step. Per stage, the slowest rank of each iteration is taken, then the
@@ -31,9 +36,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
-from mok_plugin.testing import NAMED_SHAPES, make_layer_inputs, parse_shape  # noqa: E402
+from mok_plugin.parallel import keep_multicast_off  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, MoEShape, make_layer_inputs, parse_shape  # noqa: E402
 
-STAGES = ("dispatch", "experts", "combine", "backward")
+STAGES = ("forward", "dispatch", "experts", "combine", "backward")
+MEGATRON_STAGES = ("forward", "backward")
 
 
 class StageTimer:
@@ -74,7 +81,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
     T, H, I, E, K = args.tokens_per_rank, shape.H, shape.I, shape.E, shape.K
     cfg = MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=K, ep_size=world,
                     ep_exchange=args.exchange, ep_capacity_factor=args.capacity_factor,
-                    params_dtype=args.dtype, backend="auto")  # fmt: skip
+                    ep_transport=args.transport, params_dtype=args.dtype, backend="auto")  # fmt: skip
     layer = MoKMoE(cfg, ep_group=dist.group.WORLD, device=device, seed=0)
     x = make_layer_inputs(T, H, dtype=layer.params_dtype, device=device, seed=rank + 1)
     grad = make_layer_inputs(T, H, dtype=layer.params_dtype, device=device, seed=rank + 101)
@@ -84,43 +91,90 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
     per_iter = []
     for i in range(args.warmup + args.iters):
         xi = x.detach().requires_grad_()
-        out, aux = layer(xi)
+        with timer("forward"):
+            out, aux = layer(xi)
         with timer("backward"):
             out.backward(grad)
         if i >= args.warmup:
             per_iter.append(dict(timer.times))
     nbytes = sent_bytes(layer, x, args.exchange, args.capacity_factor, world)
+    mine = {"rank": rank, "iters": per_iter, "bytes": nbytes}
+    if args.megatron:
+        del layer, out
+        mine["megatron_iters"] = time_megatron_stock(args, shape, world, device, x, grad)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "iters": per_iter, "bytes": nbytes})
+    dist.all_gather_object(gathered, mine)
     return gathered if rank == 0 else None
+
+
+def time_megatron_stock(args, shape, world: int, device: torch.device, x, grad) -> list[dict]:
+    """Forward and backward times of Megatron-Core's stock MoELayer (EP = world) on x."""
+    from bench_layer import build_megatron_moe  # scripts/ is on sys.path when run as a script
+    from megatron.core import parallel_state
+
+    T, H = x.shape
+    # alltoall is Megatron's dispatcher for EP > 1; it needs CUDA streams, so the CPU check uses allgather.
+    dispatcher = "alltoall" if device.type == "cuda" else "allgather"
+    layer = build_megatron_moe(MoEShape(T, H, shape.I, shape.E, shape.K), dispatcher, device, ep_size=world)
+    dtype = next(layer.parameters()).dtype  # bf16, as Megatron runs it
+    x, grad = x.to(dtype), grad.to(dtype)
+    timer, per_iter = StageTimer(device), []
+    try:
+        for i in range(args.warmup + args.iters):
+            xi = x.detach().view(T, 1, H).requires_grad_()
+            with timer("forward"):
+                out, _ = layer(xi)
+            with timer("backward"):
+                out.backward(grad.view(T, 1, H))
+            if i >= args.warmup:
+                per_iter.append(dict(timer.times))
+    finally:
+        parallel_state.destroy_model_parallel()
+    return per_iter
+
+
+def slowest_rank_median(gathered: list[dict], key: str, stages: tuple[str, ...], iters: int) -> dict:
+    """Per stage: the slowest rank of each iteration, then the median over iterations (0 for a stage
+    that did not run: with one rank there is no dispatch or combine)."""
+    return {s: statistics.median(max(g[key][i].get(s, 0.0) for g in gathered) for i in range(iters)) for s in stages}
 
 
 def summarize(gathered: list[dict], iters: int) -> dict:
     per_rank = {}
     for g in gathered:
-        per_rank[g["rank"]] = {s: statistics.median(it[s] for it in g["iters"]) for s in STAGES}
+        per_rank[g["rank"]] = {s: statistics.median(it.get(s, 0.0) for it in g["iters"]) for s in STAGES}
         per_rank[g["rank"]]["bytes"] = g["bytes"]
-    slowest = {s: statistics.median(max(g["iters"][i][s] for g in gathered) for i in range(iters)) for s in STAGES}
-    return {"per_rank": per_rank, "slowest_rank_median": slowest}
+    summary = {"per_rank": per_rank, "slowest_rank_median": slowest_rank_median(gathered, "iters", STAGES, iters)}
+    if "megatron_iters" in gathered[0]:
+        summary["megatron_slowest_rank_median"] = slowest_rank_median(
+            gathered, "megatron_iters", MEGATRON_STAGES, iters
+        )
+    return summary
 
 
 def print_table(summary: dict, args: argparse.Namespace, world: int, backend: str) -> None:
     print(
         f"\nbench_ep: shape {args.shape}, {args.tokens_per_rank} tokens/rank, {world} ranks ({backend}), "
-        f"exchange {args.exchange}, dtype {args.dtype}"
+        f"exchange {args.exchange}, transport {args.transport}, dtype {args.dtype}"
     )
     print(
-        f"{'rank':>5} {'dispatch ms':>12} {'experts ms':>11} {'combine ms':>11} {'backward ms':>12} "
-        f"{'sent MB':>9} {'dispatch GB/s':>14}"
+        f"{'rank':>8} {'forward ms':>11} {'dispatch ms':>12} {'experts ms':>11} {'combine ms':>11} "
+        f"{'backward ms':>12} {'sent MB':>9} {'dispatch GB/s':>14}"
     )
     for rank, row in sorted(summary["per_rank"].items()):
         gbps = row["bytes"] / (row["dispatch"] * 1e-3) / 1e9 if row["dispatch"] > 0 else 0.0
         print(
-            f"{rank:>5} {row['dispatch']:>12.3f} {row['experts']:>11.3f} {row['combine']:>11.3f} "
-            f"{row['backward']:>12.3f} {row['bytes'] / 1e6:>9.2f} {gbps:>14.2f}"
+            f"{rank:>8} {row['forward']:>11.3f} {row['dispatch']:>12.3f} {row['experts']:>11.3f} "
+            f"{row['combine']:>11.3f} {row['backward']:>12.3f} {row['bytes'] / 1e6:>9.2f} {gbps:>14.2f}"
         )
     s = summary["slowest_rank_median"]
-    print(f"{'max':>5} {s['dispatch']:>12.3f} {s['experts']:>11.3f} {s['combine']:>11.3f} {s['backward']:>12.3f}")
+    print(
+        f"{'max':>8} {s['forward']:>11.3f} {s['dispatch']:>12.3f} {s['experts']:>11.3f} {s['combine']:>11.3f} "
+        f"{s['backward']:>12.3f}"
+    )
+    m = summary.get("megatron_slowest_rank_median")
+    if m:
+        print(f"{'megatron':>8} {m['forward']:>11.3f} {'':>12} {'':>11} {'':>11} {m['backward']:>12.3f}")
     print("dispatch GB/s = bytes sent to other ranks / dispatch time (the stage also sorts and exchanges metadata)")
 
 
@@ -159,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--exchange", choices=["capacity", "exact"], default="capacity")
     parser.add_argument("--capacity-factor", type=float, default=2.0)
+    parser.add_argument("--transport", choices=["nccl", "symmetric_memory"], default="nccl")
+    parser.add_argument("--megatron", action="store_true", help="also time Megatron-Core's stock MoELayer")
     parser.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on GPUs, float32 on the CPU"
     )
@@ -167,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    keep_multicast_off()
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nprocs
+    if args.megatron and world > 1 and not torch.cuda.is_available():
+        parser.error("--megatron with more than one rank needs GPUs (Megatron-Core's dispatchers allocate on CUDA)")
+    if under_torchrun:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
         on_gpu = torch.cuda.is_available()

@@ -125,9 +125,10 @@ def provider_reference(inputs: dict, shape: MoEShape) -> Callable:
     return run
 
 
-def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device):
+def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device, ep_size: int = 1):
     """Megatron-Core's stock MoELayer (local spec: SequentialMLP, no Transformer Engine) for shape,
-    in a one-rank process group. Returns the layer, with router and expert weights to be replaced."""
+    with `ep_size`-way expert parallelism over the default process group (a one-rank group is made
+    when none exists). Weights are random (std 0.02, seed 0); callers may replace them."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -142,17 +143,29 @@ def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size)
     T, H, I, E, K = shape.as_tuple()
+    on_cpu = device.type == "cpu"
     config = TransformerConfig(
         num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=I, moe_ffn_hidden_size=I,
         num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, bf16=True, params_dtype=DTYPE, moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        gradient_accumulation_fusion=False, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        # On the GPU: allocate there and fill below (Megatron's GPU init needs its RNG tracker).
+        use_cpu_initialization=on_cpu, perform_initialization=on_cpu,
     )  # fmt: skip
     builder = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
-    return builder(config=config).to(device)
+    layer = builder(config=config).to(device)
+    if on_cpu:  # the stock router's gating() moves its weight to CUDA; the same logits, on the CPU
+        router = layer.router
+        router.gating = lambda hidden: F.linear(hidden, router.weight)
+    else:
+        generator = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(0.0, 0.02, generator=generator)
+    return layer
 
 
 def provider_megatron(inputs: dict, shape: MoEShape) -> Callable:

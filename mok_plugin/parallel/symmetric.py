@@ -18,8 +18,8 @@ memory); it happens once per (group, device, dtype) and again only when a larger
 larger buffer, which all ranks do together because the capacity exchange has the same size on
 every rank. Steady state: none.
 
-Multicast: never used. `TORCH_SYMM_MEM_DISABLE_MULTICAST=1` is set before the first rendezvous
-(unless the caller set it), as the machines here require; nothing calls cuMulticastCreate.
+Multicast: never used. `keep_multicast_off()` sets the variables that switch it off before the first
+rendezvous, as the machines here require; nothing calls cuMulticastCreate.
 
 Caller's contract: CUDA tensors; every rank of the group calls with the same shape and dtype, in the
 same order; the group fits in one NVLink domain.
@@ -35,7 +35,17 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["symmetric_all_to_all_equal"]
+__all__ = ["keep_multicast_off", "symmetric_all_to_all_equal"]
+
+# NVLink multicast stays off on the machines here: a program that uses it can take a shared host's
+# GPUs out of service. These switch it off in NCCL, PyTorch's symmetric memory and NVSHMEM.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def keep_multicast_off() -> None:
+    """Set the variables that keep NVLink multicast off, for this process and those it starts."""
+    os.environ.update(MULTICAST_OFF_ENV)
+
 
 _WORKSPACES: dict[tuple[str, str, torch.dtype], tuple[torch.Tensor, object]] = {}
 
@@ -44,7 +54,7 @@ def _workspace(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtyp
     """(buffer, handle) of a symmetric buffer of at least numel elements, cached per group/device/dtype."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    keep_multicast_off()
     key = (group.group_name, str(device), dtype)
     cached = _WORKSPACES.get(key)
     if cached is not None and cached[0].numel() >= numel:
