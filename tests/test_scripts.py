@@ -57,3 +57,22 @@ def test_megatron_peer_matches_reference_on_cpu():
             dist.destroy_process_group()
     want = bench_layer.fwd_bwd(bench_layer.provider_reference(inputs, shape), inputs)
     assert bench_layer.check(got, want, shape) is None
+
+
+def test_multi_gpu_smoke_on_cpu(tmp_path):
+    # scripts/multi_gpu.py with two gloo processes: the invariance part (EP 1 and 2 bitwise, both
+    # exchanges) and bench_ep at EP = 2, each a torchrun job; its JSON holds every part.
+    run = subprocess.run(
+        [sys.executable, "scripts/multi_gpu.py", "--cpu", "--nprocs", "2", "--invariance-shape", "64,32,16,8",
+         "--bench-shapes", "64,32,16,8,2", "--tokens-per-gpu", "32", "--iters", "2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "multi_gpu.json").read_text())
+    rows = result["invariance"]["rows"]
+    assert result["invariance"]["status"] == "passed"
+    assert {r["ep"] for r in rows} == {1, 2} and {r["exchange"] for r in rows} == {"capacity", "exact"}
+    assert all(r["bitwise"] for r in rows)
+    (bench,) = result["bench"]
+    assert bench["status"] == "ran" and set(bench["per_rank"]) == {"0", "1"}
+    assert bench["slowest_rank_median"]["dispatch"] > 0 and bench["per_rank"]["0"]["bytes"] > 0
