@@ -1,0 +1,154 @@
+"""Checkpoint keys of the Megatron adapter: MoK's stacked tensors under Megatron's stock names.
+
+MoK holds each rank's experts stacked ([E_l, 2I, H] and [E_l, H, I], gate rows first, as
+Megatron's GLU fc1); Megatron's stock layer holds one fc1/fc2 pair per expert. This module maps
+between the two so that checkpoints move both ways:
+
+  MoK (module tree)                      stock key (state_dict and sharded_state_dict)
+  mok.router.weight                      router.weight
+  mok.expert_bias, mok.local_tokens_...  router.expert_bias, router.local_tokens_per_expert
+  mok.experts.gate_up_proj[i]            experts.local_experts.{i}.linear_fc1.weight  (SequentialMLP)
+  mok.experts.down_proj[i]               experts.local_experts.{i}.linear_fc2.weight
+  mok.shared_experts.gate_up_proj        shared_experts.linear_fc1.weight
+  mok.shared_experts.down_proj           shared_experts.linear_fc2.weight
+
+Saving writes the SequentialMLP keys (with their `_extra_state` entries, None, as the stock local
+layers write them). Loading also accepts TEGroupedMLP's `experts.linear_fc1.weight{i}` keys. The
+sharded (distributed-checkpoint) keys are built with Megatron's own helpers, exactly as
+SequentialMLP and MLP build theirs: expert i is a shard of `experts.linear_fc1.weight` along a
+leading expert axis at its global index.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["install_state_dict_hooks", "megatron_sharded_state_dict"]
+
+# (MoK name relative to the layer, stock name): tensors that are renamed, not split.
+_RENAMED = [
+    ("mok.router.weight", "router.weight"),
+    ("mok.expert_bias", "router.expert_bias"),
+    ("mok.local_tokens_per_expert", "router.local_tokens_per_expert"),
+    ("mok.shared_experts.gate_up_proj", "shared_experts.linear_fc1.weight"),
+    ("mok.shared_experts.down_proj", "shared_experts.linear_fc2.weight"),
+]
+# (MoK stacked name, fc name): split per local expert.
+_STACKED = [("mok.experts.gate_up_proj", "linear_fc1"), ("mok.experts.down_proj", "linear_fc2")]
+_EXTRA = "_extra_state"
+
+
+def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict post-hook: MoK names -> stock names, in place."""
+    for mok_name, stock_name in _RENAMED:
+        if prefix + mok_name in state_dict:
+            state_dict[prefix + stock_name] = state_dict.pop(prefix + mok_name)
+            if stock_name.startswith("shared_experts."):
+                state_dict[prefix + stock_name.removesuffix("weight") + _EXTRA] = None
+    for mok_name, fc in _STACKED:
+        stacked = state_dict.pop(prefix + mok_name, None)
+        if stacked is None:
+            continue
+        for i in range(stacked.shape[0]):
+            state_dict[f"{prefix}experts.local_experts.{i}.{fc}.weight"] = stacked[i]
+            state_dict[f"{prefix}experts.local_experts.{i}.{fc}.{_EXTRA}"] = None
+
+
+def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: stock names (SequentialMLP or TEGroupedMLP) -> MoK names, in place."""
+    for mok_name, stock_name in _RENAMED:
+        if prefix + stock_name in state_dict:
+            state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
+    num_local = module.mok.experts.gate_up_proj.shape[0]
+    for mok_name, fc in _STACKED:
+        per_expert = []
+        for i in range(num_local):
+            for key in (f"{prefix}experts.local_experts.{i}.{fc}.weight", f"{prefix}experts.{fc}.weight{i}"):
+                if key in state_dict:
+                    per_expert.append(state_dict.pop(key))
+                    break
+        if len(per_expert) == num_local:
+            state_dict[prefix + mok_name] = torch.stack(per_expert)
+        elif per_expert:
+            raise KeyError(
+                f"{prefix}experts: found {len(per_expert)} of {num_local} local experts' {fc} weights; "
+                "the checkpoint's expert-parallel layout must match this layer's (same num_moe_experts and EP size)"
+            )
+    # Extra state the stock layers write (None for local layers, fp8 metadata for TE): MoK has none.
+    extra = re.compile(re.escape(prefix) + r"(experts|shared_experts)\..*" + _EXTRA + r"\d*$")
+    for key in [k for k in state_dict if extra.match(k)]:
+        del state_dict[key]
+
+
+def install_state_dict_hooks(layer: torch.nn.Module) -> None:
+    """Make `layer.state_dict()` / `layer.load_state_dict()` speak the stock layer's keys."""
+    layer.register_state_dict_post_hook(_to_stock)
+    layer.register_load_state_dict_pre_hook(_from_stock)
+
+
+def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None) -> dict:
+    """The layer's distributed-checkpoint state dict, sharded exactly as the stock layer's is.
+
+    Args:
+        layer: a MoKMoELayer (uses its `mok`, `pg_collection`, `num_local_experts`).
+        prefix, sharded_offsets, metadata: as Megatron passes them to `sharded_state_dict`.
+    """
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    dp_cp = metadata["dp_cp_group"]
+    singleton = metadata.get("singleton_local_shards", False)
+    pg = layer.pg_collection
+    plain = layer.state_dict(keep_vars=True)
+    out: dict = {}
+
+    def section(name: str) -> dict:
+        return {k[len(name) + 1 :]: v for k, v in plain.items() if k.startswith(name + ".")}
+
+    # Router (replicated) and its buffers, as MegatronModule's default does.
+    out.update(make_sharded_tensors_for_checkpoint(section("router"), f"{prefix}router.", {}, sharded_offsets,
+                                                   tp_group=pg.tp, dp_cp_group=dp_cp))  # fmt: skip
+    if layer.mok.shared_experts is not None:
+        shared = section("shared_experts")
+        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, singleton, pg.tp, dp_cp))
+
+    # Routed experts, as SequentialMLP does: expert i is a shard along a new leading axis.
+    ep_rank, ep_size = pg.ep.rank(), pg.ep.size()
+    num_local = layer.num_local_experts
+    for i in range(num_local):
+        global_i = ep_rank * num_local + i
+        local_prefix = f"{prefix}experts.local_experts.{i}."
+        # SequentialMLP names its shards "<its prefix>experts.", under MoELayer's "experts.".
+        if singleton:
+            sharded_prefix, offsets = f"{prefix}experts.experts.{global_i}.", sharded_offsets
+        else:
+            sharded_prefix = f"{prefix}experts.experts."
+            offsets = (*sharded_offsets, (len(sharded_offsets), global_i, num_local * ep_size))
+        expert = _mlp_sharded(
+            section(f"experts.local_experts.{i}"), local_prefix, offsets, singleton, pg.expt_tp, dp_cp
+        )
+        replace_prefix_for_sharding(expert, local_prefix, sharded_prefix)
+        for sharded in expert.values():
+            sharded.replica_id = (*sharded.replica_id[:2], pg.expt_dp.rank())
+        out.update(expert)
+    return out
+
+
+def _mlp_sharded(state: dict, prefix: str, offsets: tuple, singleton: bool, tp_group, dp_cp) -> dict:
+    """One SwiGLU MLP's sharded tensors, as Megatron's MLP builds them (fc1 axis 0, fc2 axis 1)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory as swiglu
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint as make
+
+    out = {}
+    for fc, axis in (("linear_fc1", 0), ("linear_fc2", 1)):
+        sub = {k[len(fc) + 1 :]: v for k, v in state.items() if k.startswith(fc + ".")}
+        sharded = make(sub, f"{prefix}{fc}.", {"weight": axis}, offsets, tp_group=tp_group, dp_cp_group=dp_cp)
+        if fc == "linear_fc1":
+            key = f"{prefix}{fc}.weight"
+            sharded[key] = swiglu(sharded[key], offsets, singleton, tp_group=tp_group, dp_group=dp_cp)
+        out.update(sharded)
+    return out

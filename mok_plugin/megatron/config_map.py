@@ -1,0 +1,200 @@
+"""Megatron-Core TransformerConfig -> MoKConfig: what maps, and what is refused by name.
+
+Owns: `mok_config_from_megatron`, the table of Megatron MoE fields MoK supports, replaces or
+refuses. Every refused setting is an error at build time naming the command-line flag that sets it
+(Megatron derives its flags from the field names: `moe_router_fusion` is `--moe-router-fusion`).
+
+Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
+  softmax, post-top-k (default)   softmax over the K chosen logits = softmax over all E, then the K
+                                  chosen renormalised: MoK `norm_topk_prob=True`.
+  softmax, --moe-router-pre-softmax   softmax over all E, no renormalisation.
+  sigmoid                         renormalised over the K chosen when K > 1.
+  group-limited, expert bias, top-k scaling, Switch aux loss (micro-batch), z-loss: same formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mok_plugin.config import MoKConfig, MoKConfigError
+
+__all__ = ["mok_config_from_megatron", "megatron_flag"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# Fields that Megatron's stock layer uses and MoK replaces with its own kernels: accepted, no effect.
+REPLACED = (
+    "moe_grouped_gemm",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_router_dtype",
+    "moe_token_dispatcher_type",
+)
+
+# field -> (is it set in a way MoK cannot honour?, why)
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "moe_input_jitter_eps": (lambda v: v not in (None, 0, 0.0), "input jitter is random noise (not deterministic)"),
+    "moe_shared_expert_gate": (bool, "a gated shared expert is not implemented"),
+    "moe_shared_expert_overlap": (bool, "MoK runs the shared expert itself; there is no dispatcher to overlap"),
+    "moe_apply_probs_on_input": (bool, "probabilities are applied after the expert activation"),
+    "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
+    "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
+    "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
+    "overlap_moe_expert_parallel_comm": (bool, "the EP-overlap schedule calls the stock dispatcher's stages"),
+    "delay_wgrad_compute": (bool, "MoK computes weight gradients in its own backward"),
+    "moe_router_padding_for_quantization": (bool, "fp8/fp4 padding is not implemented"),
+    "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
+    "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
+    "add_bias_linear": (bool, "MoK's experts have no bias; pass --disable-bias-linear"),
+}
+
+
+def megatron_flag(field: str) -> str:
+    """The command-line flag of a TransformerConfig field (Megatron builds them this way)."""
+    return {"num_moe_experts": "--num-experts", "gated_linear_unit": "--swiglu"}.get(
+        field, "--" + field.replace("_", "-")
+    )
+
+
+def _refuse(field: str, value: Any, why: str) -> str:
+    return f"{megatron_flag(field)} ({field}={value!r}): not supported by MoK: {why}"
+
+
+def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
+    """MoK routing fields from Megatron's router settings; unsupported choices go to problems."""
+    K = tc.moe_router_topk
+    score = tc.moe_router_score_function
+    if score not in ("softmax", "sigmoid"):
+        problems.append(_refuse("moe_router_score_function", score, "allowed: softmax, sigmoid"))
+    norm = (not tc.moe_router_pre_softmax) if score == "softmax" else K > 1
+    if score == "softmax" and K == 1 and not tc.moe_router_pre_softmax:
+        # Megatron refuses this too: a softmax over one logit is always 1.
+        problems.append(_refuse("moe_router_topk", K, "top-1 softmax routing needs --moe-router-pre-softmax"))
+    if tc.moe_router_num_groups and score == "softmax" and not tc.moe_router_pre_softmax:
+        # Megatron picks groups by summed *logits* in this mode; MoK sums the scores (as it does
+        # for sigmoid and pre-softmax routing, where the two agree).
+        problems.append(
+            _refuse(
+                "moe_router_num_groups",
+                tc.moe_router_num_groups,
+                "group-limited routing needs --moe-router-score-function sigmoid or --moe-router-pre-softmax",
+            )
+        )
+    balancing = tc.moe_router_load_balancing_type
+    balancing = list(balancing) if isinstance(balancing, (list, tuple)) else [balancing]
+    coeffs = tc.moe_aux_loss_coeff
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(balancing)
+    aux_coeff = 0.0
+    for kind, coeff in zip(balancing, coeffs, strict=False):
+        if kind == "aux_loss":
+            aux_coeff += float(coeff)
+        elif kind != "none":
+            problems.append(_refuse("moe_router_load_balancing_type", kind, "allowed: aux_loss (micro-batch), none"))
+    if aux_coeff > 0 and (tc.moe_router_num_groups or tc.moe_router_enable_expert_bias):
+        # Megatron counts each token's plain top-k for the aux loss (no groups, no bias); MoK counts
+        # the experts actually chosen. Refused rather than silently different.
+        problems.append(
+            _refuse(
+                "moe_aux_loss_coeff",
+                tc.moe_aux_loss_coeff,
+                "the aux loss with group-limited routing or expert bias counts experts differently "
+                "in Megatron; use --moe-router-load-balancing-type none with these",
+            )
+        )
+    fields: dict[str, Any] = {
+        "top_k": K,
+        "score_function": score,
+        "norm_topk_prob": norm,
+        "routed_scaling_factor": float(tc.moe_router_topk_scaling_factor or 1.0),
+        "n_group": tc.moe_router_num_groups,
+        "topk_group": tc.moe_router_group_topk,
+        "expert_bias": bool(tc.moe_router_enable_expert_bias),
+        "expert_bias_update_rate": float(tc.moe_router_bias_update_rate),
+        "aux_loss_coeff": aux_coeff,
+        "z_loss_coeff": float(tc.moe_z_loss_coeff or 0.0),
+    }
+    return fields
+
+
+def _capacity_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
+    factor = tc.moe_expert_capacity_factor
+    if factor is None or factor < 0:
+        return {}
+    if tc.moe_token_drop_policy != "position":
+        problems.append(
+            _refuse(
+                "moe_token_drop_policy",
+                tc.moe_token_drop_policy,
+                "MoK drops by position (token order) only; pass --moe-token-drop-policy position",
+            )
+        )
+    return {"capacity_factor": float(factor)}
+
+
+def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -> MoKConfig:
+    """The MoKConfig that runs the MoE layer Megatron's TransformerConfig `tc` describes.
+
+    Args:
+        tc: a megatron.core TransformerConfig with num_moe_experts set.
+        overrides: MoK-only knobs (backend, kernel_variant, ep_exchange, ep_capacity_factor,
+            ep_transport, deterministic, debug_checks), for example from --mok-config. A field that
+            Megatron also sets (a shape or routing field) must agree with it.
+    Returns:
+        The validated MoKConfig; ep_size is the expert-model-parallel size.
+    Raises:
+        MoKConfigError: every unsupported Megatron setting, each naming its flag, and every
+            conflicting override, together.
+    """
+    problems: list[str] = []
+    if not tc.num_moe_experts:
+        problems.append(f"{megatron_flag('num_moe_experts')} is not set: MoK replaces MoE layers only")
+    if not tc.gated_linear_unit or getattr(tc.activation_func, "__name__", "") != "silu":
+        problems.append(
+            f"--swiglu (gated_linear_unit={tc.gated_linear_unit}, activation_func="
+            f"{getattr(tc.activation_func, '__name__', tc.activation_func)}): MoK's experts are SwiGLU only"
+        )
+    for field, (is_refused, why) in _REFUSED.items():
+        value = getattr(tc, field, None)
+        if value is not None and is_refused(value):
+            problems.append(_refuse(field, value, why))
+    etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
+    if etp != 1:
+        problems.append(_refuse("expert_tensor_parallel_size", etp, "expert tensor parallelism is not implemented"))
+    if tc.tensor_model_parallel_size != 1:
+        problems.append(
+            _refuse(
+                "tensor_model_parallel_size",
+                tc.tensor_model_parallel_size,
+                "the MoK layer takes the full hidden state on each rank (TP = 1)",
+            )
+        )
+    if tc.params_dtype not in _DTYPE_NAMES:
+        problems.append(_refuse("params_dtype", tc.params_dtype, "allowed: float32, bfloat16, float16"))
+
+    derived: dict[str, Any] = {
+        "hidden_size": tc.hidden_size,
+        "ffn_hidden_size": tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
+        "num_experts": tc.num_moe_experts or 1,
+        "ep_size": tc.expert_model_parallel_size,
+        # Stock Megatron sizes its exchange from exchanged counts; so does MoK by default here
+        # (one host read per layer); the capacity exchange is an opt-in override.
+        "ep_exchange": "exact",
+        "params_dtype": _DTYPE_NAMES.get(tc.params_dtype, "float32"),
+    }
+    derived.update(_routing_fields(tc, problems))
+    derived.update(_capacity_fields(tc, problems))
+    if tc.moe_shared_expert_intermediate_size:
+        derived.update(num_shared_experts=1, shared_ffn_hidden_size=tc.moe_shared_expert_intermediate_size)
+
+    for key, value in (overrides or {}).items():
+        if key in derived and key not in ("ep_exchange",) and derived[key] != value:
+            problems.append(
+                f"mok.{key}={value!r} conflicts with Megatron's setting {derived[key]!r}; "
+                "set it through Megatron's flags, or drop it from the MoK config"
+            )
+        derived[key] = value
+    if problems:
+        raise MoKConfigError("cannot run this Megatron MoE layer with MoK:\n  " + "\n  ".join(problems))
+    return MoKConfig(**derived)

@@ -1,0 +1,315 @@
+"""The Megatron-Core adapter on the CPU (gloo): MoKMoELayer against Megatron's stock MoELayer built
+from the same TransformerConfig with the same weights (outputs, input, router and expert
+gradients, aux loss), checkpoints both ways (state_dict and the sharded distributed-checkpoint
+layout), gradients into main_grad, unsupported flags, the --spec path, EP = 2 in two processes."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # noqa: E402
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.megatron import MoKMoELayer, mok_config_from_megatron, use_mok  # noqa: E402
+from mok_plugin.megatron.checkpoint import _to_stock as to_stock  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+H, I, E = 32, 16, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int = 0, world: int = 1, port: int | None = None, ep: int = 1) -> None:
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+
+
+@pytest.fixture()
+def megatron_world():
+    _init()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(**overrides) -> TransformerConfig:
+    fields = dict(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=I,
+        moe_ffn_hidden_size=I,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="allgather",
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        params_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _cpu_router(layer) -> None:
+    """Megatron's stock router moves its weight to CUDA in gating(); the same GEMM, on the CPU."""
+    router = layer.router
+    router.gating = lambda hidden: F.linear(hidden, router.weight)
+
+
+def _stock_and_mok(cfg: TransformerConfig):
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    stock = spec(config=cfg)
+    _cpu_router(stock)
+    mok = use_mok(spec)(config=cfg)
+    mok.load_state_dict(stock.state_dict())
+    return stock, mok
+
+
+def _fwd_bwd(layer, x, probe):
+    x = x.detach().clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    (out * probe).sum().backward()
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    if isinstance(layer, MoKMoELayer):  # under the stock names, one tensor per expert
+        to_stock(layer, grads, "", None)
+    return out.detach(), x.grad, {k: v for k, v in grads.items() if v is not None}
+
+
+NO_AUX = dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+ROUTERS = {
+    "softmax_post": {},
+    "softmax_pre_topk1": dict(moe_router_pre_softmax=True, moe_router_topk=1),
+    "sigmoid_scaled_z": dict(
+        moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5, moe_z_loss_coeff=1e-3
+    ),
+    "group_limited_sigmoid": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk=4,
+        **NO_AUX,
+    ),
+    "group_limited_pre_softmax": dict(
+        moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4, **NO_AUX
+    ),
+    "shared_expert": dict(moe_shared_expert_intermediate_size=24),
+    "no_aux_loss": NO_AUX,
+}
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_matches_stock_layer(megatron_world, router):
+    cfg = _config(**ROUTERS[router])
+    stock, mok = _stock_and_mok(cfg)
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
+    assert_close(got[0], want[0], torch.float32, "output")
+    assert_close(got[1], want[1], torch.float32, "d_x")
+    assert set(got[2]) == set(want[2])
+    for name in want[2]:
+        if want[2][name] is not None:
+            # The router gradient includes the aux loss and z-loss through MoEAuxLossAutoScaler.
+            assert_close(got[2][name], want[2][name], torch.float32, f"grad of {name}")
+
+
+def test_bitwise_repeatable(megatron_world):
+    _, mok = _stock_and_mok(_config())
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    first, second = _fwd_bwd(mok, x, x), _fwd_bwd(mok, x, x)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def _flat_sharded(sharded: dict) -> dict:
+    out = {}
+    for key, value in sharded.items():
+        built = value.build() if isinstance(value, ShardedTensorFactory) else value
+        for j, item in enumerate(built if isinstance(built, (list, tuple)) else [built]):
+            out[f"{key}#{j}"] = item
+    return out
+
+
+def test_checkpoints_round_trip_with_stock(megatron_world):
+    cfg = _config(moe_shared_expert_intermediate_size=24)
+    stock, mok = _stock_and_mok(cfg)
+    assert set(mok.state_dict()) == set(stock.state_dict())  # the same keys, with _extra_state
+    # stock -> MoK -> a fresh stock layer: every tensor comes back.
+    fresh = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)(config=cfg)
+    fresh.load_state_dict(mok.state_dict())
+    for key, value in stock.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(fresh.state_dict()[key], value), key
+    # The distributed-checkpoint layout: same sharded keys, global shapes, offsets, replicas, data.
+    want, got = (
+        _flat_sharded(stock.sharded_state_dict("decoder.layers.0.mlp.")),
+        _flat_sharded(mok.sharded_state_dict("decoder.layers.0.mlp.")),
+    )
+    assert set(got) == set(want)
+    for key in want:
+        a, b = want[key], got[key]
+        assert (a.key, getattr(a, "global_shape", None), getattr(a, "global_offset", None), a.replica_id) == (
+            b.key,
+            getattr(b, "global_shape", None),
+            getattr(b, "global_offset", None),
+            b.replica_id,
+        ), key
+        if isinstance(getattr(a, "data", None), torch.Tensor):
+            assert torch.equal(a.data, b.data), key
+
+
+def test_loads_te_grouped_mlp_keys(megatron_world):
+    _, mok = _stock_and_mok(_config())
+    state = mok.state_dict()
+    te_style = {}
+    for key, value in state.items():
+        if ".local_experts." in key:
+            _, rest = key.split(".local_experts.")
+            index, fc, leaf = rest.split(".")
+            te_style[f"experts.{fc}.{leaf}{index}"] = value
+        else:
+            te_style[key] = value
+    other = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=_config())
+    other.load_state_dict(te_style)
+    assert torch.equal(other.mok.experts.gate_up_proj, mok.mok.experts.gate_up_proj)
+
+
+def test_expert_params_are_marked_and_main_grad_accumulates(megatron_world):
+    cfg = _config(gradient_accumulation_fusion=True)
+    mok = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
+    experts = list(mok.mok.experts.parameters())
+    assert all(p.allreduce is False for p in experts)
+    for p in experts:
+        p.main_grad = torch.full_like(p, 0.5, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    reference = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=_config())
+    reference.load_state_dict(mok.state_dict())
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    _, _, want = _fwd_bwd(reference, x, x)
+    _fwd_bwd(mok, x, x)
+    for name, p in zip(("gate_up_proj", "down_proj"), experts, strict=True):
+        assert p.grad_added_to_main_grad
+        stacked = getattr(reference.mok.experts, name).grad
+        assert torch.equal(p.main_grad, 0.5 + stacked.float()), name
+
+
+UNSUPPORTED = [
+    (dict(moe_router_score_function="sqrtsoftplus"), "--moe-router-score-function"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss"), "--moe-router-load-balancing-type"),
+    (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps"),
+    (dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True), "--moe-shared-expert-gate"),
+    (dict(add_bias_linear=True), "--add-bias-linear"),
+    (dict(gated_linear_unit=False), "--swiglu"),
+    (dict(moe_expert_capacity_factor=1.0), "--moe-token-drop-policy"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=2), "--moe-router-num-groups"),
+    (
+        dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),
+        "--moe-aux-loss-coeff",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, flag", UNSUPPORTED, ids=[flag for _, flag in UNSUPPORTED])
+def test_unsupported_settings_name_their_flag(fields, flag):
+    with pytest.raises(MoKConfigError, match=flag):
+        mok_config_from_megatron(_config(**fields))
+
+
+def test_overrides_conflicting_with_megatron_are_errors():
+    with pytest.raises(MoKConfigError, match="mok.top_k=4 conflicts"):
+        mok_config_from_megatron(_config(), {"top_k": 4})
+    assert mok_config_from_megatron(_config(), {"backend": "reference"}).backend == "reference"
+
+
+def test_spec_builds_gpt_model_with_mok_layers(megatron_world):
+    # What `--spec mok_plugin.megatron moe_block_spec` does in a stock launch: Megatron's GPT
+    # builder calls the function with its GPTModelConfig; MoE layers (MTP too) come out as MoK.
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from mok_plugin.megatron import moe_block_spec
+
+    cfg = _config(num_layers=2, mtp_num_layers=1, transformer_impl="local", moe_layer_freq=[0, 1])
+    model_config = GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=16, transformer_layer_spec=moe_block_spec)
+    model = GPTModelBuilder(model_config).build_model(pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MLP", "MoKMoELayer"]
+    mtp_moe = [m for name, m in model.named_modules() if name.startswith("mtp.") and isinstance(m, MoELayer)]
+    assert mtp_moe and all(isinstance(m, MoKMoELayer) for m in mtp_moe)
+
+
+# --- EP = 2 in two gloo processes against EP = 1 ------------------------------------------------
+
+
+def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
+    _init(rank, world, port, ep=world)
+    try:
+        cfg = _config(expert_model_parallel_size=world, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        layer = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
+        full = torch.load(out + ".weights.pt")
+        E_l = E // world
+        with torch.no_grad():
+            layer.mok.router.weight.copy_(full["router"])
+            layer.mok.experts.gate_up_proj.copy_(full["w13"][rank * E_l : (rank + 1) * E_l])
+            layer.mok.experts.down_proj.copy_(full["w2"][rank * E_l : (rank + 1) * E_l])
+        # Rank-major global batch: rank r holds sequence positions [6r, 6r + 6) of the [12, 2] batch.
+        rows = slice(6 * rank, 6 * rank + 6)
+        x = make_layer_inputs(24, H, seed=1).view(12, 2, H)[rows]
+        probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)[rows]
+        out_, d_x, _ = _fwd_bwd(layer, x, probe)
+        result = {
+            "out": out_,
+            "d_x": d_x,
+            "w13": layer.mok.experts.gate_up_proj.grad,
+            "w2": layer.mok.experts.down_proj.grad,
+        }
+        torch.save(result, f"{out}.{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_two_processes_matches_one(megatron_world, tmp_path):
+    # EP = 1 here; EP = 2 over two spawned processes on Megatron's expert-parallel group. MoK's
+    # order does not depend on the EP size, so outputs and gradients are bitwise equal.
+    cfg = _config(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    layer = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
+    full = {
+        "router": layer.mok.router.weight.detach(),
+        "w13": layer.mok.experts.gate_up_proj.detach(),
+        "w2": layer.mok.experts.down_proj.detach(),
+    }
+    torch.save(full, str(tmp_path / "ep") + ".weights.pt")
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want_out, want_dx, _ = _fwd_bwd(layer, x, probe)
+    mp.spawn(_ep_worker, args=(2, _free_port(), str(tmp_path / "ep")), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"ep.{r}.pt") for r in range(2)]
+    assert torch.equal(torch.cat([p["out"] for p in parts]), want_out)
+    assert torch.equal(torch.cat([p["d_x"] for p in parts]), want_dx)
+    assert torch.equal(torch.cat([p["w13"] for p in parts]), layer.mok.experts.gate_up_proj.grad)
+    assert torch.equal(torch.cat([p["w2"] for p in parts]), layer.mok.experts.down_proj.grad)
