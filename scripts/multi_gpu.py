@@ -12,8 +12,10 @@ Parts, each one torchrun job (or several) over this host's GPUs, started by this
   2. bench       scripts/bench_ep.py at EP = the GPU count for the qwen3-30b-a3b and deepseek-v3
                  layer shapes with 4096 and 16384 tokens per GPU: per-stage times, bytes, bandwidth,
                  and Megatron-Core's stock alltoall MoELayer in the same run (GPUs only).
-  3. pretrain    the Megatron GPT pretraining script with stock and MoK layers: not run yet, the
-                 script does not exist (the Megatron adapter's issue ships it); the table says so.
+  3. pretrain    scripts/pretrain_gpt.py (Megatron's training loop, mock data) at EP = DP = the GPU
+                 count, with Megatron's stock MoE layer (alltoall dispatcher) and with --mok, the
+                 same flags and seed otherwise: tokens/s (median over iterations after the first
+                 two) and the loss at each iteration (GPUs only).
 
 NVLink multicast stays off (mok_plugin.parallel.keep_multicast_off, passed to every job).
 Each job's log and JSON go under --out; multi_gpu.json holds everything; a table is printed last.
@@ -24,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +49,20 @@ INVARIANCE_CASES = [("top8_uniform", 8, False), ("top2_skewed", 2, True), ("top1
 INVARIANCE_PATHS_GPU = [("nccl", "capacity"), ("nccl", "exact"), ("symmetric_memory", "capacity")]
 INVARIANCE_PATHS_CPU = [("nccl", "capacity"), ("nccl", "exact")]
 COMPARED = ("out", "d_x", "d_gate_up_proj", "d_down_proj")
+# Part 3's model: a small Qwen3-MoE-like GPT (64 experts, top-8) that Megatron runs without
+# Transformer Engine or Apex (local layers; the fused kernels that need them off).
+PRETRAIN_SEQ, PRETRAIN_MICRO_BATCH = 2048, 4
+PRETRAIN_ARGS = [
+    "--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", str(PRETRAIN_SEQ),
+    "--max-position-embeddings", str(PRETRAIN_SEQ), "--micro-batch-size", str(PRETRAIN_MICRO_BATCH),
+    "--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--ffn-hidden-size", "6144",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "0.001", "--swiglu", "--disable-bias-linear", "--bf16", "--lr", "1e-4",
+    "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "32000", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
+    "--log-interval", "1", "--seed", "1234", "--eval-iters", "0", "--split", "100,0,0",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------- part 1, one torchrun rank ----
@@ -186,6 +204,44 @@ def run_bench(args, nprocs: int, out: Path, on_gpu: bool) -> list[dict]:
     return results
 
 
+def _iteration_log(log_text: str) -> list[dict]:
+    """Megatron's per-iteration log lines -> [{iteration, ms, loss}]."""
+    pattern = re.compile(
+        r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+).*?lm loss: ([\dEe.+-]+)"
+    )
+    return [{"iteration": int(m[1]), "ms": float(m[2]), "loss": float(m[3])} for m in pattern.finditer(log_text)]
+
+
+def run_pretrain(args, nprocs: int, out: Path) -> dict:
+    rows = {}
+    for variant, extra in (("stock", []), ("mok", ["--mok"])):
+        log = out / f"pretrain_{variant}.log"
+        print(
+            f"part 3: pretrain_gpt.py, {variant}, EP = DP = {nprocs}, {args.pretrain_iters} iterations ...", flush=True
+        )
+        layout = [
+            "--expert-model-parallel-size",
+            str(nprocs),
+            "--global-batch-size",
+            str(PRETRAIN_MICRO_BATCH * nprocs),
+        ]
+        command = [*PRETRAIN_ARGS, *layout, "--train-iters", str(args.pretrain_iters), *extra]
+        code, seconds = _torchrun(nprocs, ROOT / "scripts" / "pretrain_gpt.py", command, log)
+        iterations = _iteration_log(log.read_text())
+        if code != 0 or not iterations:
+            _report_failure(f"pretrain ({variant})", log)
+            rows[variant] = {"status": "failed", "log": str(log)}
+            continue
+        steady = [it["ms"] for it in iterations if it["iteration"] > 2] or [it["ms"] for it in iterations]
+        step_ms = statistics.median(steady)
+        tokens_per_s = PRETRAIN_SEQ * PRETRAIN_MICRO_BATCH * nprocs / (step_ms / 1e3)
+        rows[variant] = {"status": "ran", "iterations": iterations, "step_ms": step_ms, "tokens_per_s": tokens_per_s,
+                         "step1_loss": iterations[0]["loss"]}  # fmt: skip
+        print(f"  ran in {seconds:.0f} s", flush=True)
+    failed = any(r["status"] != "ran" for r in rows.values())
+    return {"status": "failed" if failed else "ran", "ep": nprocs, **rows}
+
+
 def print_table(result: dict) -> None:
     print(f"\nmulti_gpu: {result['nprocs']} x {result['device']}, {result['date']}")
     inv = result["invariance"]
@@ -211,7 +267,17 @@ def print_table(result: dict) -> None:
         print(f"{r['shape']:<16} {r['tokens_per_gpu']:>8} {s['dispatch']:>9.2f} {s['experts']:>8.2f} "
               f"{s['combine']:>8.2f} {s['forward']:>8.2f} {s['backward']:>8.2f} {sent / 1e6:>8.1f} {gbps:>7.1f} "
               f"{(f'{meg:.2f}' if meg else '-'):>9} {(f'{meg / mok:.2f}x' if meg else '-'):>8}")  # fmt: skip
-    print(f"\n3. Megatron GPT pretraining, stock vs MoK: {result['pretrain']['status']}")
+    pre = result["pretrain"]
+    print(f"\n3. Megatron GPT pretraining (scripts/pretrain_gpt.py), stock vs MoK: {pre['status']}")
+    if pre["status"] in ("ran", "failed"):
+        print(f"{'variant':<8} {'step ms':>9} {'tokens/s':>10} {'step-1 loss':>12}  losses")
+        for variant in ("stock", "mok"):
+            r = pre.get(variant, {})
+            if r.get("status") != "ran":
+                print(f"{variant:<8} failed")
+                continue
+            losses = " ".join(f"{it['loss']:.4f}" for it in r["iterations"])
+            print(f"{variant:<8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['step1_loss']:>12.4f}  {losses}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-shapes", nargs="+", default=["qwen3-30b-a3b", "deepseek-v3"])
     parser.add_argument("--tokens-per-gpu", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["invariance", "bench"])
+    parser.add_argument("--pretrain-iters", type=int, default=10)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["invariance", "bench", "pretrain"])
     parser.add_argument("--part", choices=["invariance"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     keep_multicast_off()
@@ -246,16 +313,23 @@ def main(argv: list[str] | None = None) -> int:
         "invariance_shape": args.invariance_shape,
         "invariance": {"status": "skipped"},
         "bench": [],
-        "pretrain": {"status": "not run: scripts/pretrain_gpt.py does not exist yet (Megatron adapter issue)"},
+        "pretrain": {"status": "skipped"},
     }
     if "invariance" not in args.skip:
         result["invariance"] = run_invariance(args, nprocs, args.out)
     if "bench" not in args.skip:
         result["bench"] = run_bench(args, nprocs, args.out, on_gpu)
+    if "pretrain" not in args.skip:
+        if on_gpu:
+            result["pretrain"] = run_pretrain(args, nprocs, args.out)
+        else:
+            result["pretrain"] = {"status": "not run: Megatron's training loop needs GPUs"}
     (args.out / "multi_gpu.json").write_text(json.dumps(result, indent=2))
     print_table(result)
-    failed = result["invariance"]["status"] in ("failed", "differs") or any(
-        r["status"] != "ran" for r in result["bench"]
+    failed = (
+        result["invariance"]["status"] in ("failed", "differs")
+        or any(r["status"] != "ran" for r in result["bench"])
+        or result["pretrain"]["status"] == "failed"
     )
     return 1 if failed else 0
 
