@@ -68,7 +68,17 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, lambda: True, config).build()
 
 
+def use_prebuilt_dataset_helpers() -> None:
+    """Megatron compiles its C++ dataset helpers with `make` at start-up; the wheel ships them
+    built (helpers_cpp) but no Makefile, so the compile step fails. Skip it when they import."""
+    from megatron.core.datasets import helpers_cpp  # noqa: F401  (raises if the wheel lacks them)
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+
+
 def main() -> None:
+    use_prebuilt_dataset_helpers()
     args = parse_args_with_mok(parse_and_validate_args, args_defaults={"tokenizer_type": "NullTokenizer"})
     for field, flag in UNSUPPORTED.items():
         if getattr(args, field, 1) != 1:
