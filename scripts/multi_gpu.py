@@ -61,7 +61,7 @@ PRETRAIN_ARGS = [
     "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "32000", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
     "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
-    "--log-interval", "1", "--seed", "1234", "--eval-iters", "0", "--split", "100,0,0",
+    "--log-interval", "1", "--seed", "1234", "--eval-iters", "0", "--eval-interval", "1000", "--split", "100,0,0",
 ]  # fmt: skip
 
 

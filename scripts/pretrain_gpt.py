@@ -71,8 +71,10 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 def use_prebuilt_dataset_helpers() -> None:
     """Megatron compiles its C++ dataset helpers with `make` at start-up; the wheel ships them
     built (helpers_cpp) but no Makefile, so the compile step fails. Skip it when they import."""
-    from megatron.core.datasets import helpers_cpp  # noqa: F401  (raises if the wheel lacks them)
-    from megatron.core.datasets import utils
+    from megatron.core.datasets import (
+        helpers_cpp,  # noqa: F401  (raises if the wheel lacks them)
+        utils,
+    )
 
     utils.compile_helpers = lambda: None
 
