@@ -242,6 +242,39 @@ def run_pretrain(args, nprocs: int, out: Path) -> dict:
     return {"status": "failed" if failed else "ran", "ep": nprocs, **rows}
 
 
+def run_checkpoint_check(args, nprocs: int, out: Path) -> dict:
+    """Stock saves (torch_dist) after 2 iterations; MoK and stock each resume from it for one
+    iteration (same weights, same data: the iteration-3 losses must agree to bf16 rounding); then
+    stock resumes from the checkpoint MoK saved (MoK -> stock)."""
+    base = [*PRETRAIN_ARGS, "--expert-model-parallel-size", str(nprocs), "--global-batch-size",
+            str(PRETRAIN_MICRO_BATCH * nprocs), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--ckpt-format", "torch_dist", "--save-interval", "1000"]  # fmt: skip
+    stock_ckpt, mok_ckpt = out / "ckpt_stock", out / "ckpt_mok"
+    resume = ["--no-load-optim", "--no-load-rng"]
+    steps = [
+        ("stock_save", [*base, "--train-iters", "2", "--save", str(stock_ckpt)]),
+        ("mok_resume", [*base, "--train-iters", "3", "--load", str(stock_ckpt), *resume, "--save", str(mok_ckpt),
+                        "--mok"]),
+        ("stock_resume", [*base, "--train-iters", "3", "--load", str(stock_ckpt), *resume]),
+        ("stock_from_mok", [*base, "--train-iters", "4", "--load", str(mok_ckpt), *resume]),
+    ]  # fmt: skip
+    result: dict = {"status": "ran"}
+    for name, command in steps:
+        log = out / f"checkpoint_{name}.log"
+        print(f"part 3b: checkpoint {name} ...", flush=True)
+        code, _ = _torchrun(nprocs, ROOT / "scripts" / "pretrain_gpt.py", command, log)
+        iterations = _iteration_log(log.read_text())
+        if code != 0 or not iterations:
+            _report_failure(f"checkpoint {name}", log)
+            result["status"] = "failed"
+            break
+        result[name] = {it["iteration"]: it["loss"] for it in iterations}
+    if result["status"] == "ran":
+        stock3, mok3 = result["stock_resume"][3], result["mok_resume"][3]
+        result["iteration3"] = {"stock": stock3, "mok": mok3, "abs_diff": abs(stock3 - mok3)}
+    return result
+
+
 def print_table(result: dict) -> None:
     print(f"\nmulti_gpu: {result['nprocs']} x {result['device']}, {result['date']}")
     inv = result["invariance"]
@@ -278,6 +311,15 @@ def print_table(result: dict) -> None:
                 continue
             losses = " ".join(f"{it['loss']:.4f}" for it in r["iterations"])
             print(f"{variant:<8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['step1_loss']:>12.4f}  {losses}")
+    ckpt = result.get("checkpoint", {"status": "skipped"})
+    print(f"\n3b. checkpoints (torch_dist), stock -> MoK -> stock: {ckpt['status']}")
+    if "iteration3" in ckpt:
+        i3 = ckpt["iteration3"]
+        print(
+            f"  iteration-3 loss after resuming the stock checkpoint: stock {i3['stock']:.6f}, MoK {i3['mok']:.6f} "
+            f"(|diff| {i3['abs_diff']:.2e}); stock resumed from MoK's checkpoint: "
+            f"iteration-4 loss {ckpt['stock_from_mok'][4]:.6f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-gpu", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--pretrain-iters", type=int, default=10)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["invariance", "bench", "pretrain"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["invariance", "bench", "pretrain", "checkpoint"])
     parser.add_argument("--part", choices=["invariance"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     keep_multicast_off()
@@ -324,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
             result["pretrain"] = run_pretrain(args, nprocs, args.out)
         else:
             result["pretrain"] = {"status": "not run: Megatron's training loop needs GPUs"}
+    if "checkpoint" not in args.skip and on_gpu:
+        result["checkpoint"] = run_checkpoint_check(args, nprocs, args.out)
     (args.out / "multi_gpu.json").write_text(json.dumps(result, indent=2))
     print_table(result)
     failed = (
         result["invariance"]["status"] in ("failed", "differs")
         or any(r["status"] != "ran" for r in result["bench"])
         or result["pretrain"]["status"] == "failed"
+        or result.get("checkpoint", {}).get("status") == "failed"
     )
     return 1 if failed else 0
 

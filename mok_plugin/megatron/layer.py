@@ -162,10 +162,17 @@ class MoKMoELayer(MoELayer):
                 experts._parameters[name] = param
 
     def _log_aux_loss(self, aux_loss: torch.Tensor) -> None:
+        """Log like the stock router: the load-balancing loss before its coefficient. With a z-loss
+        too, MoK's single router loss (both terms, scaled) is logged as `mok_router_loss`."""
         if self.layer_number is None:
             return
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
-        save_to_aux_losses_tracker("load_balancing_loss", aux_loss.detach(), self.layer_number, num_layers)
+        cfg = self.mok_config
+        if cfg.z_loss_coeff == 0:
+            name, value = "load_balancing_loss", aux_loss.detach() / cfg.aux_loss_coeff
+        else:
+            name, value = "mok_router_loss", aux_loss.detach()
+        save_to_aux_losses_tracker(name, value, self.layer_number, num_layers)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return megatron_sharded_state_dict(self, prefix, sharded_offsets, metadata)
