@@ -248,7 +248,7 @@ def run_checkpoint_check(args, nprocs: int, out: Path) -> dict:
     stock resumes from the checkpoint MoK saved (MoK -> stock)."""
     base = [*PRETRAIN_ARGS, "--expert-model-parallel-size", str(nprocs), "--global-batch-size",
             str(PRETRAIN_MICRO_BATCH * nprocs), "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--ckpt-format", "torch_dist", "--save-interval", "1000"]  # fmt: skip
+            "--ckpt-format", "torch_dist", "--save-interval", "1000", "--lr-decay-iters", "100"]  # fmt: skip
     stock_ckpt, mok_ckpt = out / "ckpt_stock", out / "ckpt_mok"
     resume = ["--no-load-optim", "--no-load-rng"]
     steps = [
