@@ -21,6 +21,7 @@ leading expert axis at its global index.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -96,7 +97,6 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
         layer: a MoKMoELayer (uses its `mok`, `pg_collection`, `num_local_experts`).
         prefix, sharded_offsets, metadata: as Megatron passes them to `sharded_state_dict`.
     """
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
     metadata = ensure_metadata_has_dp_cp_group(metadata)
@@ -116,9 +116,26 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
         shared = section("shared_experts")
         out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, singleton, pg.tp, dp_cp))
 
-    # Routed experts, as SequentialMLP does: expert i is a shard along a new leading axis.
+    # Routed experts: the per-expert shards SequentialMLP writes (expert i along a new leading axis,
+    # keys under "experts.experts."), built from MoK's stacked tensors by one factory per tensor,
+    # so that Megatron's optimizer finds the parameter itself (it maps optimizer state by identity).
+    experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, singleton, dp_cp)
+    for mok_name, fc in _STACKED:
+        param = layer.mok.get_parameter(mok_name.removeprefix("mok."))
+        shards = {k: v for k, v in experts.items() if f".{fc}.weight" in k}
+        out[prefix + mok_name] = _stacked_factory(param, shards, fc)
+    out.update({k: v for k, v in experts.items() if k.endswith(_EXTRA)})
+    return out
+
+
+def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple, singleton: bool, dp_cp) -> dict:
+    """{stock state-dict key: ShardedTensor / swiglu factory / ShardedObject}, as SequentialMLP makes them."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+    pg = layer.pg_collection
     ep_rank, ep_size = pg.ep.rank(), pg.ep.size()
     num_local = layer.num_local_experts
+    out: dict = {}
     for i in range(num_local):
         global_i = ep_rank * num_local + i
         local_prefix = f"{prefix}experts.local_experts.{i}."
@@ -128,14 +145,44 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
         else:
             sharded_prefix = f"{prefix}experts.experts."
             offsets = (*sharded_offsets, (len(sharded_offsets), global_i, num_local * ep_size))
-        expert = _mlp_sharded(
-            section(f"experts.local_experts.{i}"), local_prefix, offsets, singleton, pg.expt_tp, dp_cp
-        )
+        state = {k[len(local_prefix) - len(prefix) :]: v for k, v in plain.items()
+                 if k.startswith(f"experts.local_experts.{i}.")}  # fmt: skip
+        expert = _mlp_sharded(state, local_prefix, offsets, singleton, pg.expt_tp, dp_cp)
         replace_prefix_for_sharding(expert, local_prefix, sharded_prefix)
         for sharded in expert.values():
             sharded.replica_id = (*sharded.replica_id[:2], pg.expt_dp.rank())
         out.update(expert)
     return out
+
+
+def _stacked_factory(param: torch.Tensor, shards: dict, fc: str):
+    """One ShardedTensorFactory over a stacked [E_l, ...] parameter whose build gives the stock
+    per-expert shards (for whatever tensor Megatron passes: the parameter or an optimizer state of
+    its shape) and whose merge stacks the loaded experts back."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    per_expert = [shards[k] for k in sorted(shards, key=lambda k: int(k.split(".local_experts.")[1].split(".")[0]))]
+    model_key = per_expert[0].key
+
+    def build(key: str, t: torch.Tensor, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError("MoK's expert checkpoints do not support flattened (distributed-optimizer "
+                                      "fully-sharded) ranges yet")  # fmt: skip
+        key_prefix = key[: len(key) - len(model_key)]  # "" for the model, "optimizer.state.<name>." for states
+        built = {}
+        for i, shard in enumerate(per_expert):
+            shard = copy.copy(shard)
+            shard.data = t[i]
+            parts = shard.build() if isinstance(shard, ShardedTensorFactory) else [shard]
+            for part in parts:
+                part.key = key_prefix + part.key
+            built[i] = list(parts)
+        return built
+
+    def merge(loaded: dict) -> torch.Tensor:
+        return torch.stack([torch.cat(loaded[i], dim=0) for i in range(len(per_expert))])
+
+    return ShardedTensorFactory(model_key, param, build, merge, per_expert[0].replica_id)
 
 
 def _mlp_sharded(state: dict, prefix: str, offsets: tuple, singleton: bool, tp_group, dp_cp) -> dict:
