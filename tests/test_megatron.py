@@ -261,6 +261,15 @@ def test_spec_builds_gpt_model_with_mok_layers(megatron_world):
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MLP", "MoKMoELayer"]
     mtp_moe = [m for name, m in model.named_modules() if name.startswith("mtp.") and isinstance(m, MoELayer)]
     assert mtp_moe and all(isinstance(m, MoKMoELayer) for m in mtp_moe)
+    # The whole model's distributed checkpoint (the block renames keys after its layers built
+    # them) stores the same tensors under the same keys as the stock model's.
+    stock_config = GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=16)
+    stock = GPTModelBuilder(stock_config).build_model(pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    want, got = _flat_sharded(stock.sharded_state_dict()), _flat_sharded(model.sharded_state_dict())
+    assert set(got) == set(want)
+    expert_keys = {key for key, _ in got if key.endswith("experts.experts.linear_fc1.weight")}
+    assert expert_keys == {"decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+                           "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"}  # fmt: skip
 
 
 # --- EP = 2 in two gloo processes against EP = 1 ------------------------------------------------

@@ -101,7 +101,11 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
 
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     dp_cp = metadata["dp_cp_group"]
-    singleton = metadata.get("singleton_local_shards", False)
+    if metadata.get("singleton_local_shards", False):
+        raise NotImplementedError(
+            "MoKMoELayer checkpoints use Megatron's default expert sharding; singleton_local_shards "
+            "(one key per expert) is not supported yet"
+        )
     pg = layer.pg_collection
     plain = layer.state_dict(keep_vars=True)
     out: dict = {}
@@ -114,12 +118,12 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
                                                    tp_group=pg.tp, dp_cp_group=dp_cp))  # fmt: skip
     if layer.mok.shared_experts is not None:
         shared = section("shared_experts")
-        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, singleton, pg.tp, dp_cp))
+        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp))
 
     # Routed experts: the per-expert shards SequentialMLP writes (expert i along a new leading axis,
     # keys under "experts.experts."), built from MoK's stacked tensors by one factory per tensor,
     # so that Megatron's optimizer finds the parameter itself (it maps optimizer state by identity).
-    experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, singleton, dp_cp)
+    experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, dp_cp)
     for mok_name, fc in _STACKED:
         param = layer.mok.get_parameter(mok_name.removeprefix("mok."))
         shards = {k: v for k, v in experts.items() if f".{fc}.weight" in k}
@@ -128,7 +132,7 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     return out
 
 
-def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple, singleton: bool, dp_cp) -> dict:
+def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple, dp_cp) -> dict:
     """{stock state-dict key: ShardedTensor / swiglu factory / ShardedObject}, as SequentialMLP makes them."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
@@ -140,14 +144,11 @@ def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple
         global_i = ep_rank * num_local + i
         local_prefix = f"{prefix}experts.local_experts.{i}."
         # SequentialMLP names its shards "<its prefix>experts.", under MoELayer's "experts.".
-        if singleton:
-            sharded_prefix, offsets = f"{prefix}experts.experts.{global_i}.", sharded_offsets
-        else:
-            sharded_prefix = f"{prefix}experts.experts."
-            offsets = (*sharded_offsets, (len(sharded_offsets), global_i, num_local * ep_size))
+        sharded_prefix = f"{prefix}experts.experts."
+        offsets = (*sharded_offsets, (len(sharded_offsets), global_i, num_local * ep_size))
         state = {k[len(local_prefix) - len(prefix) :]: v for k, v in plain.items()
                  if k.startswith(f"experts.local_experts.{i}.")}  # fmt: skip
-        expert = _mlp_sharded(state, local_prefix, offsets, singleton, pg.expt_tp, dp_cp)
+        expert = _mlp_sharded(state, local_prefix, offsets, pg.expt_tp, dp_cp)
         replace_prefix_for_sharding(expert, local_prefix, sharded_prefix)
         for sharded in expert.values():
             sharded.replica_id = (*sharded.replica_id[:2], pg.expt_dp.rank())
@@ -162,30 +163,30 @@ def _stacked_factory(param: torch.Tensor, shards: dict, fc: str):
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     per_expert = [shards[k] for k in sorted(shards, key=lambda k: int(k.split(".local_experts.")[1].split(".")[0]))]
-    model_key = per_expert[0].key
 
     def build(key: str, t: torch.Tensor, replica_id, flattened_range):
+        # `key` is the factory's key as Megatron has it now: the transformer block strips layer
+        # numbers from keys after the layer built them, and the optimizer prefixes its state names.
         if flattened_range is not None:
             raise NotImplementedError("MoK's expert checkpoints do not support flattened (distributed-optimizer "
                                       "fully-sharded) ranges yet")  # fmt: skip
-        key_prefix = key[: len(key) - len(model_key)]  # "" for the model, "optimizer.state.<name>." for states
         built = {}
         for i, shard in enumerate(per_expert):
             shard = copy.copy(shard)
             shard.data = t[i]
             parts = shard.build() if isinstance(shard, ShardedTensorFactory) else [shard]
             for part in parts:
-                part.key = key_prefix + part.key
+                part.key = key  # every expert is a shard of one global tensor
             built[i] = list(parts)
         return built
 
     def merge(loaded: dict) -> torch.Tensor:
         return torch.stack([torch.cat(loaded[i], dim=0) for i in range(len(per_expert))])
 
-    return ShardedTensorFactory(model_key, param, build, merge, per_expert[0].replica_id)
+    return ShardedTensorFactory(per_expert[0].key, param, build, merge, per_expert[0].replica_id)
 
 
-def _mlp_sharded(state: dict, prefix: str, offsets: tuple, singleton: bool, tp_group, dp_cp) -> dict:
+def _mlp_sharded(state: dict, prefix: str, offsets: tuple, tp_group, dp_cp) -> dict:
     """One SwiGLU MLP's sharded tensors, as Megatron's MLP builds them (fc1 axis 0, fc2 axis 1)."""
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory as swiglu
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint as make
@@ -196,6 +197,6 @@ def _mlp_sharded(state: dict, prefix: str, offsets: tuple, singleton: bool, tp_g
         sharded = make(sub, f"{prefix}{fc}.", {"weight": axis}, offsets, tp_group=tp_group, dp_cp_group=dp_cp)
         if fc == "linear_fc1":
             key = f"{prefix}{fc}.weight"
-            sharded[key] = swiglu(sharded[key], offsets, singleton, tp_group=tp_group, dp_group=dp_cp)
+            sharded[key] = swiglu(sharded[key], offsets, False, tp_group=tp_group, dp_group=dp_cp)
         out.update(sharded)
     return out
