@@ -339,8 +339,9 @@ def test_optimizer_finds_every_parameter_in_the_sharded_state_dict(megatron_worl
 def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path):
     # Megatron's own dist_checkpointing (torch_dist format) saves the stock layer; MoK loads it,
     # saves its own; a fresh stock layer loads that: every weight comes back.
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, tensor_parallel
 
+    tensor_parallel.model_parallel_cuda_manual_seed(123)  # Megatron's GPU initialisation draws from it
     cfg = _config(moe_shared_expert_intermediate_size=24, use_cpu_initialization=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     stock, mok, fresh = spec(config=cfg), use_mok(spec)(config=cfg), spec(config=cfg)
