@@ -347,14 +347,14 @@ def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path):
     stock, mok, fresh = spec(config=cfg), use_mok(spec)(config=cfg), spec(config=cfg)
     for name in ("stock", "mok"):
         (tmp_path / name).mkdir()
-    dist_checkpointing.save(stock.sharded_state_dict("mlp."), str(tmp_path / "stock"))
-    mok.load_state_dict(dist_checkpointing.load(mok.sharded_state_dict("mlp."), str(tmp_path / "stock")))
+    dist_checkpointing.save(stock.sharded_state_dict(), str(tmp_path / "stock"))
+    mok.load_state_dict(dist_checkpointing.load(mok.sharded_state_dict(), str(tmp_path / "stock")))
     stock_sd = stock.state_dict()
     for key, value in mok.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, stock_sd[key]), key
-    dist_checkpointing.save(mok.sharded_state_dict("mlp."), str(tmp_path / "mok"))
-    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict("mlp."), str(tmp_path / "mok")))
+    dist_checkpointing.save(mok.sharded_state_dict(), str(tmp_path / "mok"))
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "mok")))
     for key, value in fresh.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, stock_sd[key]), key
