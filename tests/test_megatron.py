@@ -352,9 +352,13 @@ def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path):
     stock_sd = stock.state_dict()
     for key, value in mok.state_dict().items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value, stock_sd[key]), key
+            assert torch.equal(value.cpu(), stock_sd[key].cpu()), (
+                key
+            )  # the stock router weight stays on the CPU until used
     dist_checkpointing.save(mok.sharded_state_dict(), str(tmp_path / "mok"))
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "mok")))
     for key, value in fresh.state_dict().items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value, stock_sd[key]), key
+            assert torch.equal(value.cpu(), stock_sd[key].cpu()), (
+                key
+            )  # the stock router weight stays on the CPU until used
