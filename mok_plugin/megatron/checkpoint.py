@@ -14,9 +14,11 @@ between the two so that checkpoints move both ways:
 
 Saving writes the SequentialMLP keys (with their `_extra_state` entries, None, as the stock local
 layers write them). Loading also accepts TEGroupedMLP's `experts.linear_fc1.weight{i}` keys. The
-sharded (distributed-checkpoint) keys are built with Megatron's own helpers, exactly as
-SequentialMLP and MLP build theirs: expert i is a shard of `experts.linear_fc1.weight` along a
-leading expert axis at its global index.
+sharded (distributed-checkpoint) tensors are built with Megatron's own helpers, exactly as
+SequentialMLP and MLP build theirs: expert i is a shard of `experts.experts.linear_fc1.weight`
+along a leading expert axis at its global index. Each stacked tensor is one ShardedTensorFactory
+holding the parameter itself, because Megatron's optimizer finds its states' layout by parameter
+identity; the factory builds the per-expert shards and stacks them back on load.
 """
 
 from __future__ import annotations
