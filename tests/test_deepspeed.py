@@ -1,0 +1,241 @@
+"""The DeepSpeed adapter on the CPU (gloo): mok_plugin.deepspeed.MoE against DeepSpeed's MoE with
+the same weights (no drop, no noise); the engine with ZeRO-1 and ZeRO-2 at EP = 1 and 2 (losses
+against the stock layer, two MoK runs bitwise equal, checkpoints both ways); the "mok" block's
+errors; apply/revert; the random options."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+deepspeed = pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e .[deepspeed])")
+
+from deepspeed.moe.layer import MoE as StockMoE  # noqa: E402
+
+import mok_plugin.deepspeed as mds  # noqa: E402
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+
+pytestmark = pytest.mark.deepspeed
+H, I, E = 16, 24, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ds_world():
+    if not torch.distributed.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))  # fmt: skip
+        deepspeed.init_distributed(dist_backend="gloo")
+    yield
+
+
+def _layers(k: int, **kwargs):
+    torch.manual_seed(0)
+    stock = StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=k, drop_tokens=False, use_rts=False,
+                     top2_2nd_expert_sampling=False, **kwargs)  # fmt: skip
+    with torch.no_grad():  # distinct experts (DeepSpeed starts them as copies of one)
+        for p in stock.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    mok = mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=k, drop_tokens=False, use_rts=False,
+                  top2_2nd_expert_sampling=False, **kwargs)  # fmt: skip
+    mok.load_state_dict(stock.state_dict())
+    return stock, mok
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_matches_stock_layer(ds_world, k):
+    stock, mok = _layers(k)
+    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
+    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
+    results = []
+    for layer in (stock, mok):
+        xi = x.clone().requires_grad_()
+        out, l_aux, counts = layer(xi)
+        ((out * probe).sum() + l_aux).backward()
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        results.append((out.detach(), l_aux.detach(), counts, xi.grad, grads))
+    (want_out, want_aux, want_counts, want_dx, _), (out, aux, counts, dx, _) = results
+    assert_close(out, want_out, torch.float32, "output")
+    assert_close(aux, want_aux, torch.float32, "l_aux")
+    assert torch.equal(counts.to(want_counts.dtype), want_counts)
+    assert_close(dx, want_dx, torch.float32, "d_x")
+    # Expert gradients under the stock names.
+    mok_grads = {"mok.router.weight": mok.mok.router.weight.grad,
+                 "mok.experts.gate_up_proj": mok.mok.experts.gate_up_proj.grad,
+                 "mok.experts.down_proj": mok.mok.experts.down_proj.grad}  # fmt: skip
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    assert_close(mok_grads["mok.router.weight"], stock_grads["deepspeed_moe.gate.wg.weight"], torch.float32, "router")
+    for i in range(E):
+        prefix = f"deepspeed_moe.experts.deepspeed_experts.{i}."
+        gate_up = torch.cat([stock_grads[prefix + "gate_proj.weight"], stock_grads[prefix + "up_proj.weight"]])
+        assert_close(mok_grads["mok.experts.gate_up_proj"][i], gate_up, torch.float32, f"gate_up {i}")
+        assert_close(mok_grads["mok.experts.down_proj"][i], stock_grads[prefix + "down_proj.weight"], torch.float32,
+                     f"down {i}")  # fmt: skip
+
+
+def test_state_dict_keys_round_trip(ds_world):
+    stock, mok = _layers(2)
+    assert set(mok.state_dict()) == set(stock.state_dict())
+    fresh = StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2)
+    fresh.load_state_dict(mok.state_dict())
+    for key, value in stock.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_mixtral_style_expert_and_bad_experts(ds_world):
+    class Mixtral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+            self.w2 = nn.Linear(I, H, bias=False)
+
+    layer = mds.MoE(H, Mixtral(), num_experts=E, k=2, drop_tokens=False)
+    assert any(k.endswith("deepspeed_experts.0.w3.weight") for k in layer.state_dict())
+    with pytest.raises(TypeError, match="SwiGLU experts only"):
+        mds.MoE(H, nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H)), num_experts=E)
+    with pytest.raises(TypeError, match="no biases"):
+        biased = mds.SwiGLUExpert(H, I)
+        biased.gate_proj = nn.Linear(H, I)
+        mds.MoE(H, biased, num_experts=E)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(noisy_gate_policy="RSample"), "noisy_gate_policy='RSample'"),
+        (dict(noisy_gate_policy="Jitter"), "noisy_gate_policy='Jitter'"),
+        (dict(use_tutel=True), "use_tutel=True"),
+        (dict(use_residual=True), "use_residual=True"),
+        (dict(ep_size=2, drop_tokens=True), "drop_tokens=True with ep_size > 1"),
+        (dict(mok_config={"top_k": 2}, k=1), "mok.top_k=2"),
+    ],
+)
+def test_random_and_unsupported_options_are_errors(ds_world, kwargs, message):
+    with pytest.raises(MoKConfigError, match=message):
+        mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, **kwargs)
+
+
+def test_rts_and_second_expert_sampling_get_deterministic_equivalents(ds_world, caplog):
+    with caplog.at_level("WARNING"):
+        layer = mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2)  # DeepSpeed's defaults
+    assert "deterministic equivalent" in caplog.text
+    x = make_layer_inputs(40, H, seed=1)
+    assert torch.equal(layer(x)[0], layer(x)[0])
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"enabeld": True}, "mok.enabeld: unknown key"),
+        ({"enabled": True, "backend": "cuda"}, "mok.backend='cuda'"),
+        ({"enabled": True, "ep_capacity_factor": -1}, "mok.ep_capacity_factor=-1"),
+        ({"enabled": True, "config": "/no/such.yaml"}, "mok.config='/no/such.yaml': no such file"),
+    ],
+)
+def test_bad_mok_blocks_name_the_key(block, message):
+    with pytest.raises(MoKConfigError, match=message):
+        mds.read_mok_settings({"train_batch_size": 2, "mok": block}).knobs()
+
+
+def test_apply_and_revert(ds_world):
+    try:
+        assert mds.apply({"mok": {"enabled": True, "backend": "reference"}}) is True
+        assert mds.apply({"mok": {"enabled": True, "backend": "reference"}}) is True  # idempotent
+        layer = StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2, drop_tokens=False)
+        assert isinstance(layer, mds.MoE) and layer.mok.config.backend == "reference"
+        assert mds.apply({"mok": {"enabled": False}}) is False
+        assert type(StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E)) is StockMoE
+    finally:
+        mds.revert()
+    mds.revert()  # idempotent
+    assert type(StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E)) is StockMoE
+    assert isinstance(mds.build_moe({"mok": {"enabled": True}}, hidden_size=H, expert=mds.SwiGLUExpert(H, I),
+                                    num_experts=E, drop_tokens=False), mds.MoE)  # fmt: skip
+
+
+# --- the engine: ZeRO-1 / ZeRO-2, EP = 1 / 2, two gloo processes ----------------------------------
+
+
+class TinyMoEModel(nn.Module):
+    def __init__(self, moe_cls, ep_size: int):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        # k = 3: DeepSpeed's top-k gate, whose aux loss counts every choice as MoK's does (not so for k = 2).
+        self.moe = moe_cls(H, mds.SwiGLUExpert(H, I), num_experts=E, ep_size=ep_size, k=3, drop_tokens=False,
+                           use_rts=False, top2_2nd_expert_sampling=False)  # fmt: skip
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, x):
+        out, l_aux, _ = self.moe(torch.tanh(self.proj(x)))
+        return self.head(out).pow(2).mean() + 0.01 * l_aux
+
+
+def _ds_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "mok": {"enabled": True, "backend": "reference"}}  # fmt: skip
+
+
+def _train(moe_cls, stage: int, ep_size: int, rank: int, init_state: dict | None, steps: int = 3):
+    torch.manual_seed(0)
+    model = TinyMoEModel(moe_cls, ep_size)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    engine, *_ = deepspeed.initialize(model=model, config=_ds_config(stage), model_parameters=model.parameters())
+    losses = []
+    for step in range(steps):
+        x = make_layer_inputs(2 * 8, H, seed=100 * step + rank).view(2, 8, H)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return engine, losses
+
+
+def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    init = TinyMoEModel(StockMoE, ep_size).state_dict()  # per rank: its local experts
+    stock, stock_losses = _train(StockMoE, stage, ep_size, rank, init)
+    mok1, mok_losses = _train(mds.MoE, stage, ep_size, rank, init)
+    mok2, mok_losses2 = _train(mds.MoE, stage, ep_size, rank, init)
+    # Checkpoints: MoK -> MoK (with optimizer state), stock -> MoK (weights only).
+    mok1.save_checkpoint(out, tag="mok")
+    stock.save_checkpoint(out, tag="stock")
+    restored, _ = _train(mds.MoE, stage, ep_size, rank, None, steps=0)
+    restored.load_checkpoint(out, tag="mok")
+    from_stock, _ = _train(mds.MoE, stage, ep_size, rank, None, steps=0)
+    from_stock.load_checkpoint(out, tag="stock", load_optimizer_states=False, load_lr_scheduler_states=False)
+    torch.save({"stock": stock_losses, "mok": mok_losses, "mok2": mok_losses2,
+                "mok_weights": {k: v.clone() for k, v in mok1.module.state_dict().items()},
+                "mok2_weights": mok2.module.state_dict(),
+                "restored_weights": restored.module.state_dict(),
+                "stock_weights": stock.module.state_dict(), "from_stock_weights": from_stock.module.state_dict()},
+               f"{out}/rank{rank}.pt")  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage, ep_size", [(1, 1), (2, 2)])
+def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
+    mp.spawn(_engine_worker, args=(2, _free_port(), stage, ep_size, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        # Same weights, same data, no drop, no noise: the losses agree with the stock layer.
+        assert_close(torch.tensor(r["mok"]), torch.tensor(r["stock"]), torch.float32, f"losses rank {rank}")
+        assert r["mok"] == r["mok2"]  # two MoK runs: bitwise losses and weights
+        for key, value in r["mok_weights"].items():
+            assert torch.equal(r["mok2_weights"][key], value), key
+            assert torch.equal(r["restored_weights"][key], value), key
+        for key, value in r["stock_weights"].items():
+            assert torch.equal(r["from_stock_weights"][key], value), key
