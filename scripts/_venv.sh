@@ -18,7 +18,10 @@ want="$(cat "$repo_root/setup.cfg" "$repo_root/pyproject.toml" | sha256sum | cut
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "==> installing mok_plugin[$extras] into $venv (first time: torch is a few GB, about 2 minutes)"
   log="$venv/install.log"
-  if ! { "$venv/bin/python" -m pip install --upgrade pip && "$venv/bin/python" -m pip install -e "$repo_root[$extras]"; } >"$log" 2>&1; then
+  # Two steps: DeepSpeed ships an sdist whose setup.py imports torch, so torch goes in first.
+  # DS_BUILD_OPS=0: a pure-Python DeepSpeed; its ops compile on first use if ever needed.
+  if ! { "$venv/bin/python" -m pip install --upgrade pip && "$venv/bin/python" -m pip install -e "$repo_root" &&
+         DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -e "$repo_root[$extras]"; } >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "error: installing mok_plugin[$extras] failed; full log in $log" >&2
     exit 1
