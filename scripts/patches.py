@@ -9,6 +9,9 @@ What each patch does:
   megatron  (megatron-core 0.19.x) `--moe-token-dispatcher-type mok` becomes a stock choice: the
             TransformerConfig Literal gains "mok", and MoELayer builds mok_plugin's MoKMoELayer
             when the config asks for it, wherever the stock layer would be built.
+  deepspeed (deepspeed 0.19.x) `deepspeed.moe.layer.MoE` builds mok_plugin's MoE when a ds_config
+            with "mok": {"enabled": true} is active: mok_plugin.deepspeed.apply(ds_config), or the
+            file named by the MOK_DEEPSPEED_CONFIG environment variable.
 
 Apply and revert are idempotent (applying twice, or reverting an unpatched package, changes
 nothing and says so). A package of another version is refused before anything is written.
@@ -40,6 +43,7 @@ PATCH_SETS = {
     "megatron": PatchSet(
         "megatron-core", "megatron", "0.19.", ("megatron-core-0.19-moe-token-dispatcher-type-mok.patch",)
     ),
+    "deepspeed": PatchSet("deepspeed", "deepspeed", "0.19.", ("deepspeed-0.19-mok-config.patch",)),
 }
 
 

@@ -239,3 +239,35 @@ def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
             assert torch.equal(r["restored_weights"][key], value), key
         for key, value in r["stock_weights"].items():
             assert torch.equal(r["from_stock_weights"][key], value), key
+
+
+def test_source_patch_on_a_copy_of_the_installed_package(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(Path(deepspeed.__file__).parent, tmp_path / "deepspeed")
+    patches = [sys.executable, "scripts/patches.py"]
+    for _ in range(2):  # idempotent
+        assert subprocess.run([*patches, "apply", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 0
+    assert subprocess.run([*patches, "check", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 0
+    ds_config = tmp_path / "ds_config.json"
+    ds_config.write_text(json.dumps({"train_batch_size": 2, "mok": {"enabled": True, "backend": "reference"}}))
+    build = ("from deepspeed.moe.layer import MoE; from mok_plugin.deepspeed import SwiGLUExpert; "
+             "layer = MoE(16, SwiGLUExpert(16, 24), num_experts=4, drop_tokens=False); "
+             "print('LAYER=' + type(layer).__module__ + '.' + type(layer).__name__)")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+
+    def built(extra_env):
+        run = subprocess.run([sys.executable, "-c", build], cwd=root, capture_output=True, text=True,
+                             env={**env, **extra_env}, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        return next(line for line in run.stdout.splitlines() if line.startswith("LAYER="))[len("LAYER=") :]
+
+    assert built({"MOK_DEEPSPEED_CONFIG": str(ds_config)}) == "mok_plugin.deepspeed.layer.MoE"
+    assert built({}) == "deepspeed.moe.layer.MoE"  # no active ds_config: stock
+    assert subprocess.run([*patches, "revert", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 0
+    assert subprocess.run([*patches, "check", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 1
