@@ -76,3 +76,17 @@ def test_multi_gpu_smoke_on_cpu(tmp_path):
     (bench,) = result["bench"]
     assert bench["status"] == "ran" and set(bench["per_rank"]) == {"0", "1"}
     assert bench["slowest_rank_median"]["dispatch"] > 0 and bench["per_rank"]["0"]["bytes"] > 0
+
+
+def test_bench_deepspeed_smoke_on_cpu(tmp_path):
+    # scripts/bench_deepspeed.py --tiny: stock and MoK DeepSpeed MoE layers train the same tiny model
+    # from the same weights on the same data (k = 3: the aux losses agree too).
+    pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e .[deepspeed])")
+    out = tmp_path / "ds.json"
+    run = subprocess.run([sys.executable, "scripts/bench_deepspeed.py", "--tiny", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stock, mok = json.loads(out.read_text())["results"]
+    assert (stock["variant"], mok["variant"]) == ("stock", "mok")
+    assert len(mok["losses"]) == 3 and mok["tokens_per_s"] > 0
+    assert abs(mok["losses"][0] - stock["losses"][0]) < 1e-4 * abs(stock["losses"][0])
