@@ -31,11 +31,19 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ds_world():
-    if not torch.distributed.is_initialized():
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))  # fmt: skip
-        deepspeed.init_distributed(dist_backend="gloo")
+    # A one-rank gloo world for this module; the variables torchrun would set are removed after, so
+    # that scripts the later tests start do not think they run under torchrun.
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(dist_backend="gloo")
     yield
+    torch.distributed.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _layers(k: int, **kwargs):
