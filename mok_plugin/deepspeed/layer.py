@@ -20,7 +20,7 @@ are kept in (token, k) order, and the 2nd expert is the 2nd-highest score.
 
 from __future__ import annotations
 
-import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ from mok_plugin.layer import MoKMoE
 
 __all__ = ["MoE", "set_default_knobs"]
 
-logger = logging.getLogger(__name__)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # MoKConfig fields the constructor arguments decide; a mok_config may not set them differently.
 _DERIVED = ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "ep_size", "capacity_factor")
@@ -62,9 +61,16 @@ def _knobs(mok_config: MoKConfig | dict | str | Path | None) -> dict[str, Any]:
     return load_config(mok_config).model_dump(exclude_unset=True)
 
 
-def _check_deterministic_options(k: int, noisy_gate_policy, use_tutel: bool, use_rts: bool, drop_tokens: bool,
-                                 top2_2nd_expert_sampling: bool, use_residual: bool,
-                                 enable_expert_tensor_parallelism: bool) -> None:  # fmt: skip
+def _check_deterministic_options(
+    k: int,
+    noisy_gate_policy,
+    use_tutel: bool,
+    use_rts: bool,
+    drop_tokens: bool,
+    top2_2nd_expert_sampling: bool,
+    use_residual: bool,
+    enable_expert_tensor_parallelism: bool,
+) -> None:
     problems = []
     if noisy_gate_policy not in (None, "None"):
         problems.append(f"noisy_gate_policy={noisy_gate_policy!r} adds random noise to routing; use None")
@@ -77,14 +83,23 @@ def _check_deterministic_options(k: int, noisy_gate_policy, use_tutel: bool, use
     if problems:
         raise MoKConfigError("mok_plugin.deepspeed.MoE:\n  " + "\n  ".join(problems))
     if use_rts and drop_tokens and k == 1:
-        logger.warning("MoK: use_rts=True (random token selection) runs as its deterministic equivalent: "
-                       "over-capacity tokens are dropped in token order")  # fmt: skip
+        warnings.warn(
+            "MoK: use_rts=True (random token selection) runs as its deterministic equivalent: "
+            "over-capacity tokens are dropped in token order",
+            stacklevel=3,
+        )
     if top2_2nd_expert_sampling and k == 2:
-        logger.warning("MoK: top2_2nd_expert_sampling=True runs as its deterministic equivalent: the 2nd expert "
-                       "is the 2nd-highest score (pass top2_2nd_expert_sampling=False to silence this)")  # fmt: skip
+        warnings.warn(
+            "MoK: top2_2nd_expert_sampling=True runs as its deterministic equivalent: the 2nd expert "
+            "is the 2nd-highest score (pass top2_2nd_expert_sampling=False to silence this)",
+            stacklevel=3,
+        )
     if k == 2:
-        logger.warning("MoK: with k=2 the aux loss counts both choices of each token (DeepSpeed's top-2 gate "
-                       "counts first choices only; its top-k gate, k >= 3, counts all, as MoK does)")  # fmt: skip
+        warnings.warn(
+            "MoK: with k=2 the aux loss counts both choices of each token (DeepSpeed's top-2 gate "
+            "counts first choices only; its top-k gate, k >= 3, counts all, as MoK does)",
+            stacklevel=3,
+        )
 
 
 class MoE(StockMoE):
@@ -125,26 +140,50 @@ class MoE(StockMoE):
         top2_2nd_expert_sampling: bool = True,
         mok_config: MoKConfig | dict | str | Path | None = None,
     ) -> None:
-        _check_deterministic_options(k, noisy_gate_policy, use_tutel, use_rts, drop_tokens, top2_2nd_expert_sampling,
-                                     use_residual, enable_expert_tensor_parallelism)  # fmt: skip
+        _check_deterministic_options(
+            k,
+            noisy_gate_policy,
+            use_tutel,
+            use_rts,
+            drop_tokens,
+            top2_2nd_expert_sampling,
+            use_residual,
+            enable_expert_tensor_parallelism,
+        )
         layout = expert_layout(expert)
         if layout.hidden_size != hidden_size:
             raise MoKConfigError(f"hidden_size={hidden_size} but the expert takes {layout.hidden_size}")
         if num_experts % ep_size:
             raise MoKConfigError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
         if drop_tokens and capacity_factor != eval_capacity_factor:
-            raise MoKConfigError(f"capacity_factor={capacity_factor} and eval_capacity_factor={eval_capacity_factor}: "
-                                 "MoK uses one capacity factor; set them equal or drop_tokens=False")  # fmt: skip
+            raise MoKConfigError(
+                f"capacity_factor={capacity_factor} and eval_capacity_factor={eval_capacity_factor}: "
+                "MoK uses one capacity factor; set them equal or drop_tokens=False"
+            )
         if drop_tokens and ep_size > 1:
-            raise MoKConfigError("drop_tokens=True with ep_size > 1: MoK drops tokens on one EP rank only; "
-                                 "pass drop_tokens=False (dropless)")  # fmt: skip
-        derived = dict(hidden_size=hidden_size, ffn_hidden_size=layout.ffn_hidden_size, num_experts=num_experts,
-                       top_k=k, ep_size=ep_size, capacity_factor=float(capacity_factor) if drop_tokens else None,
-                       score_function="softmax", norm_topk_prob=k >= 2, aux_loss_coeff=1.0,
-                       params_dtype=_DTYPES.get(layout.dtype, "float32"), ep_exchange="exact")  # fmt: skip
+            raise MoKConfigError(
+                "drop_tokens=True with ep_size > 1: MoK drops tokens on one EP rank only; "
+                "pass drop_tokens=False (dropless)"
+            )
+        derived = dict(
+            hidden_size=hidden_size,
+            ffn_hidden_size=layout.ffn_hidden_size,
+            num_experts=num_experts,
+            top_k=k,
+            ep_size=ep_size,
+            capacity_factor=float(capacity_factor) if drop_tokens else None,
+            score_function="softmax",
+            norm_topk_prob=k >= 2,
+            aux_loss_coeff=1.0,
+            params_dtype=_DTYPES.get(layout.dtype, "float32"),
+            ep_exchange="exact",
+        )
         knobs = _knobs(mok_config)
-        conflicts = [f"mok.{key}={knobs[key]!r} (the arguments give {derived[key]!r})"
-                     for key in _DERIVED if key in knobs and knobs[key] != derived[key]]  # fmt: skip
+        conflicts = [
+            f"mok.{key}={knobs[key]!r} (the arguments give {derived[key]!r})"
+            for key in _DERIVED
+            if key in knobs and knobs[key] != derived[key]
+        ]
         if conflicts:
             raise MoKConfigError("mok_config conflicts with the MoE arguments: " + "; ".join(conflicts))
         self.mok_config = MoKConfig(**{**derived, **knobs})
@@ -180,9 +219,11 @@ class MoE(StockMoE):
         """Called by deepspeed.initialize: make sure the expert groups exist (EP = 1 included)."""
         group = self._expert_parallel_group(use_data_before_expert_parallel_)
         if self.mok.ep_group is not None and group is not self.mok.ep_group:
-            raise MoKConfigError("the expert-parallel group changed after the layer was built "
-                                 "(use_data_before_expert_parallelism); build the model after deepspeed.initialize "
-                                 "settings are known")  # fmt: skip
+            raise MoKConfigError(
+                "the expert-parallel group changed after the layer was built "
+                "(use_data_before_expert_parallelism); build the model after deepspeed.initialize "
+                "settings are known"
+            )
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """(output like hidden_states, l_aux scalar, exp_counts int64 [E] before any drop)."""
