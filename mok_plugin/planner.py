@@ -1,0 +1,118 @@
+"""Per-GPU estimates for a run config: memory, and the time of one MoE layer.
+
+Memory per GPU (bytes), for bf16 weights trained with fp32 gradients and Adam (Megatron's defaults
+with the distributed optimizer):
+  weights      2 B per parameter held: routed experts (E_slots / ep experts x moe_layers / pp layers,
+               3HI / expert_tp each), shared experts (3 H Is / tp per MoE layer), the rest
+               (dense_params / (tp pp))
+  gradients    4 B per parameter (fp32 main_grad)
+  optimizer    12 B per parameter (fp32 master, Adam m and v), sharded over the parameter's
+               data-parallel ranks: dp for dense ones, tp dp / (ep expert_tp) for experts
+  activations  per layer and micro-batch of T = seq_length x micro_batch tokens: 34 T H / tp bytes
+               for attention and norms with selective recompute (Korthikanti et al. 2022; "none" is
+               treated the same, "full" keeps 2 T H), plus MoK's saved tensors in an MoE layer: the
+               input (2 T H) and the gate/up output of the K routed rows (2 x 2 T K I); 1F1B keeps pp
+               micro-batches in flight on the first stage, so num_layers / pp x pp layers' worth
+  MoK buffers  expert-parallel exchange buffers of one layer: rows x H x 2 B for send and receive,
+               dispatch and combine (4 buffers), rows = T K x ep_capacity_factor (capacity exchange)
+               or T K (exact)
+It fits when the total is at most 90 % of the GPU's HBM (the rest: allocator slack, NCCL, CUDA
+context).
+
+Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
+  expert FLOPs  3 passes x 2 FLOPs x T K rows x 3 H I / expert_tp (gate, up, down; backward = 2 x
+                forward), at `efficiency` x the machine's dense bf16 rate
+  exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
+                sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
+                scale-out network (per-direction datasheet rates)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mok_plugin.topology import RunConfig
+
+__all__ = ["LayerTime", "MemoryEstimate", "layer_time", "memory_per_gpu"]
+
+GIB = 1024**3
+BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIMIZER = 2, 4, 12
+HBM_USABLE = 0.9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    expert_params: float
+    dense_params: float
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    mok_buffers_gib: float
+    budget_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.mok_buffers_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gib <= self.budget_gib
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    expert_flops: float
+    expert_ms: float
+    exchange_bytes: float
+    exchange_ms: float
+    link: str  # "NVLink", "scale-out" or "none"
+    link_gb_s: float
+
+
+def _tokens(run: RunConfig) -> int:
+    return run.parallel.seq_length * run.parallel.micro_batch
+
+
+def memory_per_gpu(run: RunConfig) -> MemoryEstimate:
+    """The memory estimate of the module docstring."""
+    p, m, hw = run.parallel, run.model, run.hardware
+    layers_here = m.moe_layers / p.pp
+    slots = m.num_experts + p.redundant_experts
+    routed = layers_here * slots / p.ep * 3 * m.hidden_size * m.ffn_hidden_size / p.expert_tp
+    shared = layers_here * 3 * m.hidden_size * m.shared_ffn_hidden_size / p.tp
+    dense = m.dense_params_b * 1e9 / (p.tp * p.pp) + shared
+    expert_dp = max(1, p.tp * p.dp // (p.ep * p.expert_tp))
+    T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
+    per_layer = {"full": 2 * T * H, "selective": 34 * T * H / p.tp, "none": 34 * T * H / p.tp}[p.activation_recompute]
+    moe_saved = 0 if p.activation_recompute == "full" else 2 * T * H + 2 * 2 * T * K * I / p.expert_tp
+    activations = m.num_layers * per_layer + m.moe_layers * moe_saved
+    mok = run.mok_config()
+    rows = T * K * (mok.ep_capacity_factor if mok.ep_exchange == "capacity" else 1.0) if p.ep > 1 else 0
+    return MemoryEstimate(
+        expert_params=routed,
+        dense_params=dense,
+        weights_gib=(routed + dense) * BYTES_WEIGHT / GIB,
+        grads_gib=(routed + dense) * BYTES_GRAD / GIB,
+        optimizer_gib=(routed / expert_dp + dense / p.dp) * BYTES_OPTIMIZER / GIB,
+        activations_gib=activations / GIB,
+        mok_buffers_gib=4 * rows * H * 2 / GIB,
+        budget_gib=HBM_USABLE * hw.hbm_gib,
+    )
+
+
+def layer_time(run: RunConfig, efficiency: float = 0.6) -> LayerTime:
+    """The MoE-layer time estimate of the module docstring (forward + backward, one micro-batch)."""
+    p, m, hw = run.parallel, run.model, run.hardware
+    T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
+    flops = 3 * 2 * T * K * 3 * H * I / p.expert_tp
+    expert_ms = flops / (efficiency * hw.bf16_tflops * 1e12) * 1e3
+    exchange = 4 * T * K * H * 2 * (p.ep - 1) / p.ep
+    if p.ep == 1:
+        link, rate = "none", 0.0
+    elif p.ep * p.expert_tp <= hw.nvlink_domain:
+        link, rate = "NVLink", hw.nvlink_gb_s
+    else:
+        link, rate = "scale-out", hw.scale_out_gb_s
+    exchange_ms = exchange / (rate * 1e9) * 1e3 if rate else 0.0
+    return LayerTime(flops, expert_ms, exchange, exchange_ms, link, rate)

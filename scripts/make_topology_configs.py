@@ -1,0 +1,124 @@
+"""Write configs/topologies/*.yaml: the run configs users start from (then validated by
+mok_plugin.topology.load_topology; tests load every file).
+
+    python scripts/make_topology_configs.py            # rewrites configs/topologies/
+
+For each model and machine the pipeline size is the smallest of 1, 2, 4, 8, 16 whose memory
+estimate fits (mok_plugin.planner); dp = ep, so one EP group spans the data-parallel ranks of a
+pipeline stage and sits in one NVLink domain. Where ep does not divide the experts, redundant
+experts fill the slots (as DeepSeek's and TensorRT-LLM's deployments do).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.topology import RunConfig  # noqa: E402
+
+OUT = Path(__file__).resolve().parents[1] / "configs" / "topologies"
+FACTS = "shared/reference/topologies-and-models.md, table 5a (the models' config.json)"
+
+# dense_params_b: attention, embeddings and dense FFN layers, from the shapes in table 5a
+# (routed and shared experts excluded; MTP layers excluded).
+MODELS = {
+    "deepseek-v3": dict(num_layers=61, moe_layers=58, hidden_size=7168, ffn_hidden_size=2048, num_experts=256,
+                        top_k=8, shared_ffn_hidden_size=2048, dense_params_b=14.4),
+    "kimi-k2": dict(num_layers=61, moe_layers=60, hidden_size=7168, ffn_hidden_size=2048, num_experts=384, top_k=8,
+                    shared_ffn_hidden_size=2048, dense_params_b=9.0),
+    "qwen3-235b-a22b": dict(num_layers=94, moe_layers=94, hidden_size=4096, ffn_hidden_size=1536, num_experts=128,
+                            top_k=8, dense_params_b=7.9),
+    "glm-4.5": dict(num_layers=92, moe_layers=89, hidden_size=5120, ffn_hidden_size=1536, num_experts=160, top_k=8,
+                    shared_ffn_hidden_size=1536, dense_params_b=14.6),
+    "gpt-oss-120b": dict(num_layers=36, moe_layers=36, hidden_size=2880, ffn_hidden_size=2880, num_experts=128,
+                         top_k=4, dense_params_b=2.1),
+    "qwen3-30b-a3b": dict(num_layers=48, moe_layers=48, hidden_size=2048, ffn_hidden_size=768, num_experts=128,
+                          top_k=8, dense_params_b=1.2),
+    # Four of Qwen3-30B-A3B's layers (its embeddings included): what one H200 trains whole.
+    "qwen3-30b-a3b-4-layers": dict(num_layers=4, moe_layers=4, hidden_size=2048, ffn_hidden_size=768,
+                                   num_experts=128, top_k=8, dense_params_b=0.7),
+}  # fmt: skip
+NOTES = {
+    "gpt-oss-120b": "shape only: gpt-oss's experts are a clamped SwiGLU with biases, MoK's are plain SwiGLU",
+    "deepseek-v3": "routing: sigmoid, expert bias, 8 groups / 4, scaling 2.5 (mok knobs below)",
+}
+ROUTING = {
+    "deepseek-v3": dict(score_function="sigmoid", norm_topk_prob=True, expert_bias=True, n_group=8, topk_group=4,
+                        routed_scaling_factor=2.5),
+    "kimi-k2": dict(score_function="sigmoid", norm_topk_prob=True, expert_bias=True, routed_scaling_factor=2.827),
+    "glm-4.5": dict(score_function="sigmoid", norm_topk_prob=True, expert_bias=True, routed_scaling_factor=2.5),
+    "qwen3-235b-a22b": dict(norm_topk_prob=True, aux_loss_coeff=0.001),
+    "qwen3-30b-a3b": dict(norm_topk_prob=True, aux_loss_coeff=0.001),
+    "qwen3-30b-a3b-4-layers": dict(norm_topk_prob=True, aux_loss_coeff=0.001),
+    "gpt-oss-120b": dict(norm_topk_prob=True, aux_loss_coeff=0.001),
+}  # fmt: skip
+
+
+def _run(name: str, machine: str, ep: int, pp: int, dp: int, transport: str, seq: int = 4096) -> RunConfig | None:
+    model = dict(name=name, source=FACTS, **MODELS[name])
+    redundant = (-model["num_experts"]) % ep
+    parallel = dict(tp=1, pp=pp, ep=ep, expert_tp=1, dp=dp, seq_length=seq, micro_batch=1,
+                    redundant_experts=redundant)  # fmt: skip
+    mok = dict(ep_exchange="capacity", ep_capacity_factor=2.0, ep_transport=transport, **ROUTING[name])
+    try:
+        return RunConfig(machine=machine, model=model, parallel=parallel, mok=mok)
+    except (ValueError, MoKConfigError) as error:
+        if "does not fit" in str(error):
+            return None
+        raise
+
+
+def smallest_fitting(name: str, machine: str, ep: int, dp: int, transport: str, seq: int = 4096) -> RunConfig:
+    """The fitting layout with the fewest GPUs (ties: the smaller pipeline), dp a multiple of ep up to 8 ep."""
+    candidates = [(pp * dp * scale, pp, dp * scale) for scale in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16)]
+    for _, pp, data_parallel in sorted(candidates):
+        run = _run(name, machine, ep, pp, data_parallel, transport, seq)
+        if run is not None:
+            return run
+    raise SystemExit(f"{name} on {machine} at EP {ep}: no layout up to PP 16, DP {8 * dp} fits")
+
+
+def write(run: RunConfig, stem: str, description: str) -> None:
+    data = {"description": description, **run.model_dump(mode="json", exclude={"description"})}
+    text = f"# {description}\n# Written by scripts/make_topology_configs.py; validated by mok_plugin.load_topology.\n"
+    (OUT / f"{stem}.yaml").write_text(text + yaml.safe_dump(data, sort_keys=False))
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.yaml"):
+        old.unlink()
+    for name in ("deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "glm-4.5", "gpt-oss-120b"):
+        for rack in ("gb300-nvl72", "gb200-nvl72"):
+            for ep in (8, 16, 32, 64, 72):
+                run = smallest_fitting(name, rack, ep, dp=ep, transport="symmetric_memory")
+                p = run.parallel
+                note = f"; {NOTES[name]}" if name in NOTES else ""
+                slots = f", {p.redundant_experts} redundant experts" if p.redundant_experts else ""
+                layout = f"EP {ep}{slots}, PP {p.pp}, DP {p.dp} ({p.world_size} GPUs)"
+                write(run, f"{name}_{rack}_ep{ep}", f"{name} on {rack}: {layout}{note}")
+    for name, machine in (("qwen3-30b-a3b", "hgx-h200"), ("qwen3-30b-a3b", "hgx-h100")):
+        run = smallest_fitting(name, machine, 8, dp=8, transport="symmetric_memory")
+        write(run, f"{name}_{machine}_ep8", f"{name} on one 8-GPU {machine} node: EP 8, PP {run.parallel.pp}, DP 8")
+    single = _run("qwen3-30b-a3b-4-layers", "h200-measured", ep=1, pp=1, dp=1, transport="nccl", seq=2048)
+    write(single, "qwen3-30b-a3b-4-layers_h200_single",
+          "Four Qwen3-30B-A3B layers on one H200 (this project's device), sequence 2048")  # fmt: skip
+    tiny = RunConfig(
+        machine="cpu",
+        model=dict(name="tiny", num_layers=2, moe_layers=2, hidden_size=64, ffn_hidden_size=32, num_experts=8,
+                   top_k=2, dense_params_b=0.0001, source="a made-up model for the quickstart"),
+        parallel=dict(seq_length=64, micro_batch=2),
+        mok=dict(norm_topk_prob=True, aux_loss_coeff=0.01, backend="reference", params_dtype="float32"),
+    )  # fmt: skip
+    write(tiny, "tiny_cpu", "A tiny MoE model for the CPU quickstart (the comparison harness's default)")
+    print(f"wrote {len(list(OUT.glob('*.yaml')))} configs to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Print the per-GPU plan of a run config: memory, and the time of one MoE layer and of the MoE
+layers of one micro-batch, with every rate and its source. The arithmetic is mok_plugin.planner's.
+
+    python scripts/plan.py configs/topologies/deepseek-v3_gb300-nvl72_ep64.yaml
+    python scripts/plan.py CONFIG --efficiency 0.5 --json out/plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.planner import HBM_USABLE, layer_time, memory_per_gpu  # noqa: E402
+from mok_plugin.topology import load_topology  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--efficiency", type=float, default=0.6, help="fraction of dense bf16 peak the experts reach")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        run = load_topology(args.config)
+    except MoKConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    hw, p, m = run.hardware, run.parallel, run.model
+    mem, t = memory_per_gpu(run), layer_time(run, args.efficiency)
+    T = p.seq_length * p.micro_batch
+    layers_here = m.moe_layers / p.pp
+    print(f"{args.config.name}: {m.name} on {hw.name} ({p.world_size} GPUs)")
+    slots = m.num_experts + p.redundant_experts
+    print(f"  layout   TP {p.tp}  PP {p.pp}  EP {p.ep}  expert-TP {p.expert_tp}  DP {p.dp}  "
+          f"seq {p.seq_length} x micro-batch {p.micro_batch}  expert slots {slots}")  # fmt: skip
+    print(
+        f"  rates    {hw.gpu}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.hbm_gib:g} GiB HBM, NVLink "
+        f"{hw.nvlink_gb_s:g} GB/s/dir in a {hw.nvlink_domain}-GPU domain, scale-out {hw.scale_out_gb_s:g} GB/s/dir"
+    )
+    print(f"           source: {hw.source}")
+    print("\n  memory per GPU (GiB)")
+    for label, value in (("weights (bf16)", mem.weights_gib), ("gradients (fp32)", mem.grads_gib),
+                         ("optimizer (Adam fp32, sharded)", mem.optimizer_gib),
+                         (f"activations ({p.activation_recompute} recompute)", mem.activations_gib),
+                         ("MoK exchange buffers", mem.mok_buffers_gib), ("total", mem.total_gib)):  # fmt: skip
+        print(f"    {label:<34} {value:>9.2f}")
+    verdict = "fits" if mem.fits else "DOES NOT FIT"
+    print(f"    {'usable (' + f'{HBM_USABLE:.0%}' + ' of HBM)':<34} {mem.budget_gib:>9.2f}   -> {verdict}")
+    print(f"    parameters here: {mem.expert_params / 1e9:.2f} B routed-expert, {mem.dense_params / 1e9:.2f} B other")
+    print(f"\n  one MoE layer, forward + backward, one micro-batch ({T} tokens per GPU, top-{m.top_k})")
+    at = f"at {args.efficiency:.0%} of peak"
+    print(f"    expert GEMMs   {t.expert_flops / 1e12:9.2f} TFLOP   {t.expert_ms:8.2f} ms {at}")
+    print(f"    exchange       {t.exchange_bytes / 1e9:9.3f} GB      {t.exchange_ms:8.2f} ms over {t.link}"
+          + (f" at {t.link_gb_s:g} GB/s" if t.link_gb_s else ""))  # fmt: skip
+    per_mb = layers_here * (t.expert_ms + t.exchange_ms)
+    print(f"  the {layers_here:g} MoE layers of one pipeline stage: {per_mb:.1f} ms per micro-batch "
+          "(expert GEMMs + exchange, not overlapped)")  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        memory = {**asdict(mem), "total_gib": mem.total_gib, "fits": mem.fits}
+        result = {"config": str(args.config), "memory": memory, "moe_layer": asdict(t),
+                  "moe_layers_per_microbatch_ms": per_mb}  # fmt: skip
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0 if mem.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
