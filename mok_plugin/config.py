@@ -182,8 +182,9 @@ class MoKConfig(BaseModel):
 def load_config(path: str | os.PathLike[str]) -> MoKConfig:
     """Read a YAML file into a validated `MoKConfig`.
 
-    The file is either the config's fields at the top level, or a mapping with a `mok:` section
-    holding them (topology files keep other sections beside it).
+    The file is either the config's fields at the top level, a mapping with a `mok:` section
+    holding them, or a run config (`machine`, `model`, `parallel`, `mok`: configs/topologies/),
+    which is validated whole (mok_plugin.topology) before its MoE layer's config is returned.
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -197,6 +198,11 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
             raise MoKConfigError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise MoKConfigError(f"{path}: expected a mapping of MoK config fields, got {type(data).__name__}")
+    if "machine" in data and "parallel" in data:
+        # A run config (configs/topologies/): validate the whole run, return one layer's config.
+        from mok_plugin.topology import load_topology
+
+        return load_topology(path).mok_config()
     if "mok" in data:
         data = data["mok"]
         if not isinstance(data, dict):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mok_plugin.config import MoKConfigError
+from mok_plugin.config import MoKConfigError, load_config
 from mok_plugin.planner import GIB, layer_time, memory_per_gpu
 from mok_plugin.topology import MACHINES, RunConfig, load_topology
 
@@ -29,6 +29,7 @@ def test_the_configs_cover_the_promised_layouts():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_config_loads_and_fits(path):
+    assert load_config(path).num_experts >= 8  # mok_plugin.load_config validates the whole run
     run = load_topology(path)
     assert memory_per_gpu(run).fits
     assert (run.model.num_experts + run.parallel.redundant_experts) % run.parallel.ep == 0
