@@ -1,4 +1,4 @@
-"""Layer demo (the README's main job until the stock-vs-MoK comparison lands).
+"""Layer demo: one MoE layer on its own (the README's main job is the comparison, scripts/compare.py).
 
 Builds a MoKMoE layer from a YAML config, runs forward + backward twice from the same seeds and
 checks that the output, the aux loss and every gradient are bitwise equal, then times forward,

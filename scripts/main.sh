@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's main command: set up .venv if needed, then run the layer demo on the built-in
-# small config (two runs, bitwise check, timings). Extra arguments go to scripts/demo.py.
+# The README's main command: set up .venv if needed, then compare Megatron's stock MoE layers with
+# MoK on the tiny built-in config (scripts/compare.py: tokens/s, memory, losses, bitwise checks;
+# a report and a plot under out/compare/). Extra arguments go to scripts/compare.py.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$repo_root"
-exec "$PY" scripts/demo.py --config configs/small.yaml "$@"
+exec "$PY" scripts/compare.py --config configs/topologies/tiny_cpu.yaml "$@"

@@ -1,4 +1,4 @@
-"""The README's main job (scripts/demo.py on configs/small.yaml) runs, finds the two runs bitwise
+"""The layer demo (scripts/demo.py on configs/small.yaml) runs, finds the two runs bitwise
 equal and writes its JSON; bench_layer.py refuses to run without a GPU with a clear message."""
 
 import json

@@ -1,0 +1,151 @@
+"""Train the comparison model with the stock MoE layers and with MoK, twice each, from the same
+initial weights on the same tokens; measure step time, tokens/s, peak memory and losses, and
+check whether the two runs of each variant are bitwise equal (losses and final weights).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from mok_plugin.compare.models import VOCAB, build_model
+from mok_plugin.topology import RunConfig
+
+__all__ = ["RunResult", "run_comparison"]
+
+VARIANTS = (("stock", 1), ("stock", 2), ("mok", 1), ("mok", 2))
+
+
+@dataclass
+class RunResult:
+    variant: str
+    repeat: int
+    losses: list[float]
+    step_ms: float
+    tokens_per_s: float
+    peak_memory_mib: float
+    final_state: dict = field(repr=False, default_factory=dict)
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "final_state"}
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process (Linux /proc), MiB: the CPU's stand-in for peak allocation."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _init_distributed(framework: str, device: torch.device) -> None:
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if framework == "deepspeed":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=backend)
+        else:
+            torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    if framework == "megatron":
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+
+
+def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable]:
+    """(step(tokens) -> loss, state() -> final weights) for the framework's training path."""
+    if framework == "deepspeed":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": run.parallel.micro_batch, "gradient_accumulation_steps": 1,
+                  "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "zero_optimization": {"stage": 1}}  # fmt: skip
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+        def ds_step(tokens):
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return ds_step, lambda: engine.module.state_dict()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(tokens):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step, model.state_dict
+
+
+def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.device,
+                   progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+    """Stock twice and MoK twice; returns {"runs": [...], "bitwise": {...}, "summary": {...}}."""
+    _init_distributed(framework, device)
+    stock_state = build_model(run, framework, "stock", device).state_dict()
+    init_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stock_state.items()}
+    B, S = run.parallel.micro_batch, run.parallel.seq_length
+    results: list[RunResult] = []
+    for variant, repeat in VARIANTS:
+        model = build_model(run, framework, variant, device)
+        model.load_state_dict(init_state)  # MoK's state dict speaks the stock keys
+        step, final_state = _trainer(model, framework, run)
+        generator = torch.Generator().manual_seed(1234)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        losses, times, peak = [], [], _rss_mib()
+        for i in range(steps):
+            tokens = torch.randint(0, VOCAB, (B, S + 1), generator=generator).to(device)
+            start = time.perf_counter()
+            loss = step(tokens)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+            peak = max(peak, _rss_mib())
+            if progress:
+                progress(f"{variant} run {repeat}: step {i + 1}/{steps}, loss {losses[-1]:.4f}")
+        steady = statistics.median(times[1:] or times)
+        memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak
+        state = {k: v.detach().clone() for k, v in final_state().items() if isinstance(v, torch.Tensor)}
+        results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory, state))
+    return {"runs": [r.summary() for r in results], "bitwise": _bitwise(results), "summary": _summary(results)}
+
+
+def _equal_runs(a: RunResult, b: RunResult) -> bool:
+    return (
+        a.losses == b.losses
+        and a.final_state.keys() == b.final_state.keys()
+        and all(torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
+    )
+
+
+def _bitwise(results: list[RunResult]) -> dict[str, bool]:
+    by = {(r.variant, r.repeat): r for r in results}
+    return {v: _equal_runs(by[(v, 1)], by[(v, 2)]) for v in ("stock", "mok")}
+
+
+def _summary(results: list[RunResult]) -> dict[str, dict]:
+    out = {}
+    for variant in ("stock", "mok"):
+        rs = [r for r in results if r.variant == variant]
+        out[variant] = {
+            "step_ms": statistics.median(r.step_ms for r in rs),
+            "tokens_per_s": statistics.median(r.tokens_per_s for r in rs),
+            "peak_memory_mib": max(r.peak_memory_mib for r in rs),
+            "final_loss": rs[0].losses[-1],
+        }
+    return out
