@@ -83,7 +83,10 @@ class MoKConfig(BaseModel):
     aux_loss_coeff: float = Field(default=0.0, ge=0.0, description="Switch-style load-balancing loss.")
     z_loss_coeff: float = Field(default=0.0, ge=0.0, description="Router z-loss.")
     capacity_factor: float | None = Field(
-        default=None, gt=0.0, description="None = dropless; otherwise rows per expert = ceil(T*K/E*factor)."
+        default=None,
+        gt=0.0,
+        description="None = dropless; otherwise rows per expert = ceil(T*K/E*factor), T the global batch "
+        "(all EP ranks); each expert keeps its first rows in global token order.",
     )
 
     # --- parallel layout -------------------------------------------------------------------------

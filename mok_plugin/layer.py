@@ -159,11 +159,6 @@ class MoKMoE(nn.Module):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if config.ep_size > 1 and config.capacity_factor is not None:
-            raise ValueError(
-                f"mok.capacity_factor={config.capacity_factor} with mok.ep_size={config.ep_size}: token dropping "
-                "under expert parallelism is not supported yet; set capacity_factor to null (dropless)"
-            )
         self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
         # Benchmark hook: a context-manager factory wrapped around the expert-parallel stages
         # ("dispatch", "experts", "combine"); None in normal use (scripts/bench_ep.py sets it).
@@ -183,6 +178,7 @@ class MoKMoE(nn.Module):
         self.register_buffer(
             "last_tokens_per_expert", torch.zeros(E, dtype=torch.int64, device=device), persistent=False
         )
+        # (token, k) pairs dropped by capacity in the last forward; under EP, by this rank's experts.
         self.register_buffer("last_num_dropped", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.init_std = init_std
         self.debug = config.debug_checks or debug_checks_from_env()
@@ -258,16 +254,16 @@ class MoKMoE(nn.Module):
         routing = self.route(x_TH, debug=debug)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         capacity = None
+        if cfg.capacity_factor is not None:
+            # Over the global batch, so that every EP size keeps the same rows.
+            capacity = expert_capacity(self._global_tokens(T), cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         if self.ep_group is not None:
-            out = moe_experts_expert_parallel(
+            out, num_dropped = moe_experts_expert_parallel(
                 x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
                 cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
-                phase=self.ep_stage_timer, transport=cfg.ep_transport,
+                phase=self.ep_stage_timer, transport=cfg.ep_transport, expert_capacity=capacity,
             )  # fmt: skip
-            num_dropped = self.last_num_dropped.new_zeros(())
         else:
-            if cfg.capacity_factor is not None:
-                capacity = expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
             out = self._experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
             num_dropped = schedule.num_dropped
@@ -281,11 +277,23 @@ class MoKMoE(nn.Module):
                 dropped = int(num_dropped)  # host-ok: opt-in debug report
                 if dropped:
                     warnings.warn(
-                        f"MoK dropped {dropped} of {T * cfg.top_k} routed (token, k) pairs at "
+                        f"MoK dropped {dropped} routed (token, k) pairs{' at this rank' if self.ep_group else ''} at "
                         f"mok.capacity_factor={cfg.capacity_factor}; raise it or set it to null (dropless)",
                         stacklevel=2,
                     )
         return out.view(x.shape), routing.aux_loss
+
+    def _global_tokens(self, num_tokens: int) -> int:
+        """Tokens in the global batch: this rank's times the EP size under the capacity exchange
+        (equal counts, checked on the device); summed over the group, one host read, under the
+        exact exchange (which reads counts on the host anyway)."""
+        if self.ep_group is None:
+            return num_tokens
+        if self.config.ep_exchange == "capacity":
+            return num_tokens * self.config.ep_size
+        total = torch.tensor([num_tokens], dtype=torch.int64, device=self.experts.gate_up_proj.device)
+        torch.distributed.all_reduce(total, group=self.ep_group)
+        return int(total)  # host-ok: exact exchange, sized on the host (parallel/dispatch.py)
 
     def route(self, x_TH: torch.Tensor, debug: bool = False) -> MoKRouting:
         """The routing decision for tokens x_TH [T, H]: logits in fp32, then `routing.route`.

@@ -123,7 +123,7 @@ def test_mixtral_style_expert_and_bad_experts(ds_world):
         (dict(noisy_gate_policy="Jitter"), "noisy_gate_policy='Jitter'"),
         (dict(use_tutel=True), "use_tutel=True"),
         (dict(use_residual=True), "use_residual=True"),
-        (dict(ep_size=2, drop_tokens=True), "drop_tokens=True with ep_size > 1"),
+        (dict(ep_size=2, drop_tokens=True), "drop_tokens=True with ep_size > 1: MoK.s capacity counts the global"),
         (dict(mok_config={"top_k": 2}, k=1), "mok.top_k=2"),
     ],
 )

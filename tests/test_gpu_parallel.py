@@ -48,8 +48,8 @@ def test_one_rank_expert_parallel_matches_single_process(one_rank_group, transpo
         if run == "single":
             out = ops.moe_experts(*leaves, build_schedule(ids, E, tile_m=DEFAULT_TILE_M))
         else:
-            out = moe_experts_expert_parallel(*leaves[:1], ids, *leaves[1:], ops.moe_experts, one_rank_group, E,
-                                              DEFAULT_TILE_M, capacity_factor=1.0, transport=transport)  # fmt: skip
+            out, _ = moe_experts_expert_parallel(*leaves[:1], ids, *leaves[1:], ops.moe_experts, one_rank_group, E,
+                                                 DEFAULT_TILE_M, capacity_factor=1.0, transport=transport)  # fmt: skip
         (out.float() * probe).sum().backward()
         results.append([out.detach()] + [t.grad for t in leaves])
     for name, a, b in zip(["out", "d_x", "d_w", "d_w13", "d_w2"], *results, strict=True):

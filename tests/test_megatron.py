@@ -227,6 +227,10 @@ UNSUPPORTED = [
     (dict(add_bias_linear=True), "--add-bias-linear"),
     (dict(gated_linear_unit=False), "--swiglu"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-token-drop-policy"),
+    (
+        dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", expert_model_parallel_size=2),
+        "--moe-expert-capacity-factor",
+    ),
     (dict(moe_router_num_groups=4, moe_router_group_topk=2), "--moe-router-num-groups"),
     (
         dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),

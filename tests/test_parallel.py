@@ -1,7 +1,8 @@
 """Expert parallelism on the CPU with gloo: 1, 2 and 4 processes share one global batch and must
 reproduce the single-process layer bitwise: outputs, input gradients and expert weight gradients,
 for top-1, top-2 and top-8 routing, uniform and skewed (every first choice on rank 0's expert, so
-other ranks send everything away and most experts get no token); bf16 too; through both exchanges:
+other ranks send everything away and most experts get no token); with token dropping; bf16 too;
+through both exchanges:
 exact (batch split unevenly, one rank with no tokens) and capacity (fixed-size buffers, equal
 split). Also: the router still gets a gradient, a capacity overflow and bad groups raise."""
 
@@ -33,6 +34,10 @@ CASES = [
     ("capacity_top8_bf16", 8, False, "bfloat16", "capacity", "reference"),
     # The Triton kernels (in the interpreter on the CPU) on the received rows.
     ("triton_top2_skewed", 2, True, "float32", "capacity", "triton"),
+    # Token dropping (mok.capacity_factor): skewed routing overfills expert 0; every EP size keeps
+    # the rows the single process keeps (each expert's first rows in global token order).
+    ("drop_top2_skewed_exact", 2, True, "float32", "exact", "reference", 0.5),
+    ("drop_top1_skewed_capacity", 1, True, "float32", "capacity", "reference", 1.0),
 ]
 # Tokens per rank for each world size. Exact: uneven, and rank 1 of 4 has none. Capacity: equal.
 SPLITS = {
@@ -54,8 +59,11 @@ def _config(
 
 
 def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
-    name, top_k, skewed, dtype, exchange, backend = case
-    layer = MoKMoE(_config(top_k, skewed, dtype, ep_size, exchange, backend), ep_group=group, seed=3, init_std=0.2)
+    name, top_k, skewed, dtype, exchange, backend, *drop = case
+    config = _config(top_k, skewed, dtype, ep_size, exchange, backend)
+    if drop:
+        config = config.replace(capacity_factor=drop[0])
+    layer = MoKMoE(config, ep_group=group, seed=3, init_std=0.2)
     if skewed:
         layer.expert_bias[0] = 100.0  # expert 0 (on rank 0) is everyone's first choice
     torch_dtype = layer.params_dtype
@@ -71,6 +79,7 @@ def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
         "d_gate_up_proj": layer.experts.gate_up_proj.grad,
         "d_down_proj": layer.experts.down_proj.grad,
         "d_router": layer.router.weight.grad,
+        "dropped": layer.last_num_dropped.clone(),
     }
 
 
@@ -113,6 +122,9 @@ def test_topology_invariance_bitwise(world, tmp_path, single_process):
         assert torch.equal(got_dx, want["d_x"]), f"{name}: input gradient differs at world size {world}"
         assert torch.equal(got_w13, want["d_gate_up_proj"]), f"{name}: dW13 differs at world size {world}"
         assert torch.equal(got_w2, want["d_down_proj"]), f"{name}: dW2 differs at world size {world}"
+        dropped = sum(int(r[name]["dropped"]) for r in ranks)  # each rank counts its experts' drops
+        assert dropped == int(want["dropped"]), f"{name}: {dropped} pairs dropped, single process {want['dropped']}"
+        assert (dropped > 0) == name.startswith("drop_"), f"{name}: dropped {dropped}"
         # The router is replicated: each rank's gradient covers its own tokens, and they add up
         # (in another order, so closely, not bitwise) to the single-process gradient.
         router = sum(r[name]["d_router"].double() for r in ranks)
@@ -140,8 +152,6 @@ def test_capacity_overflow_names_the_factor():
 def test_bad_groups_raise():
     with pytest.raises(ValueError, match=r"mok\.ep_size=2 needs ep_group"):
         MoKMoE(_config(2, False, "float32", 2))
-    with pytest.raises(ValueError, match=r"capacity_factor=1\.0 with mok\.ep_size=2"):
-        MoKMoE(_config(2, False, "float32", 2).replace(capacity_factor=1.0), ep_group=object())
 
 
 def test_bench_ep_runs_and_writes_json(tmp_path):

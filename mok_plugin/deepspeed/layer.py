@@ -162,8 +162,8 @@ class MoE(StockMoE):
             )
         if drop_tokens and ep_size > 1:
             raise MoKConfigError(
-                "drop_tokens=True with ep_size > 1: MoK drops tokens on one EP rank only; "
-                "pass drop_tokens=False (dropless)"
+                "drop_tokens=True with ep_size > 1: MoK's capacity counts the global batch at each expert, "
+                "DeepSpeed's each rank's own tokens; pass drop_tokens=False (dropless)"
             )
         derived = dict(
             hidden_size=hidden_size,

@@ -122,6 +122,15 @@ def _capacity_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
     factor = tc.moe_expert_capacity_factor
     if factor is None or factor < 0:
         return {}
+    if tc.expert_model_parallel_size > 1:
+        problems.append(
+            _refuse(
+                "moe_expert_capacity_factor",
+                factor,
+                "with expert parallelism MoK's capacity counts the global batch at each expert, Megatron's "
+                "each rank's own tokens; drop the flag (dropless) or run EP 1",
+            )  # fmt: skip
+        )
     if tc.moe_token_drop_policy != "position":
         problems.append(
             _refuse(

@@ -152,7 +152,8 @@ def moe_experts_expert_parallel(
     capacity_factor: float | None = None,
     phase: Callable[[str], AbstractContextManager] | None = None,
     transport: str = "nccl",
-) -> torch.Tensor:
+    expert_capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts' output for this rank's tokens, with the experts spread over `group`.
 
     Args:
@@ -172,8 +173,12 @@ def moe_experts_expert_parallel(
             "combine" stages of the forward (scripts/bench_ep.py times them with it).
         transport: "nccl" (torch.distributed all-to-all, any backend) or "symmetric_memory"
             (pull from peers' NVLink buffers; capacity exchange and CUDA only).
+        expert_capacity: rows one expert keeps (token dropping), None = dropless. Each expert keeps
+            its first rows in global token order, exactly the rows the single-process layer keeps
+            with the same capacity; a dropped pair contributes nothing to its token's sum.
     Returns:
-        [T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending.
+        ([T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending, int64 scalar: the
+        pairs this rank's experts dropped).
     Raises:
         RuntimeError: (capacity exchange) a rank would send more rows to one rank than its buffer
             holds, or ranks have different token counts. On a GPU the check is a device-side
@@ -186,12 +191,15 @@ def moe_experts_expert_parallel(
         )
     with stage("experts"):
         # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
-        schedule = build_schedule(expert_recv.view(-1, 1), num_experts // dist.get_world_size(group), tile_m=tile_m)
+        schedule = build_schedule(
+            expert_recv.view(-1, 1), num_experts // dist.get_world_size(group), tile_m=tile_m, capacity=expert_capacity
+        )
         y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
     with stage("combine"):
         y_sent_order = send_back(y_recv)
         T, K = topk_ids.shape
-        return sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
+        out = sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
+        return out, schedule.num_dropped
 
 
 def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport):
