@@ -112,7 +112,7 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
             start = time.perf_counter()
             loss = step(tokens)
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(device)  # host-ok: the harness times each step
             times.append(time.perf_counter() - start)
             losses.append(float(loss))
             peak = max(peak, _rss_mib())
