@@ -11,11 +11,13 @@ Imports no pytest.
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "free_port",
     "NAMED_SHAPES",
     "parse_shape",
     "MoEShape",
@@ -235,3 +237,10 @@ def oracle_moe(
     if z_loss_coeff > 0:
         aux = aux + z_loss_coeff * torch.stack(lse).square().mean()
     return out, topk_weights, aux
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a local torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

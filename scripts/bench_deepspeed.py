@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import deepspeed  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
 
 import mok_plugin.deepspeed as mds  # noqa: E402
+from mok_plugin.testing import free_port  # noqa: E402
 
 
 class MoELanguageModel(nn.Module):
@@ -125,10 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available() and not args.tiny
     args.bf16 = on_gpu
     if "RANK" not in os.environ:  # one process without torchrun
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
     if on_gpu:

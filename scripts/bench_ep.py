@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin import MoKConfig, MoKMoE  # noqa: E402
 from mok_plugin.parallel import keep_multicast_off  # noqa: E402
-from mok_plugin.testing import NAMED_SHAPES, MoEShape, make_layer_inputs, parse_shape  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, MoEShape, free_port, make_layer_inputs, parse_shape  # noqa: E402
 
 STAGES = ("forward", "dispatch", "experts", "combine", "backward")
 MEGATRON_STAGES = ("forward", "backward")
@@ -239,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         main_rank(args, rank, world, "nccl" if on_gpu else "gloo", device)
         return 0
     args.dtype = args.dtype or "float32"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    mp.spawn(worker, args=(args.nprocs, free_port(), args), nprocs=args.nprocs, join=True)
     return 0
 
 

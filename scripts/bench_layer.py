@@ -38,7 +38,7 @@ from mok_plugin import ops  # noqa: E402
 from mok_plugin.reference import moe_experts_reference  # noqa: E402
 from mok_plugin.routing import count_per_expert  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
-from mok_plugin.testing import NAMED_SHAPES, TOLERANCES, MoEShape, parse_shape  # noqa: E402
+from mok_plugin.testing import NAMED_SHAPES, TOLERANCES, MoEShape, free_port, parse_shape  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -135,11 +135,7 @@ def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device, e
     from megatron.core.transformer import TransformerConfig
 
     if not dist.is_initialized():
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
@@ -157,9 +153,10 @@ def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device, e
     )  # fmt: skip
     builder = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     layer = builder(config=config).to(device)
-    if on_cpu:  # the stock router's gating() moves its weight to CUDA; the same logits, on the CPU
-        router = layer.router
-        router.gating = lambda hidden: F.linear(hidden, router.weight)
+    if on_cpu:
+        from mok_plugin.megatron.stock import make_stock_router_cpu_safe
+
+        make_stock_router_cpu_safe(layer)
     else:
         generator = torch.Generator(device=device).manual_seed(0)
         with torch.no_grad():

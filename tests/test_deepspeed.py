@@ -4,7 +4,6 @@ against the stock layer, two MoK runs bitwise equal, checkpoints both ways); the
 errors; apply/revert; the random options."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,16 +16,10 @@ from deepspeed.moe.layer import MoE as StockMoE  # noqa: E402
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
-from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 H, I, E = 16, 24, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,7 @@ def ds_world():
     # that scripts the later tests start do not think they run under torchrun.
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo")
     yield
     torch.distributed.destroy_process_group()
@@ -235,7 +228,7 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, o
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage, ep_size", [(1, 1), (2, 2)])
 def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
-    mp.spawn(_engine_worker, args=(2, _free_port(), stage, ep_size, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_engine_worker, args=(2, free_port(), stage, ep_size, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         # Same weights, same data, no drop, no noise: the losses agree with the stock layer.

@@ -3,7 +3,6 @@
 bitwise. The multi-GPU runs belong to the multi-GPU issue."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,15 +17,13 @@ pytestmark = [
 from mok_plugin import ops  # noqa: E402
 from mok_plugin.parallel import moe_experts_expert_parallel  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.testing import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def one_rank_group():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))  # fmt: skip
     yield dist.group.WORLD
     dist.destroy_process_group()

@@ -4,7 +4,6 @@ gradients, aux loss), checkpoints both ways (state_dict and the sharded distribu
 layout), gradients into main_grad, unsupported flags, the --spec path, EP = 2 in two processes."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -23,22 +22,17 @@ from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import MoKMoELayer, mok_config_from_megatron, use_mok  # noqa: E402
 from mok_plugin.megatron.checkpoint import _to_stock as to_stock  # noqa: E402
-from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+from mok_plugin.megatron.stock import make_stock_router_cpu_safe  # noqa: E402
+from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
 H, I, E = 32, 16, 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init(rank: int = 0, world: int = 1, port: int | None = None, ep: int = 1) -> None:
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
@@ -75,16 +69,10 @@ def _config(**overrides) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
-def _cpu_router(layer) -> None:
-    """Megatron's stock router moves its weight to CUDA in gating(); the same GEMM, on the CPU."""
-    router = layer.router
-    router.gating = lambda hidden: F.linear(hidden, router.weight)
-
-
 def _stock_and_mok(cfg: TransformerConfig):
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     stock = spec(config=cfg)
-    _cpu_router(stock)
+    make_stock_router_cpu_safe(stock)
     mok = use_mok(spec)(config=cfg)
     mok.load_state_dict(stock.state_dict())
     return stock, mok
@@ -321,7 +309,7 @@ def test_expert_parallel_two_processes_matches_one(megatron_world, tmp_path):
     x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
     probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
     want_out, want_dx, _ = _fwd_bwd(layer, x, probe)
-    mp.spawn(_ep_worker, args=(2, _free_port(), str(tmp_path / "ep")), nprocs=2, join=True)
+    mp.spawn(_ep_worker, args=(2, free_port(), str(tmp_path / "ep")), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"ep.{r}.pt") for r in range(2)]
     assert torch.equal(torch.cat([p["out"] for p in parts]), want_out)
     assert torch.equal(torch.cat([p["d_x"] for p in parts]), want_dx)

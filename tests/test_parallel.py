@@ -7,7 +7,6 @@ exact (batch split unevenly, one rank with no tokens) and capacity (fixed-size b
 split). Also: the router still gets a gradient, a capacity overflow and bad groups raise."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mok_plugin import MoKConfig, MoKMoE
-from mok_plugin.testing import assert_close, make_layer_inputs
+from mok_plugin.testing import assert_close, free_port, make_layer_inputs
 
 pytestmark = pytest.mark.distributed
 
@@ -93,14 +92,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_world(world: int, tmp_path) -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -146,7 +139,7 @@ def _overflow_worker(rank: int, world: int, port: int) -> None:
 
 def test_capacity_overflow_names_the_factor():
     with pytest.raises(Exception, match=r"raise mok\.ep_capacity_factor"):
-        mp.spawn(_overflow_worker, args=(2, _free_port()), nprocs=2, join=True)
+        mp.spawn(_overflow_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_bad_groups_raise():

@@ -6,7 +6,6 @@ check whether the two runs of each variant are bitwise equal (losses and final w
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mok_plugin.compare.models import VOCAB, build_model
+from mok_plugin.testing import free_port
 from mok_plugin.topology import RunConfig
 
 __all__ = ["RunResult", "run_comparison"]
@@ -44,10 +44,9 @@ def _rss_mib() -> float:
 
 def _init_distributed(framework: str, device: torch.device) -> None:
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
         backend = "nccl" if device.type == "cuda" else "gloo"
         if framework == "deepspeed":
             import deepspeed

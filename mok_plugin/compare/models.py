@@ -51,6 +51,7 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
     from megatron.core.transformer import TransformerConfig
 
     from mok_plugin.megatron import set_default_mok_overrides, use_mok
+    from mok_plugin.megatron.stock import make_stock_router_cpu_safe
 
     m, cfg = run.model, run.mok_config()
     config = TransformerConfig(
@@ -71,9 +72,8 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
 
     def stock():
         layer = spec(config=config)
-        if device.type == "cpu":  # the stock router's gating() moves its weight to CUDA
-            router = layer.router
-            router.gating = lambda hidden: F.linear(hidden, router.weight)
+        if device.type == "cpu":
+            make_stock_router_cpu_safe(layer)
         return layer
 
     return stock

@@ -189,7 +189,7 @@ class MoE(StockMoE):
         self.mok_config = MoKConfig(**{**derived, **knobs})
 
         nn.Module.__init__(self)  # not StockMoE.__init__: it would build the stock gate and expert copies
-        self.num_experts, self.ep_size, self.k = num_experts, ep_size, k
+        self.num_experts, self.ep_size = num_experts, ep_size
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.enable_expert_tensor_parallelism = False
