@@ -39,6 +39,7 @@ class MoELanguageModel(nn.Module):
     def __init__(self, args: argparse.Namespace):
         super().__init__()
         self.embed = nn.Embedding(args.vocab, args.hidden)
+        nn.init.normal_(self.embed.weight, std=0.02)  # LM-sized, so the tied head's loss starts near ln(vocab)
         self.norms = nn.ModuleList(nn.LayerNorm(args.hidden) for _ in range(args.layers))
         self.moes = nn.ModuleList(
             MoE(args.hidden, mds.SwiGLUExpert(args.hidden, args.ffn), num_experts=args.experts, ep_size=args.ep_size,
@@ -94,7 +95,7 @@ def run_variant(args, variant: str, init_state: dict | None, device: torch.devic
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     steady = times[2:] or times
     world = torch.distributed.get_world_size()
     step_s = statistics.median(steady)

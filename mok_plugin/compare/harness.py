@@ -5,11 +5,12 @@ check whether the two runs of each variant are bitwise equal (losses and final w
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -30,10 +31,9 @@ class RunResult:
     step_ms: float
     tokens_per_s: float
     peak_memory_mib: float
-    final_state: dict = field(repr=False, default_factory=dict)
 
     def summary(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "final_state"}
+        return asdict(self)
 
 
 def _rss_mib() -> float:
@@ -59,16 +59,22 @@ def _init_distributed(framework: str, device: torch.device) -> None:
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
+        if device.type == "cuda":  # Megatron initialises expert weights under its CUDA RNG tracker
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(0)
 
 
-def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable]:
-    """(step(tokens) -> loss, state() -> final weights) for the framework's training path."""
+def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable, Callable]:
+    """(step(tokens) -> loss, state() -> final weights, close()) for the framework's training path."""
     if framework == "deepspeed":
         import deepspeed
 
         config = {"train_micro_batch_size_per_gpu": run.parallel.micro_batch, "gradient_accumulation_steps": 1,
                   "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
                   "zero_optimization": {"stage": 1}}  # fmt: skip
+        if next(model.parameters()).is_cuda:
+            config["bf16"] = {"enabled": True}  # bf16 weights, fp32 master weights in the optimizer
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 
         def ds_step(tokens):
@@ -77,7 +83,7 @@ def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable]
             engine.step()
             return loss
 
-        return ds_step, lambda: engine.module.state_dict()
+        return ds_step, engine.module.state_dict, engine.destroy  # destroy releases the optimizer's buffers
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def step(tokens):
@@ -87,21 +93,23 @@ def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable]
         optimizer.step()
         return loss
 
-    return step, model.state_dict
+    return step, model.state_dict, lambda: None
 
 
 def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.device,
                    progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
     """Stock twice and MoK twice; returns {"runs": [...], "bitwise": {...}, "summary": {...}}."""
     _init_distributed(framework, device)
-    stock_state = build_model(run, framework, "stock", device).state_dict()
-    init_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stock_state.items()}
+    init_state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in build_model(run, framework, "stock", device).state_dict().items()}  # fmt: skip
     B, S = run.parallel.micro_batch, run.parallel.seq_length
     results: list[RunResult] = []
+    first_state: dict[str, dict] = {}  # the first run's final weights per variant, on the CPU
+    bitwise: dict[str, bool] = {}
     for variant, repeat in VARIANTS:
         model = build_model(run, framework, variant, device)
         model.load_state_dict(init_state)  # MoK's state dict speaks the stock keys
-        step, final_state = _trainer(model, framework, run)
+        step, final_state, close = _trainer(model, framework, run)
         generator = torch.Generator().manual_seed(1234)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -113,28 +121,28 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # host-ok: the harness times each step
             times.append(time.perf_counter() - start)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             peak = max(peak, _rss_mib())
             if progress:
                 progress(f"{variant} run {repeat}: step {i + 1}/{steps}, loss {losses[-1]:.4f}")
         steady = statistics.median(times[1:] or times)
         memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak
-        state = {k: v.detach().clone() for k, v in final_state().items() if isinstance(v, torch.Tensor)}
-        results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory, state))
-    return {"runs": [r.summary() for r in results], "bitwise": _bitwise(results), "summary": _summary(results)}
+        results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory))
+        state = {k: v.detach().cpu() for k, v in final_state().items() if isinstance(v, torch.Tensor)}
+        if variant not in first_state:
+            first_state[variant] = state
+        else:
+            bitwise[variant] = results[-2].losses == losses and _equal_states(first_state.pop(variant), state)
+        close()
+        del model, step, final_state, close, state  # free this run's model and optimizer before the next one
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"runs": [r.summary() for r in results], "bitwise": bitwise, "summary": _summary(results)}
 
 
-def _equal_runs(a: RunResult, b: RunResult) -> bool:
-    return (
-        a.losses == b.losses
-        and a.final_state.keys() == b.final_state.keys()
-        and all(torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
-    )
-
-
-def _bitwise(results: list[RunResult]) -> dict[str, bool]:
-    by = {(r.variant, r.repeat): r for r in results}
-    return {v: _equal_runs(by[(v, 1)], by[(v, 2)]) for v in ("stock", "mok")}
+def _equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _summary(results: list[RunResult]) -> dict[str, dict]:

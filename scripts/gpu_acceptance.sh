@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The single-GPU acceptance runs of the open issues, in one call on a CUDA machine:
+#   tests      the GPU test modules (kernels vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
+#   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
+#   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
+#   layer      scripts/bench_layer.py on the four named shapes with every peer that imports
+# Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
+# Each part's log is kept whole under the output folder; the summary lines print last.
+set -uo pipefail
+out="${OUT:-out}/acceptance"
+mkdir -p "$out"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests deepspeed compare layer)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+summary=()
+
+run_part() {  # name, command...
+    local name=$1
+    shift
+    local start=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+}
+
+for part in "${parts[@]}"; do
+    case $part in
+    tests) run_part tests python3 -m pytest -q tests/test_gpu_layer.py tests/test_gpu_parallel.py ;;
+    deepspeed)
+        run_part deepspeed torchrun --nproc-per-node 1 scripts/bench_deepspeed.py --ep-size 1 --zero-stage 2 \
+            --out "$out/deepspeed.json" ;;
+    compare)
+        cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
+        run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
+        run_part compare-deepspeed python3 scripts/compare.py --config "$cfg" --framework deepspeed \
+            --out "$out/compare-deepspeed" ;;
+    layer)
+        run_part layer python3 scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3 \
+            --providers mok-multi torch megatron liger --out "$out/layer" ;;
+    *) echo "unknown part: $part" >&2 && exit 2 ;;
+    esac
+done
+
+for log in "$out"/*.log; do
+    echo "==== $(basename "$log") (tail)"
+    tail -n 15 "$log"
+done
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
