@@ -101,14 +101,11 @@ def moe_experts_bwd(
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     del partial
     # dW2 first, so the [R_pad, I] w*A buffer is freed before dX and dW13 allocate theirs.
-    d_down = expert_wgrad(
-        d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True, right_by_token=False
-    )
+    segments = (row_to_token, expert_offsets, tokens_per_expert)
+    d_down = expert_wgrad(d_out, a_weighted, *segments, left_by_token=True, right_by_token=False, segment_align=tile_m)
     del a_weighted
     d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T, K)
-    d_gate_up = expert_wgrad(
-        d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False, right_by_token=True
-    )
+    d_gate_up = expert_wgrad(d_h, x, *segments, left_by_token=False, right_by_token=True, segment_align=tile_m)
     return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +44,15 @@ CANDIDATES = [
 ]
 
 
+def parse_config(spec: str) -> MoKTileConfig:
+    """'128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages), 't' at the end for TMA."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(t?)", spec)
+    if not match:
+        raise argparse.ArgumentTypeError(f"config {spec!r}: expected like 128x256x64w8s3 or 128x256x64w8s3t (TMA)")
+    *numbers, tma = match.groups()
+    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t")
+
+
 def compiled_report(jit_fn) -> list[str]:
     """Registers, spills and shared memory of every compiled specialisation of a Triton kernel
     (from Triton's own cache; empty when this Triton keeps it elsewhere)."""
@@ -61,7 +71,8 @@ def compiled_report(jit_fn) -> list[str]:
     return lines
 
 
-def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[str] | None = None) -> list[dict]:
+def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[str] | None = None,
+                candidates: list[MoKTileConfig] | None = None) -> list[dict]:  # fmt: skip
     results: list[dict] = []
     shape = NAMED_SHAPES[name]
     T, H, I, E, K = shape.as_tuple()
@@ -98,12 +109,16 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         ),
         "wgrad_down": (
             2 * T * K * H * I,
-            lambda c: gm.expert_wgrad(d_out, a2, *seg, left_by_token=True, right_by_token=False, config=c),
+            lambda c: gm.expert_wgrad(
+                d_out, a2, *seg, left_by_token=True, right_by_token=False, segment_align=s.tile_m, config=c
+            ),
             kernel_config("wgrad", I),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
-            lambda c: gm.expert_wgrad(d_h, x, *seg, left_by_token=False, right_by_token=True, config=c),
+            lambda c: gm.expert_wgrad(
+                d_h, x, *seg, left_by_token=False, right_by_token=True, segment_align=s.tile_m, config=c
+            ),
             kernel_config("wgrad", H),
         ),
     }
@@ -118,7 +133,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
     for kname, (flops, fn, default) in kernels.items():
         if only and kname not in only:
             continue
-        for cfg in [default] + ([] if defaults_only else [c for c in CANDIDATES if c != default]):
+        for cfg in [default] + ([] if defaults_only else [c for c in candidates or CANDIDATES if c != default]):
             if kname == "gate_up_fwd" and cfg.block_n > 128:
                 continue  # two accumulators of 128x256 fp32 do not fit the registers
             try:
@@ -136,7 +151,8 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             }
             results.append(row)
             tag = "(default)" if cfg == default else ""
-            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            tma = " tma" if cfg.tma else ""
+            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tma}"
             print(f"{name:<14} {kname:<14} {c:<28} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {tag}", flush=True)
     return results
 
@@ -147,11 +163,18 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--defaults-only", action="store_true", help="time only the pinned configs")
     parser.add_argument("--kernels", nargs="*", default=None, help="only these kernels (default: all)")
+    parser.add_argument(
+        "--candidates",
+        nargs="*",
+        type=parse_config,
+        default=None,
+        help="configs to try instead of the built-in list, e.g. 128x256x64w8s3t (t: TMA)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     results = []
     for name in args.shapes:
-        results += _tune_shape(name, args.iters, args.defaults_only, args.kernels)
+        results += _tune_shape(name, args.iters, args.defaults_only, args.kernels, args.candidates)
         torch.cuda.empty_cache()
     print("\ncompiled kernels (registers per thread, spills, shared memory bytes):")
     for kernel in (
@@ -164,7 +187,8 @@ def main(argv=None) -> int:
         for line in compiled_report(kernel):
             print(f"  {kernel.__name__:<24} {line}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune_kernels.json").write_text(json.dumps(results, indent=2))
+    tag = "-".join(args.kernels) if args.kernels else "all"
+    (args.out / f"tune_kernels-{tag}.json").write_text(json.dumps(results, indent=2))
     print("\nbest per kernel:")
     for name in args.shapes:
         for kname in ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up"):

@@ -28,6 +28,10 @@ class MoKTileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # row blocks that share a column sweep, for L2 reuse of rows and weights
+    # Contiguous operands (weights, the schedule-ordered row buffers) through TMA tensor descriptors
+    # where the shapes allow it (rows of a multiple of 16 bytes). The same tiles and K order as
+    # pointer loads; whether it is used depends on shapes only, so every process decides alike.
+    tma: bool = False
 
 
 def interpreter_on() -> bool:

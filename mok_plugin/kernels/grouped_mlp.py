@@ -33,8 +33,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
 
 __all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgrad"]
 
@@ -80,34 +81,76 @@ def _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr
 
 
 @triton.jit
+def _weight_block(w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_k, stride_n,
+                  N_MAJOR: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """[BLOCK_K, BLOCK_N] of expert weight e, element (k, n).
+
+    Pointer mode: (k, n) of expert e at w + e * stride_w_e + k * stride_k + n * stride_n, masked.
+    TMA mode: w is a tensor descriptor over the weight viewed 2-D ([E * rows, cols]), expert e's
+    rows starting at w_row0; N_MAJOR when those rows are the output columns n (block
+    [BLOCK_N, BLOCK_K], transposed here), else the reduction index k. A block that runs past the
+    expert reads the next expert's rows: past K they meet the zero columns of the left operand,
+    past N they land in output columns nobody stores; past the tensor, TMA fills zeros.
+    """
+    if TMA:
+        if N_MAJOR:
+            block = w.load([(w_row0 + n0).to(tl.int32), k0]).T  # descriptor coordinates are 32-bit
+        else:
+            block = w.load([(w_row0 + k0).to(tl.int32), n0])
+    else:
+        block = tl.load(
+            w + expert * stride_w_e + ks[:, None] * stride_k + cols[None, :] * stride_n,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+    return block
+
+
+@triton.jit
+def _row_block(a, row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, TMA: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of a row-major operand: rows a_rows (pointer mode, masked) or, through a
+    tensor descriptor, the contiguous rows from row0 (TMA mode; rows past the tensor read zeros)."""
+    if TMA:
+        block = a.load([row0.to(tl.int32), k0])
+    else:
+        block = tl.load(a + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
+    return block
+
+
+@triton.jit
 def _row_tile_matmul(
-    a_ptr,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride)
-    a_rows,  # int64 [BLOCK_M] which rows of a_ptr this tile reads
+    a,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride); a descriptor if A_TMA
+    a_row0,  # first row of the tile (A_TMA: the rows are a_row0 .. a_row0 + BLOCK_M)
+    a_rows,  # int64 [BLOCK_M] which rows of a this tile reads (pointer mode)
     a_row_ok,  # bool [BLOCK_M]
     stride_a,
-    b_ptr,  # expert weight, element (k, n) at k * stride_b_k + n * stride_b_n
-    stride_b_k,
-    stride_b_n,
-    cols,  # int64 [BLOCK_N]
+    w,  # expert weights (see _weight_block), a descriptor if W_TMA
+    expert,
+    stride_w_e,
+    w_row0,
+    stride_w_k,
+    stride_w_n,
+    n0,  # first output column
+    cols,  # int64 [BLOCK_N]: n0 + arange(BLOCK_N)
     col_ok,  # bool [BLOCK_N]
     K_DIM,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    W_N_MAJOR: tl.constexpr,
+    A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] = a[a_rows, :] @ b[:, cols], reducing over K in ascending BLOCK_K steps."""
+    """fp32 [BLOCK_M, BLOCK_N] = a[rows, :] @ W_e[:, cols], reducing over K in ascending BLOCK_K steps."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K_DIM
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            b_ptr + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n,
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_blk = _row_block(a, a_row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, A_TMA)
+        w_blk = _weight_block(w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_w_k, stride_w_n,
+                              W_N_MAJOR, W_TMA)  # fmt: skip
+        acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -121,7 +164,7 @@ def _gate_up_tile(
     pid_m,
     pid_n,
     x_ptr,  # (T, H) params dtype
-    w13_ptr,  # (E, 2I, H)
+    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
     h_ptr,  # (R_pad, 2I) out
     a_ptr,  # (R_pad, I) out
     row_to_token_ptr,  # (R_pad,) int64
@@ -138,15 +181,16 @@ def _gate_up_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
     ascending BLOCK_K order. Nothing for a row block past the last segment."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
-        w_gate = w13_ptr + expert * stride_w_e + cols[None, :] * stride_w_n
-        w_up = w_gate + N_OUT * stride_w_n
+        gate_row0 = expert * 2 * N_OUT  # the expert's first gate row in the (E * 2I, H) view
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_DIM, BLOCK_K):
@@ -155,9 +199,11 @@ def _gate_up_tile(
             xa = tl.load(
                 x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
             )
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+            wg = _weight_block(w13, expert, stride_w_e, gate_row0, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n,
+                               True, TMA)  # fmt: skip
+            # The up half: output columns I + n of the same weight.
+            wu = _weight_block(w13, expert, stride_w_e, gate_row0, k0, n0 + N_OUT, ks, cols + N_OUT, k_ok, col_ok, 1,
+                               stride_w_n, True, TMA)  # fmt: skip
             acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
         out_ty = h_ptr.dtype.element_ty
@@ -176,8 +222,8 @@ def _gate_up_tile(
 def _down_tile(
     pid_m,
     pid_n,
-    a_ptr,  # (R_pad, I)
-    w2_ptr,  # (E, H, I)
+    a,  # (R_pad, I); with TMA a descriptor over it
+    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
     w_rows_ptr,  # (R_pad,) fp32 routing weight per row
     y_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
@@ -193,16 +239,18 @@ def _down_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
     routing weight in fp32."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
         acc = _row_tile_matmul(
-            a_ptr, rows, row_ok, stride_a_r, w2_ptr + expert * stride_w_e, 1, stride_w_h, cols, col_ok, K_DIM,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            a, pid_m * BLOCK_M, rows, row_ok, stride_a_r, w2, expert, stride_w_e, expert * N_OUT, 1, stride_w_h,
+            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, True, TMA, TMA,
         )  # fmt: skip
         w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
         y = acc * w[:, None]
@@ -218,7 +266,7 @@ def _down_dgrad_tile(
     pid_m,
     pid_n,
     d_out_ptr,  # (T, H)
-    w2_ptr,  # (E, H, I)
+    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
     h_ptr,  # (R_pad, 2I) saved pre-activation
     w_rows_ptr,  # (R_pad,) fp32
     d_h_ptr,  # (R_pad, 2I) out
@@ -239,16 +287,20 @@ def _down_dgrad_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and, in the epilogue,
-    dh[rows, gate and up n-blocks], w*A[rows, n-block] and the router-gradient slot [rows, n]."""
+    dh[rows, gate and up n-blocks], w*A[rows, n-block] and the router-gradient slot [rows, n].
+    Padding rows of an active row block get zeros in dh and w*A: the weight-gradient GEMMs may
+    read them whole (through TMA) and must find finite values there."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
         d_a_prime = _row_tile_matmul(
-            d_out_ptr, tokens, row_ok, stride_d_out_t, w2_ptr + expert * stride_w_e, stride_w_h, 1, cols, col_ok,
-            K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            d_out_ptr, 0, tokens, row_ok, stride_d_out_t, w2, expert, stride_w_e, expert * K_DIM, stride_w_h, 1,
+            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, False, TMA,
         )  # fmt: skip
         mask = row_ok[:, None] & col_ok[None, :]
         h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
@@ -260,22 +312,24 @@ def _down_dgrad_tile(
         tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
         w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
         # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
-        tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], (a * w[:, None]).to(out_ty), mask=mask)
+        col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
+        a_w_tile = a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :]
+        tl.store(a_w_tile, (a * w[:, None]).to(out_ty), mask=col_mask)
         d_a = d_a_prime * w[:, None]
         sig = tl.sigmoid(gate)
         d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
         d_up = d_a * (gate * sig)
         d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        tl.store(d_h_tile, d_gate.to(out_ty), mask=mask)
-        tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=mask)
+        tl.store(d_h_tile, d_gate.to(out_ty), mask=col_mask)
+        tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=col_mask)
 
 
 @triton.jit
 def _gate_up_dgrad_tile(
     pid_m,
     pid_n,
-    d_h_ptr,  # (R_pad, 2I)
-    w13_ptr,  # (E, 2I, H)
+    d_h,  # (R_pad, 2I); with TMA a descriptor over it
+    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
     d_x_rows_ptr,  # (R_pad, H) out
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
@@ -290,15 +344,17 @@ def _gate_up_dgrad_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
         acc = _row_tile_matmul(
-            d_h_ptr, rows, row_ok, stride_d_h_r, w13_ptr + expert * stride_w_e, stride_w_j, 1, cols, col_ok, K_DIM,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            d_h, pid_m * BLOCK_M, rows, row_ok, stride_d_h_r, w13, expert, stride_w_e, expert * K_DIM, stride_w_j, 1,
+            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, TMA, TMA,
         )  # fmt: skip
         tl.store(
             d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
@@ -308,12 +364,26 @@ def _gate_up_dgrad_tile(
 
 
 @triton.jit
+def _wgrad_operand(src, rows, tokens, r_ok, r0, col0, cols, col_ok, stride, BY_TOKEN: tl.constexpr, TMA: tl.constexpr):
+    """[BLOCK_K, len(cols)] rows of a weight-gradient operand: gathered by token (always pointer
+    loads, masked), or the contiguous schedule rows r0.. (a tensor descriptor when TMA; rows past
+    the segment are its zero padding rows)."""
+    if TMA and not BY_TOKEN:
+        block = src.load([r0.to(tl.int32), col0])
+    else:
+        src_rows = tokens if BY_TOKEN else rows
+        mask = r_ok[:, None] & col_ok[None, :]
+        block = tl.load(src + src_rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    return block
+
+
+@triton.jit
 def _wgrad_tile(
     expert,
     pid_m,
     pid_n,
-    left_ptr,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT)
-    right_ptr,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT)
+    left,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT) (a descriptor with TMA)
+    right,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT) (likewise)
     d_w_ptr,  # (E, M_OUT, N_OUT) out
     row_to_token_ptr,  # (R_pad,) int64
     expert_offsets_ptr,  # (E+1,) int64
@@ -330,32 +400,32 @@ def _wgrad_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
-    ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros."""
+    ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros. With TMA the
+    by-row operand is read through a descriptor, which needs the segment's padding rows to hold
+    zeros up to the next multiple of BLOCK_K (down_dgrad writes them)."""
     expert = expert.to(tl.int64)
-    ms = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    ms = m0.to(tl.int64) + tl.arange(0, BLOCK_M)
+    ns = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
     m_ok = ms < M_OUT
     n_ok = ns < N_OUT
     start = tl.load(expert_offsets_ptr + expert)
     end = start + tl.load(tokens_per_expert_ptr + expert)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_K):
+    for step in range(0, tl.cdiv(end - start, BLOCK_K)):
+        r0 = start + step * BLOCK_K  # a tensor also under the interpreter (descriptor coordinates need .to)
         rows = r0 + tl.arange(0, BLOCK_K)
         r_ok = rows < end
         tokens = tl.load(row_to_token_ptr + rows, mask=r_ok, other=0)
-        left_rows = tokens if LEFT_BY_TOKEN else rows
-        right_rows = tokens if RIGHT_BY_TOKEN else rows
         # Both tiles load row-major ([rows, cols], cols contiguous); the transpose is left to the
         # MMA's operand layout (measured faster than loading the left tile transposed).
-        left = tl.load(
-            left_ptr + left_rows[:, None] * stride_left + ms[None, :], mask=r_ok[:, None] & m_ok[None, :], other=0.0
-        )
-        right = tl.load(
-            right_ptr + right_rows[:, None] * stride_right + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0
-        )
-        acc = tl.dot(tl.trans(left), right, acc, input_precision=DOT_PRECISION)
+        lhs = _wgrad_operand(left, rows, tokens, r_ok, r0, m0, ms, m_ok, stride_left, LEFT_BY_TOKEN, TMA)
+        rhs = _wgrad_operand(right, rows, tokens, r_ok, r0, n0, ns, n_ok, stride_right, RIGHT_BY_TOKEN, TMA)
+        acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
     tl.store(
         d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :],
         acc.to(d_w_ptr.dtype.element_ty),
@@ -373,13 +443,14 @@ def _gate_up_fwd_kernel(
     x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     _gate_up_tile(
         pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
         stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        TMA,
     )  # fmt: skip
 
 
@@ -388,13 +459,13 @@ def _down_fwd_kernel(
     a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_a_r, stride_w_e, stride_w_h, stride_y_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     _down_tile(
         pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-        stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
     )  # fmt: skip
 
 
@@ -404,14 +475,14 @@ def _down_dgrad_kernel(
     tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns down-dgrad tile p."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     _down_dgrad_tile(
         pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
         row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
-        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
     )  # fmt: skip
 
 
@@ -420,13 +491,13 @@ def _gate_up_dgrad_kernel(
     d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     _gate_up_dgrad_tile(
         pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-        stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
     )  # fmt: skip
 
 
@@ -435,7 +506,7 @@ def _expert_wgrad_kernel(
     left_ptr, right_ptr, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT,
     stride_left, stride_right, stride_d_w_e, stride_d_w_m,
     LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows."""
@@ -446,7 +517,7 @@ def _expert_wgrad_kernel(
     _wgrad_tile(
         pid // (num_pid_m * num_pid_n), pid_m, pid_n, left_ptr, right_ptr, d_w_ptr, row_to_token_ptr,
         expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT, stride_left, stride_right, stride_d_w_e,
-        stride_d_w_m, LEFT_BY_TOKEN, RIGHT_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        stride_d_w_m, LEFT_BY_TOKEN, RIGHT_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
     )  # fmt: skip
 
 
@@ -476,7 +547,27 @@ def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, ti
     return num_rows
 
 
-def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args):
+def _tma_ok(cfg: MoKTileConfig, *tensors: torch.Tensor) -> bool:
+    """Whether cfg asks for TMA and every tensor's shape can back a descriptor (unit column stride,
+    row strides of a multiple of 16 bytes) on a GPU with the copy engine (Hopper or newer) or under
+    Triton's interpreter. Shapes and the device decide, never the data pointer, so the choice is
+    the same in every process; `_descriptor` copies a tensor whose start is not 16-byte aligned."""
+    if not cfg.tma:
+        return False
+    if not interpreter_on() and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False
+    return all(t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over t viewed 2-D (a stacked weight [E, rows, cols] becomes [E * rows, cols])."""
+    if t.data_ptr() % 16:
+        t = t.clone()  # TMA needs a 16-byte aligned start; a fresh allocation has one
+    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block_shape)
+
+
+def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args,
+                      tma: bool = False):  # fmt: skip
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
     kernel[grid](
@@ -487,6 +578,7 @@ def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dty
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(dtype),
+        TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -511,10 +603,12 @@ def gate_up_fwd(
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
+    tma = _tma_ok(cfg, gate_up_proj)
+    w13 = _descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj
     _launch_row_tiles(
         _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m,
-        x, gate_up_proj, h, a, row_to_token, tile_to_expert, num_rows, H, I, x.stride(0), gate_up_proj.stride(0),
-        gate_up_proj.stride(1), h.stride(0), a.stride(0),
+        x, w13, h, a, row_to_token, tile_to_expert, num_rows, H, I, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), h.stride(0), a.stride(0), tma=tma,
     )  # fmt: skip
     return h, a
 
@@ -536,10 +630,13 @@ def down_fwd(
     cfg = config or kernel_config("down_fwd", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
+    tma = _tma_ok(cfg, a, down_proj)
+    a_in = _descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a
+    w2 = _descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
-        a, down_proj, w_rows, y, row_to_token, tile_to_expert, num_rows, I, H, a.stride(0), down_proj.stride(0),
-        down_proj.stride(1), y.stride(0),
+        a_in, w2, w_rows, y, row_to_token, tile_to_expert, num_rows, I, H, a.stride(0), down_proj.stride(0),
+        down_proj.stride(1), y.stride(0), tma=tma,
     )  # fmt: skip
     return y
 
@@ -565,10 +662,13 @@ def down_dgrad(
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
+    tma = _tma_ok(cfg, down_proj)
+    w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj
     _launch_row_tiles(
         _down_dgrad_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
-        d_out, down_proj, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, num_rows, H, I,
+        d_out, w2, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, num_rows, H, I,
         d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
+        tma=tma,
     )  # fmt: skip
     return d_h, a, partial
 
@@ -588,10 +688,13 @@ def gate_up_dgrad(
     cfg = config or kernel_config("gate_up_dgrad", H)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
+    tma = _tma_ok(cfg, d_h, gate_up_proj)
+    d_h_in = _descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h
+    w13 = _descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
-        d_h, gate_up_proj, d_x_rows, row_to_token, tile_to_expert, num_rows, I2, H, d_h.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), d_x_rows.stride(0),
+        d_h_in, w13, d_x_rows, row_to_token, tile_to_expert, num_rows, I2, H, d_h.stride(0),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), d_x_rows.stride(0), tma=tma,
     )  # fmt: skip
     return d_x_rows
 
@@ -605,11 +708,16 @@ def expert_wgrad(
     *,
     left_by_token: bool,
     right_by_token: bool,
+    segment_align: int = 1,
     config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
 
     A "by token" operand is indexed through row_to_token (x or dO); otherwise by row (w*A or dh).
+    segment_align: what every expert segment's start and padded length are a multiple of (the
+    schedule's tile_m). TMA reads a by-row operand BLOCK_K rows at a time, so it is used only when
+    segment_align is a multiple of BLOCK_K, and then the padding rows must hold finite values
+    (down_dgrad writes zeros there).
     """
     _check("left", left, 2)
     _check("right", right, 2, left.dtype)
@@ -620,9 +728,11 @@ def expert_wgrad(
     cfg = config or kernel_config("wgrad", N)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]
+    tma = bool(by_row) and segment_align % cfg.block_k == 0 and _tma_ok(cfg, *by_row)
     _expert_wgrad_kernel[grid](
-        left,
-        right,
+        _descriptor(left, [cfg.block_k, cfg.block_m]) if tma and not left_by_token else left,
+        _descriptor(right, [cfg.block_k, cfg.block_n]) if tma and not right_by_token else right,
         d_w,
         row_to_token,
         expert_offsets,
@@ -640,6 +750,7 @@ def expert_wgrad(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(left.dtype),
+        TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

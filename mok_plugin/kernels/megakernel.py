@@ -98,7 +98,7 @@ def _forward_megakernel(
             _gate_up_tile(
                 pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I,
                 stride_x_t, stride_w13_e, stride_w13_n, stride_h_r, stride_a_r,
-                TILE_M, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT_PRECISION,
+                TILE_M, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT_PRECISION, False,
             )  # fmt: skip
             _signal(ready_rows_ptr + pid_m)
         elif task < n_gate_up + n_down:
@@ -107,6 +107,7 @@ def _forward_megakernel(
             _down_tile(
                 pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, I, H,
                 stride_a_r, stride_w2_e, stride_w2_h, stride_y_r, TILE_M, BLOCK_M, BN_DOWN, BLOCK_K, DOT_PRECISION,
+                False,
             )  # fmt: skip
             _signal(counters_ptr + 1)
         else:
@@ -161,7 +162,7 @@ def _backward_megakernel(
             _down_dgrad_tile(
                 pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, partial_ptr,
                 row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t, stride_w2_e, stride_w2_h, stride_h_r,
-                stride_a_r, stride_part_r, TILE_M, BLOCK_M, BN_DGRAD, BLOCK_K, DOT_PRECISION,
+                stride_a_r, stride_part_r, TILE_M, BLOCK_M, BN_DGRAD, BLOCK_K, DOT_PRECISION, False,
             )  # fmt: skip
             expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
             tl.debug_barrier()
@@ -180,6 +181,7 @@ def _backward_megakernel(
             _gate_up_dgrad_tile(
                 pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, 2 * I, H,
                 stride_h_r, stride_w13_e, stride_w13_n, stride_dxr_r, TILE_M, BLOCK_M, BN_DX, BLOCK_K, DOT_PRECISION,
+                False,
             )  # fmt: skip
             _signal(counters_ptr + 2)
         elif task < end_w13:
@@ -194,14 +196,14 @@ def _backward_megakernel(
                 _wgrad_tile(
                     expert, pid_m, pid_n, d_out_ptr, a_weighted_ptr, d_w2_ptr, row_to_token_ptr, expert_offsets_ptr,
                     tokens_per_expert_ptr, H, I, stride_d_out_t, stride_a_r, stride_dw2_e, stride_dw2_m,
-                    True, False, WG_BM, WG_BN, WG_BK, DOT_PRECISION,
+                    True, False, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
                 )  # fmt: skip
             else:
                 pid_m, pid_n = _grouped_pid(t % per_expert, w13_m, w13_n, GROUP_M)
                 _wgrad_tile(
                     expert, pid_m, pid_n, d_h_ptr, x_ptr, d_w13_ptr, row_to_token_ptr, expert_offsets_ptr,
                     tokens_per_expert_ptr, 2 * I, H, stride_h_r, stride_x_t, stride_dw13_e, stride_dw13_m,
-                    False, True, WG_BM, WG_BN, WG_BK, DOT_PRECISION,
+                    False, True, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
                 )  # fmt: skip
         else:
             t = task - end_w13
