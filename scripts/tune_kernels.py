@@ -45,12 +45,14 @@ CANDIDATES = [
 
 
 def parse_config(spec: str) -> MoKTileConfig:
-    """'128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages), 't' at the end for TMA."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(t?)", spec)
+    """'128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages), then 't' for TMA and '/2' for
+    a tile of two accumulators (down_dgrad)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(t?)(?:/(\d))?", spec)
     if not match:
-        raise argparse.ArgumentTypeError(f"config {spec!r}: expected like 128x256x64w8s3 or 128x256x64w8s3t (TMA)")
-    *numbers, tma = match.groups()
-    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t")
+        raise argparse.ArgumentTypeError(f"config {spec!r}: expected like 128x256x64w8s3, 128x256x64w8s3t (TMA) "
+                                         "or 128x128x64w8s4/2 (two accumulators)")  # fmt: skip
+    *numbers, tma, split = match.groups()
+    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", split_n=int(split or 1))
 
 
 def compiled_report(jit_fn) -> list[str]:
@@ -151,8 +153,8 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             }
             results.append(row)
             tag = "(default)" if cfg == default else ""
-            tma = " tma" if cfg.tma else ""
-            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{tma}"
+            extra = (" tma" if cfg.tma else "") + (f" /{cfg.split_n}" if cfg.split_n > 1 else "")
+            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
             print(f"{name:<14} {kname:<14} {c:<28} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {tag}", flush=True)
     return results
 

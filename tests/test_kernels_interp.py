@@ -112,7 +112,7 @@ def test_megakernel_equals_multi_kernel_bitwise():
         pytest.param(50, 36, 24, 6, 2, "uniform", id="H_rows_unaligned"),  # fp16 rows of 72 bytes: pointer fallback
     ],
 )
-def test_tma_descriptors_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
+def test_tma_and_paired_tiles_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
     # The TMA path reads the same tiles in the same K order as pointer loads, and reads the weight
     # gradients' padding rows whole (they must hold zeros). _compare checks it against the
     # reference and for bitwise repeatability; here also against the pointer path, to rounding
@@ -122,13 +122,25 @@ def test_tma_descriptors_match_reference(T, H, I, E, K, kind, dtype, monkeypatch
     from mok_plugin.kernels import grouped_mlp
 
     pinned = grouped_mlp.kernel_config
+
+    def paired(name, n_out, tma):  # down_dgrad's tile as two accumulators of the pinned width
+        cfg = replace(pinned(name, n_out), tma=tma)
+        return replace(cfg, block_n=2 * cfg.block_n, split_n=2) if name == "down_dgrad" else cfg
+
+    configs = {
+        "pointer loads": lambda name, n_out: pinned(name, n_out),
+        "TMA": lambda name, n_out: replace(pinned(name, n_out), tma=True),
+        "TMA, paired down_dgrad": lambda name, n_out: paired(name, n_out, True),
+        "paired down_dgrad": lambda name, n_out: paired(name, n_out, False),
+    }
     results = {}
-    for tma in (False, True):
-        monkeypatch.setattr(grouped_mlp, "kernel_config", lambda *a, tma=tma: replace(pinned(*a), tma=tma))
-        results[tma] = _compare(T, H, I, E, K, kind, dtype, seed=7, variant="multi_kernel")
+    for label, config in configs.items():
+        monkeypatch.setattr(grouped_mlp, "kernel_config", config)
+        results[label] = _compare(T, H, I, E, K, kind, dtype, seed=7, variant="multi_kernel")
     names = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
-    for name, a, b in zip(names, results[False], results[True], strict=True):
-        assert_close(b, a, dtype, f"{name} (TMA vs pointer loads)")
+    for label, got in results.items():
+        for name, a, b in zip(names, results["pointer loads"], got, strict=True):
+            assert_close(b, a, dtype, f"{name} ({label} vs pointer loads)")
 
 
 def test_unknown_variant():

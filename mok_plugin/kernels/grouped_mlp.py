@@ -262,6 +262,37 @@ def _down_tile(
 
 
 @triton.jit
+def _down_dgrad_epilogue(
+    d_a_prime, rows, row_ok, cols, col_ok, slot, slot_ok, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
+    d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r,
+):  # fmt: skip
+    """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot` (when slot_ok: the
+    block has columns inside I), w*A, and dh of
+    the gate and up columns. Padding rows of an active row block store zeros in dh and w*A: the
+    weight-gradient GEMMs may read them whole (through TMA) and must find finite values there."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
+    out_ty = d_h_ptr.dtype.element_ty
+    a = _silu_mul(gate, up).to(out_ty).to(tl.float32)  # A exactly as the forward stored it
+    partial = tl.sum(d_a_prime * a, axis=1)
+    tl.store(d_w_partial_ptr + rows * stride_part_r + slot, partial, mask=row_ok & slot_ok)
+    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
+    col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
+    a_w_tile = a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :]
+    tl.store(a_w_tile, (a * w[:, None]).to(out_ty), mask=col_mask)
+    d_a = d_a_prime * w[:, None]
+    sig = tl.sigmoid(gate)
+    d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = d_a * (gate * sig)
+    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(d_h_tile, d_gate.to(out_ty), mask=col_mask)
+    tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=col_mask)
+
+
+@triton.jit
 def _down_dgrad_tile(
     pid_m,
     pid_n,
@@ -271,7 +302,7 @@ def _down_dgrad_tile(
     w_rows_ptr,  # (R_pad,) fp32
     d_h_ptr,  # (R_pad, 2I) out
     a_weighted_ptr,  # (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
-    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
+    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block of BLOCK_N columns
     row_to_token_ptr,  # (R_pad,) int64
     tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
     K_DIM,  # H
@@ -288,40 +319,52 @@ def _down_dgrad_tile(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
-    """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and, in the epilogue,
-    dh[rows, gate and up n-blocks], w*A[rows, n-block] and the router-gradient slot [rows, n].
-    Padding rows of an active row block get zeros in dh and w*A: the weight-gradient GEMMs may
-    read them whole (through TMA) and must find finite values there."""
+    """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and its epilogue. PAIR: the
+    tile owns two adjacent I-blocks (2 * pid_n and 2 * pid_n + 1) with one accumulator each, so
+    the gathered dO rows are loaded once for both while the heavy epilogue (h loads, dSwiGLU) runs
+    on one BLOCK_N-wide accumulator at a time and stays within the registers."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        n0 = pid_n * BLOCK_N
+        blk = pid_n * 2 if PAIR else pid_n
+        n0 = blk * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
-        d_a_prime = _row_tile_matmul(
-            d_out_ptr, 0, tokens, row_ok, stride_d_out_t, w2, expert, stride_w_e, expert * K_DIM, stride_w_h, 1,
-            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, False, TMA,
-        )  # fmt: skip
-        mask = row_ok[:, None] & col_ok[None, :]
-        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
-        out_ty = d_h_ptr.dtype.element_ty
-        a = _silu_mul(gate, up).to(out_ty).to(tl.float32)  # A exactly as the forward stored it
-        partial = tl.sum(d_a_prime * a, axis=1)
-        tl.store(d_w_partial_ptr + rows * stride_part_r + pid_n, partial, mask=row_ok)
-        w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
-        # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
-        col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
-        a_w_tile = a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :]
-        tl.store(a_w_tile, (a * w[:, None]).to(out_ty), mask=col_mask)
-        d_a = d_a_prime * w[:, None]
-        sig = tl.sigmoid(gate)
-        d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
-        d_up = d_a * (gate * sig)
-        d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        tl.store(d_h_tile, d_gate.to(out_ty), mask=col_mask)
-        tl.store(d_h_tile + N_OUT, d_up.to(out_ty), mask=col_mask)
+        w_row0 = expert * K_DIM
+        if PAIR:
+            n1 = n0 + BLOCK_N
+            cols1 = cols + BLOCK_N
+            col1_ok = cols1 < N_OUT
+            acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K_DIM, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K_DIM
+                d_o = _row_block(d_out_ptr, 0, tokens, row_ok, stride_d_out_t, k0, ks, k_ok, False)
+                w0 = _weight_block(w2, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_w_h, 1,
+                                   False, TMA)  # fmt: skip
+                w1 = _weight_block(w2, expert, stride_w_e, w_row0, k0, n1, ks, cols1, k_ok, col1_ok, stride_w_h, 1,
+                                   False, TMA)  # fmt: skip
+                acc0 = tl.dot(d_o, w0, acc0, input_precision=DOT_PRECISION)
+                acc1 = tl.dot(d_o, w1, acc1, input_precision=DOT_PRECISION)
+            _down_dgrad_epilogue(
+                acc0, rows, row_ok, cols, col_ok, blk, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r,
+            )  # fmt: skip
+            _down_dgrad_epilogue(
+                acc1, rows, row_ok, cols1, col1_ok, blk + 1, n1 < N_OUT, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r,
+            )  # fmt: skip
+        else:
+            d_a_prime = _row_tile_matmul(
+                d_out_ptr, 0, tokens, row_ok, stride_d_out_t, w2, expert, stride_w_e, w_row0, stride_w_h, 1,
+                n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, False, TMA,
+            )  # fmt: skip
+            _down_dgrad_epilogue(
+                d_a_prime, rows, row_ok, cols, col_ok, blk, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -475,14 +518,16 @@ def _down_dgrad_kernel(
     tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns down-dgrad tile p."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N * (2 if PAIR else 1)),), grouped; program p owns
+    down-dgrad tile p."""
+    tile_n = BLOCK_N * 2 if PAIR else BLOCK_N
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, tile_n), GROUP_M)
     _down_dgrad_tile(
         pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
         row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
-        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
+        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR,
     )  # fmt: skip
 
 
@@ -535,7 +580,12 @@ def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = Non
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig) -> int:
+def _check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig,
+                    max_split_n: int = 1) -> int:  # fmt: skip
+    if not 1 <= cfg.split_n <= max_split_n or cfg.block_n % cfg.split_n:
+        raise ValueError(
+            f"this kernel splits its tile into at most {max_split_n} accumulators, got split_n={cfg.split_n}"
+        )
     _check("row_to_token", row_to_token, 1, torch.int64)
     _check("tile_to_expert", tile_to_expert, 1, torch.int64)
     num_rows = row_to_token.shape[0]
@@ -567,20 +617,22 @@ def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
 
 
 def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args,
-                      tma: bool = False):  # fmt: skip
-    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
+                      tma: bool = False, **constexprs):  # fmt: skip
+    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, block_n) tiles with config cfg;
+    the kernel's BLOCK_N is one of the tile's cfg.split_n accumulators."""
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
     kernel[grid](
         *args,
         TILE_M=tile_m,
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        BLOCK_N=cfg.block_n // cfg.split_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(dtype),
         TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **constexprs,
     )
 
 
@@ -657,18 +709,18 @@ def down_dgrad(
     _check("h", h, 2, d_out.dtype)
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_dgrad", I)
-    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
-    n_blocks = triton.cdiv(I, cfg.block_n)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg, max_split_n=2)
+    n_blocks = triton.cdiv(I, cfg.block_n // cfg.split_n)  # one router partial per accumulator's I-block
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
     tma = _tma_ok(cfg, down_proj)
-    w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj
+    w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n // cfg.split_n]) if tma else down_proj
     _launch_row_tiles(
         _down_dgrad_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
         d_out, w2, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, num_rows, H, I,
         d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
-        tma=tma,
+        tma=tma, PAIR=cfg.split_n == 2,
     )  # fmt: skip
     return d_h, a, partial
 

@@ -162,7 +162,7 @@ def _backward_megakernel(
             _down_dgrad_tile(
                 pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, partial_ptr,
                 row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t, stride_w2_e, stride_w2_h, stride_h_r,
-                stride_a_r, stride_part_r, TILE_M, BLOCK_M, BN_DGRAD, BLOCK_K, DOT_PRECISION, False,
+                stride_a_r, stride_part_r, TILE_M, BLOCK_M, BN_DGRAD, BLOCK_K, DOT_PRECISION, False, False,
             )  # fmt: skip
             expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
             tl.debug_barrier()
@@ -287,11 +287,12 @@ def backward_megakernel(
     dg, dx_cfg = kernel_config("down_dgrad", I), kernel_config("gate_up_dgrad", H)
     wg, comb = kernel_config("wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
-    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg, max_split_n=2)
+    bn_dgrad = dg.block_n // dg.split_n  # one accumulator's I-block: the same blocks as the multi-kernel variant
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
-    partial = torch.zeros(num_rows, triton.cdiv(I, dg.block_n), dtype=torch.float32, device=dev)
+    partial = torch.zeros(num_rows, triton.cdiv(I, bn_dgrad), dtype=torch.float32, device=dev)
     d_x_rows = torch.empty(num_rows, H, dtype=dt, device=dev)
     d_x = torch.empty(T, H, dtype=dt, device=dev)
     d_topk = torch.empty(T * top_k, dtype=torch.float32, device=dev)
@@ -305,7 +306,7 @@ def backward_megakernel(
         d_out.stride(0), x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
         down_proj.stride(1), h.stride(0), a_weighted.stride(0), partial.stride(0), d_x_rows.stride(0), d_x.stride(0),
         d_w13.stride(0), d_w13.stride(1), d_w2.stride(0), d_w2.stride(1),
-        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=dg.block_n, BN_DX=dx_cfg.block_n,
+        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=bn_dgrad, BN_DX=dx_cfg.block_n,
         WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
         DOT_PRECISION=_dot_precision(dt), num_warps=dg.num_warps, num_stages=3,
