@@ -102,4 +102,8 @@ def build_model(run: RunConfig, framework: str, variant: str, device: torch.devi
         model = MoELanguageModel(run, _deepspeed_factory(run, variant), returns_aux=True)
     else:
         raise ValueError(f"framework={framework!r}; allowed: megatron, deepspeed")
+    if device.type == "cuda" and framework == "megatron":
+        # Megatron's GPU layers are built in bf16; the rest of the model follows (DeepSpeed's engine
+        # casts the model itself from its "bf16" block).
+        return model.to(device=device, dtype=torch.bfloat16)
     return model.to(device)
