@@ -25,7 +25,8 @@ Determinism: every output tile has exactly one owner; every reduction is one K-l
 BLOCK_K order with an fp32 accumulator (no split-K, no atomics); the router-gradient partials go to
 fixed slots [row, I-block] and are summed in ascending block order by `combine.py`. Tile shapes come
 from `configs.py` (never autotuned). Rows are gathered through pointer loads, so no permuted copy
-of x or dO is materialised.
+of x or dO is materialised; the contiguous operands (expert weights, the schedule-ordered row
+buffers) go through TMA tensor descriptors where a config asks for it (`MoKTileConfig.tma`).
 """
 
 from __future__ import annotations
@@ -267,9 +268,9 @@ def _down_dgrad_epilogue(
     d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r,
 ):  # fmt: skip
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot` (when slot_ok: the
-    block has columns inside I), w*A, and dh of
-    the gate and up columns. Padding rows of an active row block store zeros in dh and w*A: the
-    weight-gradient GEMMs may read them whole (through TMA) and must find finite values there."""
+    block has columns inside I), w*A, and dh of the gate and up columns. Padding rows of an active
+    row block store zeros in dh and w*A: the weight-gradient GEMMs may read them whole (through
+    TMA) and must find finite values there."""
     mask = row_ok[:, None] & col_ok[None, :]
     h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
