@@ -3,8 +3,12 @@
 #   tests      the GPU test modules (kernels vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
 #   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
-#   layer      scripts/bench_layer.py on the four named shapes with every peer that imports
+#   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
+#              Megatron's stock layer (Liger's fused MoE is left out: its first shape alone took 231 s
+#              on the H200; time it with `bench_layer.py --providers liger` and a longer limit)
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
+# On the H200 (2026-11-29): tests ~250 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
+# 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
 out="${OUT:-out}/acceptance"
@@ -36,7 +40,7 @@ for part in "${parts[@]}"; do
             --out "$out/compare-deepspeed" ;;
     layer)
         run_part layer python3 scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3 \
-            --providers mok-multi torch megatron liger --out "$out/layer" ;;
+            --providers mok-multi mok-mega torch megatron --iters 10 --out "$out/layer" ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done
