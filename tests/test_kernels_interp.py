@@ -112,11 +112,12 @@ def test_megakernel_equals_multi_kernel_bitwise():
         pytest.param(50, 36, 24, 6, 2, "uniform", id="H_rows_unaligned"),  # fp16 rows of 72 bytes: pointer fallback
     ],
 )
-def test_tma_and_paired_tiles_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
-    # The TMA path reads the same tiles in the same K order as pointer loads, and reads the weight
-    # gradients' padding rows whole (they must hold zeros). _compare checks it against the
-    # reference and for bitwise repeatability; here also against the pointer path, to rounding
-    # (numpy's matmul in the interpreter rounds a transposed operand differently).
+def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
+    # Every config variant (TMA descriptors, down_dgrad's paired accumulators, pre-gathered weight-
+    # gradient rows) computes the same tiles in the same K order; TMA reads the weight gradients'
+    # padding rows whole (they must hold zeros). _compare checks each against the reference and for
+    # bitwise repeatability; here also against the pointer path, to rounding (numpy's matmul in
+    # the interpreter rounds a transposed operand differently).
     from dataclasses import replace
 
     from mok_plugin.kernels import grouped_mlp
@@ -132,6 +133,8 @@ def test_tma_and_paired_tiles_match_reference(T, H, I, E, K, kind, dtype, monkey
         "TMA": lambda name, n_out: replace(pinned(name, n_out), tma=True),
         "TMA, paired down_dgrad": lambda name, n_out: paired(name, n_out, True),
         "paired down_dgrad": lambda name, n_out: paired(name, n_out, False),
+        "pre-gathered wgrad rows": lambda name, n_out: replace(pinned(name, n_out), gather_rows=True),
+        "pre-gathered wgrad rows, TMA": lambda name, n_out: replace(pinned(name, n_out), gather_rows=True, tma=True),
     }
     results = {}
     for label, config in configs.items():

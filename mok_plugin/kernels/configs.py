@@ -35,6 +35,12 @@ class MoKTileConfig:
     # The tile's block_n columns as this many accumulators of block_n / split_n, finished one after
     # the other (down_dgrad: 1 or 2), so a heavy epilogue works on a narrow accumulator at a time.
     split_n: int = 1
+    # Weight gradients: copy the by-token operand (x or dO) into schedule row order before the GEMM.
+    # A gathered operand's row indices are loaded inside the K loop, and Triton then pipelines
+    # that loop only two buffers deep whatever num_stages says (scripts/inspect_kernels.py shows
+    # it); with both operands in row order it gets num_stages buffers, for an extra R_pad x width
+    # copy. Same products in the same order either way.
+    gather_rows: bool = False
 
 
 def interpreter_on() -> bool:

@@ -779,6 +779,14 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     cfg = config or kernel_config("wgrad", N)
+    if cfg.gather_rows and (left_by_token or right_by_token):
+        # Rows in schedule order; a padding row copies token 0, which meets the other operand's
+        # zero (or masked) padding row.
+        order = row_to_token.clamp(min=0)
+        if left_by_token:
+            left, left_by_token = left.index_select(0, order), False
+        if right_by_token:
+            right, right_by_token = right.index_select(0, order), False
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]

@@ -1,0 +1,129 @@
+"""Compile the layer's Triton kernels for Hopper (sm_90) without a GPU and report how each K loop is
+software-pipelined: how many shared-memory buffers its operands get, whether the loads are
+asynchronous copies, and the shared memory per program. Costs no device time.
+
+    python scripts/inspect_kernels.py                                  # the pinned configs
+    python scripts/inspect_kernels.py --candidates 128x128x64w8s4 128x128x64w8s4g --dump out/ttgir
+
+Compiled as the launcher specialises a real call: bf16 operands, 16-byte aligned pointers and
+integer arguments divisible by 16. Use the device's Triton version for numbers that match it
+(3.6 on the H200 here; the shared-memory figures agreed with the device's compiled-kernel report).
+TMA configs need descriptor-typed arguments and are not compiled here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_kernels import config_label, parse_config  # noqa: E402
+
+from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+INT64_POINTERS = {"row_to_token_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr", "tile_to_expert_ptr"}
+FP32_POINTERS = {"w_rows_ptr", "d_w_partial_ptr"}
+WIDE = 4096  # an output width that no pinned config narrows for
+SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
+
+
+def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dict]:
+    """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
+    common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
+              "TMA": False}  # fmt: skip
+    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
+    if kernel == "down_dgrad":
+        return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2)
+    row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
+                   "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
+    if kernel in row_kernels:
+        return row_kernels[kernel], row_tiles
+    by_token = not cfg.gather_rows  # pre-gathered rows turn the by-token operand into a by-row one
+    left, right = {"wgrad_down": (by_token, False), "wgrad_gate_up": (False, by_token)}[kernel]
+    return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=left, RIGHT_BY_TOKEN=right)
+
+
+def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
+    fn, constexprs = _kernel_and_constexprs(kernel, cfg)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
+        else:
+            signature[name] = "i32"
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    return triton.compile(source, target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def pipeline_report(ttgir: str) -> dict:
+    """Operand buffers (the leading dimension of each multi-buffered shared allocation), the count
+    of asynchronous global-to-shared copies, and whether wgmma is fed from registers."""
+    buffers = [int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    return {
+        "buffers": max(buffers, default=1),
+        "async_copies": len(re.findall(r"async_copy_global_to_local", ttgir)),
+        "register_operands": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor", ttgir)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="*", default=["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad",
+                                                        "wgrad_down", "wgrad_gate_up"])  # fmt: skip
+    parser.add_argument("--candidates", nargs="*", type=parse_config, default=[],
+                        help="configs to compile besides the pinned ones (tune_kernels.py's notation)")  # fmt: skip
+    parser.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR and PTX here")
+    args = parser.parse_args(argv)
+    if interpreter_on():
+        parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter; unset it to compile them")
+    print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got")
+    print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8}  note")
+    for kernel in args.kernels:
+        pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
+        for cfg in [pinned, *args.candidates]:
+            name = config_label(cfg)
+            if cfg.tma:
+                print(f"{kernel:<14} {name:<30} {'-':>7} {'-':>12} {'-':>8}  TMA: not compiled here")
+                continue
+            if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):
+                continue  # options that kernel does not take
+            try:
+                compiled = compile_for_hopper(kernel, cfg)
+            except Exception as error:  # a config the compiler rejects
+                print(f"{kernel:<14} {name:<30} compile failed: {type(error).__name__}")
+                continue
+            report = pipeline_report(compiled.asm["ttgir"])
+            note = "(pinned)" if cfg == pinned else ""
+            if report["register_operands"]:
+                note += f" {report['register_operands']} operands go through registers"
+            if report["buffers"] < cfg.num_stages:
+                note += f" pipelined {report['buffers']} deep, not {cfg.num_stages}"
+            if compiled.metadata.shared > SMEM_LIMIT:
+                note += " over Hopper's 227 KiB of shared memory: would not launch"
+            print(f"{kernel:<14} {name:<30} {report['buffers']:>7} {report['async_copies']:>12} "
+                  f"{compiled.metadata.shared / 1024:>8.1f}  {note.strip()}")  # fmt: skip
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                stem = f"{kernel}-{name.replace(' ', '_').replace('/', 'split')}"
+                (args.dump / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+                (args.dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
