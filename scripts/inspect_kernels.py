@@ -1,6 +1,7 @@
 """Compile the layer's Triton kernels for Hopper (sm_90) without a GPU and report how each K loop is
 software-pipelined: how many shared-memory buffers its operands get, whether the loads are
-asynchronous copies, and the shared memory per program. Costs no device time.
+asynchronous copies, the shared memory per program, and registers and spill stack per thread
+(from the cubin). Costs no device time.
 
     python scripts/inspect_kernels.py                                  # the pinned configs
     python scripts/inspect_kernels.py --candidates 128x128x64w8s4 128x128x64w8s4g --dump out/ttgir
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -81,6 +84,18 @@ def pipeline_report(ttgir: str) -> dict:
     }
 
 
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread: spills live there) from the cubin, read by
+    the cuobjdump that ships with Triton's NVIDIA backend."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else (-1, -1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="*", default=["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad",
@@ -92,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     if interpreter_on():
         parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter; unset it to compile them")
     print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got")
-    print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8}  note")
+    print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
+          f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
         pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
         for cfg in [pinned, *args.candidates]:
             name = config_label(cfg)
             if cfg.tma:
-                print(f"{kernel:<14} {name:<30} {'-':>7} {'-':>12} {'-':>8}  TMA: not compiled here")
+                print(f"{kernel:<14} {name:<30} {'-':>7} {'-':>12} {'-':>8} {'-':>4} {'-':>7}  TMA: not compiled here")
                 continue
             if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):
                 continue  # options that kernel does not take
@@ -115,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                 note += f" pipelined {report['buffers']} deep, not {cfg.num_stages}"
             if compiled.metadata.shared > SMEM_LIMIT:
                 note += " over Hopper's 227 KiB of shared memory: would not launch"
+            regs, stack = resource_usage(compiled.asm["cubin"])
+            if stack:
+                note += f" spills ({stack} bytes of stack)"
             print(f"{kernel:<14} {name:<30} {report['buffers']:>7} {report['async_copies']:>12} "
-                  f"{compiled.metadata.shared / 1024:>8.1f}  {note.strip()}")  # fmt: skip
+                  f"{compiled.metadata.shared / 1024:>8.1f} {regs:>4} {stack:>7}  {note.strip()}")  # fmt: skip
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 stem = f"{kernel}-{name.replace(' ', '_').replace('/', 'split')}"
