@@ -35,6 +35,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin import ops  # noqa: E402
+from mok_plugin.kernels.configs import (  # noqa: E402
+    PINNED_KERNELS,
+    overridden_configs,
+    parse_tile_config,
+    tile_config_label,
+)
 from mok_plugin.reference import moe_experts_reference  # noqa: E402
 from mok_plugin.routing import count_per_expert  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
@@ -343,10 +349,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
+                        help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
+                             "(tune_kernels.py's notation); repeatable")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
+    except ValueError as error:
+        parser.error(f"--override KERNEL=CONFIG: {error}")
+    if set(overrides) - set(PINNED_KERNELS):
+        parser.error(f"--override: unknown kernel in {sorted(overrides)}; kernels: {', '.join(PINNED_KERNELS)}")
     if not torch.cuda.is_available():
         print("bench_layer.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if overrides:
+        print("pinned table overridden: " + ", ".join(f"{k}={tile_config_label(c)}" for k, c in overrides.items()))
+    with overridden_configs(overrides):
+        return _run(args, overrides)
+
+
+def _run(args: argparse.Namespace, overrides: dict) -> int:
 
     shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
     gemm = dense_gemm_tflops()
@@ -383,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dense_gemm_tflops": gemm,
+        "config_overrides": {k: tile_config_label(c) for k, c in overrides.items()},
     }
     try:
         import triton

@@ -26,12 +26,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_kernels import config_label, parse_config  # noqa: E402
 
 from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
-from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config  # noqa: E402
+from mok_plugin.kernels.configs import (  # noqa: E402
+    MoKTileConfig,
+    interpreter_on,
+    kernel_config,
+    parse_tile_config,
+    tile_config_label,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr", "tile_to_expert_ptr"}
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="*", default=["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad",
                                                         "wgrad_down", "wgrad_gate_up"])  # fmt: skip
-    parser.add_argument("--candidates", nargs="*", type=parse_config, default=[],
+    parser.add_argument("--candidates", nargs="*", type=parse_tile_config, default=[],
                         help="configs to compile besides the pinned ones (tune_kernels.py's notation)")  # fmt: skip
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR and PTX here")
     args = parser.parse_args(argv)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for kernel in args.kernels:
         pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
         for cfg in [pinned, *args.candidates]:
-            name = config_label(cfg)
+            name = tile_config_label(cfg)
             if cfg.tma:
                 print(f"{kernel:<14} {name:<30} {'-':>7} {'-':>12} {'-':>8} {'-':>4} {'-':>7}  TMA: not compiled here")
                 continue

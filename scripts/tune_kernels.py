@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
 from mok_plugin.kernels.combine import combine_rows  # noqa: E402
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, parse_tile_config, tile_config_label  # noqa: E402
 from mok_plugin.ops import _row_weights  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import NAMED_SHAPES  # noqa: E402
@@ -42,24 +41,6 @@ CANDIDATES = [
     MoKTileConfig(128, 64, 64, 8, 4),
     MoKTileConfig(64, 64, 64, 4, 4),
 ]
-
-
-def parse_config(spec: str) -> MoKTileConfig:
-    """'128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages), then 'g' for pre-gathered
-    weight-gradient rows, 't' for TMA and '/2' for a tile of two accumulators (down_dgrad)."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(?:/(\d))?", spec)
-    if not match:
-        raise argparse.ArgumentTypeError(f"config {spec!r}: expected like 128x256x64w8s3, 128x256x64w8s3gt "
-                                         "(pre-gathered rows, TMA) or 128x128x64w8s4/2 (two accumulators)")  # fmt: skip
-    *numbers, gather, tma, split = match.groups()
-    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", split_n=int(split or 1), gather_rows=gather == "g")
-
-
-def config_label(cfg: MoKTileConfig) -> str:
-    """'128x128x64 w8 s4 gather tma /2': a config as the tables print it."""
-    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
-    extra += f" /{cfg.split_n}" if cfg.split_n > 1 else ""
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 
 
 def compiled_report(jit_fn) -> list[str]:
@@ -160,7 +141,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             }
             results.append(row)
             tag = "(default)" if cfg == default else ""
-            c = config_label(cfg)
+            c = tile_config_label(cfg)
             print(f"{name:<14} {kname:<14} {c:<28} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {tag}", flush=True)
     return results
 
@@ -174,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--candidates",
         nargs="*",
-        type=parse_config,
+        type=parse_tile_config,
         default=None,
         help="configs to try instead of the built-in list, e.g. 128x256x64w8s3gt (g: pre-gathered wgrad rows, t: TMA)",
     )

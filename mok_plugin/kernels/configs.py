@@ -12,10 +12,21 @@ Under the Triton interpreter (CPU tests) small tiles keep numpy work and program
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-__all__ = ["MoKTileConfig", "kernel_config", "interpreter_on"]
+__all__ = [
+    "MoKTileConfig",
+    "PINNED_KERNELS",
+    "interpreter_on",
+    "kernel_config",
+    "overridden_configs",
+    "parse_tile_config",
+    "tile_config_label",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +75,7 @@ _TABLE: dict[str, MoKTileConfig] = {
     "wgrad": MoKTileConfig(128, 128, 64, 8, 4),
     "combine": MoKTileConfig(8, 256, 1, 4, 1),
 }
+PINNED_KERNELS = tuple(_TABLE)
 _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
@@ -87,3 +99,47 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
         if narrow < cfg.block_n:
             cfg = replace(cfg, block_n=narrow, split_n=1)
     return cfg
+
+
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(?:/(\d))?")
+
+
+def parse_tile_config(spec: str) -> MoKTileConfig:
+    """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
+    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, '/2' for two accumulators.
+
+    Raises:
+        ValueError: spec is not in that form.
+    """
+    match = _SPEC.fullmatch(spec)
+    if not match:
+        raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x128x64w8s4/2")
+    *numbers, gather, tma, split = match.groups()
+    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", split_n=int(split or 1), gather_rows=gather == "g")
+
+
+def tile_config_label(cfg: MoKTileConfig) -> str:
+    """'128x128x64 w8 s4 gather tma /2': a config as the benchmark tables print it."""
+    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
+    extra += f" /{cfg.split_n}" if cfg.split_n > 1 else ""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
+
+
+@contextlib.contextmanager
+def overridden_configs(overrides: dict[str, MoKTileConfig]) -> Iterator[None]:
+    """Within the block, the pinned table has these entries instead (a benchmark comparing a
+    candidate table in one process). Not for training: every process must use the same table.
+
+    Raises:
+        KeyError: a kernel the table does not have.
+    """
+    unknown = set(overrides) - set(PINNED_KERNELS)
+    if unknown:
+        raise KeyError(f"no pinned config for {sorted(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    saved = dict(_TABLE)
+    _TABLE.update(overrides)
+    try:
+        yield
+    finally:
+        _TABLE.clear()
+        _TABLE.update(saved)

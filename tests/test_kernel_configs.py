@@ -1,0 +1,60 @@
+"""The pinned kernel-config table's helpers: the short config notation the scripts take, and the
+in-process override a benchmark uses to time a candidate table."""
+
+import pytest
+
+from mok_plugin.kernels.configs import (
+    PINNED_KERNELS,
+    MoKTileConfig,
+    kernel_config,
+    overridden_configs,
+    parse_tile_config,
+    tile_config_label,
+)
+
+
+@pytest.mark.parametrize(
+    "spec, expected, label",
+    [
+        ("128x256x64w8s3", MoKTileConfig(128, 256, 64, 8, 3), "128x256x64 w8 s3"),
+        ("128x128x64w8s4t/2", MoKTileConfig(128, 128, 64, 8, 4, tma=True, split_n=2), "128x128x64 w8 s4 tma /2"),
+        ("64x128x32w4s2g", MoKTileConfig(64, 128, 32, 4, 2, gather_rows=True), "64x128x32 w4 s2 gather"),
+        (
+            "128x128x64w8s4gt",
+            MoKTileConfig(128, 128, 64, 8, 4, tma=True, gather_rows=True),
+            "128x128x64 w8 s4 gather tma",
+        ),
+    ],
+)
+def test_parse_and_label(spec, expected, label):
+    assert parse_tile_config(spec) == expected
+    assert tile_config_label(expected) == label
+
+
+@pytest.mark.parametrize("spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3/x"])
+def test_parse_rejects_other_forms(spec):
+    with pytest.raises(ValueError, match="expected like"):
+        parse_tile_config(spec)
+
+
+def test_override_applies_inside_the_block_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pinned table, not the interpreter's small tiles
+    pinned, down_fwd = kernel_config("wgrad", 4096), kernel_config("down_fwd", 4096)
+    candidate = parse_tile_config("128x256x64w8s4g")
+    assert candidate != pinned
+    with overridden_configs({"wgrad": candidate}):
+        assert kernel_config("wgrad", 4096) == candidate
+        assert kernel_config("down_fwd", 4096) == down_fwd  # the other entries stay
+    assert kernel_config("wgrad", 4096) == pinned
+    with pytest.raises(RuntimeError), overridden_configs({"wgrad": candidate}):
+        raise RuntimeError("the table is restored on errors too")
+    assert kernel_config("wgrad", 4096) == pinned
+
+
+def test_override_rejects_unknown_kernels():
+    assert "wgrad" in PINNED_KERNELS
+    with (
+        pytest.raises(KeyError, match="no pinned config"),
+        overridden_configs({"wgrad_fast": MoKTileConfig(1, 1, 1, 1, 1)}),
+    ):
+        pass
