@@ -6,7 +6,9 @@ Providers, all on the same inputs in one process:
   torch          the plain PyTorch path: index gather, grouped_mm gate/up, SwiGLU, grouped_mm down,
                  weighted fixed-order sum over k
   megatron       Megatron-Core's stock MoELayer, when megatron-core is importable (router included)
-  liger          Liger-Kernel's fused MoE, when liger-kernel is importable
+  liger          Liger-Kernel's fused MoE, when liger-kernel is importable. It autotunes 32 configs
+                 for each of its GEMM kernels at every new shape (about 4 minutes per shape on the
+                 H200); LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead
 
 Every provider is checked against the reference backend and for bitwise repeatability before it
 is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling is measured in

@@ -4,8 +4,8 @@
 #   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
 #   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
-#              Megatron's stock layer (Liger's fused MoE is left out: its first shape alone took 231 s
-#              on the H200; time it with `bench_layer.py --providers liger` and a longer limit)
+#              Megatron's stock layer (Liger's fused MoE is left out: it autotunes ~4 minutes per shape;
+#              time it alone, one shape per call, or with LIGER_FUSED_MOE_AUTOTUNE=0)
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
 # On the H200 (2026-11-29): tests ~250 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
 # 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
