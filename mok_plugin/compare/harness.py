@@ -128,7 +128,8 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
         steady = statistics.median(times[1:] or times)
         memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak
         results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory))
-        state = {k: v.detach().cpu() for k, v in final_state().items() if isinstance(v, torch.Tensor)}
+        # A copy: on the CPU .cpu() would alias weights that close() may release or reuse.
+        state = {k: v.detach().to("cpu", copy=True) for k, v in final_state().items() if isinstance(v, torch.Tensor)}
         if variant not in first_state:
             first_state[variant] = state
         else:
