@@ -100,7 +100,8 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
                    progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
     """Stock twice and MoK twice; returns {"runs": [...], "bitwise": {...}, "summary": {...}}."""
     _init_distributed(framework, device)
-    init_state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+    # host-ok: the initial weights are kept on the CPU, once, outside the timed steps
+    init_state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                   for k, v in build_model(run, framework, "stock", device).state_dict().items()}  # fmt: skip
     B, S = run.parallel.micro_batch, run.parallel.seq_length
     results: list[RunResult] = []
@@ -128,7 +129,8 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
         steady = statistics.median(times[1:] or times)
         memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak
         results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory))
-        # A copy: on the CPU .cpu() would alias weights that close() may release or reuse.
+        # host-ok: after the timed steps. A copy, since on the CPU a plain move would alias weights
+        # that close() may release or reuse.
         state = {k: v.detach().to("cpu", copy=True) for k, v in final_state().items() if isinstance(v, torch.Tensor)}
         if variant not in first_state:
             first_state[variant] = state
