@@ -6,6 +6,9 @@
 #   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
 #              Megatron's stock layer (Liger's fused MoE is left out: it autotunes ~4 minutes per shape;
 #              time it alone, one shape per call, or with LIGER_FUSED_MOE_AUTOTUNE=0)
+# Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
+# (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
+# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
 # On the H200 (2026-11-29): tests ~250 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
 # 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
