@@ -19,6 +19,12 @@ mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests deepspeed compare layer)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Fail in a second, not after minutes of device time, when a dependency is missing.
+if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed" 2>&1); then
+    echo "gpu_acceptance.sh: a dependency is not importable (see the header for the carried wheels):" >&2
+    echo "$missing" | tail -n 1 >&2
+    exit 2
+fi
 summary=()
 
 run_part() {  # name, command...
