@@ -12,6 +12,7 @@ tensor code.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,21 +31,24 @@ class MoKConfigError(ValueError):
     """An invalid MoK configuration; the message names every offending field."""
 
 
-def _format_validation_error(error: ValidationError, prefix: str = "mok") -> str:
-    """Turn pydantic's error list into one line per problem, each naming `mok.<field>`."""
+def format_validation_error(
+    error: ValidationError, header: str, prefix: str = "", allowed: Iterable[str] | None = None
+) -> str:
+    """Pydantic's error list as `header` and one line per problem, each naming its field as
+    `prefix.<field>` (the bare field without a prefix); unknown keys list `allowed` when given.
+    The config schemas (MoKConfig, the ds_config "mok" block, run configs) all report this way."""
     lines = []
     for item in error.errors():
         loc = ".".join(str(part) for part in item["loc"])
-        field = f"{prefix}.{loc}" if loc else prefix
+        field = f"{prefix}.{loc}" if prefix and loc else loc or prefix
         if item["type"] == "extra_forbidden":
-            allowed = ", ".join(sorted(MoKConfig.model_fields))
-            lines.append(f"{field}: unknown key; allowed keys: {allowed}")
+            lines.append(f"{field}: unknown key" + (f"; allowed keys: {', '.join(sorted(allowed))}" if allowed else ""))
         elif item["type"] == "value_error":
-            # Cross-field problems from _check_combinations already name their fields.
+            # Cross-field problems from the models' validators already name their fields.
             lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
         else:
             lines.append(f"{field}={item.get('input')!r}: {item['msg']}")
-    return "invalid MoK config:\n  " + "\n  ".join(lines)
+    return f"{header}:\n  " + "\n  ".join(lines)
 
 
 class MoKConfig(BaseModel):
@@ -122,7 +126,9 @@ class MoKConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as error:
-            raise MoKConfigError(_format_validation_error(error)) from None
+            raise MoKConfigError(
+                format_validation_error(error, "invalid MoK config", "mok", MoKConfig.model_fields)
+            ) from None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> MoKConfig:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mok_plugin.config import MoKConfig, MoKConfigError
+from mok_plugin.config import MoKConfig, MoKConfigError, format_validation_error
 
 __all__ = ["MACHINES", "Machine", "ModelShape", "ParallelLayout", "RunConfig", "load_topology"]
 
@@ -191,13 +191,4 @@ def load_topology(path: str | Path) -> RunConfig:
     try:
         return RunConfig(**data)
     except ValidationError as error:
-        lines = []
-        for item in error.errors():
-            loc = ".".join(str(part) for part in item["loc"])
-            if item["type"] == "value_error":
-                lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
-            elif item["type"] == "extra_forbidden":
-                lines.append(f"{loc}: unknown key")
-            else:
-                lines.append(f"{loc}={item.get('input')!r}: {item['msg']}")
-        raise MoKConfigError(f"invalid run config {path}:\n  " + "\n  ".join(lines)) from None
+        raise MoKConfigError(format_validation_error(error, f"invalid run config {path}")) from None

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mok_plugin.config import MoKConfigError
+from mok_plugin.config import MoKConfigError, format_validation_error
 
 __all__ = ["DeepSpeedMoKSettings", "read_mok_settings"]
 
@@ -88,11 +88,7 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     try:
         return DeepSpeedMoKSettings(**block)
     except ValidationError as error:
-        lines = []
-        for item in error.errors():
-            key = "mok." + ".".join(str(p) for p in item["loc"])
-            if item["type"] == "extra_forbidden":
-                lines.append(f"{key}: unknown key; allowed: {', '.join(DeepSpeedMoKSettings.model_fields)}")
-            else:
-                lines.append(f"{key}={item.get('input')!r}: {item['msg']}")
-        raise MoKConfigError('invalid "mok" block in the DeepSpeed config:\n  ' + "\n  ".join(lines)) from None
+        message = format_validation_error(
+            error, 'invalid "mok" block in the DeepSpeed config', "mok", DeepSpeedMoKSettings.model_fields
+        )
+        raise MoKConfigError(message) from None
