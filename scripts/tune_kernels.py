@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
 from mok_plugin.kernels.combine import combine_rows  # noqa: E402
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, parse_tile_config, tile_config_label  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, parse_tile_config, tile_config_label, tile_config_spec  # noqa: E402
 from mok_plugin.ops import _row_weights  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import NAMED_SHAPES  # noqa: E402
@@ -135,6 +135,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
                 "shape": name,
                 "kernel": kname,
                 "config": str(cfg),
+                "spec": tile_config_spec(cfg),
                 "ms": ms,
                 "tflops": flops / ms / 1e9,
                 "default": cfg == default,

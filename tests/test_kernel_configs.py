@@ -10,6 +10,7 @@ from mok_plugin.kernels.configs import (
     overridden_configs,
     parse_tile_config,
     tile_config_label,
+    tile_config_spec,
 )
 
 
@@ -29,6 +30,7 @@ from mok_plugin.kernels.configs import (
 def test_parse_and_label(spec, expected, label):
     assert parse_tile_config(spec) == expected
     assert tile_config_label(expected) == label
+    assert tile_config_spec(expected) == spec  # the form the scripts print reads back
 
 
 @pytest.mark.parametrize("spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3/x"])

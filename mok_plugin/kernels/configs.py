@@ -26,6 +26,7 @@ __all__ = [
     "overridden_configs",
     "parse_tile_config",
     "tile_config_label",
+    "tile_config_spec",
 ]
 
 
@@ -116,6 +117,13 @@ def parse_tile_config(spec: str) -> MoKTileConfig:
         raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x128x64w8s4/2")
     *numbers, gather, tma, split = match.groups()
     return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", split_n=int(split or 1), gather_rows=gather == "g")
+
+
+def tile_config_spec(cfg: MoKTileConfig) -> str:
+    """The short form parse_tile_config reads back: '128x128x64w8s4gt/2'."""
+    spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+    spec += ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "")
+    return spec + (f"/{cfg.split_n}" if cfg.split_n > 1 else "")
 
 
 def tile_config_label(cfg: MoKTileConfig) -> str:
