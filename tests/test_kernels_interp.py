@@ -147,6 +147,59 @@ def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
             assert_close(b, a, dtype, f"{name} ({label} vs pointer loads)")
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
+def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma, monkeypatch):
+    # The pre-gathered operand is copied a column block at a time to bound its memory; each block's
+    # sums run over the same rows in the same order, so any block count gives the same bits.
+    from dataclasses import replace
+
+    from mok_plugin.kernels import grouped_mlp
+
+    T, H, I, E, K = 70, 72, 40, 5, 2
+    g = torch.Generator().manual_seed(11)
+    schedule = build_schedule(_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    rows = schedule.row_to_token.shape[0]
+    by_token = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
+    by_row = torch.randn(rows, I, generator=g).to(DEVICE, torch.float16)
+    by_row[schedule.row_to_token < 0] = 0  # the zero padding rows down_dgrad writes
+    left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
+    segments = (schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert)
+    cfg = replace(grouped_mlp.kernel_config("wgrad", 64), gather_rows=True, tma=tma)
+
+    def wgrad():
+        return grouped_mlp.expert_wgrad(
+            left, right, *segments, left_by_token=left_by_token, right_by_token=not left_by_token,
+            segment_align=schedule.tile_m, config=cfg,
+        )  # fmt: skip
+
+    whole = wgrad()
+    block = cfg.block_m if left_by_token else cfg.block_n
+    monkeypatch.setattr(grouped_mlp, "GATHER_CHUNK_BYTES", rows * 2 * block)  # one block per copy
+    assert len(grouped_mlp.gather_column_blocks(H, rows * 2, block)) == 3  # 32 + 32 + 8 columns
+    assert torch.equal(wgrad(), whole)
+    # and against the sum it stands for, per expert over its rows
+    tokens = schedule.row_to_token.clamp(min=0)
+    gathered = torch.where((schedule.row_to_token >= 0)[:, None], by_token[tokens].float(), 0.0)
+    want = torch.stack([
+        (gathered if left_by_token else by_row.float())[s:s + n].T @ (by_row.float() if left_by_token else gathered)[s:s + n]
+        for s, n in zip(schedule.expert_offsets.tolist(), schedule.tokens_per_expert.tolist())
+    ])  # fmt: skip
+    assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
+
+
+def test_gather_column_blocks_cover_the_columns_once():
+    from mok_plugin.kernels.grouped_mlp import GATHER_CHUNK_BYTES, gather_column_blocks
+
+    assert gather_column_blocks(2048, 1000, 128) == [(0, 2048)]  # small enough: one copy
+    bytes_per_col = GATHER_CHUNK_BYTES // 900  # 2048 columns would need 3 copies
+    blocks = gather_column_blocks(2048, bytes_per_col, 128)
+    assert blocks == [(0, 768), (768, 1536), (1536, 2048)]
+    assert all((c1 - c0) * bytes_per_col <= GATHER_CHUNK_BYTES for c0, c1 in blocks)
+    # a single block wider than the budget is still one block, never an empty range
+    assert gather_column_blocks(100, GATHER_CHUNK_BYTES, 64) == [(0, 64), (64, 100)]
+
+
 def test_unknown_variant():
     with pytest.raises(ValueError, match="kernel_variant='fast'"):
         _compare(4, 32, 16, 4, 2, "uniform", torch.float32, variant="fast")

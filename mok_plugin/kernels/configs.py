@@ -73,7 +73,14 @@ _TABLE: dict[str, MoKTileConfig] = {
     "down_dgrad": MoKTileConfig(128, 128, 64, 8, 4, split_n=2),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
-    "wgrad": MoKTileConfig(128, 128, 64, 8, 4),
+    # The by-token operand (x, dO) pre-gathered into row order, a column block at a time, then TMA:
+    # its row indices loaded in the K loop had held the pipeline to 2 buffers whatever num_stages
+    # said. qwen3-30b-a3b 1.07 + 2.06 -> 1.01 + 1.65 ms (dW2 + dW13), mixtral-8x7b 4.63 + 9.45 ->
+    # 3.25 + 6.54 ms, the copies included.
+    "wgrad": MoKTileConfig(128, 128, 64, 8, 3, tma=True, gather_rows=True),
+    # The megakernel's weight-gradient tasks load by-token rows through pointers, inside one launch
+    # whose registers and stages fit every task; the multi-kernel variant's tile before gathering.
+    "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 4),
     "combine": MoKTileConfig(8, 256, 1, 4, 1),
 }
 PINNED_KERNELS = tuple(_TABLE)
@@ -95,7 +102,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     if interpreter_on():
         return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
     cfg = _TABLE[kernel]
-    if kernel not in ("combine", "wgrad") and n_out < cfg.block_n:
+    if kernel not in ("combine", "wgrad", "megakernel_wgrad") and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         if narrow < cfg.block_n:
             cfg = replace(cfg, block_n=narrow, split_n=1)

@@ -779,15 +779,48 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     cfg = config or kernel_config("wgrad", N)
-    if cfg.gather_rows and (left_by_token or right_by_token):
-        # Rows in schedule order; a padding row copies token 0, which meets the other operand's
-        # zero (or masked) padding row.
-        order = row_to_token.clamp(min=0)
-        if left_by_token:
-            left, left_by_token = left.index_select(0, order), False
-        if right_by_token:
-            right, right_by_token = right.index_select(0, order), False
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
+    if not (cfg.gather_rows and left_by_token != right_by_token):
+        _launch_wgrad(left, right, d_w, row_to_token, expert_offsets, tokens_per_expert, left_by_token, right_by_token,
+                      segment_align, cfg)  # fmt: skip
+        return d_w
+    # Pre-gathered rows: the by-token operand copied into schedule row order (a padding row copies
+    # token 0, which meets the other operand's zero padding row), so that both operands are
+    # contiguous and the K loop pipelines num_stages deep. The copy is made a column block at a
+    # time, each block's weight gradient is a slice of d_w with the same row sums, so the result is
+    # bitwise the same whatever the blocks, and the copy adds at most GATHER_CHUNK_BYTES to the peak.
+    order = row_to_token.clamp(min=0)
+    by_token = left if left_by_token else right
+    block = cfg.block_m if left_by_token else cfg.block_n
+    for c0, c1 in gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block):
+        rows = by_token[:, c0:c1].index_select(0, order)
+        if left_by_token:
+            _launch_wgrad(rows, right, d_w[:, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
+                          segment_align, cfg)  # fmt: skip
+        else:
+            _launch_wgrad(left, rows, d_w[:, :, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
+                          segment_align, cfg)  # fmt: skip
+        del rows
+    return d_w
+
+
+# The most bytes a pre-gathered weight-gradient operand holds at once (see expert_wgrad).
+GATHER_CHUNK_BYTES = 256 * 2**20
+
+
+def gather_column_blocks(num_cols: int, bytes_per_col: int, block: int) -> list[tuple[int, int]]:
+    """[c0, c1) column ranges of about equal width, each a multiple of block (but the last), whose
+    gathered copies hold at most GATHER_CHUNK_BYTES (at least one block each)."""
+    count = max(1, triton.cdiv(num_cols * bytes_per_col, GATHER_CHUNK_BYTES))
+    width = max(block, triton.cdiv(triton.cdiv(num_cols, count), block) * block)
+    return [(c0, min(c0 + width, num_cols)) for c0 in range(0, num_cols, width)]
+
+
+def _launch_wgrad(left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, row_to_token: torch.Tensor,
+                  expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, left_by_token: bool,
+                  right_by_token: bool, segment_align: int, cfg: MoKTileConfig) -> None:  # fmt: skip
+    """One weight-gradient launch into d_w [E, M, N] (a view whose last dim has unit stride)."""
+    E, M, N = d_w.shape
     grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]
     tma = bool(by_row) and segment_align % cfg.block_k == 0 and _tma_ok(cfg, *by_row)
@@ -815,4 +848,3 @@ def expert_wgrad(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return d_w

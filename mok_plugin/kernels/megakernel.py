@@ -285,7 +285,7 @@ def backward_megakernel(
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
     dg, dx_cfg = kernel_config("down_dgrad", I), kernel_config("gate_up_dgrad", H)
-    wg, comb = kernel_config("wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
+    wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg, max_split_n=2)
     bn_dgrad = dg.block_n // dg.split_n  # one accumulator's I-block: the same blocks as the multi-kernel variant
