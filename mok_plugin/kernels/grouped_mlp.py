@@ -31,6 +31,8 @@ buffers) go through TMA tensor descriptors where a config asks for it (`MoKTileC
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -617,10 +619,19 @@ def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block_shape)
 
 
+def _stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
+    """cfg for inputs of `dtype`. The pinned stages are sized for 2-byte inputs; fp32 tiles take
+    twice the shared memory, which no longer fits Hopper's 227 KiB at the pinned depth (gate_up_dgrad
+    would ask for 384 KiB), so fp32 (tests, checks) runs unpipelined. Tiles and K order stay, so the
+    results are the same as at any depth."""
+    return replace(cfg, num_stages=1) if dtype.itemsize > 2 else cfg
+
+
 def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args,
                       tma: bool = False, **constexprs):  # fmt: skip
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, block_n) tiles with config cfg;
     the kernel's BLOCK_N is one of the tile's cfg.split_n accumulators."""
+    cfg = _stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
     kernel[grid](
         *args,
@@ -779,6 +790,7 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     cfg = config or kernel_config("wgrad", N)
+    cfg = _stages_for(cfg, left.dtype)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if not (cfg.gather_rows and left_by_token != right_by_token):
         _launch_wgrad(left, right, d_w, row_to_token, expert_offsets, tokens_per_expert, left_by_token, right_by_token,
