@@ -1,13 +1,17 @@
-"""The Triton backend's entry point: custom ops `mok_plugin::moe_experts_fwd` / `_bwd`, their fakes
-and the autograd wiring.
+"""The Triton backend's entry point: its custom ops, their fakes and the autograd wiring.
 
-Owns: `moe_experts` (same signature as `reference.moe_experts_reference`), the two ops, and which
+Owns: `moe_experts` (same signature as `reference.moe_experts_reference`), the ops, and which
 tensors are saved for backward: x, the routing weights, both weights, the schedule and the
 pre-activation h [R_pad, 2I]. The down-projection output is not saved; A = SwiGLU(h) is recomputed
 in the backward's dgrad epilogue.
 
-Two kernel variants sit behind the ops: the persistent megakernel (one launch per pass) and the
-multi-kernel one (one launch per GEMM); `kernel_variant` picks one.
+Two kernel variants sit behind the ops; `kernel_variant` picks one.
+- multi_kernel (one launch per GEMM): two autograd nodes. `expert_up_fwd` (x -> h, A) and
+  `expert_down_fwd` (A -> routed output; h is its input so that its backward, which needs h, hands
+  dh back). Autograd runs the down node's backward first and then releases the saved h, so the
+  up node's weight gradient (the backward's memory peak) runs without it: mixtral-8x7b's
+  h is 0.95 GiB.
+- megakernel (one persistent launch per pass): `moe_experts_fwd` / `moe_experts_bwd`, one node.
 
 The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.compile` with
 `fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the
@@ -33,6 +37,9 @@ def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.T
     return values_per_row(topk_weights, row_to_tk).float().contiguous()
 
 
+# ---- megakernel variant: one node, one persistent launch per pass ----------------------------
+
+
 @torch.library.custom_op("mok_plugin::moe_experts_fwd", mutates_args=())
 def moe_experts_fwd(
     x: torch.Tensor,
@@ -46,28 +53,19 @@ def moe_experts_fwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
-    megakernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed experts forward. Returns (out [T, H], h [R_pad, 2I] saved for backward).
+    """Routed experts forward (megakernel). Returns (out [T, H], h [R_pad, 2I] saved for backward).
 
     expert_offsets and tokens_per_expert are unused here; they are inputs so that autograd saves
     them for the weight gradients."""
-    T, K = topk_weights.shape
+    K = topk_weights.shape[1]
     w_rows = _row_weights(topk_weights, row_to_tk)
-    if megakernel:
-        return forward_megakernel(
-            x, gate_up_proj, down_proj, w_rows, row_to_token, tile_to_expert, tk_to_row, tile_m, K
-        )
-    h, a = gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
-    y = down_fwd(a, down_proj, w_rows, row_to_token, tile_to_expert, tile_m)
-    return combine_rows(y, tk_to_row, T, K), h
+    return forward_megakernel(x, gate_up_proj, down_proj, w_rows, row_to_token, tile_to_expert, tk_to_row, tile_m, K)
 
 
 @moe_experts_fwd.register_fake
 def _(x, topk_weights, gate_up_proj, down_proj, row_to_token, *schedule_and_tile):
-    out = x.new_empty(x.shape)
-    h = x.new_empty(row_to_token.shape[0], gate_up_proj.shape[1])
-    return out, h
+    return x.new_empty(x.shape), x.new_empty(row_to_token.shape[0], gate_up_proj.shape[1])
 
 
 @torch.library.custom_op("mok_plugin::moe_experts_bwd", mutates_args=())
@@ -85,35 +83,14 @@ def moe_experts_bwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
-    megakernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Routed experts backward. Returns (d_x [T, H], d_topk_weights fp32 [T, K], d_gate_up, d_down)."""
-    T, K = topk_weights.shape
-    d_out = d_out.contiguous()
+    """Routed experts backward (megakernel). Returns (d_x [T, H], d_topk_weights [T, K], d_gate_up, d_down)."""
+    K = topk_weights.shape[1]
     w_rows = _row_weights(topk_weights, row_to_tk)
-    if megakernel:
-        d_x, d_topk_weights, d_gate_up, d_down = backward_megakernel(
-            d_out, x, gate_up_proj, down_proj, h, w_rows, row_to_token, tile_to_expert, tk_to_row, expert_offsets,
-            tokens_per_expert, tile_m, K,
-        )  # fmt: skip
-        return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
-    d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
-    d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
-    del partial
-    segments = (row_to_token, expert_offsets, tokens_per_expert)
-    down = {"left_by_token": True, "right_by_token": False, "segment_align": tile_m}
-    # The order only moves the peak (every output is computed the same way). Usually the w*A rows
-    # [R_pad, I] are smaller than dW2 [E, H, I]: then dX and dW13 go first and dh [R_pad, 2I] is
-    # freed before dW2 is allocated (deepseek-v3: -0.5 GB). Otherwise dW2 first frees w*A early.
-    down_first = row_to_token.shape[0] > down_proj.shape[0] * down_proj.shape[1]
-    if down_first:
-        d_down = expert_wgrad(d_out, a_weighted, *segments, **down)
-        del a_weighted
-    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T, K)
-    d_gate_up = expert_wgrad(d_h, x, *segments, left_by_token=False, right_by_token=True, segment_align=tile_m)
-    del d_h
-    if not down_first:
-        d_down = expert_wgrad(d_out, a_weighted, *segments, **down)
+    d_x, d_topk_weights, d_gate_up, d_down = backward_megakernel(
+        d_out.contiguous(), x, gate_up_proj, down_proj, h, w_rows, row_to_token, tile_to_expert, tk_to_row,
+        expert_offsets, tokens_per_expert, tile_m, K,
+    )  # fmt: skip
     return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
 
 
@@ -128,21 +105,162 @@ def _(d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule_and_tile):
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, tile_m, megakernel = inputs
+    *tensors, tile_m = inputs
     ctx.tile_m = tile_m
-    ctx.megakernel = megakernel
     ctx.save_for_backward(*tensors, output[1])
 
 
 def _backward(ctx, d_out, _d_h):
     x, topk_weights, gate_up_proj, down_proj, *schedule, h = ctx.saved_tensors
     d_x, d_w, d_gate_up, d_down = moe_experts_bwd(
-        d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m, ctx.megakernel
+        d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m
     )
-    return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None, None
+    return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mok_plugin::moe_experts_fwd", _backward, setup_context=_setup_context)
+
+
+# ---- multi-kernel variant, node 1 of 2: x -> (h, A) -----------------------------------------
+
+
+@torch.library.custom_op("mok_plugin::expert_up_fwd", mutates_args=())
+def expert_up_fwd(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [R_pad, 2I], A = SwiGLU(h) [R_pad, I]) of the gathered x rows. The schedule tensors that
+    only the backward reads are inputs so that autograd saves them."""
+    return gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
+
+
+@expert_up_fwd.register_fake
+def _(x, gate_up_proj, row_to_token, *schedule_and_tile):
+    rows, two_i = row_to_token.shape[0], gate_up_proj.shape[1]
+    return x.new_empty(rows, two_i), x.new_empty(rows, two_i // 2)
+
+
+@torch.library.custom_op("mok_plugin::expert_up_bwd", mutates_args=())
+def expert_up_bwd(
+    d_h: torch.Tensor,
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, 2I, H]) from dh."""
+    T = x.shape[0]
+    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T,
+                       tk_to_row.shape[0] // T)  # fmt: skip
+    d_gate_up = expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
+                             right_by_token=True, segment_align=tile_m)  # fmt: skip
+    return d_x, d_gate_up
+
+
+@expert_up_bwd.register_fake
+def _(d_h, x, gate_up_proj, *schedule_and_tile):
+    return x.new_empty(x.shape), gate_up_proj.new_empty(gate_up_proj.shape)
+
+
+def _setup_up(ctx, inputs, output):
+    *tensors, tile_m = inputs
+    ctx.tile_m = tile_m
+    ctx.save_for_backward(*tensors)
+
+
+def _backward_up(ctx, d_h, _d_a):
+    x, gate_up_proj, *schedule = ctx.saved_tensors
+    d_x, d_gate_up = expert_up_bwd(d_h, x, gate_up_proj, *schedule, ctx.tile_m)
+    return d_x, d_gate_up, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mok_plugin::expert_up_fwd", _backward_up, setup_context=_setup_up)
+
+
+# ---- multi-kernel variant, node 2 of 2: A -> routed output (h in, for the backward) ------------
+
+
+@torch.library.custom_op("mok_plugin::expert_down_fwd", mutates_args=())
+def expert_down_fwd(
+    h: torch.Tensor,
+    a: torch.Tensor,
+    topk_weights: torch.Tensor,
+    down_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> torch.Tensor:
+    """out [T, H] = per token, sum over k in order of w_tk * A[row] W2_e^T. h is not read here:
+    it is an input so that this node's backward (dSwiGLU needs h) returns dh to the up node."""
+    T, K = topk_weights.shape
+    y = down_fwd(a, down_proj, _row_weights(topk_weights, row_to_tk), row_to_token, tile_to_expert, tile_m)
+    return combine_rows(y, tk_to_row, T, K)
+
+
+@expert_down_fwd.register_fake
+def _(h, a, topk_weights, down_proj, *schedule_and_tile):
+    return a.new_empty(topk_weights.shape[0], down_proj.shape[1])
+
+
+@torch.library.custom_op("mok_plugin::expert_down_bwd", mutates_args=())
+def expert_down_bwd(
+    d_out: torch.Tensor,
+    h: torch.Tensor,
+    topk_weights: torch.Tensor,
+    down_proj: torch.Tensor,
+    row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
+    tk_to_row: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh [R_pad, 2I], d_topk_weights [T, K], d_down [E, H, I]): the dgrad GEMM with the router
+    partial <dA', A> and dSwiGLU in its epilogue, then dW2 from the w*A rows it wrote."""
+    T, K = topk_weights.shape
+    d_out = d_out.contiguous()
+    w_rows = _row_weights(topk_weights, row_to_tk)
+    d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
+    d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
+    del partial
+    d_down = expert_wgrad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True,
+                          right_by_token=False, segment_align=tile_m)  # fmt: skip
+    return d_h, d_topk_weights.to(topk_weights.dtype), d_down
+
+
+@expert_down_bwd.register_fake
+def _(d_out, h, topk_weights, down_proj, *schedule_and_tile):
+    return h.new_empty(h.shape), topk_weights.new_empty(topk_weights.shape), down_proj.new_empty(down_proj.shape)
+
+
+def _setup_down(ctx, inputs, output):
+    h, _a, *tensors, tile_m = inputs
+    ctx.tile_m = tile_m
+    ctx.save_for_backward(h, *tensors)
+
+
+def _backward_down(ctx, d_out):
+    h, topk_weights, down_proj, *schedule = ctx.saved_tensors
+    d_h, d_topk_weights, d_down = expert_down_bwd(d_out, h, topk_weights, down_proj, *schedule, ctx.tile_m)
+    return d_h, None, d_topk_weights, d_down, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mok_plugin::expert_down_fwd", _backward_down, setup_context=_setup_down)
 
 
 def moe_experts(
@@ -166,21 +284,22 @@ def moe_experts(
     Returns:
         [T, H] in x's dtype.
     """
-    out, _ = moe_experts_fwd(
-        x.contiguous(),
-        topk_weights.float().contiguous(),
-        gate_up_proj.contiguous(),
-        down_proj.contiguous(),
-        schedule.row_to_token,
-        schedule.row_to_tk,
-        schedule.tk_to_row,
-        schedule.tile_to_expert,
-        schedule.expert_offsets,
-        schedule.tokens_per_expert,
-        schedule.tile_m,
-        _megakernel(variant),
+    x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    s = schedule
+    if _megakernel(variant):
+        out, _ = moe_experts_fwd(
+            x, topk_weights, gate_up_proj, down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
+            s.expert_offsets, s.tokens_per_expert, s.tile_m,
+        )  # fmt: skip
+        return out
+    h, a = expert_up_fwd(
+        x, gate_up_proj, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m
     )
-    return out
+    return expert_down_fwd(
+        h, a, topk_weights, down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
+        s.tokens_per_expert, s.tile_m,
+    )  # fmt: skip
 
 
 def _megakernel(variant: str) -> bool:

@@ -229,49 +229,93 @@ def test_layer_triton_backend_matches_reference(dtype):
         assert_close(a, b, dtype, f"tensor {i}", n_reduce=64)
 
 
-def _op_args(dtype=torch.float32):
+def _op_inputs():
     g = torch.Generator().manual_seed(9)
     T, H, I, E, K = 12, 32, 16, 4, 2
     ids = _routing(T, E, K, "uniform", g).to(DEVICE)
     s = build_schedule(ids, E, tile_m=DEFAULT_TILE_M)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    w = torch.rand(T, K, generator=g).to(DEVICE)
-    w13 = torch.randn(E, 2 * I, H, generator=g).to(DEVICE, dtype)
-    w2 = torch.randn(E, H, I, generator=g).to(DEVICE, dtype)
-    return (
-        x,
-        w,
-        w13,
-        w2,
-        s.row_to_token,
-        s.row_to_tk,
-        s.tk_to_row,
-        s.tile_to_expert,
-        s.expert_offsets,
-        s.tokens_per_expert,
-        s.tile_m,
-        True,  # megakernel
-    )
+    rows = s.row_to_token.shape[0]
+    tensors = {
+        "x": torch.randn(T, H, generator=g),
+        "w": torch.rand(T, K, generator=g),
+        "w13": torch.randn(E, 2 * I, H, generator=g),
+        "w2": torch.randn(E, H, I, generator=g),
+        "h": torch.randn(rows, 2 * I, generator=g),
+        "a": torch.randn(rows, I, generator=g),
+    }
+    return {k: v.to(DEVICE) for k, v in tensors.items()}, s
 
 
-def test_opcheck_forward_op():
-    args = list(_op_args())
-    for i in range(4):
-        args[i] = args[i].requires_grad_()
+def _op_calls():
+    """(op, args) of every forward op the layer runs, with differentiable inputs requiring grad."""
+    t, s = _op_inputs()
+    for name in ("x", "w", "w13", "w2", "h"):
+        t[name].requires_grad_()
+    return [
+        (ops.moe_experts_fwd, (t["x"], t["w"], t["w13"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
+        (ops.expert_up_fwd, (t["x"], t["w13"], s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
+                             s.tokens_per_expert, s.tile_m)),
+        (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+def test_opcheck_forward_ops(index):
+    op, args = _op_calls()[index]
     # Schema, fake tensor, autograd registration; aot dispatch is covered by the compile test.
-    torch.library.opcheck(
-        ops.moe_experts_fwd, tuple(args), test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
-    )
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-def test_ops_do_not_mutate_their_inputs():
-    # The schema says mutates_args=(): check that the inputs really are untouched.
-    args = _op_args()
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+def test_ops_do_not_mutate_their_inputs(index):
+    # The schemas say mutates_args=(): check that the inputs really are untouched.
+    op, args = _op_calls()[index]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    ops.moe_experts_fwd(*args)
+    op(*args)
     for a, b in zip(args, before, strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-    assert ops.moe_experts_fwd._opoverload._schema.arguments[0].alias_info is None
+    assert all(arg.alias_info is None for arg in op._opoverload._schema.arguments)
+
+
+def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkeypatch):
+    # The multi-kernel variant is two autograd nodes, so autograd releases the saved h [R_pad, 2I]
+    # after the down node's backward: the up node's weight gradient (the backward's memory peak)
+    # runs without it. Saved-tensor hooks box every saved tensor; h's box must be gone at dW13.
+    import gc
+    import weakref
+
+    class Box:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    t, s = _op_inputs()
+    h_shape = t["h"].shape
+    h_boxes, seen = [], {}
+    real_wgrad = ops.expert_wgrad
+
+    def pack(tensor):
+        box = Box(tensor)
+        if tensor.shape == h_shape:
+            h_boxes.append(weakref.ref(box))
+        return box
+
+    def expert_wgrad(left, right, *args, **kwargs):
+        if kwargs["right_by_token"]:  # dW13, in the up node's backward
+            gc.collect()
+            seen["h saved at dW13"] = [ref() is not None for ref in h_boxes]
+        return real_wgrad(left, right, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "expert_wgrad", expert_wgrad)
+    leaves = [t[k].requires_grad_() for k in ("x", "w", "w13", "w2")]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        out = ops.moe_experts(*leaves, s, variant="multi_kernel")
+    assert len(h_boxes) == 1  # h is saved once, by the down node
+    out.sum().backward()
+    assert seen["h saved at dW13"] == [False]
+    assert all(leaf.grad is not None for leaf in leaves)
 
 
 def test_compile_fullgraph():
@@ -286,3 +330,28 @@ def test_compile_fullgraph():
     assert torch.equal(out, again)  # compiled runs repeat bitwise
     # Inductor may fuse the router's softmax differently from eager, so only closeness is promised.
     assert_close(out, eager_out, torch.float32, "compiled vs eager")
+
+
+@pytest.mark.parametrize("variant", ["multi_kernel", "megakernel"])
+def test_compile_fullgraph_backward(variant):
+    # The backward through both variants' autograd nodes, compiled: gradients close to eager and
+    # bitwise equal between two compiled runs.
+    cfg = MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, backend="triton",
+                    kernel_variant=variant)  # fmt: skip
+    layer = MoKMoE(cfg, seed=1, device=DEVICE)
+    x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
+
+    def grads(fn):
+        layer.zero_grad(set_to_none=True)
+        x_leaf = x.detach().clone().requires_grad_()
+        out, aux = fn(x_leaf)
+        ((out.float() ** 2).sum() + aux).backward()
+        return [x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    eager = grads(layer)
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    first, second = grads(compiled), grads(compiled)
+    for i, (a, b, c) in enumerate(zip(eager, first, second, strict=True)):
+        assert torch.equal(b, c), f"gradient {i} differs between two compiled runs"
+        assert_close(b, a, torch.float32, f"gradient {i}, compiled vs eager", n_reduce=64)
