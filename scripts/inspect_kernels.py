@@ -7,9 +7,9 @@ asynchronous copies, the shared memory per program, and registers and spill stac
     python scripts/inspect_kernels.py --candidates 128x128x64w8s4 128x128x64w8s4g --dump out/ttgir
 
 Compiled as the launcher specialises a real call: bf16 operands, 16-byte aligned pointers and
-integer arguments divisible by 16. Use the device's Triton version for numbers that match it
+integer arguments divisible by 16; with a TMA config, the operands the launcher would hand over as
+tensor descriptors are descriptor-typed. Use the device's Triton version for numbers that match it
 (3.6 on the H200 here; the shared-memory figures agreed with the device's compiled-kernel report).
-TMA configs need descriptor-typed arguments and are not compiled here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dict]:
     """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
-              "TMA": False}  # fmt: skip
+              "TMA": cfg.tma}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
     if kernel == "down_dgrad":
         return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2)
@@ -60,12 +60,34 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=left, RIGHT_BY_TOKEN=right)
 
 
+def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
+    """The arguments a TMA launch passes as tensor descriptors, with their block shapes (as the
+    launchers in grouped_mlp.py build them)."""
+    if not cfg.tma:
+        return {}
+    m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
+    blocks = {
+        "gate_up_fwd": {"w13_ptr": [n, k]},
+        "down_fwd": {"a_ptr": [m, k], "w2_ptr": [n, k]},
+        "down_dgrad": {"w2_ptr": [k, n // cfg.split_n]},
+        "gate_up_dgrad": {"d_h_ptr": [m, k], "w13_ptr": [k, n]},
+        # only by-row operands: with pre-gathered rows both are
+        "wgrad_down": {"right_ptr": [k, n]} | ({"left_ptr": [k, m]} if cfg.gather_rows else {}),
+        "wgrad_gate_up": {"left_ptr": [k, m]} | ({"right_ptr": [k, n]} if cfg.gather_rows else {}),
+    }
+    return blocks[kernel]
+
+
 def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
+    descriptors = _descriptor_blocks(kernel, cfg)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+            continue
+        if name in descriptors:
+            signature[name] = f"tensordesc<bf16{descriptors[name]}>"
             continue
         if name.endswith("_ptr"):
             signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
@@ -117,9 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
         for cfg in [pinned, *args.candidates]:
             name = tile_config_label(cfg)
-            if cfg.tma:
-                print(f"{kernel:<14} {name:<30} {'-':>7} {'-':>12} {'-':>8} {'-':>4} {'-':>7}  TMA: not compiled here")
-                continue
             if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):
                 continue  # options that kernel does not take
             try:

@@ -104,12 +104,14 @@ def test_inspect_kernels_compiles_for_hopper_without_a_gpu():
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    # (the pinned config uses TMA, which is not compiled here: its row says so and is skipped)
-    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("wgrad_gate_up") and "TMA:" not in line]
+    # the two candidates' rows (the pinned config's row is marked)
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("wgrad_gate_up") and "(pinned)" not in line]
     # kernel, config (three words, four with "gather"), buffers, async copies, smem KiB, note
     buffers = {"gather" in row: int(row[5] if "gather" in row else row[4]) for row in rows}
     assert set(buffers) == {False, True}, run.stdout
     assert 1 <= buffers[False] <= buffers[True] <= 4, run.stdout
+    pinned = next(line for line in run.stdout.splitlines() if "(pinned)" in line)
+    assert "tma" in pinned and "compile failed" not in pinned  # TMA configs compile with descriptor arguments
 
 
 def test_inspect_kernels_pipeline_report_parses_ttgir():
