@@ -50,7 +50,8 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
               "TMA": cfg.tma}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
     if kernel == "down_dgrad":
-        return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2)
+        pointer_epilogue = {} if cfg.tma else {"h_up": None, "d_h_up": None}  # with TMA: descriptors
+        return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2, EPI_TMA=cfg.tma, **pointer_epilogue)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel in row_kernels:
@@ -69,7 +70,8 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     blocks = {
         "gate_up_fwd": {"w13_ptr": [n, k]},
         "down_fwd": {"a_ptr": [m, k], "w2_ptr": [n, k]},
-        "down_dgrad": {"w2_ptr": [k, n // cfg.split_n]},
+        "down_dgrad": {"w2_ptr": [k, n // cfg.split_n]}
+        | {name: [m, n // cfg.split_n] for name in ("h_ptr", "h_up", "d_h_ptr", "d_h_up", "a_weighted_ptr")},
         "gate_up_dgrad": {"d_h_ptr": [m, k], "w13_ptr": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right_ptr": [k, n]} | ({"left_ptr": [k, m]} if cfg.gather_rows else {}),
@@ -101,7 +103,8 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
 
 def pipeline_report(ttgir: str) -> dict:
     """Operand buffers (the leading dimension of each multi-buffered shared allocation), the count
-    of asynchronous global-to-shared copies, and whether wgmma is fed from registers."""
+    of asynchronous global-to-shared copies, and how many register tensors are staged in shared
+    memory (a wgmma operand that came through registers, or a TMA store's source)."""
     buffers = [int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
     return {
         "buffers": max(buffers, default=1),
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             report = pipeline_report(compiled.asm["ttgir"])
             note = "(pinned)" if cfg == pinned else ""
             if report["register_operands"]:
-                note += f" {report['register_operands']} operands go through registers"
+                note += f" {report['register_operands']} register tensors staged in shared memory"
             if report["buffers"] < cfg.num_stages:
                 note += f" pipelined {report['buffers']} deep, not {cfg.num_stages}"
             if compiled.metadata.shared > SMEM_LIMIT:

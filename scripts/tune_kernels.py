@@ -22,7 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mok_plugin.kernels import grouped_mlp as gm  # noqa: E402
 from mok_plugin.kernels.combine import combine_rows  # noqa: E402
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, parse_tile_config, tile_config_label, tile_config_spec  # noqa: E402
+from mok_plugin.kernels.configs import (
+    MoKTileConfig,
+    kernel_config,
+    parse_tile_config,
+    tile_config_label,
+    tile_config_spec,
+)  # noqa: E402
 from mok_plugin.ops import _row_weights  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import NAMED_SHAPES  # noqa: E402

@@ -180,11 +180,54 @@ def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma
     # and against the sum it stands for, per expert over its rows
     tokens = schedule.row_to_token.clamp(min=0)
     gathered = torch.where((schedule.row_to_token >= 0)[:, None], by_token[tokens].float(), 0.0)
-    want = torch.stack([
-        (gathered if left_by_token else by_row.float())[s:s + n].T @ (by_row.float() if left_by_token else gathered)[s:s + n]
-        for s, n in zip(schedule.expert_offsets.tolist(), schedule.tokens_per_expert.tolist())
-    ])  # fmt: skip
+    lhs, rhs = (gathered, by_row.float()) if left_by_token else (by_row.float(), gathered)
+    starts = schedule.expert_offsets.tolist()[:E]
+    want = torch.stack(
+        [lhs[s : s + n].T @ rhs[s : s + n] for s, n in zip(starts, schedule.tokens_per_expert.tolist(), strict=True)]
+    )
     assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_n", [1, 2], ids=["one_accumulator", "paired"])
+def test_down_dgrad_descriptor_epilogue_equals_the_pointer_one(split_n, dtype, monkeypatch):
+    # With TMA, down_dgrad's epilogue loads h and stores dh and w*A through tensor descriptors over
+    # the gate and up halves; the values must be the very same as the per-element pointer path's,
+    # padding rows (zeros) and the columns past I included.
+    from dataclasses import replace
+
+    from mok_plugin.kernels import grouped_mlp
+
+    T, H, I, E, K = 50, 48, 40, 5, 2  # I = 40: the last I-block is partial
+    g = torch.Generator().manual_seed(5)
+    s = build_schedule(_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w_rows = ops._row_weights(torch.rand(T, K, generator=g).to(DEVICE), s.row_to_tk)
+    h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
+    epilogues = []
+    launch = grouped_mlp._launch_row_tiles
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is grouped_mlp._down_dgrad_kernel:
+            epilogues.append(kwargs["EPI_TMA"])
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(grouped_mlp, "_launch_row_tiles", spy)
+    pinned = grouped_mlp.kernel_config("down_dgrad", I)
+    cfg = replace(pinned, block_n=pinned.block_n * split_n, split_n=split_n)
+    pointer, descriptor = (
+        grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m,
+                               config=replace(cfg, tma=tma))
+        for tma in (False, True)
+    )  # fmt: skip
+    assert epilogues == [False, True]
+    for name, a, b in zip(["dh", "w*A", "router partials"], pointer, descriptor, strict=True):
+        assert torch.equal(a, b), name
+    padding = s.row_to_token < 0
+    assert not descriptor[0][padding].any() and not descriptor[1][padding].any()  # zero padding rows
 
 
 def test_gather_column_blocks_cover_the_columns_once():

@@ -105,7 +105,9 @@ def test_inspect_kernels_compiles_for_hopper_without_a_gpu():
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     # the two candidates' rows (the pinned config's row is marked)
-    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("wgrad_gate_up") and "(pinned)" not in line]
+    rows = [
+        line.split() for line in run.stdout.splitlines() if line.startswith("wgrad_gate_up") and "(pinned)" not in line
+    ]
     # kernel, config (three words, four with "gather"), buffers, async copies, smem KiB, note
     buffers = {"gather" in row: int(row[5] if "gather" in row else row[4]) for row in rows}
     assert set(buffers) == {False, True}, run.stdout

@@ -75,8 +75,8 @@ _TABLE: dict[str, MoKTileConfig] = {
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
     # The by-token operand (x, dO) pre-gathered into row order, a column block at a time, then TMA:
     # its row indices loaded in the K loop had held the pipeline to 2 buffers whatever num_stages
-    # said. qwen3-30b-a3b 1.07 + 2.06 -> 1.01 + 1.65 ms (dW2 + dW13), mixtral-8x7b 4.63 + 9.45 ->
-    # 3.25 + 6.54 ms, the copies included.
+    # said. dW2 + dW13, the copies included: qwen3-30b-a3b 1.07 + 2.06 -> 1.06 + 1.72 ms,
+    # mixtral-8x7b 4.63 + 9.45 -> 3.06 + 6.66 ms (BENCHMARKS.md, "kernel tuning").
     "wgrad": MoKTileConfig(128, 128, 64, 8, 3, tma=True, gather_rows=True),
     # The megakernel's weight-gradient tasks load by-token rows through pointers, inside one launch
     # whose registers and stages fit every task; the multi-kernel variant's tile before gathering.
