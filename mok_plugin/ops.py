@@ -176,6 +176,9 @@ def _setup_up(ctx, inputs, output):
     *tensors, tile_m = inputs
     ctx.tile_m = tile_m
     ctx.save_for_backward(*tensors)
+    # A gets no gradient (the down node returns dh for h instead): leave it None rather than have
+    # autograd allocate zeros [R_pad, I] for it at the backward's peak.
+    ctx.set_materialize_grads(False)
 
 
 def _backward_up(ctx, d_h, _d_a):

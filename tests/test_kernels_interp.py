@@ -349,6 +349,10 @@ def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkey
         if kwargs["right_by_token"]:  # dW13, in the up node's backward
             gc.collect()
             seen["h saved at dW13"] = [ref() is not None for ref in h_boxes]
+            # nor a zero gradient for A [R_pad, I], which gets none
+            seen["A-sized tensors at dW13"] = sum(
+                torch.is_tensor(o) and o.shape == t["a"].shape for o in gc.get_objects()
+            )
         return real_wgrad(left, right, *args, **kwargs)
 
     monkeypatch.setattr(ops, "expert_wgrad", expert_wgrad)
@@ -358,6 +362,7 @@ def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkey
     assert len(h_boxes) == 1  # h is saved once, by the down node
     out.sum().backward()
     assert seen["h saved at dW13"] == [False]
+    assert seen["A-sized tensors at dW13"] == 1  # the test's own t["a"]
     assert all(leaf.grad is not None for leaf in leaves)
 
 
