@@ -40,8 +40,9 @@ class MoKTileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # row blocks that share a column sweep, for L2 reuse of rows and weights
-    # Contiguous operands (weights, the schedule-ordered row buffers) through TMA tensor descriptors
-    # where the shapes allow it (rows of a multiple of 16 bytes). The same tiles and K order as
+    # Contiguous operands (weights, the schedule-ordered row buffers; in down_dgrad also the
+    # epilogue's h, dh and w*A tiles) through TMA tensor descriptors where the shapes allow it
+    # (rows of a multiple of 16 bytes). The same tiles and K order as
     # pointer loads; whether it is used depends on shapes only, so every process decides alike.
     tma: bool = False
     # The tile's block_n columns as this many accumulators of block_n / split_n, finished one after
@@ -50,8 +51,9 @@ class MoKTileConfig:
     # Weight gradients: copy the by-token operand (x or dO) into schedule row order before the GEMM.
     # A gathered operand's row indices are loaded inside the K loop, and Triton then pipelines
     # that loop only two buffers deep whatever num_stages says (scripts/inspect_kernels.py shows
-    # it); with both operands in row order it gets num_stages buffers, for an extra R_pad x width
-    # copy. Same products in the same order either way.
+    # it); with both operands in row order it gets num_stages buffers, for an R_pad x width copy
+    # made a column block at a time (grouped_mlp.GATHER_CHUNK_BYTES). Same products in the same
+    # order either way.
     gather_rows: bool = False
 
 

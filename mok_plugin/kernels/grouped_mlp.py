@@ -24,9 +24,12 @@ rows in ascending order, BLOCK_K rows at a time.
 Determinism: every output tile has exactly one owner; every reduction is one K-loop in a fixed
 BLOCK_K order with an fp32 accumulator (no split-K, no atomics); the router-gradient partials go to
 fixed slots [row, I-block] and are summed in ascending block order by `combine.py`. Tile shapes come
-from `configs.py` (never autotuned). Rows are gathered through pointer loads, so no permuted copy
-of x or dO is materialised; the contiguous operands (expert weights, the schedule-ordered row
-buffers) go through TMA tensor descriptors where a config asks for it (`MoKTileConfig.tma`).
+from `configs.py` (never autotuned). The row-tile GEMMs gather x and dO rows through pointer loads,
+so no permuted copy of them is materialised. The weight gradients are the exception: with
+`MoKTileConfig.gather_rows` (pinned) they copy their by-token operand into row order first, at most
+GATHER_CHUNK_BYTES at a time, because a by-token operand kept their K loop 2 buffers deep. The
+contiguous operands (expert weights, the schedule-ordered row buffers, down_dgrad's epilogue
+tiles) go through TMA tensor descriptors where a config asks for it (`MoKTileConfig.tma`).
 """
 
 from __future__ import annotations
