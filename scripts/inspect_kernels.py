@@ -48,7 +48,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
               "TMA": cfg.tma}  # fmt: skip
-    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n, PERSISTENT=cfg.persistent)
+    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
     if kernel == "down_dgrad":
         pointer_epilogue = {} if cfg.tma else {"h_up": None, "d_h_up": None}  # with TMA: descriptors
         return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2, EPI_TMA=cfg.tma, **pointer_epilogue)
@@ -142,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
         for cfg in [pinned, *args.candidates]:
             name = tile_config_label(cfg)
-            wgrad = kernel.startswith("wgrad")
-            takes = (cfg.split_n == 1 or kernel == "down_dgrad") and (wgrad or not cfg.gather_rows)
-            if not takes or (wgrad and cfg.persistent):
+            if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):
                 continue  # options that kernel does not take
             try:
                 compiled = compile_for_hopper(kernel, cfg)

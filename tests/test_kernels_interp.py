@@ -230,37 +230,6 @@ def test_down_dgrad_descriptor_epilogue_equals_the_pointer_one(split_n, dtype, m
     assert not descriptor[0][padding].any() and not descriptor[1][padding].any()  # zero padding rows
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-def test_persistent_row_kernels_equal_one_program_per_tile(tma, monkeypatch):
-    # A persistent launch walks the row blocks in use with fewer programs than tiles (3 under the
-    # interpreter); each tile's arithmetic is the same, so every output and gradient is bitwise the
-    # same as with one program per tile. Skewed routing leaves empty experts and unused row blocks.
-    from dataclasses import replace
-
-    from mok_plugin.kernels import grouped_mlp
-
-    pinned = grouped_mlp.kernel_config
-
-    def configs(persistent):
-        def config(name, n_out):
-            cfg = replace(pinned(name, n_out), tma=tma, persistent=persistent)
-            return replace(cfg, block_n=2 * cfg.block_n, split_n=2) if name == "down_dgrad" else cfg
-
-        return config
-
-    programs = []
-    count = grouped_mlp._persistent_programs
-    monkeypatch.setattr(grouped_mlp, "_persistent_programs", lambda device: programs.append(count(device)) or 3)
-    results = []
-    for persistent in (False, True):
-        monkeypatch.setattr(grouped_mlp, "kernel_config", configs(persistent))
-        results.append(_compare(150, 48, 40, 5, 2, "skewed", torch.float32, seed=3, variant="multi_kernel"))
-    assert len(programs) >= 4  # gate_up_fwd, down_fwd, down_dgrad, gate_up_dgrad ran persistent
-    names = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
-    for name, a, b in zip(names, *results, strict=True):
-        assert torch.equal(a, b), name
-
-
 def test_gather_column_blocks_cover_the_columns_once():
     from mok_plugin.kernels.grouped_mlp import GATHER_CHUNK_BYTES, gather_column_blocks
 

@@ -78,18 +78,6 @@ def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _active_row_blocks(tile_to_expert_ptr, NUM_ROWS, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row blocks of BLOCK_M in use: the schedule's tiles with an expert form a prefix (-1 after)."""
-    num_tiles = NUM_ROWS // TILE_M
-    count = 0
-    for t0 in range(0, num_tiles, 1024):
-        offs = t0 + tl.arange(0, 1024)
-        expert = tl.load(tile_to_expert_ptr + offs, mask=offs < num_tiles, other=-1)
-        count += tl.sum((expert >= 0).to(tl.int32), axis=0)
-    return count * (TILE_M // BLOCK_M)
-
-
-@triton.jit
 def _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, rows, tokens, row_ok) of row block pid_m; expert < 0 means no work."""
     expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
@@ -200,14 +188,11 @@ def _gate_up_tile(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
-    ALWAYS_ACTIVE: tl.constexpr = False,  # the caller hands only row blocks in use (persistent kernels)
 ):
     """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
     ascending BLOCK_K order. Nothing for a row block past the last segment."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    # A constant True leaves no branch around the K loop, so a persistent kernel's tile loop can be
-    # flattened into it (Triton does not flatten across an `if`).
-    if ALWAYS_ACTIVE or expert >= 0:
+    if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
@@ -261,12 +246,11 @@ def _down_tile(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
-    ALWAYS_ACTIVE: tl.constexpr = False,  # the caller hands only row blocks in use (persistent kernels)
 ):
     """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
     routing weight in fp32."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if ALWAYS_ACTIVE or expert >= 0:
+    if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
@@ -363,14 +347,13 @@ def _down_dgrad_tile(
     h_up=None,  # with EPI_TMA: descriptors over h's and dh's up halves (h_ptr / d_h_ptr: the gate halves)
     d_h_up=None,
     EPI_TMA: tl.constexpr = False,
-    ALWAYS_ACTIVE: tl.constexpr = False,
 ):
     """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and its epilogue. PAIR: the
     tile owns two adjacent I-blocks (2 * pid_n and 2 * pid_n + 1) with one accumulator each, so
     the gathered dO rows are loaded once for both while the heavy epilogue (h loads, dSwiGLU) runs
     on one BLOCK_N-wide accumulator at a time and stays within the registers."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if ALWAYS_ACTIVE or expert >= 0:
+    if expert >= 0:
         blk = pid_n * 2 if PAIR else pid_n
         n0 = blk * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
@@ -434,11 +417,10 @@ def _gate_up_dgrad_tile(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
-    ALWAYS_ACTIVE: tl.constexpr = False,  # the caller hands only row blocks in use (persistent kernels)
 ):
     """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order."""
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if ALWAYS_ACTIVE or expert >= 0:
+    if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
@@ -533,27 +515,15 @@ def _gate_up_fwd_kernel(
     x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped, program p owning gate/up tile p; or,
-    PERSISTENT, one program per SM looping over the tiles in use."""
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    if PERSISTENT:
-        num_pid_m = _active_row_blocks(tile_to_expert_ptr, NUM_ROWS, TILE_M, BLOCK_M)
-        for i in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_pid(i, num_pid_m, num_pid_n, GROUP_M)
-            _gate_up_tile(
-                pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-                stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                DOT_PRECISION, TMA, True,
-            )  # fmt: skip
-    else:
-        pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, num_pid_n, GROUP_M)
-        _gate_up_tile(
-            pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-            stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K,
-            DOT_PRECISION, TMA,
-        )  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _gate_up_tile(
+        pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_x_t, stride_w_e, stride_w_n, stride_h_r, stride_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        TMA,
+    )  # fmt: skip
 
 
 @triton.jit(launch_metadata=_metadata("mok_down_fwd"))
@@ -561,26 +531,14 @@ def _down_fwd_kernel(
     a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_a_r, stride_w_e, stride_w_h, stride_y_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped, program p owning down tile p; or,
-    PERSISTENT, one program per SM looping over the tiles in use."""
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    if PERSISTENT:
-        num_pid_m = _active_row_blocks(tile_to_expert_ptr, NUM_ROWS, TILE_M, BLOCK_M)
-        for i in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_pid(i, num_pid_m, num_pid_n, GROUP_M)
-            _down_tile(
-                pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-                stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
-                True,
-            )  # fmt: skip
-    else:
-        pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, num_pid_n, GROUP_M)
-        _down_tile(
-            pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-            stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
-        )  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _down_tile(
+        pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_a_r, stride_w_e, stride_w_h, stride_y_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
+    )  # fmt: skip
 
 
 @triton.jit(launch_metadata=_metadata("mok_down_dgrad"))
@@ -590,29 +548,17 @@ def _down_dgrad_kernel(
     stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr,
-    h_up, d_h_up, EPI_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    h_up, d_h_up, EPI_TMA: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N * (2 if PAIR else 1)),), grouped, program p owning
-    down-dgrad tile p; or, PERSISTENT, one program per SM looping over the tiles in use."""
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N * 2 if PAIR else BLOCK_N)
-    if PERSISTENT:
-        num_pid_m = _active_row_blocks(tile_to_expert_ptr, NUM_ROWS, TILE_M, BLOCK_M)
-        for i in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_pid(i, num_pid_m, num_pid_n, GROUP_M)
-            _down_dgrad_tile(
-                pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
-                row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h,
-                stride_h_r, stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR,
-                h_up, d_h_up, EPI_TMA, True,
-            )  # fmt: skip
-    else:
-        pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, num_pid_n, GROUP_M)
-        _down_dgrad_tile(
-            pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
-            row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
-            stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR, h_up, d_h_up,
-            EPI_TMA,
-        )  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N * (2 if PAIR else 1)),), grouped; program p owns
+    down-dgrad tile p."""
+    tile_n = BLOCK_N * 2 if PAIR else BLOCK_N
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, tile_n), GROUP_M)
+    _down_dgrad_tile(
+        pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
+        row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
+        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR, h_up, d_h_up, EPI_TMA,
+    )  # fmt: skip
 
 
 @triton.jit(launch_metadata=_metadata("mok_gate_up_dgrad"))
@@ -620,27 +566,14 @@ def _gate_up_dgrad_kernel(
     d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped, program p owning dx-rows tile p; or,
-    PERSISTENT, one program per SM looping over the tiles in use."""
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    if PERSISTENT:
-        num_pid_m = _active_row_blocks(tile_to_expert_ptr, NUM_ROWS, TILE_M, BLOCK_M)
-        for i in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_pid(i, num_pid_m, num_pid_n, GROUP_M)
-            _gate_up_dgrad_tile(
-                pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-                stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                TMA, True,
-            )  # fmt: skip
-    else:
-        pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, num_pid_n, GROUP_M)
-        _gate_up_dgrad_tile(
-            pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
-            stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-            TMA,
-        )  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    _gate_up_dgrad_tile(
+        pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT,
+        stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
+    )  # fmt: skip
 
 
 @triton.jit(launch_metadata=_metadata("mok_expert_wgrad"))
@@ -721,24 +654,12 @@ def _stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
     return replace(cfg, num_stages=1) if dtype.itemsize > 2 else cfg
 
 
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM (the pinned tiles fit one program per SM); under
-    the interpreter a few, so that each program loops over several tiles."""
-    if interpreter_on() or device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, like: torch.Tensor, tile_m: int, *args,
+def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, *args,
                       tma: bool = False, **constexprs):  # fmt: skip
-    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, block_n) tiles with config cfg
-    (persistent: at most one program per SM, over the tiles in use); the kernel's BLOCK_N is one of
-    the tile's cfg.split_n accumulators. `like`: an input, for the dtype and device."""
-    dtype = like.dtype
+    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, block_n) tiles with config cfg;
+    the kernel's BLOCK_N is one of the tile's cfg.split_n accumulators."""
     cfg = _stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
-    if cfg.persistent:
-        grid = (max(1, min(grid[0], _persistent_programs(like.device))),)
     kernel[grid](
         *args,
         TILE_M=tile_m,
@@ -750,7 +671,6 @@ def _launch_row_tiles(kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, lik
         TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        PERSISTENT=cfg.persistent,
         **constexprs,
     )
 
@@ -777,7 +697,7 @@ def gate_up_fwd(
     tma = _tma_ok(cfg, gate_up_proj)
     w13 = _descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj
     _launch_row_tiles(
-        _gate_up_fwd_kernel, cfg, num_rows, I, x, tile_m,
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m,
         x, w13, h, a, row_to_token, tile_to_expert, num_rows, H, I, x.stride(0), gate_up_proj.stride(0),
         gate_up_proj.stride(1), h.stride(0), a.stride(0), tma=tma,
     )  # fmt: skip
@@ -805,7 +725,7 @@ def down_fwd(
     a_in = _descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a
     w2 = _descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj
     _launch_row_tiles(
-        _down_fwd_kernel, cfg, num_rows, H, a, tile_m,
+        _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
         a_in, w2, w_rows, y, row_to_token, tile_to_expert, num_rows, I, H, a.stride(0), down_proj.stride(0),
         down_proj.stride(1), y.stride(0), tma=tma,
     )  # fmt: skip
@@ -845,7 +765,7 @@ def down_dgrad(
         d_h_out, d_h_up = (TensorDescriptor.from_tensor(half, block) for half in (d_h[:, :I], d_h[:, I:]))
         a_out = TensorDescriptor.from_tensor(a, block)  # d_h and a are fresh, so 16-byte aligned
     _launch_row_tiles(
-        _down_dgrad_kernel, cfg, num_rows, I, d_out, tile_m,
+        _down_dgrad_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
         d_out, w2, h_in, w_rows, d_h_out, a_out, partial, row_to_token, tile_to_expert, num_rows, H, I,
         d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
         tma=tma, PAIR=cfg.split_n == 2, h_up=h_up, d_h_up=d_h_up, EPI_TMA=epi_tma,
@@ -872,7 +792,7 @@ def gate_up_dgrad(
     d_h_in = _descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h
     w13 = _descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj
     _launch_row_tiles(
-        _gate_up_dgrad_kernel, cfg, num_rows, H, d_h, tile_m,
+        _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h_in, w13, d_x_rows, row_to_token, tile_to_expert, num_rows, I2, H, d_h.stride(0),
         gate_up_proj.stride(0), gate_up_proj.stride(1), d_x_rows.stride(0), tma=tma,
     )  # fmt: skip
