@@ -177,6 +177,8 @@ def main(argv=None) -> int:
         gm._gate_up_fwd_kernel,
         gm._down_fwd_kernel,
         gm._down_dgrad_kernel,
+        gm._down_dgrad_gemm_kernel,
+        gm._down_dgrad_epilogue_kernel,
         gm._gate_up_dgrad_kernel,
         gm._expert_wgrad_kernel,
     ):

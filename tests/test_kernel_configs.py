@@ -25,6 +25,11 @@ from mok_plugin.kernels.configs import (
             MoKTileConfig(128, 128, 64, 8, 4, tma=True, gather_rows=True),
             "128x128x64 w8 s4 gather tma",
         ),
+        (
+            "128x256x64w8s3te",
+            MoKTileConfig(128, 256, 64, 8, 3, tma=True, split_epilogue=True),
+            "128x256x64 w8 s3 tma split-epilogue",
+        ),
     ],
 )
 def test_parse_and_label(spec, expected, label):
@@ -33,7 +38,9 @@ def test_parse_and_label(spec, expected, label):
     assert tile_config_spec(expected) == spec  # the form the scripts print reads back
 
 
-@pytest.mark.parametrize("spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3/x"])
+@pytest.mark.parametrize(
+    "spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3et", "128x256x64w8s3/x"]
+)
 def test_parse_rejects_other_forms(spec):
     with pytest.raises(ValueError, match="expected like"):
         parse_tile_config(spec)

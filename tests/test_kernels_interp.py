@@ -136,6 +136,9 @@ def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
         "paired down_dgrad": lambda name, n_out: paired(name, n_out, False),
         "pre-gathered wgrad rows": lambda name, n_out: replace(pinned(name, n_out), gather_rows=True),
         "pre-gathered wgrad rows, TMA": lambda name, n_out: replace(pinned(name, n_out), gather_rows=True, tma=True),
+        "down_dgrad's separate epilogue, TMA": lambda name, n_out: replace(
+            pinned(name, n_out), split_epilogue=True, tma=True
+        ),
     }
     results = {}
     for label, config in configs.items():
@@ -228,6 +231,39 @@ def test_down_dgrad_descriptor_epilogue_equals_the_pointer_one(split_n, dtype, m
         assert torch.equal(a, b), name
     padding = s.row_to_token < 0
     assert not descriptor[0][padding].any() and not descriptor[1][padding].any()  # zero padding rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+def test_down_dgrad_separate_epilogue_equals_the_fused_one(tma, dtype):
+    # The GEMM stores dA' in fp32 and the epilogue kernel runs the fused tile's epilogue function on
+    # it, with router partials EPILOGUE_BLOCK_N columns wide: against a fused paired tile whose
+    # accumulators are that wide, dh, w*A and the partials are the very same, padding rows included.
+    from dataclasses import replace
+
+    from mok_plugin.kernels import grouped_mlp
+
+    T, H, I, E, K = 50, 48, 136, 5, 2  # I = 136: three epilogue blocks, the last one partial
+    g = torch.Generator().manual_seed(6)
+    s = build_schedule(_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w_rows = ops._row_weights(torch.rand(T, K, generator=g).to(DEVICE), s.row_to_tk)
+    h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
+    width = grouped_mlp.EPILOGUE_BLOCK_N
+    pinned = replace(grouped_mlp.kernel_config("down_dgrad", I), tma=tma)
+    fused = replace(pinned, block_n=2 * width, split_n=2)
+    separate = replace(pinned, block_n=width, split_n=1, split_epilogue=True)
+    want, got = (
+        grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m, config=cfg)
+        for cfg in (fused, separate)
+    )
+    for name, a, b in zip(["dh", "w*A", "router partials"], want, got, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b), name
+    padding = s.row_to_token < 0
+    assert not got[0][padding].any() and not got[1][padding].any()  # zero padding rows for the wgrad's TMA reads
 
 
 def test_gather_column_blocks_cover_the_columns_once():

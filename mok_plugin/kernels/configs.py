@@ -55,6 +55,10 @@ class MoKTileConfig:
     # made a column block at a time (grouped_mlp.GATHER_CHUNK_BYTES). Same products in the same
     # order either way.
     gather_rows: bool = False
+    # down_dgrad: the GEMM stores dA' (fp32) and a second, elementwise kernel runs the epilogue
+    # (dSwiGLU, router partials, w*A) on it, so the GEMM keeps a plain epilogue and its registers.
+    # The epilogue's math and its 64-column router partials are the same as the fused tile's.
+    split_epilogue: bool = False
 
 
 def interpreter_on() -> bool:
@@ -111,33 +115,41 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     return cfg
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(?:/(\d))?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(e?)(?:/(\d))?")
 
 
 def parse_tile_config(spec: str) -> MoKTileConfig:
     """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
-    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, '/2' for two accumulators.
+    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'e' for down_dgrad's separate
+    epilogue kernel, '/2' for two accumulators.
 
     Raises:
         ValueError: spec is not in that form.
     """
     match = _SPEC.fullmatch(spec)
     if not match:
-        raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x128x64w8s4/2")
-    *numbers, gather, tma, split = match.groups()
-    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", split_n=int(split or 1), gather_rows=gather == "g")
+        raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x256x64w8s3te")
+    *numbers, gather, tma, epilogue, split = match.groups()
+    return MoKTileConfig(
+        *(int(n) for n in numbers),
+        tma=tma == "t",
+        split_n=int(split or 1),
+        gather_rows=gather == "g",
+        split_epilogue=epilogue == "e",
+    )
 
 
 def tile_config_spec(cfg: MoKTileConfig) -> str:
     """The short form parse_tile_config reads back: '128x128x64w8s4gt/2'."""
     spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
-    spec += ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "")
+    spec += ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "") + ("e" if cfg.split_epilogue else "")
     return spec + (f"/{cfg.split_n}" if cfg.split_n > 1 else "")
 
 
 def tile_config_label(cfg: MoKTileConfig) -> str:
     """'128x128x64 w8 s4 gather tma /2': a config as the benchmark tables print it."""
     extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
+    extra += " split-epilogue" if cfg.split_epilogue else ""
     extra += f" /{cfg.split_n}" if cfg.split_n > 1 else ""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 

@@ -561,6 +561,54 @@ def _down_dgrad_kernel(
     )  # fmt: skip
 
 
+@triton.jit(launch_metadata=_metadata("mok_down_dgrad_gemm"))
+def _down_dgrad_gemm_kernel(
+    d_out_ptr, w2_ptr, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
+    (rows in use only) for _down_dgrad_epilogue_kernel."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        d_a_prime = _row_tile_matmul(
+            d_out_ptr, 0, tokens, row_ok, stride_d_out_t, w2_ptr, expert, stride_w_e, expert * K_DIM, stride_w_h, 1,
+            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, False, TMA,
+        )  # fmt: skip
+        tl.store(
+            d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :], d_a_prime, mask=row_ok[:, None] & col_ok[None, :]
+        )
+
+
+@triton.jit(launch_metadata=_metadata("mok_down_dgrad_epilogue"))
+def _down_dgrad_epilogue_kernel(
+    d_a_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr,
+    N_OUT, stride_d_a_r, stride_h_r, stride_a_r, stride_part_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs down_dgrad's epilogue on the
+    dA' block (m, n), padding rows reading zeros, with router partial slot n."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :],
+                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        _down_dgrad_epilogue(
+            d_a_prime, rows, row_ok, cols, col_ok, pid_n, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
+            d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, pid_m * BLOCK_M, n0, None, None,
+            h_ptr.dtype.element_ty, False,
+        )  # fmt: skip
+
+
 @triton.jit(launch_metadata=_metadata("mok_gate_up_dgrad"))
 def _gate_up_dgrad_kernel(
     d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
@@ -749,10 +797,14 @@ def down_dgrad(
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_dgrad", I)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg, max_split_n=2)
-    n_blocks = triton.cdiv(I, cfg.block_n // cfg.split_n)  # one router partial per accumulator's I-block
+    # One router partial per I-block of the epilogue's width (an accumulator's, or the epilogue kernel's).
+    n_blocks = triton.cdiv(I, EPILOGUE_BLOCK_N if cfg.split_epilogue else cfg.block_n // cfg.split_n)
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
+    if cfg.split_epilogue:
+        _down_dgrad_split(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, cfg, d_h, a, partial)
+        return d_h, a, partial
     tma = _tma_ok(cfg, down_proj)
     w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n // cfg.split_n]) if tma else down_proj
     # The epilogue's h, dh and w*A through descriptors over [R_pad, I] halves: their rows, and the
@@ -771,6 +823,34 @@ def down_dgrad(
         tma=tma, PAIR=cfg.split_n == 2, h_up=h_up, d_h_up=d_h_up, EPI_TMA=epi_tma,
     )  # fmt: skip
     return d_h, a, partial
+
+
+# Columns per program of down_dgrad's separate epilogue kernel: its router partials are as wide as
+# the pinned paired tile's accumulators, so both forms sum the router gradient alike.
+EPILOGUE_BLOCK_N = 64
+
+
+def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor,
+                      row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig,
+                      d_h: torch.Tensor, a: torch.Tensor, partial: torch.Tensor) -> None:  # fmt: skip
+    """down_dgrad as a plain GEMM into an fp32 dA' [R_pad, I] and an elementwise epilogue kernel
+    that fills d_h, a (w*A) and partial from it; dA' is freed on return."""
+    E, H, I = down_proj.shape
+    num_rows = row_to_token.shape[0]
+    gemm = replace(cfg, split_n=1)
+    d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
+    tma = _tma_ok(gemm, down_proj)
+    w2 = _descriptor(down_proj, [gemm.block_k, gemm.block_n]) if tma else down_proj
+    _launch_row_tiles(
+        _down_dgrad_gemm_kernel, gemm, num_rows, I, d_out.dtype, tile_m,
+        d_out, w2, d_a, row_to_token, tile_to_expert, num_rows, H, I, d_out.stride(0), down_proj.stride(0),
+        down_proj.stride(1), d_a.stride(0), tma=tma,
+    )  # fmt: skip
+    grid = (num_rows // cfg.block_m, triton.cdiv(I, EPILOGUE_BLOCK_N))
+    _down_dgrad_epilogue_kernel[grid](
+        d_a, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, I, d_a.stride(0), h.stride(0), a.stride(0),
+        partial.stride(0), TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=8,
+    )  # fmt: skip
 
 
 def gate_up_dgrad(
