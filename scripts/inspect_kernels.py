@@ -49,6 +49,8 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
               "TMA": cfg.tma}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
+    if kernel == "down_dgrad" and cfg.split_epilogue:  # the GEMM; the elementwise epilogue kernel is not inspected
+        return gm._down_dgrad_gemm_kernel, dict(row_tiles, BLOCK_N=cfg.block_n)
     if kernel == "down_dgrad":
         pointer_epilogue = {} if cfg.tma else {"h_up": None, "d_h_up": None}  # with TMA: descriptors
         return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2, EPI_TMA=cfg.tma, **pointer_epilogue)
@@ -70,7 +72,9 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     blocks = {
         "gate_up_fwd": {"w13_ptr": [n, k]},
         "down_fwd": {"a_ptr": [m, k], "w2_ptr": [n, k]},
-        "down_dgrad": {"w2_ptr": [k, n // cfg.split_n]}
+        "down_dgrad": {"w2_ptr": [k, n]}
+        if cfg.split_epilogue
+        else {"w2_ptr": [k, n // cfg.split_n]}
         | {name: [m, n // cfg.split_n] for name in ("h_ptr", "h_up", "d_h_ptr", "d_h_up", "a_weighted_ptr")},
         "gate_up_dgrad": {"d_h_ptr": [m, k], "w13_ptr": [k, n]},
         # only by-row operands: with pre-gathered rows both are

@@ -125,9 +125,11 @@ def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
 
     pinned = grouped_mlp.kernel_config
 
-    def paired(name, n_out, tma):  # down_dgrad's tile as two accumulators of the pinned width
+    def paired(name, n_out, tma):  # down_dgrad's epilogue fused, on two accumulators of at most 64 columns
         cfg = replace(pinned(name, n_out), tma=tma)
-        return replace(cfg, block_n=2 * cfg.block_n, split_n=2) if name == "down_dgrad" else cfg
+        if name != "down_dgrad":
+            return cfg
+        return replace(cfg, block_n=2 * min(cfg.block_n, 64), split_n=2, split_epilogue=False)
 
     configs = {
         "pointer loads": lambda name, n_out: pinned(name, n_out),
@@ -220,7 +222,8 @@ def test_down_dgrad_descriptor_epilogue_equals_the_pointer_one(split_n, dtype, m
 
     monkeypatch.setattr(grouped_mlp, "_launch_row_tiles", spy)
     pinned = grouped_mlp.kernel_config("down_dgrad", I)
-    cfg = replace(pinned, block_n=pinned.block_n * split_n, split_n=split_n)
+    width = min(pinned.block_n, 64)  # the fused epilogue's accumulators
+    cfg = replace(pinned, block_n=width * split_n, split_n=split_n, split_epilogue=False)
     pointer, descriptor = (
         grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m,
                                config=replace(cfg, tma=tma))
@@ -254,7 +257,7 @@ def test_down_dgrad_separate_epilogue_equals_the_fused_one(tma, dtype):
     h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
     width = grouped_mlp.EPILOGUE_BLOCK_N
     pinned = replace(grouped_mlp.kernel_config("down_dgrad", I), tma=tma)
-    fused = replace(pinned, block_n=2 * width, split_n=2)
+    fused = replace(pinned, block_n=2 * width, split_n=2, split_epilogue=False)
     separate = replace(pinned, block_n=width, split_n=1, split_epilogue=True)
     want, got = (
         grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m, config=cfg)

@@ -72,11 +72,12 @@ def interpreter_on() -> bool:
 _TABLE: dict[str, MoKTileConfig] = {
     "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 3),  # two accumulators: 128x256 of fp32 per program
     "down_fwd": MoKTileConfig(128, 256, 64, 8, 3),
-    # Heavy epilogue (dSwiGLU, router partials): one 128x128 accumulator hit 255 registers and spilled
-    # 390; 128x64 spills nothing (2.64 -> 1.84 ms on qwen3-30b-a3b); a 128x128 tile of two 128x64
-    # accumulators, finished one after the other, loads the gathered dO rows once for both:
-    # 1.88 -> 1.59 ms (qwen3-30b-a3b), 6.31 -> 5.20 ms (mixtral-8x7b).
-    "down_dgrad": MoKTileConfig(128, 128, 64, 8, 4, split_n=2),
+    # Heavy epilogue (dSwiGLU, router partials). Fused into the GEMM it held the tile to 128x64
+    # accumulators (255 registers; two of them per tile: 1.59 ms on qwen3-30b-a3b, 5.20 on
+    # mixtral-8x7b). As a separate elementwise kernel over an fp32 dA', the GEMM takes down_fwd's
+    # 128x256 tile: qwen3 1.60 -> 1.44 ms, olmoe 1.94 -> 1.88, mixtral 5.25 -> 4.43, deepseek-v3
+    # 5.84 -> 5.00 (both kernels included; BENCHMARKS.md).
+    "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
     # The by-token operand (x, dO) pre-gathered into row order, a column block at a time, then TMA:

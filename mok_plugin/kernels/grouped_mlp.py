@@ -825,9 +825,12 @@ def down_dgrad(
     return d_h, a, partial
 
 
-# Columns per program of down_dgrad's separate epilogue kernel: its router partials are as wide as
-# the pinned paired tile's accumulators, so both forms sum the router gradient alike.
+# down_dgrad's separate epilogue kernel: columns per program (its router partials are as wide as
+# the megakernel's down_dgrad accumulator, so both variants sum the router gradient alike), and
+# rows per program: 32 rows in 4 warps keep it near 120 registers, so several programs share an SM
+# and hide the memory latency (128 rows in 8 warps took 234 registers: one program per SM).
 EPILOGUE_BLOCK_N = 64
+EPILOGUE_BLOCK_M = 32
 
 
 def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor,
@@ -846,10 +849,11 @@ def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Ten
         d_out, w2, d_a, row_to_token, tile_to_expert, num_rows, H, I, d_out.stride(0), down_proj.stride(0),
         down_proj.stride(1), d_a.stride(0), tma=tma,
     )  # fmt: skip
-    grid = (num_rows // cfg.block_m, triton.cdiv(I, EPILOGUE_BLOCK_N))
+    block_m = min(EPILOGUE_BLOCK_M, cfg.block_m)  # divides tile_m, as cfg.block_m does
+    grid = (num_rows // block_m, triton.cdiv(I, EPILOGUE_BLOCK_N))
     _down_dgrad_epilogue_kernel[grid](
         d_a, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, I, d_a.stride(0), h.stride(0), a.stride(0),
-        partial.stride(0), TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=8,
+        partial.stride(0), TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=4,
     )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from mok_plugin.kernels.combine import _combine_tile, _router_grad_tile
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
 from mok_plugin.kernels.grouped_mlp import (
+    EPILOGUE_BLOCK_N,
     _check_schedule,
     _dot_precision,
     _down_dgrad_tile,
@@ -288,7 +289,8 @@ def backward_megakernel(
     wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg, max_split_n=2)
-    bn_dgrad = dg.block_n // dg.split_n  # one accumulator's I-block: the same blocks as the multi-kernel variant
+    # One accumulator's I-block: the multi-kernel variant's router partials are as wide.
+    bn_dgrad = EPILOGUE_BLOCK_N if dg.split_epilogue else dg.block_n // dg.split_n
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
