@@ -141,7 +141,12 @@ def test_cuda_graph_capture_forward_backward():
 
 
 def test_megakernel_and_multi_kernel_agree():
+    # The forward tiles are the same in both variants: bitwise equal outputs. In the backward the
+    # multi-kernel variant computes dA' with a 128x256 GEMM tile and its epilogue in a second kernel,
+    # the megakernel with 128x64 tiles and the epilogue fused: on the H200 the gradients then differ
+    # in the last bits, so they are compared to bf16 rounding (each variant repeats bitwise).
     shape = (4096, 2048, 768, 128, 8)
+    T, H, I, E, K = shape
     x = make_layer_inputs(shape[0], shape[1], dtype=torch.bfloat16, device="cuda", seed=7)
     probe = make_layer_inputs(shape[0], shape[1], device="cuda", seed=8)
     results = {}
@@ -150,8 +155,12 @@ def test_megakernel_and_multi_kernel_agree():
         layer.config = layer.config.replace(kernel_variant=variant)
         layer._select_backend()
         results[variant] = _fwd_bwd(layer, x, probe)
-    for i, (a, b) in enumerate(zip(results["megakernel"], results["multi_kernel"], strict=True)):
-        assert torch.equal(a, b), f"tensor {i}: the two variants differ"
+    mega, multi = results["megakernel"], results["multi_kernel"]
+    assert torch.equal(mega[0], multi[0]), "the forward outputs differ"
+    names = ["d_x", "d_router", "d_gate_up_proj", "d_down_proj"]
+    reduce = [2 * I, T, T * K // E, T * K // E]
+    for name, a, b, n in zip(names, mega[1:], multi[1:], reduce, strict=True):
+        assert_close(a, b, torch.bfloat16, f"{name} (megakernel vs multi-kernel)", n_reduce=n)
 
 
 def test_forward_is_batch_invariant():
