@@ -52,8 +52,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     if kernel == "down_dgrad" and cfg.split_epilogue:  # the GEMM; the elementwise epilogue kernel is not inspected
         return gm._down_dgrad_gemm_kernel, dict(row_tiles, BLOCK_N=cfg.block_n)
     if kernel == "down_dgrad":
-        pointer_epilogue = {} if cfg.tma else {"h_up": None, "d_h_up": None}  # with TMA: descriptors
-        return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2, EPI_TMA=cfg.tma, **pointer_epilogue)
+        return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel in row_kernels:
@@ -72,10 +71,7 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     blocks = {
         "gate_up_fwd": {"w13_ptr": [n, k]},
         "down_fwd": {"a_ptr": [m, k], "w2_ptr": [n, k]},
-        "down_dgrad": {"w2_ptr": [k, n]}
-        if cfg.split_epilogue
-        else {"w2_ptr": [k, n // cfg.split_n]}
-        | {name: [m, n // cfg.split_n] for name in ("h_ptr", "h_up", "d_h_ptr", "d_h_up", "a_weighted_ptr")},
+        "down_dgrad": {"w2_ptr": [k, n if cfg.split_epilogue else n // cfg.split_n]},
         "gate_up_dgrad": {"d_h_ptr": [m, k], "w13_ptr": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right_ptr": [k, n]} | ({"left_ptr": [k, m]} if cfg.gather_rows else {}),

@@ -270,28 +270,20 @@ def _down_tile(
 @triton.jit
 def _down_dgrad_epilogue(
     d_a_prime, rows, row_ok, cols, col_ok, slot, slot_ok, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
-    d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, row0, n0, h_up, d_h_up, OUT_TY: tl.constexpr,
-    EPI_TMA: tl.constexpr,
+    d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr,
 ):  # fmt: skip
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot` (when slot_ok: the
     block has columns inside I), w*A, and dh of the gate and up columns. Padding rows of an active
     row block store zeros in dh and w*A: the weight-gradient GEMMs may read them whole (through
     TMA) and must find finite values there.
 
-    EPI_TMA: h, dh and w*A move through tensor descriptors at (row0, n0) instead of per-element
-    pointers (h_ptr / d_h_ptr over the gate half, h_up / d_h_up over the up half, each [R_pad, I];
-    columns past I are zero on load and clipped on store). The values are the same either way."""
-    if EPI_TMA:
-        r0 = row0.to(tl.int32)
-        c0 = n0.to(tl.int32)
-        # h's padding rows were never written: zero them, as the masked loads do.
-        gate = tl.where(row_ok[:, None], h_ptr.load([r0, c0]).to(tl.float32), 0.0)
-        up = tl.where(row_ok[:, None], h_up.load([r0, c0]).to(tl.float32), 0.0)
-    else:
-        mask = row_ok[:, None] & col_ok[None, :]
-        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
+    The row sum <dA', A> is reduced in the order of dA's register layout, so a fused tile (an MMA
+    accumulator) and the separate epilogue kernel (a loaded block) round it differently; dh and
+    w*A are elementwise and the same either way."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + N_OUT, mask=mask, other=0.0).to(tl.float32)
     a = _silu_mul(gate, up).to(OUT_TY).to(tl.float32)  # A exactly as the forward stored it
     partial = tl.sum(d_a_prime * a, axis=1)
     tl.store(d_w_partial_ptr + rows * stride_part_r + slot, partial, mask=row_ok & slot_ok)
@@ -299,21 +291,14 @@ def _down_dgrad_epilogue(
     # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
     a_w = (a * w[:, None]).to(OUT_TY)
     col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
-    if EPI_TMA:
-        a_weighted_ptr.store([r0, c0], a_w)
-    else:
-        tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
+    tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
     d_a = d_a_prime * w[:, None]
     sig = tl.sigmoid(gate)
     d_gate = (d_a * up * (sig * (1.0 + gate * (1.0 - sig)))).to(OUT_TY)
     d_up = (d_a * (gate * sig)).to(OUT_TY)
-    if EPI_TMA:
-        d_h_ptr.store([r0, c0], d_gate)
-        d_h_up.store([r0, c0], d_up)
-    else:
-        d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        tl.store(d_h_tile, d_gate, mask=col_mask)
-        tl.store(d_h_tile + N_OUT, d_up, mask=col_mask)
+    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(d_h_tile, d_gate, mask=col_mask)
+    tl.store(d_h_tile + N_OUT, d_up, mask=col_mask)
 
 
 @triton.jit
@@ -344,9 +329,6 @@ def _down_dgrad_tile(
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     PAIR: tl.constexpr,
-    h_up=None,  # with EPI_TMA: descriptors over h's and dh's up halves (h_ptr / d_h_ptr: the gate halves)
-    d_h_up=None,
-    EPI_TMA: tl.constexpr = False,
 ):
     """dA'[rows, n-block] (reduced over H in ascending BLOCK_K order) and its epilogue. PAIR: the
     tile owns two adjacent I-blocks (2 * pid_n and 2 * pid_n + 1) with one accumulator each, so
@@ -359,7 +341,6 @@ def _down_dgrad_tile(
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
         w_row0 = expert * K_DIM
-        row0 = pid_m * BLOCK_M
         out_ty: tl.constexpr = d_out_ptr.dtype.element_ty
         if PAIR:
             n1 = n0 + BLOCK_N
@@ -379,11 +360,11 @@ def _down_dgrad_tile(
                 acc1 = tl.dot(d_o, w1, acc1, input_precision=DOT_PRECISION)
             _down_dgrad_epilogue(
                 acc0, rows, row_ok, cols, col_ok, blk, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
-                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, row0, n0, h_up, d_h_up, out_ty, EPI_TMA,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, out_ty,
             )  # fmt: skip
             _down_dgrad_epilogue(
                 acc1, rows, row_ok, cols1, col1_ok, blk + 1, n1 < N_OUT, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
-                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, row0, n1, h_up, d_h_up, out_ty, EPI_TMA,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, out_ty,
             )  # fmt: skip
         else:
             d_a_prime = _row_tile_matmul(
@@ -392,7 +373,7 @@ def _down_dgrad_tile(
             )  # fmt: skip
             _down_dgrad_epilogue(
                 d_a_prime, rows, row_ok, cols, col_ok, blk, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
-                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, row0, n0, h_up, d_h_up, out_ty, EPI_TMA,
+                d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, out_ty,
             )  # fmt: skip
 
 
@@ -548,7 +529,6 @@ def _down_dgrad_kernel(
     stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr,
-    h_up, d_h_up, EPI_TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N * (2 if PAIR else 1)),), grouped; program p owns
     down-dgrad tile p."""
@@ -557,7 +537,7 @@ def _down_dgrad_kernel(
     _down_dgrad_tile(
         pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
         row_to_token_ptr, tile_to_expert_ptr, K_DIM, N_OUT, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r,
-        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR, h_up, d_h_up, EPI_TMA,
+        stride_a_r, stride_part_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, PAIR,
     )  # fmt: skip
 
 
@@ -604,8 +584,7 @@ def _down_dgrad_epilogue_kernel(
                             mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         _down_dgrad_epilogue(
             d_a_prime, rows, row_ok, cols, col_ok, pid_n, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
-            d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, pid_m * BLOCK_M, n0, None, None,
-            h_ptr.dtype.element_ty, False,
+            d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, h_ptr.dtype.element_ty,
         )  # fmt: skip
 
 
@@ -807,20 +786,11 @@ def down_dgrad(
         return d_h, a, partial
     tma = _tma_ok(cfg, down_proj)
     w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n // cfg.split_n]) if tma else down_proj
-    # The epilogue's h, dh and w*A through descriptors over [R_pad, I] halves: their rows, and the
-    # up half's start (I columns in), must be multiples of 16 bytes.
-    epi_tma = tma and I * h.element_size() % 16 == 0 and _tma_ok(cfg, h, a)
-    h_in, h_up, d_h_out, d_h_up, a_out = h, None, d_h, None, a
-    if epi_tma:
-        block = [cfg.block_m, cfg.block_n // cfg.split_n]
-        h_in, h_up = _descriptor(h[:, :I], block), _descriptor(h[:, I:], block)
-        d_h_out, d_h_up = (TensorDescriptor.from_tensor(half, block) for half in (d_h[:, :I], d_h[:, I:]))
-        a_out = TensorDescriptor.from_tensor(a, block)  # d_h and a are fresh, so 16-byte aligned
     _launch_row_tiles(
         _down_dgrad_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
-        d_out, w2, h_in, w_rows, d_h_out, a_out, partial, row_to_token, tile_to_expert, num_rows, H, I,
+        d_out, w2, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, num_rows, H, I,
         d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
-        tma=tma, PAIR=cfg.split_n == 2, h_up=h_up, d_h_up=d_h_up, EPI_TMA=epi_tma,
+        tma=tma, PAIR=cfg.split_n == 2,
     )  # fmt: skip
     return d_h, a, partial
 
