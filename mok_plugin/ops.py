@@ -238,14 +238,11 @@ def expert_down_bwd(
     T, K = topk_weights.shape
     d_out = d_out.contiguous()
     w_rows = _row_weights(topk_weights, row_to_tk)
-    d_h, a_weighted, partial, d_out_rows = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert,
-                                                      tile_m)  # fmt: skip
+    d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     del partial
-    # dW2's left operand: the dO rows down_dgrad already wrote in schedule order, else dO by token.
-    left, left_by_token = (d_out, True) if d_out_rows is None else (d_out_rows, False)
-    d_down = expert_wgrad(left, a_weighted, row_to_token, expert_offsets, tokens_per_expert,
-                          left_by_token=left_by_token, right_by_token=False, segment_align=tile_m)  # fmt: skip
+    d_down = expert_wgrad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True,
+                          right_by_token=False, segment_align=tile_m)  # fmt: skip
     return d_h, d_topk_weights.to(topk_weights.dtype), d_down
 
 

@@ -50,7 +50,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
               "TMA": cfg.tma}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n // cfg.split_n)
     if kernel == "down_dgrad" and cfg.split_epilogue:  # the GEMM; the elementwise epilogue kernel is not inspected
-        return gm._down_dgrad_gemm_kernel, dict(row_tiles, BLOCK_N=cfg.block_n, WRITE_ROWS=cfg.write_rows)
+        return gm._down_dgrad_gemm_kernel, dict(row_tiles, BLOCK_N=cfg.block_n)
     if kernel == "down_dgrad":
         return gm._down_dgrad_kernel, dict(row_tiles, PAIR=cfg.split_n == 2)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,

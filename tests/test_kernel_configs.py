@@ -30,11 +30,6 @@ from mok_plugin.kernels.configs import (
             MoKTileConfig(128, 256, 64, 8, 3, tma=True, split_epilogue=True),
             "128x256x64 w8 s3 tma split-epilogue",
         ),
-        (
-            "128x256x64w8s3er",
-            MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True, write_rows=True),
-            "128x256x64 w8 s3 split-epilogue write-rows",
-        ),
     ],
 )
 def test_parse_and_label(spec, expected, label):
@@ -44,8 +39,7 @@ def test_parse_and_label(spec, expected, label):
 
 
 @pytest.mark.parametrize(
-    "spec",
-    ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3et", "128x256x64w8s3re", "128x256x64w8s3/x"],
+    "spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3et", "128x256x64w8s3/x"]
 )
 def test_parse_rejects_other_forms(spec):
     with pytest.raises(ValueError, match="expected like"):

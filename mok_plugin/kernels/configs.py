@@ -59,10 +59,6 @@ class MoKTileConfig:
     # (dSwiGLU, router partials, w*A) on it, so the GEMM keeps a plain epilogue and its registers.
     # The epilogue's math and its 64-column router partials are the same as the fused tile's.
     split_epilogue: bool = False
-    # down_dgrad with split_epilogue: its GEMM also stores the dO rows it gathers, in schedule row
-    # order, and dW2 reads them instead of gathering dO again (a pre-gathered operand, as
-    # gather_rows makes one). Costs an R_pad x H buffer until dW2 is done.
-    write_rows: bool = False
 
 
 def interpreter_on() -> bool:
@@ -80,9 +76,8 @@ _TABLE: dict[str, MoKTileConfig] = {
     # accumulators (255 registers; two of them per tile: 1.59 ms on qwen3-30b-a3b, 5.20 on
     # mixtral-8x7b). As a separate elementwise kernel over an fp32 dA', the GEMM takes down_fwd's
     # 128x256 tile: qwen3 1.60 -> 1.44 ms, olmoe 1.94 -> 1.88, mixtral 5.25 -> 4.43, deepseek-v3
-    # 5.84 -> 5.00 (both kernels included; BENCHMARKS.md). The GEMM also writes the dO rows it
-    # gathers, so dW2 reads them instead of gathering dO a second time.
-    "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True, write_rows=True),
+    # 5.84 -> 5.00 (both kernels included; BENCHMARKS.md).
+    "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
     # The by-token operand (x, dO) pre-gathered into row order, a column block at a time, then TMA:
@@ -121,13 +116,13 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     return cfg
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(e?)(r?)(?:/(\d))?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(e?)(?:/(\d))?")
 
 
 def parse_tile_config(spec: str) -> MoKTileConfig:
     """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
     then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'e' for down_dgrad's separate
-    epilogue kernel, 'r' for its GEMM writing the dO rows, '/2' for two accumulators.
+    epilogue kernel, '/2' for two accumulators.
 
     Raises:
         ValueError: spec is not in that form.
@@ -135,14 +130,13 @@ def parse_tile_config(spec: str) -> MoKTileConfig:
     match = _SPEC.fullmatch(spec)
     if not match:
         raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x256x64w8s3te")
-    *numbers, gather, tma, epilogue, rows, split = match.groups()
+    *numbers, gather, tma, epilogue, split = match.groups()
     return MoKTileConfig(
         *(int(n) for n in numbers),
         tma=tma == "t",
         split_n=int(split or 1),
         gather_rows=gather == "g",
         split_epilogue=epilogue == "e",
-        write_rows=rows == "r",
     )
 
 
@@ -150,7 +144,6 @@ def tile_config_spec(cfg: MoKTileConfig) -> str:
     """The short form parse_tile_config reads back: '128x128x64w8s4gt/2'."""
     spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
     spec += ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "") + ("e" if cfg.split_epilogue else "")
-    spec += "r" if cfg.write_rows else ""
     return spec + (f"/{cfg.split_n}" if cfg.split_n > 1 else "")
 
 
@@ -158,7 +151,6 @@ def tile_config_label(cfg: MoKTileConfig) -> str:
     """'128x128x64 w8 s4 gather tma /2': a config as the benchmark tables print it."""
     extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
     extra += " split-epilogue" if cfg.split_epilogue else ""
-    extra += " write-rows" if cfg.write_rows else ""
     extra += f" /{cfg.split_n}" if cfg.split_n > 1 else ""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 

@@ -543,37 +543,25 @@ def _down_dgrad_kernel(
 
 @triton.jit(launch_metadata=_metadata("mok_down_dgrad_gemm"))
 def _down_dgrad_gemm_kernel(
-    d_out_ptr, w2_ptr, d_a_ptr, d_out_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
+    d_out_ptr, w2_ptr, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, K_DIM, N_OUT,
     stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WRITE_ROWS: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the dA' tile p (rows
-    in use only) for _down_dgrad_epilogue_kernel. WRITE_ROWS: the programs of the first I-block
-    also store the dO rows they gathered into d_out_rows [R_pad, H] (padding rows as zeros), the
-    left operand of dW2, which then needs no gathered copy of its own (same row stride as dO)."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
+    (rows in use only) for _down_dgrad_epilogue_kernel."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     expert, rows, tokens, row_ok = _tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
-        w_row0 = expert * K_DIM
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K_DIM, BLOCK_K):  # _row_tile_matmul's loop, plus the row store
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K_DIM
-            d_o = _row_block(d_out_ptr, 0, tokens, row_ok, stride_d_out_t, k0, ks, k_ok, False)
-            if WRITE_ROWS:
-                tl.store(d_out_rows_ptr + rows[:, None] * stride_d_out_t + ks[None, :], d_o,
-                         mask=k_ok[None, :] & (pid_n == 0))  # fmt: skip
-            w_blk = _weight_block(w2_ptr, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_w_h, 1,
-                                  False, TMA)  # fmt: skip
-            acc = tl.dot(d_o, w_blk, acc, input_precision=DOT_PRECISION)
+        d_a_prime = _row_tile_matmul(
+            d_out_ptr, 0, tokens, row_ok, stride_d_out_t, w2_ptr, expert, stride_w_e, expert * K_DIM, stride_w_h, 1,
+            n0, cols, col_ok, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, False, False, TMA,
+        )  # fmt: skip
         tl.store(
-            d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :],
-            acc.to(d_a_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
+            d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :], d_a_prime, mask=row_ok[:, None] & col_ok[None, :]
         )
 
 
@@ -593,7 +581,7 @@ def _down_dgrad_epilogue_kernel(
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
         d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :],
-                            mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         _down_dgrad_epilogue(
             d_a_prime, rows, row_ok, cols, col_ok, pid_n, True, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr,
             d_w_partial_ptr, N_OUT, stride_h_r, stride_a_r, stride_part_r, h_ptr.dtype.element_ty,
@@ -780,9 +768,8 @@ def down_dgrad(
     tile_to_expert: torch.Tensor,
     tile_m: int,
     config: MoKTileConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)], and
-    the dO rows in schedule order [R_pad, H] when the config has write_rows, else None)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, BLOCK_N)])."""
     _check("d_out", d_out, 2)
     _check("down_proj", down_proj, 3, d_out.dtype)
     _check("h", h, 2, d_out.dtype)
@@ -794,12 +781,9 @@ def down_dgrad(
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     partial = torch.zeros(num_rows, n_blocks, dtype=torch.float32, device=d_out.device)
-    if cfg.write_rows and not cfg.split_epilogue:
-        raise ValueError("write_rows needs split_epilogue: only down_dgrad's separate GEMM writes the dO rows")
     if cfg.split_epilogue:
-        d_out_rows = _down_dgrad_split(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, cfg, d_h, a,
-                                       partial)  # fmt: skip
-        return d_h, a, partial, d_out_rows
+        _down_dgrad_split(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, cfg, d_h, a, partial)
+        return d_h, a, partial
     tma = _tma_ok(cfg, down_proj)
     w2 = _descriptor(down_proj, [cfg.block_k, cfg.block_n // cfg.split_n]) if tma else down_proj
     _launch_row_tiles(
@@ -808,7 +792,7 @@ def down_dgrad(
         d_out.stride(0), down_proj.stride(0), down_proj.stride(1), h.stride(0), a.stride(0), partial.stride(0),
         tma=tma, PAIR=cfg.split_n == 2,
     )  # fmt: skip
-    return d_h, a, partial, None
+    return d_h, a, partial
 
 
 # down_dgrad's separate epilogue kernel: columns per program (its router partials are as wide as
@@ -821,21 +805,19 @@ EPILOGUE_BLOCK_M = 32
 
 def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor,
                       row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig,
-                      d_h: torch.Tensor, a: torch.Tensor, partial: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
-    """down_dgrad as a plain GEMM into dA' [R_pad, I] (rounded to the params dtype, as a stored
-    GEMM output is) and an elementwise epilogue kernel that fills d_h, a (w*A) and partial from
-    it; dA' is freed on return. Returns the gathered dO rows [R_pad, H] when cfg.write_rows."""
+                      d_h: torch.Tensor, a: torch.Tensor, partial: torch.Tensor) -> None:  # fmt: skip
+    """down_dgrad as a plain GEMM into an fp32 dA' [R_pad, I] and an elementwise epilogue kernel
+    that fills d_h, a (w*A) and partial from it; dA' is freed on return."""
     E, H, I = down_proj.shape
     num_rows = row_to_token.shape[0]
     gemm = replace(cfg, split_n=1)
-    d_a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
-    d_out_rows = torch.empty(num_rows, H, dtype=d_out.dtype, device=d_out.device) if cfg.write_rows else None
+    d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = _tma_ok(gemm, down_proj)
     w2 = _descriptor(down_proj, [gemm.block_k, gemm.block_n]) if tma else down_proj
     _launch_row_tiles(
         _down_dgrad_gemm_kernel, gemm, num_rows, I, d_out.dtype, tile_m,
-        d_out, w2, d_a, d_out if d_out_rows is None else d_out_rows, row_to_token, tile_to_expert, num_rows, H, I,
-        d_out.stride(0), down_proj.stride(0), down_proj.stride(1), d_a.stride(0), tma=tma, WRITE_ROWS=cfg.write_rows,
+        d_out, w2, d_a, row_to_token, tile_to_expert, num_rows, H, I, d_out.stride(0), down_proj.stride(0),
+        down_proj.stride(1), d_a.stride(0), tma=tma,
     )  # fmt: skip
     block_m = min(EPILOGUE_BLOCK_M, cfg.block_m)  # divides tile_m, as cfg.block_m does
     grid = (num_rows // block_m, triton.cdiv(I, EPILOGUE_BLOCK_N))
@@ -843,7 +825,6 @@ def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Ten
         d_a, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, I, d_a.stride(0), h.stride(0), a.stride(0),
         partial.stride(0), TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    return d_out_rows
 
 
 def gate_up_dgrad(
