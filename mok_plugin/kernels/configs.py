@@ -57,7 +57,7 @@ class MoKTileConfig:
     gather_rows: bool = False
     # down_dgrad: the GEMM stores dA' (fp32) and a second, elementwise kernel runs the epilogue
     # (dSwiGLU, router partials, w*A) on it, so the GEMM keeps a plain epilogue and its registers.
-    # The epilogue's math and its 64-column router partials are the same as the fused tile's.
+    # The same epilogue function as the fused tile's, with router partials 64 columns wide.
     split_epilogue: bool = False
 
 
@@ -75,8 +75,8 @@ _TABLE: dict[str, MoKTileConfig] = {
     # Heavy epilogue (dSwiGLU, router partials). Fused into the GEMM it held the tile to 128x64
     # accumulators (255 registers; two of them per tile: 1.59 ms on qwen3-30b-a3b, 5.20 on
     # mixtral-8x7b). As a separate elementwise kernel over an fp32 dA', the GEMM takes down_fwd's
-    # 128x256 tile: qwen3 1.60 -> 1.44 ms, olmoe 1.94 -> 1.88, mixtral 5.25 -> 4.43, deepseek-v3
-    # 5.84 -> 5.00 (both kernels included; BENCHMARKS.md).
+    # 128x256 tile: qwen3 1.55-1.60 -> 1.41 ms, olmoe 1.94 -> 1.75, mixtral 5.13-5.25 -> 3.96,
+    # deepseek-v3 5.84 -> 4.46 (both kernels included; TMA for W2 was slower; BENCHMARKS.md).
     "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
