@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The single-GPU acceptance runs of the open issues, in one call on a CUDA machine:
-#   tests      the GPU test modules (kernels vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
+#   tests      the GPU test modules (layer vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
+#              and the kernel tests compiled (tests/test_kernels_interp.py), as parallel pytest processes:
+#              compiling the kernels is CPU-bound, so together they take ~3.5 minutes instead of ~8
 #   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
 #   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
@@ -10,7 +12,7 @@
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
-# On the H200 (2026-11-29): tests ~250 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
+# On the H200 (2026-11-29): tests ~210 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
 # 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
@@ -36,9 +38,36 @@ run_part() {  # name, command...
     summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
 
+run_in_background() {  # like run_part; its summary line waits in $out/NAME.rc until collect_background
+    local name=$1
+    shift
+    (
+        start=$SECONDS
+        "$@" >"$out/$name.log" 2>&1
+        printf '%-22s rc=%-3s %4ss\n' "$name" "$?" "$((SECONDS - start))" >"$out/$name.rc"
+    ) &
+}
+
+collect_background() {
+    wait
+    for rc_file in "$out"/*.rc; do
+        [ -e "$rc_file" ] || continue
+        summary+=("$(cat "$rc_file")")
+        rm -f "$rc_file"
+    done
+}
+
 for part in "${parts[@]}"; do
     case $part in
-    tests) run_part tests python3 -m pytest -q tests/test_gpu_layer.py tests/test_gpu_parallel.py ;;
+    tests)
+        run_in_background tests-layer-reference python3 -m pytest -q tests/test_gpu_layer.py -k "matches_reference"
+        run_in_background tests-layer-other python3 -m pytest -q tests/test_gpu_layer.py -k "not matches_reference"
+        run_in_background tests-parallel python3 -m pytest -q tests/test_gpu_parallel.py
+        kernel_tests=(python3 -m pytest -q tests/test_kernels_interp.py -k)
+        run_in_background tests-kernels-mega "${kernel_tests[@]}" "match_reference and mega"
+        run_in_background tests-kernels-multi "${kernel_tests[@]}" "match_reference and not mega"
+        run_in_background tests-kernels-other "${kernel_tests[@]}" "not match_reference"
+        collect_background ;;
     deepspeed)
         run_part deepspeed torchrun --nproc-per-node 1 scripts/bench_deepspeed.py --ep-size 1 --zero-stage 2 \
             --out "$out/deepspeed.json" ;;
