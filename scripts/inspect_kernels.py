@@ -35,6 +35,7 @@ from mok_plugin.kernels.configs import (  # noqa: E402
     kernel_config,
     parse_tile_config,
     tile_config_label,
+    wgrad_config,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -57,9 +58,11 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
                    "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel in row_kernels:
         return row_kernels[kernel], row_tiles
-    by_token = not cfg.gather_rows  # pre-gathered rows turn the by-token operand into a by-row one
-    left, right = {"wgrad_down": (by_token, False), "wgrad_gate_up": (False, by_token)}[kernel]
-    return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=left, RIGHT_BY_TOKEN=right)
+    # expert_wgrad launches dW13 with its operands swapped, so the by-token one is the left in both;
+    # pre-gathered rows turn it into a by-row one.
+    # (dW2's launch: its output columns are contiguous, a stride Triton specialises as the constant 1)
+    return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=not cfg.gather_rows,
+                                         RIGHT_BY_TOKEN=False, stride_d_w_n=1)  # fmt: skip
 
 
 def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
@@ -75,7 +78,7 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
         "gate_up_dgrad": {"d_h_ptr": [m, k], "w13_ptr": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right_ptr": [k, n]} | ({"left_ptr": [k, m]} if cfg.gather_rows else {}),
-        "wgrad_gate_up": {"left_ptr": [k, m]} | ({"right_ptr": [k, n]} if cfg.gather_rows else {}),
+        "wgrad_gate_up": {"right_ptr": [k, n]} | ({"left_ptr": [k, m]} if cfg.gather_rows else {}),
     }
     return blocks[kernel]
 
@@ -139,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
           f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
-        pinned = kernel_config("wgrad" if kernel.startswith("wgrad") else kernel, WIDE)
-        for cfg in [pinned, *args.candidates]:
+        # both pinned weight-gradient configs: pre-gathered (wide by-row operands) and in the loop
+        pinned = [wgrad_config(WIDE), wgrad_config(64)] if kernel.startswith("wgrad") else [kernel_config(kernel, WIDE)]
+        for cfg in [*pinned, *args.candidates]:
             name = tile_config_label(cfg)
             if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):
                 continue  # options that kernel does not take
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{kernel:<14} {name:<30} compile failed: {type(error).__name__}")
                 continue
             report = pipeline_report(compiled.asm["ttgir"])
-            note = "(pinned)" if cfg == pinned else ""
+            note = "(pinned)" if cfg in pinned else ""
             if report["register_operands"]:
                 note += f" {report['register_operands']} register tensors staged in shared memory"
             if report["buffers"] < cfg.num_stages:

@@ -21,12 +21,14 @@ from dataclasses import dataclass, replace
 __all__ = [
     "MoKTileConfig",
     "PINNED_KERNELS",
+    "PRE_GATHER_MIN_WIDTH",
     "interpreter_on",
     "kernel_config",
     "overridden_configs",
     "parse_tile_config",
     "tile_config_label",
     "tile_config_spec",
+    "wgrad_config",
 ]
 
 
@@ -80,11 +82,14 @@ _TABLE: dict[str, MoKTileConfig] = {
     "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
-    # The by-token operand (x, dO) pre-gathered into row order, a column block at a time, then TMA:
-    # its row indices loaded in the K loop had held the pipeline to 2 buffers whatever num_stages
-    # said. dW2 + dW13, the copies included: qwen3-30b-a3b 1.07 + 2.06 -> 1.06 + 1.72 ms,
-    # mixtral-8x7b 4.63 + 9.45 -> 3.06 + 6.66 ms (BENCHMARKS.md, "kernel tuning").
+    # Weight gradients whose by-row operand is at least PRE_GATHER_MIN_WIDTH wide: the by-token
+    # operand (x, dO) pre-gathered into row order, a column block at a time, then TMA. The copy is
+    # then a small part of the GEMM: mixtral-8x7b dW2 3.30 ms, against 3.51-3.61 gathered in the loop.
     "wgrad": MoKTileConfig(128, 128, 64, 8, 3, tma=True, gather_rows=True),
+    # Narrower ones: the by-token rows gathered inside the K loop (their indices loaded a step
+    # ahead, so it pipelines num_stages deep), no copy. dW2: qwen3-30b-a3b 1.08 -> 0.83 ms,
+    # olmoe 1.34 -> 1.11, deepseek-v3 6.25 -> 6.14 (BENCHMARKS.md, "kernel tuning").
+    "wgrad_in_loop": MoKTileConfig(128, 256, 64, 8, 3, tma=True),
     # The megakernel's weight-gradient tasks load by-token rows through pointers, inside one launch
     # whose registers and stages fit every task; the multi-kernel variant's tile before gathering.
     "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 4),
@@ -95,13 +100,23 @@ _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, nu
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
 
+# dW = left^T right per expert, one operand read by token: below this width of the by-row operand
+# the K loop gathers the by-token rows itself ("wgrad_in_loop"); from it on they are copied first
+# ("wgrad"). A copy costs the same for any width, the GEMM grows with it.
+PRE_GATHER_MIN_WIDTH = 4096
+
+
+def wgrad_config(by_row_width: int) -> MoKTileConfig:
+    """The pinned weight-gradient config for a by-row operand (w*A or dh) this many columns wide."""
+    return kernel_config("wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop", by_row_width)
+
+
 def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     """The pinned config of `kernel` for an output n_out columns wide.
 
     The only shape rule: a row-tile GEMM's BLOCK_N shrinks (to a power of two, at least 64) when
     the output is narrower than the table's tile, so small layers do not compute mostly-masked
-    tiles. The weight-gradient tile never changes, so dW2 and dW13 (and both kernel variants)
-    always share one config.
+    tiles. The weight-gradient tiles never change (wgrad_config picks one of the two).
 
     Raises:
         KeyError: an unknown kernel name.
@@ -109,7 +124,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     if interpreter_on():
         return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
     cfg = _TABLE[kernel]
-    if kernel not in ("combine", "wgrad", "megakernel_wgrad") and n_out < cfg.block_n:
+    if kernel not in ("combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad") and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         if narrow < cfg.block_n:
             cfg = replace(cfg, block_n=narrow, split_n=1)

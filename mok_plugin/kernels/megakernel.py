@@ -196,14 +196,14 @@ def _backward_megakernel(
                 pid_m, pid_n = _grouped_pid(t % per_expert, w2_m, w2_n, GROUP_M)
                 _wgrad_tile(
                     expert, pid_m, pid_n, d_out_ptr, a_weighted_ptr, d_w2_ptr, row_to_token_ptr, expert_offsets_ptr,
-                    tokens_per_expert_ptr, H, I, stride_d_out_t, stride_a_r, stride_dw2_e, stride_dw2_m,
+                    tokens_per_expert_ptr, H, I, stride_d_out_t, stride_a_r, stride_dw2_e, stride_dw2_m, 1,
                     True, False, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
                 )  # fmt: skip
             else:
                 pid_m, pid_n = _grouped_pid(t % per_expert, w13_m, w13_n, GROUP_M)
                 _wgrad_tile(
                     expert, pid_m, pid_n, d_h_ptr, x_ptr, d_w13_ptr, row_to_token_ptr, expert_offsets_ptr,
-                    tokens_per_expert_ptr, 2 * I, H, stride_h_r, stride_x_t, stride_dw13_e, stride_dw13_m,
+                    tokens_per_expert_ptr, 2 * I, H, stride_h_r, stride_x_t, stride_dw13_e, stride_dw13_m, 1,
                     False, True, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
                 )  # fmt: skip
         else:
