@@ -17,6 +17,7 @@ timed (the megatron peer includes its own router).
 
     python scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe --routing uniform --out out/
     python scripts/bench_layer.py --shape 4096,2880,1024,32,4 --routing skewed
+    python scripts/bench_layer.py --shapes olmoe --providers mok-multi torch --profile   # time per kernel
 """
 
 from __future__ import annotations
@@ -330,6 +331,35 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     return row
 
 
+def kernel_breakdown(fn: Callable, inputs: dict, iters: int = 3) -> list[dict]:
+    """GPU time per forward + backward of each kernel the provider launches (torch.profiler over
+    `iters` passes), most first: where the layer's time goes, kernels timed inside the layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fwd_bwd(fn, inputs)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1000 / iters
+            entry[1] += 1
+    rows = [{"kernel": name, "ms": ms, "launches": count // iters} for name, (ms, count) in totals.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def print_breakdown(row: dict) -> None:
+    kernels = row["kernels"]
+    total = sum(k["ms"] for k in kernels)
+    print(f"\n{row['shape']} {row['routing']} {row['provider']}: GPU time per forward + backward, by kernel "
+          f"(sum {total:.2f} ms; timed fwd+bwd {row['fwd+bwd']['ms']:.2f} ms)")  # fmt: skip
+    for k in kernels:
+        if k["ms"] >= 0.005:
+            print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -351,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each provider's kernels by GPU time per forward + backward (torch.profiler)",
+    )
     parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
                         help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
                              "(tune_kernels.py's notation); repeatable")  # fmt: skip
@@ -388,6 +423,8 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
                     print(f"  {shape_name} {routing} {provider}: skipped ({why})", flush=True)
                     continue
                 row = bench_provider(provider, fn, inputs, shape, expected, args.iters)
+                if args.profile and not row["error"]:
+                    row["kernels"] = kernel_breakdown(fn, inputs)
                 row.update(shape=shape_name, dims=list(shape.as_tuple()), routing=routing)
                 rows.append(row)
                 print(
@@ -447,6 +484,9 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
                 f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
                 f"{row['peak_mib']:9.0f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
             )
+    for row in rows:
+        if "kernels" in row:
+            print_breakdown(row)
     print(f"dense bf16 GEMM {gemm:.0f} TFLOP/s; details in {args.out / 'bench_layer.json'}")
     return 0
 
