@@ -35,7 +35,6 @@ from mok_plugin.kernels.configs import (  # noqa: E402
     kernel_config,
     parse_tile_config,
     tile_config_label,
-    wgrad_config,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -143,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
         # both pinned weight-gradient configs: pre-gathered (wide by-row operands) and in the loop
-        pinned = [wgrad_config(WIDE), wgrad_config(64)] if kernel.startswith("wgrad") else [kernel_config(kernel, WIDE)]
+        entries = ("wgrad", "wgrad_in_loop") if kernel.startswith("wgrad") else (kernel,)
+        pinned = [kernel_config(entry, WIDE) for entry in entries]
         for cfg in [*pinned, *args.candidates]:
             name = tile_config_label(cfg)
             if (cfg.split_n > 1 and kernel != "down_dgrad") or (cfg.gather_rows and not kernel.startswith("wgrad")):

@@ -28,7 +28,7 @@ from mok_plugin.kernels.configs import (
     parse_tile_config,
     tile_config_label,
     tile_config_spec,
-    wgrad_config,
+    wgrad_kernel,
 )  # noqa: E402
 from mok_plugin.ops import _row_weights  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
@@ -109,14 +109,14 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             lambda c: gm.expert_wgrad(
                 d_out, a2, *seg, left_by_token=True, right_by_token=False, segment_align=s.tile_m, config=c
             ),
-            wgrad_config(I),
+            kernel_config(wgrad_kernel(I), I),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
             lambda c: gm.expert_wgrad(
                 d_h, x, *seg, left_by_token=False, right_by_token=True, segment_align=s.tile_m, config=c
             ),
-            wgrad_config(2 * I),
+            kernel_config(wgrad_kernel(2 * I), 2 * I),
         ),
     }
     fixed = {

@@ -28,7 +28,7 @@ __all__ = [
     "parse_tile_config",
     "tile_config_label",
     "tile_config_spec",
-    "wgrad_config",
+    "wgrad_kernel",
 ]
 
 
@@ -106,9 +106,9 @@ _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps
 PRE_GATHER_MIN_WIDTH = 4096
 
 
-def wgrad_config(by_row_width: int) -> MoKTileConfig:
-    """The pinned weight-gradient config for a by-row operand (w*A or dh) this many columns wide."""
-    return kernel_config("wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop", by_row_width)
+def wgrad_kernel(by_row_width: int) -> str:
+    """The table entry of a weight gradient whose by-row operand (w*A or dh) is this many columns wide."""
+    return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
 
 
 def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
@@ -116,7 +116,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
 
     The only shape rule: a row-tile GEMM's BLOCK_N shrinks (to a power of two, at least 64) when
     the output is narrower than the table's tile, so small layers do not compute mostly-masked
-    tiles. The weight-gradient tiles never change (wgrad_config picks one of the two).
+    tiles. The weight-gradient tiles never change (wgrad_kernel picks one of the two).
 
     Raises:
         KeyError: an unknown kernel name.

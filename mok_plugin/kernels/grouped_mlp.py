@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config, wgrad_config
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config, wgrad_kernel
 
 __all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgrad"]
 
@@ -802,12 +802,14 @@ def down_dgrad(
     return d_h, a, partial
 
 
-# down_dgrad's separate epilogue kernel: columns per program (its router partials are as wide as
-# the megakernel's down_dgrad accumulator, so both variants sum the router gradient alike), and
-# rows per program: 32 rows in 4 warps keep it near 120 registers, so several programs share an SM
-# and hide the memory latency (128 rows in 8 warps took 234 registers: one program per SM).
-EPILOGUE_BLOCK_N = 64
+# down_dgrad's separate epilogue kernel: a program's block (its router partials are BLOCK_N
+# columns wide) and warps. Measured alone on the H200 (qwen3 / olmoe / mixtral / deepseek-v3):
+# 32x128 in 8 warps 0.49 / 0.66 / 1.06 / 0.73 ms, 3.0-3.9 TB/s; 32x64 in 4 warps 0.56 / 0.73 /
+# 1.10 / 0.84; 16x64, 64x64 and 64x128 in between or slower. (128 rows in 8 warps took 234
+# registers, one program per SM.)
+EPILOGUE_BLOCK_N = 128
 EPILOGUE_BLOCK_M = 32
+EPILOGUE_WARPS = 8
 
 
 def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor,
@@ -830,7 +832,7 @@ def _down_dgrad_split(d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Ten
     grid = (num_rows // block_m, triton.cdiv(I, EPILOGUE_BLOCK_N))
     _down_dgrad_epilogue_kernel[grid](
         d_a, h, w_rows, d_h, a, partial, row_to_token, tile_to_expert, I, d_a.stride(0), h.stride(0), a.stride(0),
-        partial.stride(0), TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=4,
+        partial.stride(0), TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=EPILOGUE_BLOCK_N, num_warps=EPILOGUE_WARPS,
     )  # fmt: skip
 
 
@@ -886,7 +888,8 @@ def expert_wgrad(
     _check("tokens_per_expert", tokens_per_expert, 1, torch.int64)
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
-    cfg = config or wgrad_config(N if left_by_token else M)
+    by_row_width = N if left_by_token else M
+    cfg = config or kernel_config(wgrad_kernel(by_row_width), by_row_width)
     cfg = _stages_for(cfg, left.dtype)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if right_by_token and not left_by_token and not cfg.gather_rows:

@@ -39,7 +39,6 @@ import triton.language as tl
 from mok_plugin.kernels.combine import _combine_tile, _router_grad_tile
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
 from mok_plugin.kernels.grouped_mlp import (
-    EPILOGUE_BLOCK_N,
     _check_schedule,
     _dot_precision,
     _down_dgrad_tile,
@@ -222,6 +221,9 @@ def _num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+FUSED_DGRAD_BLOCK_N = 64
+
+
 def _same_block(*configs) -> tuple[int, int]:
     block_m = {c.block_m for c in configs}
     block_k = {c.block_k for c in configs}
@@ -289,8 +291,9 @@ def backward_megakernel(
     wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
     num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg, max_split_n=2)
-    # One accumulator's I-block: the multi-kernel variant's router partials are as wide.
-    bn_dgrad = EPILOGUE_BLOCK_N if dg.split_epilogue else dg.block_n // dg.split_n
+    # One accumulator's I-block. With the multi-kernel variant's separate epilogue the megakernel
+    # keeps the fused tile, 128x64: the widest whose epilogue fits the registers (255 per thread).
+    bn_dgrad = FUSED_DGRAD_BLOCK_N if dg.split_epilogue else dg.block_n // dg.split_n
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
