@@ -90,9 +90,9 @@ _TABLE: dict[str, MoKTileConfig] = {
     # ahead, so it pipelines num_stages deep), no copy. dW2: qwen3-30b-a3b 1.08 -> 0.83 ms,
     # olmoe 1.34 -> 1.11, deepseek-v3 6.25 -> 6.14 (BENCHMARKS.md, "kernel tuning").
     "wgrad_in_loop": MoKTileConfig(128, 256, 64, 8, 3, tma=True),
-    # The megakernel's weight-gradient tasks load by-token rows through pointers, inside one launch
-    # whose registers and stages fit every task; the multi-kernel variant's tile before gathering.
-    "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 4),
+    # The megakernel's weight-gradient tasks gather by-token rows in the loop, inside one launch
+    # whose registers fit every task. Only the tile is read: the launch's stages (3) apply to all.
+    "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 3),
     "combine": MoKTileConfig(8, 256, 1, 4, 1),
 }
 PINNED_KERNELS = tuple(_TABLE)
