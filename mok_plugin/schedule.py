@@ -117,7 +117,7 @@ def build_schedule(
         from mok_plugin.kernels.schedule import schedule_maps as maps_fn
     else:
         maps_fn = _schedule_maps_torch
-    tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert = maps_fn(
+    tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped = maps_fn(
         topk_ids, E, tile_m, capacity, num_rows
     )
     return MoKSchedule(
@@ -127,7 +127,7 @@ def build_schedule(
         row_to_token=row_to_token,
         tk_to_row=tk_to_row,
         tile_to_expert=tile_to_expert,
-        num_dropped=((topk_ids >= 0) & (topk_ids < E)).sum() - tokens_per_expert.sum(),
+        num_dropped=num_dropped,
         num_tokens=T,
         top_k=K,
         num_experts=E,
@@ -141,8 +141,8 @@ def _schedule_maps_torch(
 ) -> tuple[torch.Tensor, ...]:
     """The schedule with PyTorch ops: a stable sort by expert, counts and prefix sums.
 
-    Returns (tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert),
-    as `kernels.schedule.schedule_maps` does.
+    Returns (tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert,
+    num_dropped), as `kernels.schedule.schedule_maps` does.
     """
     T, K = topk_ids.shape
     E = num_experts
@@ -184,4 +184,5 @@ def _schedule_maps_torch(
     tile_to_expert = torch.searchsorted(expert_offsets[1:], tile_starts, right=True)
     tile_to_expert = torch.where(tile_to_expert < E, tile_to_expert, -1)
 
-    return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert
+    num_dropped = (sorted_experts < E).sum() - tokens_per_expert.sum()
+    return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
