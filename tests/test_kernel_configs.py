@@ -5,12 +5,14 @@ import pytest
 
 from mok_plugin.kernels.configs import (
     PINNED_KERNELS,
+    PRE_GATHER_MIN_WIDTH,
     MoKTileConfig,
     kernel_config,
     overridden_configs,
     parse_tile_config,
     tile_config_label,
     tile_config_spec,
+    wgrad_kernel,
 )
 
 
@@ -67,3 +69,15 @@ def test_override_rejects_unknown_kernels():
         overridden_configs({"wgrad_fast": MoKTileConfig(1, 1, 1, 1, 1)}),
     ):
         pass
+
+
+def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands(monkeypatch):
+    # The copy costs the same at any width while the GEMM grows with it: narrow shapes (qwen3's
+    # I = 768, olmoe's 2I = 2048) gather in the K loop, wide ones (mixtral's I = 14336) copy first.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pinned table, not the interpreter's small tiles
+    assert wgrad_kernel(768) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1) == "wgrad_in_loop"
+    assert wgrad_kernel(PRE_GATHER_MIN_WIDTH) == wgrad_kernel(14336) == "wgrad"
+    assert not kernel_config("wgrad_in_loop", 768).gather_rows
+    assert kernel_config("wgrad", 14336).gather_rows
+    # weight-gradient tiles are not narrowed by the output width
+    assert kernel_config("wgrad_in_loop", 64) == kernel_config("wgrad_in_loop", 4096)
