@@ -19,6 +19,7 @@ from mok_plugin import (  # noqa: E402
     MoKMoE,
     ops,  # noqa: E402
 )
+from mok_plugin.kernels.configs import parse_tile_config  # noqa: E402
 from mok_plugin.reference import moe_experts_reference  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
@@ -245,6 +246,19 @@ def test_gather_column_blocks_cover_the_columns_once():
 def test_unknown_variant():
     with pytest.raises(ValueError, match="kernel_variant='fast'"):
         _compare(4, 32, 16, 4, 2, "uniform", torch.float32, variant="fast")
+
+
+def test_down_dgrad_rejects_a_split_tile_with_the_separate_epilogue():
+    # The separate epilogue's GEMM takes the whole tile; "e/2" is refused, not silently run whole.
+    from mok_plugin.kernels import grouped_mlp
+
+    T, H, I, E, K = 8, 32, 64, 2, 2
+    s = build_schedule(torch.randint(0, E, (T, K)).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    d_out, h = torch.randn(T, H).to(DEVICE), torch.randn(s.num_rows, 2 * I).to(DEVICE)
+    w2, w_rows = torch.randn(E, H, I).to(DEVICE), torch.rand(s.num_rows).to(DEVICE)
+    cfg = parse_tile_config("32x64x32w4s1e/2")
+    with pytest.raises(ValueError, match="at most 1 accumulators, got split_n=2"):
+        grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m, config=cfg)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -50,16 +50,15 @@ class MoKTileConfig:
     # The tile's block_n columns as this many accumulators of block_n / split_n, finished one after
     # the other (down_dgrad: 1 or 2), so a heavy epilogue works on a narrow accumulator at a time.
     split_n: int = 1
-    # Weight gradients: copy the by-token operand (x or dO) into schedule row order before the GEMM.
-    # A gathered operand's row indices are loaded inside the K loop, and Triton then pipelines
-    # that loop only two buffers deep whatever num_stages says (scripts/inspect_kernels.py shows
-    # it); with both operands in row order it gets num_stages buffers, for an R_pad x width copy
-    # made a column block at a time (grouped_mlp.GATHER_CHUNK_BYTES). Same products in the same
-    # order either way.
+    # Weight gradients: copy the by-token operand (x or dO) into schedule row order before the GEMM,
+    # a column block at a time (grouped_mlp.GATHER_CHUNK_BYTES), so both operands are contiguous
+    # (TMA). Without it the K loop gathers the rows itself (their indices loaded a step ahead, so it
+    # still pipelines num_stages deep). Same products in the same order either way.
     gather_rows: bool = False
     # down_dgrad: the GEMM stores dA' (fp32) and a second, elementwise kernel runs the epilogue
     # (dSwiGLU, router partials, w*A) on it, so the GEMM keeps a plain epilogue and its registers.
-    # The same epilogue function as the fused tile's, with router partials 64 columns wide.
+    # The same epilogue function as the fused tile's, with router partials
+    # grouped_mlp.EPILOGUE_BLOCK_N columns wide. The GEMM takes the whole tile (split_n must be 1).
     split_epilogue: bool = False
 
 

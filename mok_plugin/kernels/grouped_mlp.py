@@ -782,7 +782,7 @@ def down_dgrad(
     _check("h", h, 2, d_out.dtype)
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_dgrad", I)
-    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg, max_split_n=2)
+    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, cfg, max_split_n=1 if cfg.split_epilogue else 2)
     # One router partial per I-block of the epilogue's width (an accumulator's, or the epilogue kernel's).
     n_blocks = triton.cdiv(I, EPILOGUE_BLOCK_N if cfg.split_epilogue else cfg.block_n // cfg.split_n)
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
