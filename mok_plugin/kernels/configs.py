@@ -90,7 +90,7 @@ _TABLE: dict[str, MoKTileConfig] = {
     # olmoe 1.34 -> 1.11, deepseek-v3 6.25 -> 6.14 (BENCHMARKS.md, "kernel tuning").
     "wgrad_in_loop": MoKTileConfig(128, 256, 64, 8, 3, tma=True),
     # The megakernel's weight-gradient tasks gather by-token rows in the loop, inside one launch
-    # whose registers fit every task. Only the tile is read: the launch's stages (3) apply to all.
+    # whose registers fit every task; its stages are the launch's, so they apply to every task.
     "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 3),
     "combine": MoKTileConfig(8, 256, 1, 4, 1),
 }

@@ -46,6 +46,7 @@ from mok_plugin.kernels.grouped_mlp import (
     _gate_up_dgrad_tile,
     _gate_up_tile,
     _grouped_pid,
+    _stages_for,
     _wgrad_tile,
 )
 
@@ -314,7 +315,7 @@ def backward_megakernel(
         K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=bn_dgrad, BN_DX=dx_cfg.block_n,
         WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
-        # fp32 tiles 3 deep outgrow shared memory (262144 bytes asked for), as in _stages_for
-        DOT_PRECISION=_dot_precision(dt), num_warps=dg.num_warps, num_stages=3 if dt.itemsize <= 2 else 1,
+        # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
+        DOT_PRECISION=_dot_precision(dt), num_warps=dg.num_warps, num_stages=_stages_for(wg, dt).num_stages,
     )  # fmt: skip
     return d_x, d_topk.view(T, top_k), d_w13, d_w2
