@@ -159,11 +159,20 @@ def schedule_maps(
     tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
     expert_offsets = torch.empty(E + 1, dtype=torch.int64, device=device)
     num_dropped = torch.empty((), dtype=torch.int64, device=device)
-    # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1):
-    # one fill for all of them, each a view of it. With the dropped count from the offsets kernel,
-    # that is 8 launches fewer in front of the first GEMM: host time 0.22 -> 0.10 ms (olmoe, H200).
-    filled = torch.full((R + 2 * num_rows + num_rows // tile_m,), -1, dtype=torch.int64, device=device)
-    tk_to_row, row_to_tk, row_to_token, tile_to_expert = filled.split([R, num_rows, num_rows, num_rows // tile_m])
+    # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1).
+    sizes = [R, num_rows, num_rows, num_rows // tile_m]
+    if torch.compiler.is_compiling():
+        # A buffer each: under inductor, kernels writing views of one fill ran into an illegal
+        # address on the H200 (tests/test_kernels_interp.py::test_compile_fullgraph); inductor
+        # fuses the fills into one kernel itself.
+        tk_to_row, row_to_tk, row_to_token, tile_to_expert = (
+            torch.full((n,), -1, dtype=torch.int64, device=device) for n in sizes
+        )
+    else:
+        # Eagerly, one fill with a view per map: with the dropped count from the offsets kernel,
+        # 8 launches fewer in front of the first GEMM (host time 0.22 -> 0.10 ms, olmoe, H200).
+        filled = torch.full((sum(sizes),), -1, dtype=torch.int64, device=device)
+        tk_to_row, row_to_tk, row_to_token, tile_to_expert = filled.split(sizes)
     e_pow2 = triton.next_power_of_2(E)
     sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
     cap = R if capacity is None else capacity
