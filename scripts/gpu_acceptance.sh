@@ -6,8 +6,8 @@
 #   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
 #   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
-#              Megatron's stock layer (Liger's fused MoE is left out: it autotunes ~4 minutes per shape;
-#              time it alone, one shape per call, or with LIGER_FUSED_MOE_AUTOTUNE=0)
+#              Megatron's stock layer; on all but deepseek-v3 also Liger's fused MoE, with its autotuning
+#              off (LIGER_FUSED_MOE_AUTOTUNE=0 unless set: tuned, it takes ~4 minutes per shape)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -77,8 +77,11 @@ for part in "${parts[@]}"; do
         run_part compare-deepspeed python3 scripts/compare.py --config "$cfg" --framework deepspeed \
             --out "$out/compare-deepspeed" ;;
     layer)
-        run_part layer python3 scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3 \
-            --providers mok-multi mok-mega torch megatron --iters 10 --out "$out/layer" ;;
+        LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0} run_part layer python3 scripts/bench_layer.py \
+            --shapes qwen3-30b-a3b olmoe mixtral-8x7b --providers mok-multi mok-mega torch megatron liger \
+            --iters 10 --out "$out/layer"
+        run_part layer-deepseek python3 scripts/bench_layer.py --shapes deepseek-v3 \
+            --providers mok-multi mok-mega torch megatron --iters 6 --out "$out/layer-deepseek" ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done
