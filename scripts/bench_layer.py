@@ -18,6 +18,7 @@ timed (the megatron peer includes its own router).
     python scripts/bench_layer.py --shapes qwen3-30b-a3b olmoe --routing uniform --out out/
     python scripts/bench_layer.py --shape 4096,2880,1024,32,4 --routing skewed
     python scripts/bench_layer.py --shapes olmoe --providers mok-multi torch --profile   # time per kernel
+    python scripts/bench_layer.py --shapes mixtral-8x7b --providers mok-multi torch --memory  # what sets the peak
 """
 
 from __future__ import annotations
@@ -360,6 +361,52 @@ def print_breakdown(row: dict) -> None:
             print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")
 
 
+def peak_live_set(trace: list[dict]) -> tuple[int, list[dict]]:
+    """From one device's caching-allocator trace (`torch.cuda.memory._snapshot()["device_traces"]`):
+    the most bytes live at once among the allocations the trace saw made, and those allocations,
+    oldest first, each with the first frame of this project's code that made it ("site")."""
+    live: dict[int, dict] = {}
+    current = best = 0
+    best_live: list[dict] = []
+    for event in trace:
+        if event["action"] == "alloc":
+            frames = event.get("frames") or []
+            ours = [f for f in frames if "mok_plugin" in f["filename"] or "scripts" in f["filename"]]
+            frame = (ours or frames or [None])[0]
+            site = f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}" if frame else "?"
+            live[event["addr"]] = {"bytes": event["size"], "site": site}
+            current += event["size"]
+            if current > best:
+                best, best_live = current, list(live.values())
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            current -= live.pop(event["addr"])["bytes"]
+    return best, best_live
+
+
+def memory_breakdown(fn: Callable, inputs: dict) -> dict:
+    """The tensors live at the peak of one forward + backward (torch.cuda.memory history; the inputs
+    and anything allocated before the call are not counted): what sets the peak MiB column."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    try:
+        fwd_bwd(fn, inputs)
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, live = peak_live_set(trace)
+    return {"peak_bytes": peak, "live": live}
+
+
+def print_memory(row: dict) -> None:
+    memory = row["memory"]
+    print(f"\n{row['shape']} {row['routing']} {row['provider']}: tensors live at the peak of one forward + backward "
+          f"({memory['peak_bytes'] / 2**20:.2f} MiB)")  # fmt: skip
+    for tensor in memory["live"]:
+        if tensor["bytes"] >= 2**16:
+            print(f"  {tensor['bytes'] / 2**20:10.2f} MiB  {tensor['site']}")
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -385,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         action="store_true",
         help="also list each provider's kernels by GPU time per forward + backward (torch.profiler)",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also list the tensors live at each provider's peak, by the line that allocated them",
     )
     parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
                         help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
@@ -425,6 +477,8 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
                 row = bench_provider(provider, fn, inputs, shape, expected, args.iters)
                 if args.profile and not row["error"]:
                     row["kernels"] = kernel_breakdown(fn, inputs)
+                if args.memory and not row["error"]:
+                    row["memory"] = memory_breakdown(fn, inputs)
                 row.update(shape=shape_name, dims=list(shape.as_tuple()), routing=routing)
                 rows.append(row)
                 print(
@@ -482,11 +536,13 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
             print(
                 f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} {pass_name:<8} {ms:8.2f} "
                 f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
-                f"{row['peak_mib']:9.0f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
+                f"{row['peak_mib']:9.1f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
             )
     for row in rows:
         if "kernels" in row:
             print_breakdown(row)
+        if "memory" in row:
+            print_memory(row)
     print(f"dense bf16 GEMM {gemm:.0f} TFLOP/s; details in {args.out / 'bench_layer.json'}")
     return 0
 

@@ -60,6 +60,34 @@ def test_megatron_peer_matches_reference_on_cpu():
     assert bench_layer.check(got, want, shape) is None
 
 
+def test_peak_live_set_finds_the_peak_and_who_allocated_it():
+    # bench_layer --memory: a synthetic allocator trace whose peak is the second of three moments.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_layer
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    torch_frame = frame("/site-packages/torch/nn/functional.py", 10, "linear")
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 20},
+        {"action": "alloc", "addr": 1, "size": 300, "frames": [torch_frame, frame("/x/mok_plugin/ops.py", 5, "fwd")]},
+        {"action": "alloc", "addr": 2, "size": 500, "frames": [torch_frame]},
+        {"action": "free_requested", "addr": 99, "size": 1000},  # allocated before the trace: ignored
+        {"action": "alloc", "addr": 3, "size": 200, "frames": []},
+        {"action": "free_requested", "addr": 2, "size": 500},
+        {"action": "free_completed", "addr": 2, "size": 500},
+        {"action": "alloc", "addr": 4, "size": 400, "frames": [frame("/x/scripts/bench_layer.py", 7, "run")]},
+    ]
+    peak, live = bench_layer.peak_live_set(trace)
+    assert peak == 1000  # 300 + 500 + 200, before the free; the later 300 + 200 + 400 is less
+    assert live == [
+        {"bytes": 300, "site": "ops.py:5 fwd"},  # the project's frame, not torch's
+        {"bytes": 500, "site": "functional.py:10 linear"},
+        {"bytes": 200, "site": "?"},
+    ]
+
+
 def test_multi_gpu_smoke_on_cpu(tmp_path):
     # scripts/multi_gpu.py with two gloo processes: the invariance part (EP 1 and 2 bitwise, both
     # exchanges) and bench_ep at EP = 2, each a torchrun job; its JSON holds every part.
