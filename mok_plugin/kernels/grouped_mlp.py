@@ -922,8 +922,11 @@ def expert_wgrad(
     return d_w
 
 
-# The most bytes a pre-gathered weight-gradient operand holds at once (see expert_wgrad).
-GATHER_CHUNK_BYTES = 256 * 2**20
+# The most bytes a pre-gathered weight-gradient operand holds at once (see expert_wgrad). dW13's
+# copy of x is live at the backward's peak: 128 MiB (two blocks on mixtral-8x7b) keeps that peak
+# under torch's path, 256 MiB put it 0.34 MiB over; the extra re-read of the other operand was not
+# measurable (mixtral 31.13 vs 31.24 ms, deepseek-v3 46.23 vs 46.43 in one process; BENCHMARKS.md).
+GATHER_CHUNK_BYTES = 128 * 2**20
 
 
 def gather_column_blocks(num_cols: int, bytes_per_col: int, block: int) -> list[tuple[int, int]]:
