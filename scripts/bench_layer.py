@@ -251,7 +251,7 @@ def fwd_bwd(fn: Callable, inputs: dict) -> list[torch.Tensor]:
 
 
 # The H200 holds its 700 W cap by lowering the SM clock under sustained load (1980 MHz after an
-# idle spell, ~1450-1550 MHz once loaded), so work timed in its first ~0.1 s after idle runs fast:
+# idle spell, mostly 1440-1650 MHz once loaded), so work timed in its first calls after idle runs fast:
 # a dense GEMM read 756 TFLOP/s in 20 calls after 1 s idle and 642 after 0.3 s of them, and
 # mixtral-8x7b's MoK fwd+bwd 27.4 ms in 3 calls after idle against 30.6 under load (one process,
 # 2026-11-30, BENCHMARKS.md). Every timing here therefore first runs its work back to back for
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, overrides: dict) -> int:
 
     shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
-    burst = dense_gemm_tflops(settle_s=0.0)  # first, while the chip is still cool from idle
+    burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
     gemm = dense_gemm_tflops(settle_s=args.settle_s)
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
           f"({burst:.0f} in its first calls after idle)", flush=True)  # fmt: skip
