@@ -266,8 +266,8 @@ def time_ms(fn: Callable, iters: int, warmup: int = 3, settle_s: float = 0.0) ->
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    settled = time.perf_counter() + settle_s
-    while time.perf_counter() < settled:
+    deadline = time.perf_counter() + settle_s
+    while time.perf_counter() < deadline:
         fn()
         torch.cuda.synchronize()
     times = []
@@ -485,8 +485,11 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
     shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
     burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
     gemm = dense_gemm_tflops(settle_s=args.settle_s)
-    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
-          f"({burst:.0f} in its first calls after idle)", flush=True)  # fmt: skip
+    dense_line = (
+        f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
+        f"({burst:.0f} in its first calls after idle)"
+    )
+    print(dense_line, flush=True)
     rows = []
     for shape_name, shape in shapes:
         for routing in args.routing:
@@ -570,8 +573,7 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
             print_breakdown(row)
         if "memory" in row:
             print_memory(row)
-    print(f"dense bf16 GEMM {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load ({burst:.0f} in its first calls "
-          f"after idle); details in {args.out / 'bench_layer.json'}")  # fmt: skip
+    print(f"{dense_line}; details in {args.out / 'bench_layer.json'}")
     return 0
 
 

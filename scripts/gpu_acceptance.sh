@@ -12,7 +12,7 @@
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
-# On the H200 (2026-11-29): tests ~210 s, deepspeed ~35 s, compare ~190 s, layer ~120 s: more than one
+# On the H200 (2026-11-30): tests ~210 s, deepspeed ~35 s, compare ~190 s, layer ~210 s: more than one
 # 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail

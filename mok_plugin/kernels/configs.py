@@ -95,6 +95,8 @@ _TABLE: dict[str, MoKTileConfig] = {
     "combine": MoKTileConfig(8, 256, 1, 4, 1),
 }
 PINNED_KERNELS = tuple(_TABLE)
+# Kernels whose tile does not depend on the output width: the weight gradients and combine.
+_NEVER_NARROWED = frozenset({"combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad"})
 _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
@@ -123,7 +125,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     if interpreter_on():
         return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
     cfg = _TABLE[kernel]
-    if kernel not in ("combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad") and n_out < cfg.block_n:
+    if kernel not in _NEVER_NARROWED and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         if narrow < cfg.block_n:
             cfg = replace(cfg, block_n=narrow, split_n=1)
