@@ -3,7 +3,8 @@
 Owns: `MoKConfig` (model shape, routing, parallel layout, backend and kernel knobs), `load_config`,
 `MoKConfigError`, and the `MOK_PLUGIN_*` environment flags. Every invalid value or combination is
 an error that names the field (as `mok.<field>`) and what is allowed; problems across fields are
-collected and reported together.
+collected and reported together. Values that validate also run: floats are finite and bounded, and
+sizes are bounded so that the buffers built from them stay inside int64 (the bounds below say why).
 
 Does not own: topology files for whole training runs (a later issue adds them next to this), or any
 tensor code.
@@ -12,14 +13,23 @@ tensor code.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["MoKConfig", "MoKConfigError", "load_config", "debug_checks_from_env", "triton_interpreter_from_env"]
+__all__ = [
+    "MoKConfig",
+    "MoKConfigError",
+    "load_config",
+    "read_yaml",
+    "short_repr",
+    "debug_checks_from_env",
+    "triton_interpreter_from_env",
+]
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 Backend = Literal["auto", "triton", "reference"]
@@ -27,27 +37,106 @@ ParamsDtype = Literal["float32", "bfloat16", "float16"]
 KernelVariant = Literal["megakernel", "multi_kernel"]
 
 
+# --- bounds ---------------------------------------------------------------------------------------
+# Each dimension (H, I, E, K, group and EP counts) is below 2**31: kernels index one dimension with
+# int32 offsets, and no model comes near (the largest H in configs/ is 7168, E 384).
+MAX_DIM = 2**31 - 1
+# The stacked expert weights [E, 2I, H] (and the shared MLP's [2 I_shared, H]) hold at most 2**60
+# elements, so their byte sizes in fp32 (2**62), gradients and optimizer states included, stay
+# int64 values; DeepSeek-V3's layer holds 2**33.
+MAX_WEIGHT_ELEMENTS = 2**60
+# Every float knob (capacity factors, routed scaling, loss coefficients, bias update rate) is finite
+# and at most 1024: far above any published value (capacity factors 1-2, routed scaling 1-16,
+# loss coefficients 1e-4..1e-2, bias update rate 1e-3), above E/K and the EP size of every model in
+# configs/ (where more capacity changes nothing), and low enough that ceil(factor * T * K / E) for
+# T * K < 2**40 stays below 2**50 (exact in float64) and the fp32 losses and expert bias stay finite.
+MAX_FACTOR = 1024.0
+# Fields that existed once; passing one is an error that says why it went (not "unknown key").
+REMOVED_FIELDS = {
+    "deterministic": "this key was removed: MoK is always deterministic (fixed-order kernels, no float "
+    "atomics, pinned tile configs), so there is nothing to switch; drop it",
+}
+# Reprs in error messages are cut to this many characters, so a huge input is never echoed whole.
+REPR_LIMIT = 80
+
+
 class MoKConfigError(ValueError):
     """An invalid MoK configuration; the message names every offending field."""
+
+
+def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
+    """`repr(value)`, cut to about `limit` characters (with the full length said) for error messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit str limit
+        return f"<int of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+def _cut(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+def read_yaml(path: str | os.PathLike[str], what: str = "") -> Any:
+    """The parsed YAML of a file; every way reading it can fail is one MoKConfigError naming the file.
+
+    Args:
+        path: the file.
+        what: how to name it in messages (for example "--mok-config"); the path follows.
+    Raises:
+        MoKConfigError: a missing file, a directory, no permission, any other OS error, text that is
+            not UTF-8, YAML that does not parse (or nests too deeply, or holds an integer too long).
+    """
+    name = f"{what} {_cut(str(path), 200)}" if what else _cut(str(path), 200)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MoKConfigError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise MoKConfigError(f"{name}: is a directory, not a YAML file") from None
+    except PermissionError:
+        raise MoKConfigError(f"{name}: permission denied") from None
+    except UnicodeDecodeError as error:
+        raise MoKConfigError(f"{name}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise MoKConfigError(f"{name}: cannot be read: {error.strerror or error}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise MoKConfigError(f"{name}: not valid YAML: {_cut(str(error))}") from None
+    except RecursionError:
+        raise MoKConfigError(f"{name}: not valid YAML: nested too deeply") from None
+    except ValueError as error:  # PyYAML's int() of a number longer than Python's digit limit
+        raise MoKConfigError(f"{name}: not valid YAML: {_cut(str(error))}") from None
 
 
 def format_validation_error(
     error: ValidationError, header: str, prefix: str = "", allowed: Iterable[str] | None = None
 ) -> str:
     """Pydantic's error list as `header` and one line per problem, each naming its field as
-    `prefix.<field>` (the bare field without a prefix); unknown keys list `allowed` when given.
+    `prefix.<field>` (the bare field without a prefix); unknown keys list `allowed` when given, and
+    a key of REMOVED_FIELDS says why it was removed. Inputs are shown cut to REPR_LIMIT characters.
     The config schemas (MoKConfig, the ds_config "mok" block, run configs) all report this way."""
     lines = []
     for item in error.errors():
-        loc = ".".join(str(part) for part in item["loc"])
+        loc = _cut(".".join(str(part) for part in item["loc"]), REPR_LIMIT)
         field = f"{prefix}.{loc}" if prefix and loc else loc or prefix
         if item["type"] == "extra_forbidden":
-            lines.append(f"{field}: unknown key" + (f"; allowed keys: {', '.join(sorted(allowed))}" if allowed else ""))
+            key = item["loc"][-1] if item["loc"] else ""
+            if key in REMOVED_FIELDS:
+                lines.append(f"{field}: {REMOVED_FIELDS[key]}")
+                continue
+            allowed_keys = sorted(set(allowed or ()) - set(REMOVED_FIELDS))
+            lines.append(f"{field}: unknown key" + (f"; allowed keys: {', '.join(allowed_keys)}" if allowed else ""))
+        elif item["type"] == "missing":
+            lines.append(f"{field}: required, missing")  # its "input" is the whole enclosing mapping
         elif item["type"] == "value_error":
             # Cross-field problems from the models' validators already name their fields.
             lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
         else:
-            lines.append(f"{field}={item.get('input')!r}: {item['msg']}")
+            lines.append(f"{field}={short_repr(item.get('input'))}: {item['msg']}")
     return f"{header}:\n  " + "\n  ".join(lines)
 
 
@@ -57,44 +146,54 @@ class MoKConfig(BaseModel):
     Shape fields use the dimension letters of DESIGN.md: hidden_size is H, ffn_hidden_size is the
     expert intermediate size I, num_experts is E, top_k is K.
 
+    Floats are finite and at most MAX_FACTOR (1024); every size is at most MAX_DIM (2**31 - 1) and
+    the expert weights at most MAX_WEIGHT_ELEMENTS (2**60). `params_dtype` takes a name or a
+    torch.dtype and stores the name.
+
     Raises:
-        MoKConfigError: for an unknown key, a wrong type, a value out of range or an impossible
-            combination (for example top_k > num_experts); the message names each field.
+        MoKConfigError: for an unknown key, a removed one (`deterministic`: MoK is always
+            deterministic), a wrong type, a value out of range or an impossible combination (for
+            example top_k > num_experts); the message names each field.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     # --- shape -----------------------------------------------------------------------------------
-    hidden_size: int = Field(gt=0, description="H, the model width.")
-    ffn_hidden_size: int = Field(gt=0, description="I, the intermediate size of one routed expert.")
-    num_experts: int = Field(gt=0, description="E, routed experts in the whole layer (all EP ranks).")
-    top_k: int = Field(gt=0, description="K, experts chosen per token.")
-    num_shared_experts: int = Field(default=0, ge=0, description="Dense SwiGLU experts every token uses.")
+    hidden_size: int = Field(gt=0, le=MAX_DIM, description="H, the model width.")
+    ffn_hidden_size: int = Field(gt=0, le=MAX_DIM, description="I, the intermediate size of one routed expert.")
+    num_experts: int = Field(gt=0, le=MAX_DIM, description="E, routed experts in the whole layer (all EP ranks).")
+    top_k: int = Field(gt=0, le=MAX_DIM, description="K, experts chosen per token.")
+    num_shared_experts: int = Field(default=0, ge=0, le=MAX_DIM, description="Dense SwiGLU experts every token uses.")
     shared_ffn_hidden_size: int | None = Field(
         default=None,
         gt=0,
+        le=MAX_DIM,
         description="Total intermediate size of the shared-expert MLP; default num_shared_experts * I.",
     )
 
     # --- routing ---------------------------------------------------------------------------------
     score_function: ScoreFunction = "softmax"
     norm_topk_prob: bool = Field(default=False, description="Renormalise the K chosen weights to sum to 1.")
-    routed_scaling_factor: float = Field(default=1.0, gt=0.0)
-    n_group: int | None = Field(default=None, gt=0, description="Expert groups for group-limited routing.")
-    topk_group: int | None = Field(default=None, gt=0, description="Groups each token may route into.")
+    routed_scaling_factor: float = Field(default=1.0, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False)
+    n_group: int | None = Field(default=None, gt=0, le=MAX_DIM, description="Expert groups for group-limited routing.")
+    topk_group: int | None = Field(default=None, gt=0, le=MAX_DIM, description="Groups each token may route into.")
     expert_bias: bool = Field(default=False, description="Aux-loss-free balancing: a bias used only to select.")
-    expert_bias_update_rate: float = Field(default=1e-3, ge=0.0)
-    aux_loss_coeff: float = Field(default=0.0, ge=0.0, description="Switch-style load-balancing loss.")
-    z_loss_coeff: float = Field(default=0.0, ge=0.0, description="Router z-loss.")
+    expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False)
+    aux_loss_coeff: float = Field(
+        default=0.0, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False, description="Switch-style load-balancing loss."
+    )
+    z_loss_coeff: float = Field(default=0.0, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False, description="Router z-loss.")
     capacity_factor: float | None = Field(
         default=None,
         gt=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
         description="None = dropless; otherwise rows per expert = ceil(T*K/E*factor), T the global batch "
         "(all EP ranks); each expert keeps its first rows in global token order.",
     )
 
     # --- parallel layout -------------------------------------------------------------------------
-    ep_size: int = Field(default=1, gt=0, description="Expert-parallel world size W.")
+    ep_size: int = Field(default=1, gt=0, le=MAX_DIM, description="Expert-parallel world size W.")
     ep_exchange: Literal["capacity", "exact"] = Field(
         default="capacity",
         description="capacity: fixed-size buffers, no host sync, same token count on every rank; "
@@ -108,6 +207,8 @@ class MoKConfig(BaseModel):
     ep_capacity_factor: float = Field(
         default=2.0,
         gt=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
         description="capacity exchange: rows each rank may send to each rank = ceil(factor * T * K / W).",
     )
 
@@ -118,8 +219,10 @@ class MoKConfig(BaseModel):
         default="multi_kernel",
         description="Triton backend: one persistent launch per pass, or one launch per GEMM (same arithmetic).",
     )
-    deterministic: bool = True
-    params_dtype: ParamsDtype = "float32"
+    # MoK is deterministic by construction, so there is no `deterministic` switch (REMOVED_FIELDS).
+    params_dtype: ParamsDtype = Field(
+        default="float32", description="The parameters' dtype, by name; a torch.dtype is accepted and stored by name."
+    )
     debug_checks: bool = Field(default=False, description="Check router logits for NaN/inf (syncs the host).")
 
     def __init__(self, **data: Any) -> None:
@@ -130,12 +233,38 @@ class MoKConfig(BaseModel):
                 format_validation_error(error, "invalid MoK config", "mok", MoKConfig.model_fields)
             ) from None
 
+    @field_validator("params_dtype", mode="before")
+    @classmethod
+    def _dtype_by_name(cls, value: Any) -> Any:
+        # torch.float32 -> "float32", so model_dump, YAML and replace() keep a plain name. torch is
+        # looked up, not imported: a value can only be a torch.dtype once torch is loaded.
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> MoKConfig:
         problems: list[str] = []
-        E, K = self.num_experts, self.top_k
+        E, K, H, I = self.num_experts, self.top_k, self.hidden_size, self.ffn_hidden_size
         if K > E:
             problems.append(f"mok.top_k={K} exceeds num_experts={E}; allowed: 1..{E}")
+        if E * 2 * I * H > MAX_WEIGHT_ELEMENTS:
+            problems.append(
+                f"mok.num_experts={E} x 2 x mok.ffn_hidden_size={I} x mok.hidden_size={H} = {E * 2 * I * H} "
+                f"expert weight elements exceeds 2**60 (their byte sizes must stay int64 values)"
+            )
+        shared = self.shared_intermediate_size
+        if shared > MAX_DIM:
+            problems.append(
+                f"mok.num_shared_experts={self.num_shared_experts} x mok.ffn_hidden_size={I} = {shared} "
+                f"exceeds {MAX_DIM}; set mok.shared_ffn_hidden_size or fewer shared experts"
+            )
+        elif 2 * shared * H > MAX_WEIGHT_ELEMENTS:
+            problems.append(
+                f"the shared-expert MLP, 2 x {shared} (mok.shared_ffn_hidden_size, or num_shared_experts x "
+                f"ffn_hidden_size) x mok.hidden_size={H} elements, exceeds 2**60 elements"
+            )
         if self.num_shared_experts == 0 and self.shared_ffn_hidden_size is not None:
             problems.append(
                 f"mok.shared_ffn_hidden_size={self.shared_ffn_hidden_size} is set but num_shared_experts=0; "
@@ -196,15 +325,11 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
     which is validated whole (mok_plugin.topology) before its MoE layer's config is returned.
 
     Raises:
-        FileNotFoundError: the path does not exist.
-        MoKConfigError: the YAML is not a mapping, or a field is invalid (the message names it).
+        MoKConfigError: naming the file: it cannot be read (missing, a directory, no permission,
+            not UTF-8), it is not valid YAML or not a mapping, or a field is invalid (named too).
     """
     path = Path(path)
-    with path.open() as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as error:
-            raise MoKConfigError(f"{path}: not valid YAML: {error}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise MoKConfigError(f"{path}: expected a mapping of MoK config fields, got {type(data).__name__}")
     if "machine" in data and "parallel" in data:
@@ -217,7 +342,7 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
         if not isinstance(data, dict):
             raise MoKConfigError(f"{path}: the 'mok' section must be a mapping, got {type(data).__name__}")
     try:
-        return MoKConfig(**data)
+        return MoKConfig(**{str(key): value for key, value in data.items()})
     except MoKConfigError as error:
         raise MoKConfigError(f"{path}: {error}") from None
 

@@ -1,16 +1,24 @@
-"""MoKConfig and load_config: defaults, YAML loading, and every rejection naming its field."""
+"""MoKConfig and load_config: defaults, YAML loading, and every rejection naming its field; values
+that would validate but not run (non-finite or huge floats, sizes past int64 buffers) and the
+removed `deterministic` key are errors; a torch.dtype is a params_dtype; every way a file can fail
+to read is an error naming the file; no error echoes a huge input whole."""
+
+import math
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from mok_plugin import MoKConfig, MoKConfigError, load_config
 
 BASE = dict(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2)
 
 
-def test_defaults_are_dropless_deterministic_auto():
+def test_defaults_are_dropless_auto():
     cfg = MoKConfig(**BASE)
     assert cfg.capacity_factor is None
-    assert cfg.deterministic is True
+    assert "deterministic" not in MoKConfig.model_fields  # MoK is always deterministic: no switch
     assert cfg.backend == "auto"
     assert cfg.shared_intermediate_size == 0
     assert cfg.num_local_experts == 8
@@ -88,7 +96,7 @@ def test_load_config_errors_name_file_and_field(tmp_path):
     not_mapping.write_text("- 1\n- 2\n")
     with pytest.raises(MoKConfigError, match="expected a mapping"):
         load_config(not_mapping)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(MoKConfigError, match=r"missing\.yaml: no such file"):
         load_config(tmp_path / "missing.yaml")
 
 
@@ -97,3 +105,100 @@ def test_replace_revalidates():
     assert cfg.replace(top_k=4).top_k == 4
     with pytest.raises(MoKConfigError, match="mok.top_k=12"):
         cfg.replace(top_k=12)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        # Each of these used to validate and fail later: math.ceil(inf) in the schedule or the
+        # exchange (OverflowError), an infinite loss, an infinite expert bias or output.
+        pytest.param(dict(capacity_factor=math.inf), r"mok\.capacity_factor=inf: .*finite", id="capacity_inf"),
+        pytest.param(dict(capacity_factor=math.nan), r"mok\.capacity_factor=nan: .*finite", id="capacity_nan"),
+        pytest.param(dict(capacity_factor=1e300), r"mok\.capacity_factor=1e\+300: .*1024", id="capacity_huge"),
+        pytest.param(dict(ep_capacity_factor=math.inf), r"mok\.ep_capacity_factor=inf", id="ep_capacity_inf"),
+        pytest.param(dict(ep_capacity_factor=1e6), r"mok\.ep_capacity_factor=1000000\.0: .*1024", id="ep_huge"),
+        pytest.param(dict(aux_loss_coeff=math.inf), r"mok\.aux_loss_coeff=inf", id="aux_inf"),
+        pytest.param(dict(z_loss_coeff=math.nan), r"mok\.z_loss_coeff=nan", id="z_nan"),
+        pytest.param(dict(z_loss_coeff=1e39), r"mok\.z_loss_coeff=1e\+39", id="z_huge"),
+        pytest.param(dict(routed_scaling_factor=math.inf), r"mok\.routed_scaling_factor=inf", id="scaling_inf"),
+        pytest.param(dict(expert_bias_update_rate=math.inf), r"mok\.expert_bias_update_rate=inf", id="rate_inf"),
+        pytest.param(dict(hidden_size=2**31), r"mok\.hidden_size=2147483648: .*2147483647", id="H_past_int32"),
+        pytest.param(dict(num_shared_experts=2**40), r"mok\.num_shared_experts=", id="shared_count_huge"),
+        pytest.param(
+            dict(num_experts=2**20, top_k=1, ffn_hidden_size=2**20, hidden_size=2**20),
+            r"mok\.num_experts=1048576 x 2 x mok\.ffn_hidden_size=1048576 x mok\.hidden_size=1048576 .*2\*\*60",
+            id="expert_weights_past_int64",
+        ),
+        pytest.param(
+            dict(num_shared_experts=4, ffn_hidden_size=2**30),
+            r"mok\.num_shared_experts=4 x mok\.ffn_hidden_size=1073741824 = 4294967296 exceeds",
+            id="shared_size_past_int32",
+        ),
+    ],
+)
+def test_values_that_cannot_run_are_refused(changes, match):
+    with pytest.raises(MoKConfigError, match=match):
+        MoKConfig(**{**BASE, **changes})
+
+
+def test_deterministic_was_removed(tmp_path):
+    removed = r"mok\.deterministic: this key was removed: MoK is always deterministic"
+    for value in (True, False):
+        with pytest.raises(MoKConfigError, match=removed):
+            MoKConfig(**BASE, deterministic=value)
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"mok": {**BASE, "deterministic": True}}))
+    with pytest.raises(MoKConfigError, match=rf"(?s)old\.yaml.*{removed}"):
+        load_config(path)
+    with pytest.raises(MoKConfigError) as info:  # reported with the other problems, not as an unknown key
+        MoKConfig(**BASE, deterministic=True, topk=2)
+    assert "mok.topk: unknown key" in str(info.value) and "deterministic, " not in str(info.value)
+
+
+def test_params_dtype_takes_a_torch_dtype_and_keeps_its_name():
+    cfg = MoKConfig(**BASE, params_dtype=torch.bfloat16)
+    assert cfg.params_dtype == "bfloat16" and cfg == MoKConfig(**BASE, params_dtype="bfloat16")
+    assert cfg.model_dump()["params_dtype"] == "bfloat16"
+    assert MoKConfig(**yaml.safe_load(yaml.safe_dump(cfg.model_dump()))) == cfg
+    assert cfg.replace(params_dtype=torch.float16).params_dtype == "float16"
+    assert cfg.replace(top_k=1).params_dtype == "bfloat16"
+    with pytest.raises(MoKConfigError, match=r"mok\.params_dtype='float64'.*'float32', 'bfloat16' or 'float16'"):
+        MoKConfig(**BASE, params_dtype=torch.float64)
+
+
+def test_errors_never_echo_a_huge_input():
+    cases = [dict(score_function="x" * 100_000), dict(hidden_size=10**5000), dict(top_k=[1] * 100_000),
+             {"y" * 100_000: 1}]  # fmt: skip
+    for changes in cases:
+        with pytest.raises(MoKConfigError) as info:
+            MoKConfig(**{**BASE, **changes})
+        assert len(str(info.value)) < 1500, str(info.value)[:300]
+
+
+def test_load_config_names_the_file_for_every_read_failure(tmp_path, monkeypatch):
+    binary = tmp_path / "latin1.yaml"
+    binary.write_bytes("hidden_size: 64 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(MoKConfigError, match=r"latin1\.yaml: not UTF-8 text"):
+        load_config(binary)
+    with pytest.raises(MoKConfigError, match=rf"{tmp_path.name}: is a directory"):
+        load_config(tmp_path)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("mok: [1, 2\n")
+    with pytest.raises(MoKConfigError, match=r"broken\.yaml: not valid YAML"):
+        load_config(broken)
+    long_int = tmp_path / "long_int.yaml"
+    long_int.write_text("hidden_size: " + "9" * 5000 + "\n")
+    with pytest.raises(MoKConfigError, match=r"long_int\.yaml: not valid YAML") as info:
+        load_config(long_int)
+    assert len(str(info.value)) < 1000
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000)
+    with pytest.raises(MoKConfigError, match=r"deep\.yaml: not valid YAML"):
+        load_config(deep)
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)  # root reads any file, so simulate the refusal
+    with pytest.raises(MoKConfigError, match=r"broken\.yaml: permission denied"):
+        load_config(broken)
