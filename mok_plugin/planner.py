@@ -24,16 +24,21 @@ Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
                 forward), at `efficiency` x the machine's dense bf16 rate
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
                 sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
-                scale-out network (per-direction datasheet rates)
+                scale-out network (per-direction datasheet rates); a run whose exchange would
+                use a link the machine lacks (0 GB/s) is refused when the run config loads
+                (and by `layer_time`), never charged 0 ms
+`efficiency` is in (0, 1].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from mok_plugin.config import MoKConfigError
 from mok_plugin.topology import RunConfig
 
-__all__ = ["LayerTime", "MemoryEstimate", "layer_time", "memory_per_gpu"]
+__all__ = ["LayerTime", "MemoryEstimate", "exchange_link", "layer_time", "memory_per_gpu"]
 
 GIB = 1024**3
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIMIZER = 2, 4, 12
@@ -101,18 +106,39 @@ def memory_per_gpu(run: RunConfig) -> MemoryEstimate:
     )
 
 
+def exchange_link(run: RunConfig) -> tuple[str, str, float]:
+    """The link the expert exchange uses: (name, the Machine field of its rate, GB/s per direction).
+
+    "none" (rate 0) at EP 1; NVLink when the EP group fits one NVLink domain; else the scale-out
+    network.
+    """
+    p, hw = run.parallel, run.hardware
+    if p.ep == 1:
+        return "none", "", 0.0
+    if p.ep * p.expert_tp <= hw.nvlink_domain:
+        return "NVLink", "nvlink_gb_s", hw.nvlink_gb_s
+    return "scale-out", "scale_out_gb_s", hw.scale_out_gb_s
+
+
 def layer_time(run: RunConfig, efficiency: float = 0.6) -> LayerTime:
-    """The MoE-layer time estimate of the module docstring (forward + backward, one micro-batch)."""
+    """The MoE-layer time estimate of the module docstring (forward + backward, one micro-batch).
+
+    Raises:
+        ValueError: `efficiency` not a finite number in (0, 1].
+        MoKConfigError: the exchange would go over a link of 0 GB/s (naming the machine's field).
+    """
+    if not (isinstance(efficiency, (int, float)) and math.isfinite(efficiency) and 0 < efficiency <= 1):
+        raise ValueError(f"efficiency={efficiency!r}: must be a finite fraction of peak in (0, 1]")
     p, m, hw = run.parallel, run.model, run.hardware
     T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
     flops = 3 * 2 * T * K * 3 * H * I / p.expert_tp
     expert_ms = flops / (efficiency * hw.bf16_tflops * 1e12) * 1e3
     exchange = 4 * T * K * H * 2 * (p.ep - 1) / p.ep
-    if p.ep == 1:
-        link, rate = "none", 0.0
-    elif p.ep * p.expert_tp <= hw.nvlink_domain:
-        link, rate = "NVLink", hw.nvlink_gb_s
-    else:
-        link, rate = "scale-out", hw.scale_out_gb_s
-    exchange_ms = exchange / (rate * 1e9) * 1e3 if rate else 0.0
+    link, rate_field, rate = exchange_link(run)
+    if link != "none" and rate <= 0:
+        raise MoKConfigError(
+            f"parallel.ep={p.ep}: the expert exchange goes over {link}, but machine {hw.name!r} has "
+            f"{rate_field}=0 GB/s; its time would be infinite"
+        )
+    exchange_ms = exchange / (rate * 1e9) * 1e3 if link != "none" else 0.0
     return LayerTime(flops, expert_ms, exchange, exchange_ms, link, rate)

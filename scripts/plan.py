@@ -3,12 +3,16 @@ layers of one micro-batch, with every rate and its source. The arithmetic is mok
 
     python scripts/plan.py configs/topologies/deepseek-v3_gb300-nvl72_ep64.yaml
     python scripts/plan.py CONFIG --efficiency 0.5 --json out/plan.json
+
+Exit status: 0 when the layout fits, 1 when it does not, 2 for a config that cannot be read or
+validated, or bad arguments (an `error: ...` line naming the file or argument, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -20,19 +24,31 @@ from mok_plugin.planner import HBM_USABLE, layer_time, memory_per_gpu  # noqa: E
 from mok_plugin.topology import load_topology  # noqa: E402
 
 
+def efficiency(text: str) -> float:
+    """argparse type: a finite fraction of peak in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a number") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: must be a fraction of peak in (0, 1], for example 0.6")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
-    parser.add_argument("--efficiency", type=float, default=0.6, help="fraction of dense bf16 peak the experts reach")
+    parser.add_argument("--efficiency", type=efficiency, default=0.6,
+                        help="fraction of dense bf16 peak the experts reach, in (0, 1]")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
         run = load_topology(args.config)
+        mem, t = memory_per_gpu(run), layer_time(run, args.efficiency)
     except MoKConfigError as error:
-        print(error, file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     hw, p, m = run.hardware, run.parallel, run.model
-    mem, t = memory_per_gpu(run), layer_time(run, args.efficiency)
     T = p.seq_length * p.micro_batch
     layers_here = m.moe_layers / p.pp
     print(f"{args.config.name}: {m.name} on {hw.name} ({p.world_size} GPUs)")
@@ -62,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the {layers_here:g} MoE layers of one pipeline stage: {per_mb:.1f} ms per micro-batch "
           "(expert GEMMs + exchange, not overlapped)")  # fmt: skip
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         memory = {**asdict(mem), "total_gib": mem.total_gib, "fits": mem.fits}
         result = {"config": str(args.config), "memory": memory, "moe_layer": asdict(t),
                   "moe_layers_per_microbatch_ms": per_mb}  # fmt: skip
-        args.json.write_text(json.dumps(result, indent=2))
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2))
+        except OSError as error:
+            print(f"error: --json {args.json}: cannot write it: {error.strerror or error}", file=sys.stderr)
+            return 2
     return 0 if mem.fits else 1
 
 
