@@ -187,9 +187,16 @@ class MoKMoE(nn.Module):
 
     def _select_backend(self) -> None:
         # Chosen when the parameters' device is known (here and after .to()/.cuda()), never in
-        # forward, so torch.compile traces no import machinery.
+        # forward, so torch.compile traces no import machinery. A backend that cannot run where
+        # the parameters are now is an error at the first forward, not here: a layer built on the
+        # CPU with backend="triton" and then moved with .to("cuda") is the usual PyTorch order.
         device = self.experts.gate_up_proj.device
-        self.backend = resolve_backend(self.config.backend, device) if device.type != "meta" else "reference"
+        self._backend_error = None
+        try:
+            self.backend = resolve_backend(self.config.backend, device) if device.type != "meta" else "reference"
+        except ValueError as error:
+            self.backend = "unavailable"
+            self._backend_error = f"mok.backend={self.config.backend!r} cannot run on {device}: {error}"
         if self.backend == "triton":
             from mok_plugin import ops
 
@@ -242,9 +249,13 @@ class MoKMoE(nn.Module):
             (output shaped like x, aux_loss fp32 scalar: load-balancing loss + z-loss, zero when
             both coefficients are zero).
         Raises:
-            ValueError / TypeError: wrong last dimension, dtype or device; with debug checks on,
-                non-finite router logits.
+            ValueError: mok.backend cannot run where the parameters are (for example "triton" on
+                the CPU without TRITON_INTERPRET=1); with debug checks on, non-finite router
+                logits (under expert parallelism on every rank alike).
+            ValueError / TypeError: wrong last dimension, dtype or device.
         """
+        if self._backend_error is not None:
+            raise ValueError(self._backend_error)
         self._check_input(x)
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size)
@@ -307,9 +318,8 @@ class MoKMoE(nn.Module):
         # Computing in fp64 (and the scores too, in `route`) hides those last-bit differences; a
         # fixed-order router kernel would be the exact fix.
         router_logits = torch.nn.functional.linear(x_TH.double(), self.router.weight.double())
-        if debug and not torch.isfinite(router_logits).all():  # host-ok: opt-in debug check
-            bad = (~torch.isfinite(router_logits)).any(dim=-1).nonzero()[:5, 0].tolist()  # host-ok: debug
-            raise ValueError(f"non-finite router logits for tokens {bad} (first 5); check the layer input")
+        if debug:
+            self._check_finite_logits(router_logits)
         return route(
             router_logits,
             top_k=cfg.top_k,
@@ -322,6 +332,23 @@ class MoKMoE(nn.Module):
             aux_loss_coeff=cfg.aux_loss_coeff,
             z_loss_coeff=cfg.z_loss_coeff,
         )
+
+    def _check_finite_logits(self, router_logits: torch.Tensor) -> None:
+        """Debug check (syncs the host). Under expert parallelism every rank learns which ranks
+        have non-finite logits and all raise the same error, so no rank is left waiting in the
+        exchange for one that stopped."""
+        bad_tokens = (~torch.isfinite(router_logits)).any(dim=-1)
+        bad_count = bad_tokens.sum().view(1)
+        bad_ranks: list[int] = [0] if bool(bad_count) else []  # host-ok: opt-in debug check
+        if self.ep_group is not None:
+            every = bad_count.new_empty(self.config.ep_size)
+            torch.distributed.all_gather_into_tensor(every, bad_count, group=self.ep_group)
+            bad_ranks = every.nonzero()[:, 0].tolist()  # host-ok: opt-in debug check
+        if not bad_ranks:
+            return
+        mine = bad_tokens.nonzero()[:5, 0].tolist()  # host-ok: opt-in debug check
+        where = f" on expert-parallel rank(s) {bad_ranks}, this rank's" if self.ep_group is not None else ""
+        raise ValueError(f"non-finite router logits{where} for tokens {mine} (first 5); check the layer input")
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:

@@ -134,9 +134,11 @@ def expert_up_fwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R_pad, 2I], A = SwiGLU(h) [R_pad, I]) of the gathered x rows. The schedule tensors that
-    only the backward reads are inputs so that autograd saves them."""
+    only the backward reads are inputs so that autograd saves them; top_k is passed, not derived
+    from tk_to_row's length, because T can be 0 (an expert-parallel rank that receives no rows)."""
     return gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
 
 
@@ -157,11 +159,11 @@ def expert_up_bwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, 2I, H]) from dh."""
-    T = x.shape[0]
-    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, T,
-                       tk_to_row.shape[0] // T)  # fmt: skip
+    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, x.shape[0],
+                       top_k)  # fmt: skip
     d_gate_up = expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
                              right_by_token=True, segment_align=tile_m)  # fmt: skip
     return d_x, d_gate_up
@@ -173,8 +175,8 @@ def _(d_h, x, gate_up_proj, *schedule_and_tile):
 
 
 def _setup_up(ctx, inputs, output):
-    *tensors, tile_m = inputs
-    ctx.tile_m = tile_m
+    *tensors, tile_m, top_k = inputs
+    ctx.tile_m, ctx.top_k = tile_m, top_k
     ctx.save_for_backward(*tensors)
     # A gets no gradient (the down node returns dh for h instead): leave it None rather than have
     # autograd allocate zeros [R_pad, I] for it at the backward's peak.
@@ -183,8 +185,8 @@ def _setup_up(ctx, inputs, output):
 
 def _backward_up(ctx, d_h, _d_a):
     x, gate_up_proj, *schedule = ctx.saved_tensors
-    d_x, d_gate_up = expert_up_bwd(d_h, x, gate_up_proj, *schedule, ctx.tile_m)
-    return d_x, d_gate_up, None, None, None, None, None, None
+    d_x, d_gate_up = expert_up_bwd(d_h, x, gate_up_proj, *schedule, ctx.tile_m, ctx.top_k)
+    return d_x, d_gate_up, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mok_plugin::expert_up_fwd", _backward_up, setup_context=_setup_up)
@@ -297,8 +299,9 @@ def moe_experts(
         )  # fmt: skip
         return out
     h, a = expert_up_fwd(
-        x, gate_up_proj, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m
-    )
+        x, gate_up_proj, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m,
+        s.top_k,
+    )  # fmt: skip
     return expert_down_fwd(
         h, a, topk_weights, down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
         s.tokens_per_expert, s.tile_m,

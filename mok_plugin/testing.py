@@ -10,14 +10,20 @@ Imports no pytest.
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "free_port",
+    "init_gloo",
+    "run_ranks",
     "NAMED_SHAPES",
     "parse_shape",
     "MoEShape",
@@ -244,3 +250,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
+    """Join a gloo process group of `world` ranks on 127.0.0.1:port; a collective that waits
+    longer than timeout_s raises instead of hanging."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def run_ranks(fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0) -> None:
+    """Run fn(rank, world, port, *args) in `world` spawned processes (port: free, for init_gloo).
+
+    Raises:
+        TimeoutError: some rank was still running after timeout_s (a hang fails instead of
+            stalling the caller); every rank still alive is killed first.
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"ranks {alive} of {world} still running after {timeout_s:.0f} s (a hang?)")

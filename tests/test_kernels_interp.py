@@ -312,7 +312,7 @@ def _op_calls():
         (ops.moe_experts_fwd, (t["x"], t["w"], t["w13"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
                                s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
         (ops.expert_up_fwd, (t["x"], t["w13"], s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
-                             s.tokens_per_expert, s.tile_m)),
+                             s.tokens_per_expert, s.tile_m, s.top_k)),
         (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
                                s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
     ]  # fmt: skip

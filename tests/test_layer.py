@@ -87,6 +87,30 @@ def test_backend_selection():
         resolve_backend("gpu", torch.device("cpu"))
 
 
+def test_backend_is_decided_where_the_parameters_are(monkeypatch):
+    # PyTorch's usual order: build on the CPU, then .to("cuda"). A backend that cannot run where
+    # the parameters are is an error at the first forward, and .to() decides again.
+    pytest.importorskip("triton", reason="the triton backend needs triton")
+    import mok_plugin.ops  # noqa: F401 - the kernels are defined for the interpreter before the switch flips
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # this CPU cannot run the triton backend now
+    layer = MoKMoE(MoKConfig(**CFG, backend="triton"), seed=0)
+    assert layer.backend == "unavailable"
+    with pytest.raises(ValueError, match=r"mok\.backend='triton' cannot run on cpu: .*needs a CUDA device"):
+        layer(make_layer_inputs(4, 32))
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # now it can, in Triton's interpreter
+    layer = layer.to(device)
+    assert layer.backend == "triton"
+    x = make_layer_inputs(4, 32, device=device)
+    out, _ = layer(x)
+    want, _ = MoKMoE(MoKConfig(**CFG, backend="triton"), seed=0, device=device)(x)
+    assert torch.equal(out, want)
+
+
 def _run_once(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     cfg = MoKConfig(
         **CFG,

@@ -11,10 +11,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mok_plugin import MoKConfig, MoKMoE
-from mok_plugin.testing import assert_close, free_port, make_layer_inputs
+from mok_plugin.testing import assert_close, init_gloo, make_layer_inputs, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -83,8 +82,7 @@ def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     try:
         results = {case[0]: _run_case(case, world, rank, dist.group.WORLD) for case in CASES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -93,7 +91,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def _run_world(world: int, tmp_path) -> list[dict]:
-    mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    run_ranks(_worker, world, (str(tmp_path),))
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -126,8 +124,7 @@ def test_topology_invariance_bitwise(world, tmp_path, single_process):
 
 
 def _overflow_worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     try:
         cfg = _config(1, True, "float32", world, "capacity").replace(ep_capacity_factor=0.5)
         layer = MoKMoE(cfg, ep_group=dist.group.WORLD, seed=3)
@@ -139,7 +136,7 @@ def _overflow_worker(rank: int, world: int, port: int) -> None:
 
 def test_capacity_overflow_names_the_factor():
     with pytest.raises(Exception, match=r"raise mok\.ep_capacity_factor"):
-        mp.spawn(_overflow_worker, args=(2, free_port()), nprocs=2, join=True)
+        run_ranks(_overflow_worker, 2, timeout_s=120)
 
 
 def test_bad_groups_raise():

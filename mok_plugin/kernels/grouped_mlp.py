@@ -907,8 +907,12 @@ def expert_wgrad(
     # contiguous and the K loop pipelines num_stages deep. The copy is made a column block at a
     # time, each block's weight gradient is a slice of d_w with the same row sums, so the result is
     # bitwise the same whatever the blocks, and the copy adds at most GATHER_CHUNK_BYTES to the peak.
-    order = row_to_token.clamp(min=0)
     by_token = left if left_by_token else right
+    if by_token.shape[0] == 0:
+        # No tokens, so no rows (an expert-parallel rank that received none): every expert's
+        # gradient is zero, and the copy below would index token 0 of an empty tensor.
+        return d_w.zero_()
+    order = row_to_token.clamp(min=0)
     block = cfg.block_m if left_by_token else cfg.block_n
     for c0, c1 in gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block):
         rows = by_token[:, c0:c1].index_select(0, order)

@@ -31,16 +31,25 @@ row-tile kernels (triton backend) or in fp64 (reference backend). So they are ba
 Two exchanges (`mok.ep_exchange`):
   capacity (default)  every rank sends every rank a fixed-size block of ceil(factor * T * K / W)
                       rows; empty slots carry expert -1 and get no row in the receiver's schedule.
-                      No host read, so CUDA graphs can capture it. Needs the same T on every rank
-                      (checked with a device-side assertion); a block that would overflow is a
-                      device-side assertion naming mok.ep_capacity_factor.
+                      No host read, so CUDA graphs can capture it. Needs the same T on every rank,
+                      and no rank may send one rank more than its block holds: both are decided
+                      from one all-gather of (T, most rows to one rank) with the same device-side
+                      assertions on every rank, before any rows move, so every rank stops with the
+                      same message (naming mok.ep_capacity_factor for an overflow).
   exact               exchanges the per-rank counts and reads them on the host once per forward
-                      (the backward reuses them) to size the exchange exactly; any T per rank.
+                      (the backward reuses them) to size the exchange exactly; any T per rank,
+                      including 0, and ranks whose experts receive no rows.
+
+Errors under expert parallelism: a condition that stops one rank must stop every rank before any of
+them enters an exchange the others will not join. The conditions that depend on data (uneven token
+counts, a capacity overflow) are decided from gathered values, identically on every rank; the
+others (the transport, the group size, CUDA tensors for symmetric memory) depend only on the config
+and the shapes that every rank shares, so they raise on every rank alike.
 Two transports for the capacity exchange (`mok.ep_transport`): nccl (torch.distributed
 all-to-all, any backend) and symmetric_memory (ranks pull blocks from peers' NVLink-mapped buffers,
 symmetric.py).
 
-Barriers: every collective here (the token-count check, the counts exchange, the row exchanges) is
+Barriers: every collective here (the capacity check, the counts exchange, the row exchanges) is
 joined by every rank of the group in the same order; there is no other barrier.
 
 Caller's contract: every rank of the group calls forward and backward the same number of times, in
@@ -127,15 +136,31 @@ def _exchange_equal(t: torch.Tensor, group: dist.ProcessGroup, transport: str = 
     return _AllToAll.apply(t, None, None, group)
 
 
-def _check_same_token_count(num_tokens: int, device: torch.device, group: dist.ProcessGroup) -> None:
-    """Fail (without reading on the host) unless every rank has num_tokens tokens."""
-    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+def _check_capacity_exchange(
+    num_tokens: int, send_counts: torch.Tensor, slots: int, capacity_factor: float, group: dist.ProcessGroup
+) -> None:
+    """Decide on every rank alike, before any rank enters the row exchange, whether the capacity
+    exchange can run: one all-gather of each rank's (token count, most rows it sends one rank),
+    then the same two device-side assertions on every rank. No host read.
+
+    An overflow detected only where it happens would leave the peers waiting in an exchange that
+    rank never joins (a transport error, or a hang if that rank catches the error and goes on);
+    decided from the gathered values, every rank raises the same message (on the CPU a
+    RuntimeError, on a GPU a device-side assertion) and none enters the exchange.
+    """
+    mine = torch.stack([send_counts.new_tensor(num_tokens), send_counts.max()])
+    every = send_counts.new_empty(dist.get_world_size(group), 2)
+    dist.all_gather_into_tensor(every.view(-1), mine, group=group)
     torch._assert_async(
-        (every == mine).all(),
+        (every[:, 0] == num_tokens).all(),
         "mok.ep_exchange='capacity' needs the same number of tokens on every expert-parallel rank; "
         "use ep_exchange='exact' for ranks with different token counts",
+    )
+    torch._assert_async(
+        (every[:, 1] <= slots).all(),
+        f"expert-parallel buffer overflow: a rank routes more than {slots} rows to one rank "
+        f"(ceil(mok.ep_capacity_factor={capacity_factor} * T * K / ep_size)); raise mok.ep_capacity_factor "
+        "or use mok.ep_exchange='exact' (every rank of the group stops here, before the exchange)",
     )
 
 
@@ -180,9 +205,10 @@ def moe_experts_expert_parallel(
         ([T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending, int64 scalar: the
         pairs this rank's experts dropped).
     Raises:
-        RuntimeError: (capacity exchange) a rank would send more rows to one rank than its buffer
-            holds, or ranks have different token counts. On a GPU the check is a device-side
-            assertion, so it stops the process instead of raising.
+        RuntimeError: (capacity exchange) some rank would send more rows to one rank than its
+            buffer holds, or ranks have different token counts: raised on every rank of the group
+            alike, before the row exchange. On a GPU the check is a device-side assertion, so it
+            stops every rank's process instead of raising.
     """
     stage = phase or (lambda name: contextlib.nullcontext())
     with stage("dispatch"):
@@ -233,16 +259,10 @@ def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, tr
             return _exchange(y_recv, recv_splits, send_splits, group)
 
     else:
-        _check_same_token_count(T, x.device, group)
         slots = max(1, math.ceil(capacity_factor * R / W))
         send_counts = count_per_expert(dest.view(-1, 1), W)
+        _check_capacity_exchange(T, send_counts, slots, capacity_factor, group)
         rank_in_block = torch.arange(R, device=x.device) - (torch.cumsum(send_counts, 0) - send_counts)[dest]
-        torch._assert_async(
-            (rank_in_block < slots).all(),
-            f"expert-parallel buffer overflow: a rank routes more than {slots} rows to one rank "
-            f"(ceil(mok.ep_capacity_factor={capacity_factor} * T * K / ep_size)); raise mok.ep_capacity_factor "
-            "or use mok.ep_exchange='exact'",
-        )
         # Slot of each pair in the [W * slots] send buffer; empty slots carry expert -1.
         slot = dest * slots + rank_in_block.clamp(max=slots - 1)
         x_send = rows.new_zeros(W * slots, rows.shape[1]).index_copy(0, slot, rows)
