@@ -1,8 +1,11 @@
 """The Megatron launch paths on the CPU: the --mok* flags (parsed by Megatron's own parser), the
-launcher running an unmodified Megatron script, the determinism report, and the source patch
-(applied to a copy of the installed megatron-core, a layer built through `--moe-token-dispatcher-type
-mok`, then reverted)."""
+--mok-config file (its accepted keys, the removed `deterministic`, fields that must agree with
+Megatron's flags, unreadable files), the launcher running an unmodified Megatron script, the
+determinism report, a stock checkpoint with a wrongly shaped expert, and the source patch (applied
+to a copy of the installed megatron-core, a layer built through `--moe-token-dispatcher-type mok`,
+then reverted)."""
 
+import ast
 import json
 import os
 import shutil
@@ -11,11 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
 
-from mok_plugin.config import MoKConfigError  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from mok_plugin.config import MoKConfig, MoKConfigError  # noqa: E402
+from mok_plugin.layer import MoKMoE  # noqa: E402
 from mok_plugin.megatron import launcher  # noqa: E402
+from mok_plugin.megatron.checkpoint import _from_stock  # noqa: E402
+from mok_plugin.megatron.config_map import MEGATRON_SET, MOK_KNOBS, mok_config_from_megatron  # noqa: E402
 from mok_plugin.megatron.layer import _DEFAULT_OVERRIDES  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -46,9 +56,9 @@ def test_flags_parse_and_set_the_spec_and_knobs(tmp_path):
     knobs.write_text("mok:\n  kernel_variant: megakernel\n  ep_exchange: capacity\n  ep_capacity_factor: 3.0\n")
     args = _parse(["--mok", "--mok-config", str(knobs), "--mok-backend", "reference", "--mok-deterministic",
                    *MODEL_ARGS])  # fmt: skip
+    # --mok-deterministic sets no knob: MoK's layers are always deterministic; it asks for the report.
     assert launcher.apply_mok_args(args) == {"kernel_variant": "megakernel", "ep_exchange": "capacity",
-                                             "ep_capacity_factor": 3.0, "backend": "reference",
-                                             "deterministic": True}  # fmt: skip
+                                             "ep_capacity_factor": 3.0, "backend": "reference"}  # fmt: skip
     assert args.spec == ["mok_plugin.megatron", "moe_block_spec"]
     assert _DEFAULT_OVERRIDES["backend"] == "reference"
     report = launcher.determinism_report(args)
@@ -66,6 +76,104 @@ def test_flag_errors(tmp_path):
         launcher.apply_mok_args(_parse(["--mok", "--mok-config", str(bad), *MODEL_ARGS]))
     with pytest.raises(SystemExit):  # argparse: a backend that does not exist
         _parse(["--mok", "--mok-backend", "cuda", *MODEL_ARGS])
+
+
+def _tc(**fields) -> TransformerConfig:
+    """A small Megatron MoE config (dropless, no shared expert unless asked)."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=16, moe_ffn_hidden_size=16,
+                num_moe_experts=8, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
+                add_bias_linear=False, use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                moe_router_load_balancing_type="none", params_dtype=torch.float32)  # fmt: skip
+    return TransformerConfig(**{**base, **fields})
+
+
+def _knobs_file(tmp_path, text: str) -> Path:
+    path = tmp_path / "mok.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_knobs_and_megatron_fields_cover_mokconfig():
+    assert set(MOK_KNOBS).isdisjoint(MEGATRON_SET)
+    assert set(MOK_KNOBS) | set(MEGATRON_SET) == set(MoKConfig.model_fields) == set(launcher.ACCEPTED_KEYS)
+
+
+def test_mok_config_error_lists_exactly_the_accepted_keys(tmp_path):
+    with pytest.raises(MoKConfigError) as info:
+        launcher._read_knobs(_knobs_file(tmp_path, "kernel_varient: megakernel\n"))
+    listed = str(info.value).split("allowed: ")[1]
+    assert set(ast.literal_eval(listed)) == set(launcher.ACCEPTED_KEYS)
+    for key in launcher.ACCEPTED_KEYS:  # and every listed key is accepted
+        assert launcher._read_knobs(_knobs_file(tmp_path, f"{key}: null\n")) == {key: None}
+
+
+def test_mok_config_deterministic_was_removed(tmp_path):
+    path = _knobs_file(tmp_path, "mok:\n  deterministic: true\n  backend: reference\n")
+    with pytest.raises(MoKConfigError, match=r"mok\.yaml: mok\.deterministic: this key was removed: MoK is always"):
+        launcher.apply_mok_args(_parse(["--mok", "--mok-config", str(path), *MODEL_ARGS]))
+    with pytest.raises(MoKConfigError, match=r"mok\.deterministic: this key was removed"):
+        mok_config_from_megatron(_tc(), {"deterministic": True})
+
+
+_MEGATRON_SET_CASES = [
+    # Token dropping and shared experts are Megatron's to switch on, not the MoK file's.
+    ("capacity_factor: 1.0", r"mok\.capacity_factor=1\.0 conflicts with Megatron's setting None "
+                             r"\(--moe-expert-capacity-factor\)"),
+    ("num_shared_experts: 1", r"mok\.num_shared_experts=1 conflicts with Megatron's setting 0 "
+                              r"\(--moe-shared-expert-intermediate-size\)"),
+    ("shared_ffn_hidden_size: 32", r"mok\.shared_ffn_hidden_size=32 conflicts .*--moe-shared-expert"),
+    ("top_k: 4", r"mok\.top_k=4 conflicts with Megatron's setting 2 \(--moe-router-topk\)"),
+    ("score_function: sigmoid", r"mok\.score_function='sigmoid' conflicts .*--moe-router-score-function"),
+    ("params_dtype: bfloat16", r"mok\.params_dtype='bfloat16' conflicts .*--bf16 / --fp16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, match", _MEGATRON_SET_CASES, ids=[t.split(":")[0] for t, _ in _MEGATRON_SET_CASES])
+def test_mok_config_cannot_change_what_megatron_sets(tmp_path, text, match):
+    knobs = launcher._read_knobs(_knobs_file(tmp_path, text + "\n"))
+    with pytest.raises(MoKConfigError, match=match):
+        mok_config_from_megatron(_tc(), knobs)
+
+
+def test_mok_config_may_repeat_what_megatron_sets(tmp_path):
+    knobs = launcher._read_knobs(_knobs_file(tmp_path, "top_k: 2\nnum_experts: 8\ncapacity_factor: null\n"
+                                                       "params_dtype: float32\nbackend: reference\n"))  # fmt: skip
+    cfg = mok_config_from_megatron(_tc(), knobs)
+    assert (cfg.top_k, cfg.capacity_factor, cfg.backend) == (2, None, "reference")
+    shared = mok_config_from_megatron(_tc(moe_shared_expert_intermediate_size=32), {"num_shared_experts": 1})
+    assert shared.shared_intermediate_size == 32
+
+
+def test_mok_config_file_read_errors_name_the_file(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"backend: \xff\n")
+    with pytest.raises(MoKConfigError, match=r"--mok-config .*binary\.yaml: not UTF-8 text"):
+        launcher._read_knobs(binary)
+    with pytest.raises(MoKConfigError, match=r"--mok-config .*missing\.yaml: no such file"):
+        launcher._read_knobs(tmp_path / "missing.yaml")
+    with pytest.raises(MoKConfigError, match=r"--mok-config .*: is a directory"):
+        launcher._read_knobs(tmp_path)
+    with pytest.raises(MoKConfigError, match=r"broken\.yaml: not valid YAML"):
+        launcher._read_knobs(_knobs_file(tmp_path, "backend: [\n").rename(tmp_path / "broken.yaml"))
+
+
+def test_stock_checkpoint_with_a_wrongly_shaped_expert_names_the_key():
+    class Holder(torch.nn.Module):  # what _from_stock reads of a MoKMoELayer: its `mok`
+        def __init__(self):
+            super().__init__()
+            self.mok = MoKMoE(MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2))
+
+    module = Holder()
+    state = {f"experts.local_experts.{i}.linear_fc1.weight": torch.zeros(32, 32) for i in range(4)}
+    state.update({f"experts.local_experts.{i}.linear_fc2.weight": torch.zeros(32, 16) for i in range(4)})
+    state["experts.local_experts.2.linear_fc1.weight"] = torch.zeros(30, 32)
+    with pytest.raises(RuntimeError, match=r"experts\.local_experts\.2\.linear_fc1\.weight: the checkpoint has "
+                                           r"shape \[30, 32\], this layer expects \[32, 32\]"):  # fmt: skip
+        _from_stock(module, dict(state), "")
+    state["experts.local_experts.2.linear_fc1.weight"] = torch.zeros(32, 32)
+    state["experts.linear_fc2.weight3"] = state.pop("experts.local_experts.3.linear_fc2.weight").T  # TEGroupedMLP key
+    with pytest.raises(RuntimeError, match=r"experts\.linear_fc2\.weight3: the checkpoint has shape \[16, 32\]"):
+        _from_stock(module, dict(state), "")
 
 
 def _run_entry(command, env=None):

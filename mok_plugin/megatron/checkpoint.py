@@ -67,11 +67,21 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
             state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
     num_local = module.mok.experts.gate_up_proj.shape[0]
     for mok_name, fc in _STACKED:
+        # One expert's weight: [2I, H] for fc1, [H, I] for fc2 (the stacked parameter minus its expert axis).
+        expected = tuple(module.mok.get_parameter(mok_name.removeprefix("mok.")).shape[1:])
         per_expert = []
         for i in range(num_local):
             for key in (f"{prefix}experts.local_experts.{i}.{fc}.weight", f"{prefix}experts.{fc}.weight{i}"):
                 if key in state_dict:
-                    per_expert.append(state_dict.pop(key))
+                    weight = state_dict.pop(key)
+                    found = tuple(getattr(weight, "shape", ()))
+                    if found != expected:
+                        # Caught here, by key: torch.stack would fail on the whole list, naming none.
+                        raise RuntimeError(
+                            f"size mismatch for {key}: the checkpoint has shape {list(found)}, this layer expects "
+                            f"{list(expected)} (one expert's {fc} weight: same hidden and expert FFN sizes needed)"
+                        )
+                    per_expert.append(weight)
                     break
         if len(per_expert) == num_local:
             state_dict[prefix + mok_name] = torch.stack(per_expert)

@@ -1,8 +1,11 @@
 """Megatron-Core TransformerConfig -> MoKConfig: what maps, and what is refused by name.
 
 Owns: `mok_config_from_megatron`, the table of Megatron MoE fields MoK supports, replaces or
-refuses. Every refused setting is an error at build time naming the command-line flag that sets it
-(Megatron derives its flags from the field names: `moe_router_fusion` is `--moe-router-fusion`).
+refuses, and the split of MoKConfig's fields into MoK-only knobs (`MOK_KNOBS`, which a
+--mok-config file or `mok_overrides` set freely) and fields Megatron's flags set (`MEGATRON_SET`,
+which an override may repeat but not change). Every refused setting is an error at build time
+naming the command-line flag that sets it (Megatron derives its flags from the field names:
+`moe_router_fusion` is `--moe-router-fusion`).
 
 Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
   softmax, post-top-k (default)   softmax over the K chosen logits = softmax over all E, then the K
@@ -18,9 +21,35 @@ from typing import Any
 
 import torch
 
-from mok_plugin.config import MoKConfig, MoKConfigError
+from mok_plugin.config import REMOVED_FIELDS, MoKConfig, MoKConfigError, short_repr
 
-__all__ = ["mok_config_from_megatron", "megatron_flag"]
+__all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
+
+# MoKConfig fields Megatron has no setting for: an override (--mok-config) sets them freely.
+MOK_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
+# Every other MoKConfig field comes from Megatron's flags (field -> the flags): an override may only
+# repeat Megatron's value, so a MoK file cannot switch on token dropping, add shared experts or
+# change a shape or routing choice behind Megatron's back. Together the two cover MoKConfig.
+MEGATRON_SET = {
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--moe-ffn-hidden-size",
+    "num_experts": "--num-experts",
+    "top_k": "--moe-router-topk",
+    "num_shared_experts": "--moe-shared-expert-intermediate-size",
+    "shared_ffn_hidden_size": "--moe-shared-expert-intermediate-size",
+    "score_function": "--moe-router-score-function",
+    "norm_topk_prob": "--moe-router-pre-softmax",
+    "routed_scaling_factor": "--moe-router-topk-scaling-factor",
+    "n_group": "--moe-router-num-groups",
+    "topk_group": "--moe-router-group-topk",
+    "expert_bias": "--moe-router-enable-expert-bias",
+    "expert_bias_update_rate": "--moe-router-bias-update-rate",
+    "aux_loss_coeff": "--moe-aux-loss-coeff",
+    "z_loss_coeff": "--moe-z-loss-coeff",
+    "capacity_factor": "--moe-expert-capacity-factor",
+    "ep_size": "--expert-model-parallel-size",
+    "params_dtype": "--bf16 / --fp16",
+}
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -147,14 +176,15 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
 
     Args:
         tc: a megatron.core TransformerConfig with num_moe_experts set.
-        overrides: MoK-only knobs (backend, kernel_variant, ep_exchange, ep_capacity_factor,
-            ep_transport, deterministic, debug_checks), for example from --mok-config. A field that
-            Megatron also sets (a shape or routing field) must agree with it.
+        overrides: MoKConfig fields, for example from --mok-config: the MoK-only knobs
+            (MOK_KNOBS: backend, kernel_variant, ep_exchange, ep_capacity_factor, ep_transport,
+            debug_checks) freely; a field Megatron sets (MEGATRON_SET: shape, routing, losses,
+            capacity, shared experts, EP size, dtype) only with Megatron's value.
     Returns:
         The validated MoKConfig; ep_size is the expert-model-parallel size.
     Raises:
         MoKConfigError: every unsupported Megatron setting, each naming its flag, and every
-            conflicting override, together.
+            conflicting (naming the mok field and the flag), unknown or removed override, together.
     """
     problems: list[str] = []
     if not tc.num_moe_experts:
@@ -197,13 +227,26 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
     if tc.moe_shared_expert_intermediate_size:
         derived.update(num_shared_experts=1, shared_ffn_hidden_size=tc.moe_shared_expert_intermediate_size)
 
+    # What Megatron sets for every MEGATRON_SET field; those it leaves unset keep MoK's defaults
+    # (dropless, no shared experts), which an override must not change either.
+    megatron_values = {field: derived.get(field, MoKConfig.model_fields[field].default) for field in MEGATRON_SET}
     for key, value in (overrides or {}).items():
-        if key in derived and key not in ("ep_exchange",) and derived[key] != value:
+        if key in MEGATRON_SET:
+            if isinstance(value, torch.dtype):  # MoKConfig takes a dtype or its name
+                value = _DTYPE_NAMES.get(value, str(value))
+            if value != megatron_values[key]:
+                problems.append(
+                    f"mok.{key}={short_repr(value)} conflicts with Megatron's setting {megatron_values[key]!r} "
+                    f"({MEGATRON_SET[key]}); set it through Megatron's flags, or drop it from the MoK config"
+                )
+        elif key in MOK_KNOBS:
+            derived[key] = value
+        elif key in REMOVED_FIELDS:
+            problems.append(f"mok.{key}: {REMOVED_FIELDS[key]}")
+        else:
             problems.append(
-                f"mok.{key}={value!r} conflicts with Megatron's setting {derived[key]!r}; "
-                "set it through Megatron's flags, or drop it from the MoK config"
+                f"mok.{str(key)[:80]}: unknown MoK field; allowed: {', '.join(sorted((*MOK_KNOBS, *MEGATRON_SET)))}"
             )
-        derived[key] = value
     if problems:
         raise MoKConfigError("cannot run this Megatron MoE layer with MoK:\n  " + "\n  ".join(problems))
     return MoKConfig(**derived)

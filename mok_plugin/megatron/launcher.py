@@ -3,12 +3,15 @@
 Flags (added to Megatron's own parser):
   --mok                   run every MoE layer (MTP included) through MoK: sets
                           `--spec mok_plugin.megatron moe_block_spec`
-  --mok-config PATH       a YAML file of MoK knobs (MoKConfig fields: backend, kernel_variant,
-                          ep_exchange, ep_capacity_factor, ep_transport, ...); fields Megatron also
-                          sets must agree with its flags
+  --mok-config PATH       a YAML file of MoKConfig fields (at the top level or under `mok:`): the
+                          MoK-only knobs (backend, kernel_variant, ep_exchange, ep_capacity_factor,
+                          ep_transport, debug_checks) freely; any field Megatron's flags set (shape,
+                          routing, losses, capacity, shared experts, EP size, dtype) only with the
+                          same value, else an error at build time naming the field and the flag
   --mok-backend NAME      auto | triton | reference (overrides the file)
-  --mok-deterministic     MoK's deterministic mode, and a report of what else in the run is not
-                          deterministic (printed on rank 0)
+  --mok-deterministic     print (on rank 0) the determinism report: what MoK guarantees and what
+                          else in the run is not deterministic; it sets nothing, since MoK's layers
+                          are always deterministic
 
 Two ways in:
   - `scripts/pretrain_gpt.py` (a GPT pretraining entry on megatron.training, mock data) calls
@@ -27,44 +30,56 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mok_plugin.config import MoKConfig, MoKConfigError
+from mok_plugin.config import REMOVED_FIELDS, MoKConfigError, read_yaml, short_repr
+from mok_plugin.megatron.config_map import MEGATRON_SET, MOK_KNOBS
 from mok_plugin.megatron.layer import set_default_mok_overrides
 
 __all__ = ["add_mok_args", "apply_mok_args", "determinism_report", "parse_args_with_mok", "main"]
 
 SPEC = ["mok_plugin.megatron", "moe_block_spec"]
-# MoKConfig fields the file may set; the shape and routing come from Megatron's flags.
-_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "deterministic",
-          "debug_checks")  # fmt: skip
+# The MoKConfig fields a --mok-config file may hold: the check and its error's list both use this.
+# The knobs are free; a field Megatron sets must repeat its value (config_map checks it at build).
+ACCEPTED_KEYS = (*MOK_KNOBS, *MEGATRON_SET)
 
 
 def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the MoK group to a Megatron parser (usable as an `extra_args_provider`)."""
     group = parser.add_argument_group("MoK", "Mixture-of-Kittens MoE layers (mok_plugin)")
     group.add_argument("--mok", action="store_true", help="Run the MoE layers through MoK.")
-    group.add_argument("--mok-config", type=Path, default=None, help="YAML file of MoK knobs.")
+    group.add_argument("--mok-config", type=Path, default=None,
+                       help="YAML file of MoK knobs (fields Megatron sets must agree with its flags).")  # fmt: skip
     group.add_argument("--mok-backend", choices=["auto", "triton", "reference"], default=None)
-    group.add_argument("--mok-deterministic", action="store_true", help="Deterministic MoK layers, and a report.")
+    group.add_argument("--mok-deterministic", action="store_true",
+                       help="Print the determinism report (MoK layers are always deterministic).")  # fmt: skip
     return parser
 
 
 def _read_knobs(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise MoKConfigError(f"--mok-config {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
+    """The MoKConfig fields of a --mok-config file (unchecked against Megatron: config_map does that)."""
+    data = read_yaml(path, "--mok-config") or {}
     if not isinstance(data, dict):
         raise MoKConfigError(f"--mok-config {path}: expected a mapping of MoK fields, got {type(data).__name__}")
     data = data.get("mok", data)  # a file may nest its MoK fields under `mok:`
-    unknown = sorted(set(data) - set(MoKConfig.model_fields))
+    if not isinstance(data, dict):
+        raise MoKConfigError(f"--mok-config {path}: the 'mok' section must be a mapping, got {type(data).__name__}")
+    removed = [key for key in data if key in REMOVED_FIELDS]
+    if removed:
+        raise MoKConfigError(
+            f"--mok-config {path}: " + "; ".join(f"mok.{key}: {REMOVED_FIELDS[key]}" for key in removed)
+        )
+    unknown = sorted(str(key) for key in data if key not in ACCEPTED_KEYS)
     if unknown:
-        raise MoKConfigError(f"--mok-config {path}: unknown MoK fields {unknown}; allowed: {sorted(_KNOBS)}")
+        raise MoKConfigError(
+            f"--mok-config {path}: unknown MoK fields {short_repr(unknown)}; allowed: {sorted(ACCEPTED_KEYS)}"
+        )
     return data
 
 
 def apply_mok_args(args: argparse.Namespace) -> dict[str, Any]:
     """Act on the parsed --mok* flags: set the spec and the MoK knobs. Returns the knobs.
+
+    --mok-deterministic sets no knob (MoK's layers are always deterministic); parse_args_with_mok
+    prints the determinism report for it.
 
     Raises:
         MoKConfigError: --mok with another --spec, a --mok-* flag without --mok, or a bad file.
@@ -81,8 +96,6 @@ def apply_mok_args(args: argparse.Namespace) -> dict[str, Any]:
     knobs = _read_knobs(args.mok_config) if args.mok_config else {}
     if args.mok_backend:
         knobs["backend"] = args.mok_backend
-    if args.mok_deterministic:
-        knobs["deterministic"] = True
     set_default_mok_overrides(knobs)
     return knobs
 
