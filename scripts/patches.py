@@ -14,8 +14,12 @@ What each patch does:
             file named by the MOK_DEEPSPEED_CONFIG environment variable.
 
 Apply and revert are idempotent (applying twice, or reverting an unpatched package, changes
-nothing and says so). A package of another version is refused before anything is written.
-Patches are applied with `git apply` in the directory that holds the package.
+nothing and says so). A package of another version is refused before anything is written, with
+`--target DIR` too: the version is read from DIR's package metadata (`<dist>-<version>.dist-info`)
+or, for a bare copy of the package, its version file (megatron/core/package_info.py,
+deepspeed/git_version_info_installed.py, or a DeepSpeed checkout's version.txt); a DIR whose
+version cannot be found is refused as well. Patches are applied with `git apply` in the directory
+that holds the package.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,14 +42,51 @@ class PatchSet:
     module: str  # the top-level import whose parent directory is the patch root
     version_prefix: str
     files: tuple[str, ...]
+    # Version files relative to the patch root, read (never imported) when there is no dist-info.
+    version_files: tuple[str, ...] = ()
 
 
 PATCH_SETS = {
     "megatron": PatchSet(
-        "megatron-core", "megatron", "0.19.", ("megatron-core-0.19-moe-token-dispatcher-type-mok.patch",)
+        "megatron-core", "megatron", "0.19.", ("megatron-core-0.19-moe-token-dispatcher-type-mok.patch",),
+        ("megatron/core/package_info.py",),
     ),
-    "deepspeed": PatchSet("deepspeed", "deepspeed", "0.19.", ("deepspeed-0.19-mok-config.patch",)),
-}
+    "deepspeed": PatchSet(
+        "deepspeed", "deepspeed", "0.19.", ("deepspeed-0.19-mok-config.patch",),
+        ("deepspeed/git_version_info_installed.py", "version.txt"),
+    ),
+}  # fmt: skip
+
+
+def _version_from_file(path: Path) -> str | None:
+    """The version a package's version file states, parsed as text (importing it could run code)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.name == "version.txt":
+        return text.strip() or None
+    if path.name == "package_info.py":  # megatron-core: MAJOR = 0 / MINOR = 19 / PATCH = 2 / PRE_RELEASE = ""
+        parts = {k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\s]*)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")}
+        if not all(parts.values()):
+            return None
+        pre = re.search(r"^PRE_RELEASE\s*=\s*['\"]([^'\"]*)['\"]", text, re.M)
+        return ".".join(parts[k].group(1) for k in ("MAJOR", "MINOR", "PATCH")) + (pre.group(1) if pre else "")
+    found = re.search(r"^version\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return found.group(1) if found else None
+
+
+def target_version(patch_set: PatchSet, root: Path) -> tuple[str | None, str]:
+    """(version, where it was read) of the package in `root`; (None, what was looked for) if none."""
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name == patch_set.distribution:
+            return dist.version, str(getattr(dist, "_path", root))  # the .dist-info directory
+    for name in patch_set.version_files:
+        path = root / name
+        if path.is_file():
+            version = _version_from_file(path)
+            if version:
+                return version, str(path)
+    looked = ", ".join([f"{patch_set.distribution.replace('-', '_')}-*.dist-info", *patch_set.version_files])
+    return None, f"none of {looked} in {root}"
 
 
 def installed_root(patch_set: PatchSet) -> Path:
@@ -77,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     patch_set = PATCH_SETS[args.framework]
     if args.target is None:
-        version = importlib.metadata.version(patch_set.distribution)
+        try:
+            version = importlib.metadata.version(patch_set.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            print(f"{patch_set.distribution} is not installed (pip install it first)", file=sys.stderr)
+            return 2
         if not version.startswith(patch_set.version_prefix):
             print(f"{patch_set.distribution} {version} is installed; these patches are for "
                   f"{patch_set.version_prefix}x", file=sys.stderr)  # fmt: skip
@@ -87,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         root = args.target
         if not (root / patch_set.module).is_dir():
             print(f"--target {root} holds no {patch_set.module}/ package", file=sys.stderr)
+            return 2
+        version, where = target_version(patch_set, root)
+        if version is None:
+            print(f"--target {root}: cannot tell which {patch_set.distribution} version it holds ({where}); "
+                  f"these patches are for {patch_set.version_prefix}x", file=sys.stderr)  # fmt: skip
+            return 2
+        if not version.startswith(patch_set.version_prefix):
+            print(f"--target {root} holds {patch_set.distribution} {version} (from {where}); these patches are "
+                  f"for {patch_set.version_prefix}x", file=sys.stderr)  # fmt: skip
             return 2
     failed = False
     for name in patch_set.files:

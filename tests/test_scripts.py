@@ -1,5 +1,6 @@
 """The layer demo (scripts/demo.py on configs/small.yaml) runs, finds the two runs bitwise
-equal and writes its JSON; bench_layer.py refuses to run without a GPU with a clear message."""
+equal and writes its JSON; bench_layer.py refuses to run without a GPU with a clear message;
+patches.py --target checks the version of the package it is pointed at."""
 
 import json
 import os
@@ -155,3 +156,39 @@ def test_inspect_kernels_pipeline_report_parses_ttgir():
         "%d = ttg.local_alloc %t : (tensor<64x128xbf16, #blocked>) -> !ttg.memdesc<64x128xbf16, #shared, #smem>\n"
     )
     assert inspect_kernels.pipeline_report(ttgir) == {"buffers": 3, "async_copies": 1, "register_operands": 1}
+
+
+MEGATRON_0_18_1 = "MAJOR = 0\nMINOR = 18\nPATCH = 1\nPRE_RELEASE = ''\n"
+
+
+@pytest.mark.parametrize(
+    "framework, files, found",
+    [
+        pytest.param("megatron", {"megatron/core/package_info.py": MEGATRON_0_18_1}, "megatron-core 0.18.1",
+                     id="megatron_version_file"),
+        pytest.param("deepspeed", {"deepspeed/git_version_info_installed.py": "version='0.18.4'\n"},
+                     "deepspeed 0.18.4", id="deepspeed_version_file"),
+        pytest.param("megatron", {"megatron/core/__init__.py": "", "megatron_core-0.20.0.dist-info/METADATA":
+                     "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.20.0\n"}, "megatron-core 0.20.0",
+                     id="megatron_dist_info"),
+    ],
+)  # fmt: skip
+def test_patches_target_of_another_version_is_refused(tmp_path, framework, files, found):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import patches
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for action in ("apply", "check", "revert"):
+        assert patches.main([action, framework, "--target", str(tmp_path)]) == 2
+    run = subprocess.run([sys.executable, "scripts/patches.py", "apply", framework, "--target", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and found in run.stderr and "these patches are for 0.19.x" in run.stderr
+
+
+def test_patches_target_without_a_version_is_refused(tmp_path):
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    run = subprocess.run([sys.executable, "scripts/patches.py", "apply", "megatron", "--target", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and "cannot tell which megatron-core version" in run.stderr
