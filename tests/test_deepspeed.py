@@ -118,6 +118,9 @@ def test_mixtral_style_expert_and_bad_experts(ds_world):
         (dict(use_residual=True), "use_residual=True"),
         (dict(ep_size=2, drop_tokens=True), "drop_tokens=True with ep_size > 1: MoK.s capacity counts the global"),
         (dict(mok_config={"top_k": 2}, k=1), "mok.top_k=2"),
+        # A mok_config sets MoK's knobs only: no shared experts or routing DeepSpeed did not ask for.
+        (dict(mok_config={"num_shared_experts": 1}), r"mok\.num_shared_experts=1 \(the arguments give 0"),
+        (dict(mok_config={"score_function": "sigmoid"}), r"mok\.score_function='sigmoid'.*may set only backend"),
     ],
 )
 def test_random_and_unsupported_options_are_errors(ds_world, kwargs, message):

@@ -67,7 +67,7 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
     )  # fmt: skip
     spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
     if variant == "mok":
-        set_default_mok_overrides({"backend": cfg.backend, "deterministic": True})
+        set_default_mok_overrides({"backend": cfg.backend})
         return functools.partial(use_mok(spec), config=config)
 
     def stock():

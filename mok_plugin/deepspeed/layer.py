@@ -38,7 +38,10 @@ __all__ = ["MoE", "set_default_knobs"]
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # MoKConfig fields the constructor arguments decide; a mok_config may not set them differently.
-_DERIVED = ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "ep_size", "capacity_factor")
+# MoKConfig fields a mok_config may set freely; every other field follows DeepSpeed's arguments
+# (or MoK's default where DeepSpeed has no such option, e.g. shared experts), so a mok_config may
+# only repeat those values: it cannot add shared experts or change routing behind DeepSpeed's back.
+_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
 
 
 # Knobs for layers built without a mok_config (through apply(ds_config) or the source patch).
@@ -179,10 +182,16 @@ class MoE(StockMoE):
             ep_exchange="exact",
         )
         knobs = _knobs(mok_config)
+        set_by_arguments = {
+            field: derived.get(field, info.default)
+            for field, info in MoKConfig.model_fields.items()
+            if field not in _KNOBS
+        }
         conflicts = [
-            f"mok.{key}={knobs[key]!r} (the arguments give {derived[key]!r})"
-            for key in _DERIVED
-            if key in knobs and knobs[key] != derived[key]
+            f"mok.{key}={knobs[key]!r} (the arguments give {set_by_arguments[key]!r}; "
+            f"a mok_config may set only {', '.join(_KNOBS)})"
+            for key in knobs
+            if key in set_by_arguments and knobs[key] != set_by_arguments[key]
         ]
         if conflicts:
             raise MoKConfigError("mok_config conflicts with the MoE arguments: " + "; ".join(conflicts))

@@ -43,7 +43,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 __all__ = ["MoKMoELayer", "set_default_mok_overrides"]
 
 # MoK-only knobs for layers built through the spec (--spec mok_plugin.megatron moe_block_spec):
-# the launcher fills this from --mok-config / --mok-backend / --mok-deterministic.
+# the launcher fills this from --mok-config / --mok-backend.
 _DEFAULT_OVERRIDES: dict[str, Any] = {}
 
 
