@@ -1,6 +1,9 @@
 """GPU only: the triton backend in bf16 against the reference backend at real shapes (H = 2880,
 T = 1, skewed routing, many experts), bitwise repeatability across runs and across processes,
-torch.compile(fullgraph=True) with inductor, and CUDA-graph capture of forward + backward."""
+torch.compile(fullgraph=True) with inductor, and CUDA-graph capture of forward + backward.
+Empty work in bf16, both kernel variants: zero tokens (also where the weight gradients copy rows
+first), an expert-parallel receive buffer whose rows all miss this rank's experts or that has no
+rows at all, and every row on one expert (or on 8 of 128)."""
 
 import os
 import subprocess
@@ -174,3 +177,85 @@ def test_forward_is_batch_invariant():
         full, _ = layer(x)
         part, _ = layer(x[:100].clone())
     assert torch.equal(full[:100], part)
+
+
+VARIANTS = ["multi_kernel", "megakernel"]
+
+
+def _steered_layer(shape, backend, variant, chosen, shared=0):
+    """A bf16 layer whose routing picks the experts in `chosen` for every token (a selection bias)."""
+    T, H, I, E, K = shape
+    cfg = MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=K, num_shared_experts=shared,
+                    score_function="sigmoid", expert_bias=True, params_dtype="bfloat16", backend=backend,
+                    kernel_variant=variant, aux_loss_coeff=1e-3)  # fmt: skip
+    layer = MoKMoE(cfg, device="cuda", seed=0, init_std=0.02)
+    layer.expert_bias[list(chosen)] = 100.0
+    return layer
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((0, 2048, 768, 128, 8), id="qwen3_like"),
+        # 2I = 4096: dW13 takes the pre-gathered path (configs.PRE_GATHER_MIN_WIDTH), which copies x rows.
+        pytest.param((0, 1024, 2048, 8, 2), id="pre_gathered_wgrad"),
+    ],
+)
+def test_bf16_zero_tokens(shape, variant):
+    T, H, I, E, K = shape
+    layer = _steered_layer(shape, "triton", variant, [], shared=1)
+    x = torch.empty(0, H, dtype=torch.bfloat16, device="cuda")
+    got = _fwd_bwd(layer, x, torch.empty(0, H, device="cuda"))
+    assert got[0].shape == (0, H) and got[1].shape == (0, H)
+    for (name, param), grad in zip(layer.named_parameters(), got[2:], strict=True):
+        assert torch.equal(grad, torch.zeros_like(param)), f"d_{name} of no tokens is not exactly zero"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "shape, chosen",
+    [
+        pytest.param((2048, 2048, 768, 128, 1), [37], id="all_rows_on_one_expert"),
+        pytest.param((2048, 2048, 768, 128, 8), range(8, 16), id="all_rows_on_8_of_128"),
+    ],
+)
+def test_bf16_all_rows_on_few_experts(shape, chosen, variant):
+    T, H, I, E, K = shape
+    x = make_layer_inputs(T, H, dtype=torch.bfloat16, device="cuda", seed=1)
+    probe = make_layer_inputs(T, H, device="cuda", seed=2)
+    got = _fwd_bwd(_steered_layer(shape, "triton", variant, chosen, shared=1), x, probe)
+    want = _fwd_bwd(_steered_layer(shape, "reference", variant, chosen, shared=1), x, probe)
+    names = ["output", "d_x", "d_router", "d_gate_up_proj", "d_down_proj", "d_shared_gate_up", "d_shared_down"]
+    reduce = [1, 2 * I, T, T, T, T, T]
+    for name, a, b, n in zip(names, got, want, reduce, strict=True):
+        assert_close(a, b, torch.bfloat16, name, n_reduce=n)
+    idle = [e for e in range(E) if e not in set(chosen)]
+    for name, grad in zip(names[3:5], got[3:5], strict=True):
+        assert not grad[idle].any(), f"{name}: experts that got no row have a non-zero gradient"
+    again = _fwd_bwd(_steered_layer(shape, "triton", variant, chosen, shared=1), x, probe)
+    for name, a, b in zip(names, got, again, strict=True):
+        assert torch.equal(a, b), f"{name} not bitwise equal across runs"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [256, 0], ids=["slots_all_empty", "no_rows"])
+def test_bf16_rank_whose_experts_receive_nothing(rows, variant):
+    # What an expert-parallel rank's experts see when no pair was routed to them: the capacity
+    # exchange's fixed-size buffer with every slot empty (expert -1), or the exact exchange's
+    # buffer of no rows. The output is zero and every gradient exactly zero.
+    from mok_plugin import ops
+    from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
+
+    H, I, E_local = 2048, 768, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = torch.rand(rows, 1, device="cuda", generator=g).requires_grad_()
+    w13 = (torch.randn(E_local, 2 * I, H, device="cuda", generator=g) / 32).bfloat16().requires_grad_()
+    w2 = (torch.randn(E_local, H, I, device="cuda", generator=g) / 32).bfloat16().requires_grad_()
+    ids = torch.full((rows, 1), -1, dtype=torch.int64, device="cuda")
+    out = ops.moe_experts(x, w, w13, w2, build_schedule(ids, E_local, tile_m=DEFAULT_TILE_M), variant=variant)
+    (out.float() * torch.randn(rows, H, device="cuda", generator=g)).sum().backward()
+    assert not out.any(), "rows routed nowhere produced output"
+    for name, t in (("d_x", x), ("d_w", w), ("d_w13", w13), ("d_w2", w2)):
+        assert t.grad is not None and not t.grad.any(), f"{name} is not exactly zero"

@@ -51,3 +51,24 @@ def test_one_rank_expert_parallel_matches_single_process(one_rank_group, transpo
         results.append([out.detach()] + [t.grad for t in leaves])
     for name, a, b in zip(["out", "d_x", "d_w", "d_w13", "d_w2"], *results, strict=True):
         assert torch.equal(a, b), f"{name} differs ({transport})"
+
+
+@pytest.mark.parametrize("exchange", ["exact", "nccl", "symmetric_memory"])
+def test_one_rank_expert_parallel_with_no_tokens(one_rank_group, exchange):
+    # A rank with no tokens still joins every exchange; its output is empty and the expert
+    # gradients exactly zero (bf16, the triton backend).
+    H, I, E, K = 1024, 512, 16, 4
+    x = torch.empty(0, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    ids = torch.empty(0, K, dtype=torch.int64, device="cuda")
+    w = torch.empty(0, K, device="cuda").requires_grad_()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda") / 32).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I, device="cuda") / 32).bfloat16().requires_grad_()
+    capacity = None if exchange == "exact" else 1.0
+    transport = "nccl" if exchange == "exact" else exchange
+    out, dropped = moe_experts_expert_parallel(
+        x, ids, w, w13, w2, ops.moe_experts, one_rank_group, E, DEFAULT_TILE_M, capacity_factor=capacity,
+        transport=transport,
+    )  # fmt: skip
+    out.float().sum().backward()
+    assert out.shape == (0, H) and int(dropped) == 0
+    assert not w13.grad.any() and not w2.grad.any(), f"expert gradients of no tokens are not zero ({exchange})"
