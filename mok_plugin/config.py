@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "MoKConfig",
     "MoKConfigError",
+    "MOK_KNOBS",
+    "dtype_name",
     "load_config",
     "read_yaml",
     "short_repr",
@@ -60,6 +62,20 @@ REMOVED_FIELDS = {
 REPR_LIMIT = 80
 
 
+# MoKConfig fields that only MoK has: an adapter's MoK settings (Megatron's --mok-config, DeepSpeed's
+# mok_config or "mok" block) may set them freely; every other field follows the framework's options.
+MOK_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
+
+
+def dtype_name(value: Any) -> Any:
+    """A torch.dtype as its name (torch.bfloat16 -> "bfloat16"); anything else unchanged. torch is
+    looked up, not imported: a value can only be a torch.dtype once torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
 class MoKConfigError(ValueError):
     """An invalid MoK configuration; the message names every offending field."""
 
@@ -68,8 +84,10 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     """`repr(value)`, cut to about `limit` characters (with the full length said) for error messages."""
     try:
         text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit str limit
-        return f"<int of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    except ValueError:  # an int past Python's 4300-digit str limit, or a container holding one
+        if isinstance(value, int):
+            return f"<int of about {int(value.bit_length() * 0.30103) + 1} digits>"
+        return f"<{type(value).__name__}, repr too long>"
     if len(text) <= limit:
         return text
     return f"{text[: limit - 3]}... ({len(text)} characters)"
@@ -125,7 +143,8 @@ def format_validation_error(
         field = f"{prefix}.{loc}" if prefix and loc else loc or prefix
         if item["type"] == "extra_forbidden":
             key = item["loc"][-1] if item["loc"] else ""
-            if key in REMOVED_FIELDS:
+            # Removed fields were top-level fields of the config; deeper keys are plain unknown keys.
+            if len(item["loc"]) == 1 and key in REMOVED_FIELDS:
                 lines.append(f"{field}: {REMOVED_FIELDS[key]}")
                 continue
             allowed_keys = sorted(set(allowed or ()) - set(REMOVED_FIELDS))
@@ -236,11 +255,7 @@ class MoKConfig(BaseModel):
     @field_validator("params_dtype", mode="before")
     @classmethod
     def _dtype_by_name(cls, value: Any) -> Any:
-        # torch.float32 -> "float32", so model_dump, YAML and replace() keep a plain name. torch is
-        # looked up, not imported: a value can only be a torch.dtype once torch is loaded.
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(value, torch.dtype):
-            return str(value).removeprefix("torch.")
+        return dtype_name(value)
         return value
 
     @model_validator(mode="after")

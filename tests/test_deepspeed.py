@@ -121,11 +121,19 @@ def test_mixtral_style_expert_and_bad_experts(ds_world):
         # A mok_config sets MoK's knobs only: no shared experts or routing DeepSpeed did not ask for.
         (dict(mok_config={"num_shared_experts": 1}), r"mok\.num_shared_experts=1 \(the arguments give 0"),
         (dict(mok_config={"score_function": "sigmoid"}), r"mok\.score_function='sigmoid'.*may set only backend"),
+        (dict(mok_config={"top_k": "x" * 100_000}), r"mok\.top_k='xxx.*\.\.\. \(100002 characters\)"),
     ],
 )
 def test_random_and_unsupported_options_are_errors(ds_world, kwargs, message):
     with pytest.raises(MoKConfigError, match=message):
         mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, **kwargs)
+
+
+def test_mok_config_may_repeat_the_dtype_as_a_torch_dtype(ds_world):
+    expert = mds.SwiGLUExpert(H, I).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, "bfloat16"):
+        layer = mds.MoE(H, expert, num_experts=E, k=1, drop_tokens=False, mok_config={"params_dtype": dtype})
+        assert layer.mok_config.params_dtype == "bfloat16"
 
 
 def test_rts_and_second_expert_sampling_get_deterministic_equivalents(ds_world):

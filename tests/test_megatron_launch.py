@@ -107,6 +107,11 @@ def test_mok_config_error_lists_exactly_the_accepted_keys(tmp_path):
         assert launcher._read_knobs(_knobs_file(tmp_path, f"{key}: null\n")) == {key: None}
 
 
+def test_megatron_values_out_of_bounds_name_the_flag():
+    with pytest.raises(MoKConfigError, match=r"mok\.aux_loss_coeff \(--moe-aux-loss-coeff\)=2000\.0"):
+        mok_config_from_megatron(_tc(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=2000.0))
+
+
 def test_mok_config_deterministic_was_removed(tmp_path):
     path = _knobs_file(tmp_path, "mok:\n  deterministic: true\n  backend: reference\n")
     with pytest.raises(MoKConfigError, match=r"mok\.yaml: mok\.deterministic: this key was removed: MoK is always"):

@@ -68,6 +68,10 @@ def test_config_files_and_strings_that_are_not_configs(tmp_path):
     a_list.write_text(json.dumps([1, 2]))
     with pytest.raises(MoKConfigError, match="expected a JSON object, got list"):
         read_mok_settings(a_list)
+    too_deep = tmp_path / "deep.json"
+    too_deep.write_text("[" * 100_000)
+    with pytest.raises(MoKConfigError, match=r"deep\.json: cannot read it as JSON"):
+        read_mok_settings(too_deep)
     with pytest.raises(MoKConfigError, match="not a dict, a JSON file or base64 JSON") as info:
         read_mok_settings("A" * 100_000)  # too long for a file name: was an OSError from is_file()
     assert len(str(info.value)) < 300

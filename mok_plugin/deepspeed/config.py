@@ -97,7 +97,7 @@ def _as_dict(ds_config: dict | str | Path) -> dict:
     if _exists(path):
         try:
             return json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as error:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
             reason = error.strerror if isinstance(error, OSError) else str(error)[:200]
             raise MoKConfigError(f"DeepSpeed config {path}: cannot read it as JSON: {reason}") from None
     try:

@@ -29,19 +29,16 @@ from deepspeed.moe.layer import MoE as StockMoE
 from deepspeed.utils import groups
 from torch import nn
 
-from mok_plugin.config import MoKConfig, MoKConfigError, load_config
+from mok_plugin.config import MOK_KNOBS, MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
 from mok_plugin.deepspeed.checkpoint import install_state_dict_hooks
 from mok_plugin.deepspeed.experts import expert_layout
 from mok_plugin.layer import MoKMoE
 
 __all__ = ["MoE", "set_default_knobs"]
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# MoKConfig fields the constructor arguments decide; a mok_config may not set them differently.
-# MoKConfig fields a mok_config may set freely; every other field follows DeepSpeed's arguments
-# (or MoK's default where DeepSpeed has no such option, e.g. shared experts), so a mok_config may
-# only repeat those values: it cannot add shared experts or change routing behind DeepSpeed's back.
-_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
+# A mok_config sets MOK_KNOBS freely; every other field follows DeepSpeed's arguments (or MoK's
+# default where DeepSpeed has no such option, e.g. shared experts), so a mok_config may only repeat
+# those values: it cannot add shared experts or change routing behind DeepSpeed's back.
 
 
 # Knobs for layers built without a mok_config (through apply(ds_config) or the source patch).
@@ -60,7 +57,7 @@ def _knobs(mok_config: MoKConfig | dict | str | Path | None) -> dict[str, Any]:
     if isinstance(mok_config, MoKConfig):
         return mok_config.model_dump(exclude_unset=True)
     if isinstance(mok_config, dict):
-        return dict(mok_config)
+        return {key: dtype_name(value) if key == "params_dtype" else value for key, value in mok_config.items()}
     return load_config(mok_config).model_dump(exclude_unset=True)
 
 
@@ -178,18 +175,18 @@ class MoE(StockMoE):
             score_function="softmax",
             norm_topk_prob=k >= 2,
             aux_loss_coeff=1.0,
-            params_dtype=_DTYPES.get(layout.dtype, "float32"),
+            params_dtype=dtype_name(layout.dtype),
             ep_exchange="exact",
         )
         knobs = _knobs(mok_config)
         set_by_arguments = {
             field: derived.get(field, info.default)
             for field, info in MoKConfig.model_fields.items()
-            if field not in _KNOBS
+            if field not in MOK_KNOBS
         }
         conflicts = [
-            f"mok.{key}={knobs[key]!r} (the arguments give {set_by_arguments[key]!r}; "
-            f"a mok_config may set only {', '.join(_KNOBS)})"
+            f"mok.{key}={short_repr(knobs[key])} (the arguments give {set_by_arguments[key]!r}; "
+            f"a mok_config may set only {', '.join(MOK_KNOBS)})"
             for key in knobs
             if key in set_by_arguments and knobs[key] != set_by_arguments[key]
         ]

@@ -17,16 +17,17 @@ Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
-from mok_plugin.config import REMOVED_FIELDS, MoKConfig, MoKConfigError, short_repr
+from mok_plugin.config import MOK_KNOBS, REMOVED_FIELDS, MoKConfig, MoKConfigError, dtype_name, short_repr
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
 
-# MoKConfig fields Megatron has no setting for: an override (--mok-config) sets them freely.
-MOK_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
+# MOK_KNOBS (from config.py): MoKConfig fields Megatron has no setting for, which an override
+# (--mok-config) sets freely.
 # Every other MoKConfig field comes from Megatron's flags (field -> the flags): an override may only
 # repeat Megatron's value, so a MoK file cannot switch on token dropping, add shared experts or
 # change a shape or routing choice behind Megatron's back. Together the two cover MoKConfig.
@@ -232,8 +233,7 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
     megatron_values = {field: derived.get(field, MoKConfig.model_fields[field].default) for field in MEGATRON_SET}
     for key, value in (overrides or {}).items():
         if key in MEGATRON_SET:
-            if isinstance(value, torch.dtype):  # MoKConfig takes a dtype or its name
-                value = _DTYPE_NAMES.get(value, str(value))
+            value = dtype_name(value)  # MoKConfig takes a dtype or its name
             if value != megatron_values[key]:
                 problems.append(
                     f"mok.{key}={short_repr(value)} conflicts with Megatron's setting {megatron_values[key]!r} "
@@ -249,4 +249,12 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
             )
     if problems:
         raise MoKConfigError("cannot run this Megatron MoE layer with MoK:\n  " + "\n  ".join(problems))
-    return MoKConfig(**derived)
+    try:
+        return MoKConfig(**derived)
+    except MoKConfigError as error:
+        # A Megatron value out of MoK's bounds (say --moe-aux-loss-coeff 2000): name the flag too.
+        def with_flag(match: re.Match) -> str:
+            flag = MEGATRON_SET.get(match[1])
+            return f"{match[0]} ({flag})" if flag else match[0]
+
+        raise MoKConfigError(re.sub(r"mok\.(\w+)", with_flag, str(error))) from None
