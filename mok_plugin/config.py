@@ -6,8 +6,8 @@ an error that names the field (as `mok.<field>`) and what is allowed; problems a
 collected and reported together. Values that validate also run: floats are finite and bounded, and
 sizes are bounded so that the buffers built from them stay inside int64 (the bounds below say why).
 
-Does not own: topology files for whole training runs (a later issue adds them next to this), or any
-tensor code.
+Does not own: run configs for whole training runs (machine, model, parallel layout:
+`mok_plugin.run`, which imports this module, never the reverse), or any tensor code.
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ class MoKConfig(BaseModel):
     # --- execution -------------------------------------------------------------------------------
     backend: Backend = "auto"
     kernel_variant: KernelVariant = Field(
-        # multi_kernel measured faster on the H200 (BENCHMARKS.md: qwen3-30b-a3b fwd+bwd 11.1 vs 16.3 ms).
+        # multi_kernel is the faster variant on the H200 (BENCHMARKS.md's current table: forward + backward
+        # 1.44-1.50x faster than the megakernel on qwen3-30b-a3b, olmoe and mixtral-8x7b).
         default="multi_kernel",
         description="Triton backend: one persistent launch per pass, or one launch per GEMM (same arithmetic).",
     )
@@ -256,7 +257,6 @@ class MoKConfig(BaseModel):
     @classmethod
     def _dtype_by_name(cls, value: Any) -> Any:
         return dtype_name(value)
-        return value
 
     @model_validator(mode="after")
     def _check_combinations(self) -> MoKConfig:
@@ -332,26 +332,34 @@ class MoKConfig(BaseModel):
         return MoKConfig(**{**self.model_dump(), **changes})
 
 
-def load_config(path: str | os.PathLike[str]) -> MoKConfig:
-    """Read a YAML file into a validated `MoKConfig`.
+# Top-level keys of a run config (configs/topologies/) that a MoK layer config never has: such a file
+# is refused with a pointer to the run-config loader instead of being read as a layer config.
+_RUN_CONFIG_KEYS = ("model", "parallel")
 
-    The file is either the config's fields at the top level, a mapping with a `mok:` section
-    holding them, or a run config (`machine`, `model`, `parallel`, `mok`: configs/topologies/),
-    which is validated whole (mok_plugin.topology) before its MoE layer's config is returned.
+
+def load_config(path: str | os.PathLike[str]) -> MoKConfig:
+    """Read a MoK layer config (YAML) into a validated `MoKConfig`.
+
+    The file holds the config's fields at the top level, or a mapping with a `mok:` section holding
+    them (other top-level keys are then not read). A run config (machine, model, parallel, mok:
+    configs/topologies/) is not a layer config: `mok_plugin.run.load_topology(path).mok_config()`
+    gives one MoE layer's config of a run.
 
     Raises:
         MoKConfigError: naming the file: it cannot be read (missing, a directory, no permission,
-            not UTF-8), it is not valid YAML or not a mapping, or a field is invalid (named too).
+            not UTF-8), it is not valid YAML or not a mapping, it is a run config (its top level
+            has `model` or `parallel`), or a field is invalid (named too).
     """
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict):
         raise MoKConfigError(f"{path}: expected a mapping of MoK config fields, got {type(data).__name__}")
-    if "machine" in data and "parallel" in data:
-        # A run config (configs/topologies/): validate the whole run, return one layer's config.
-        from mok_plugin.topology import load_topology
-
-        return load_topology(path).mok_config()
+    run_keys = [key for key in _RUN_CONFIG_KEYS if key in data]
+    if run_keys:
+        raise MoKConfigError(
+            f"{path}: a run config (top-level {', '.join(run_keys)}), not a MoK layer config; "
+            "use mok_plugin.run.load_topology(path).mok_config() for one MoE layer's config of the run"
+        )
     if "mok" in data:
         data = data["mok"]
         if not isinstance(data, dict):

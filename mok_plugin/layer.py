@@ -2,7 +2,8 @@
 
 Owns: the parameters (router, routed experts, shared experts, the expert-bias buffer), input
 checks, the backend switch (auto | triton | reference), and the per-step statistics
-(`last_tokens_per_expert`, `last_num_dropped`).
+(`last_tokens_per_expert`, `last_num_dropped`). No benchmark hooks: under expert parallelism the
+stages are `torch.profiler` ranges (parallel/dispatch.py, PROFILER_RANGES).
 
 Does not own: any math of its own; it calls routing, schedule and a backend's experts function.
 """
@@ -160,9 +161,6 @@ class MoKMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
-        # Benchmark hook: a context-manager factory wrapped around the expert-parallel stages
-        # ("dispatch", "experts", "combine"); None in normal use (scripts/bench_ep.py sets it).
-        self.ep_stage_timer = None
         self.config = config
         dtype = _DTYPES[config.params_dtype]
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
@@ -272,7 +270,7 @@ class MoKMoE(nn.Module):
             out, num_dropped = moe_experts_expert_parallel(
                 x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
                 cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
-                phase=self.ep_stage_timer, transport=cfg.ep_transport, expert_capacity=capacity,
+                transport=cfg.ep_transport, expert_capacity=capacity,
             )  # fmt: skip
         else:
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)

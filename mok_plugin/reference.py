@@ -27,7 +27,8 @@ and an fp64 result rounded to the params dtype hides that.
 Expert segments come from `MoKSchedule`; the per-expert loop reads their bounds on the host, which
 is fine for a CPU backend and an oracle (the Triton backend never does).
 
-Does not own: routing, the schedule, or the choice of backend.
+Does not own: routing, the schedule or the row <-> token primitives it shares with the other paths
+(`sum_over_k`, `values_per_row`: schedule.py), or the choice of backend.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mok_plugin.schedule import MoKSchedule, values_per_row
+from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
 
-__all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "sum_over_k"]
+__all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward"]
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -58,16 +59,6 @@ def _swiglu_backward(h: torch.Tensor, d_a: torch.Tensor) -> torch.Tensor:
     d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
     d_up = d_a * (gate * sig)
     return torch.cat([d_gate, d_up], dim=-1)
-
-
-def sum_over_k(rows_TKH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Fixed-order sum over k of [T, K, H] rows in fp32 (fp64 for fp64 rows), as the kernels sum:
-    ((r0 + r1) + r2) + ...; rounded once."""
-    acc_dtype = torch.float64 if rows_TKH.dtype == torch.float64 else torch.float32
-    acc = rows_TKH[:, 0].to(acc_dtype)
-    for k in range(1, rows_TKH.shape[1]):
-        acc = acc + rows_TKH[:, k].to(acc_dtype)
-    return acc.to(out_dtype)
 
 
 def _rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K: int) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The device-side schedule: where each routed (token, k) row lives in expert order.
 
-Owns: `MoKSchedule` and `build_schedule()`. From `topk_ids` alone, with integer counts, prefix sums
-and a stable sort, it lays the R = T*K routed rows out expert by expert. Each expert's segment
-starts at a multiple of the GEMM tile `tile_m`, so a tile of rows never spans two experts; within
-an expert, rows are in ascending (token, k) order, which fixes the order of every reduction over
-an expert's rows (the weight gradients).
+Owns: `MoKSchedule` and `build_schedule()`, and the row <-> token primitives that both backends and
+the expert-parallel path use (`values_per_row`, `sum_over_k`). From `topk_ids` alone, with integer
+counts, prefix sums and a stable sort, `build_schedule` lays the R = T*K routed rows out expert by
+expert. Each expert's segment starts at a multiple of the GEMM tile `tile_m`, so a tile of rows
+never spans two experts; within an expert, rows are in ascending (token, k) order, which fixes the
+order of every reduction over an expert's rows (the weight gradients).
 
 Row space: rows are indexed in a buffer of static size `num_rows` (an upper bound of the padded
 total, computed from T, K, E and tile_m on the host without looking at data), so nothing here
@@ -14,7 +15,8 @@ Capacity: with a capacity of C rows per expert, the rows past C of an expert (in
 are dropped: their `tk_to_row` is -1 and `num_dropped` counts them. Nothing is dropped silently:
 the count is on the schedule and the layer reports it.
 
-Does not own: the routing decision, or anything that moves floats.
+Does not own: the routing decision, or the experts' math (the only floats moved here are routing
+weights placed in row order and, in `sum_over_k`, a token's finished rows added in a fixed order).
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import torch
 
 from mok_plugin.routing import count_per_expert
 
-__all__ = ["MoKSchedule", "build_schedule", "expert_capacity", "max_padded_rows", "values_per_row", "DEFAULT_TILE_M"]
+__all__ = [
+    "DEFAULT_TILE_M",
+    "MoKSchedule",
+    "build_schedule",
+    "expert_capacity",
+    "max_padded_rows",
+    "sum_over_k",
+    "values_per_row",
+]
 
 #: Rows per GEMM tile that segments are padded to; the kernels' BLOCK_M divides it.
 DEFAULT_TILE_M = 128
@@ -73,6 +83,26 @@ def values_per_row(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Te
     # A trailing zero serves every padding row, so no index is out of range even with no pairs.
     padded = torch.cat([values_TK.reshape(-1), values_TK.new_zeros(1)])
     return padded[torch.where(row_to_tk >= 0, row_to_tk, padded.shape[0] - 1)]
+
+
+def sum_over_k(rows_TKH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Each token's K rows summed in a fixed order, as the kernels' combine sums them.
+
+    ((r0 + r1) + r2) + ... in fp32 (fp64 for fp64 rows), rounded once to out_dtype. The reference
+    backend's combine and its dX, and the expert-parallel combine and its row-gather gradient, all
+    sum this way, so every path adds a token's rows in the same order with the same rounding.
+
+    Args:
+        rows_TKH: [T, K, H], the rows of each token in ascending k.
+        out_dtype: the result's dtype.
+    Returns:
+        [T, H] in out_dtype.
+    """
+    acc_dtype = torch.float64 if rows_TKH.dtype == torch.float64 else torch.float32
+    acc = rows_TKH[:, 0].to(acc_dtype)
+    for k in range(1, rows_TKH.shape[1]):
+        acc = acc + rows_TKH[:, k].to(acc_dtype)
+    return acc.to(out_dtype)
 
 
 def build_schedule(

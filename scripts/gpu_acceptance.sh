@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # The single-GPU acceptance runs of the open issues, in one call on a CUDA machine:
 #   tests      the GPU test modules (layer vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
-#              and the kernel tests compiled (tests/test_kernels_interp.py), as parallel pytest processes:
-#              compiling the kernels is CPU-bound, so together they take ~3.5 minutes instead of ~8
-#   deepspeed  scripts/bench_deepspeed.py, stock vs MoK under deepspeed.initialize (ZeRO-2), tokens/s
+#              and the kernel, op and empty-work tests compiled, in one pytest run spread over the cores
+#              (pytest-xdist; compiling the kernels is CPU-bound): ~2.5 minutes
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
-#   layer      scripts/bench_layer.py on the four named shapes: both MoK variants, the PyTorch path and
-#              Megatron's stock layer; on all but deepseek-v3 also Liger's fused MoE, with its autotuning
-#              off (LIGER_FUSED_MOE_AUTOTUNE=0 unless set: tuned, it takes ~4 minutes per shape)
+#              (the DeepSpeed one is stock vs MoK under deepspeed.initialize: tokens/s, memory, losses)
+#   layer      scripts/bench_layer.py (mok bench layer) on the four named shapes, each in its own process:
+#              both MoK variants, the PyTorch path and Megatron's stock layer; on all but deepseek-v3 also
+#              Liger's fused MoE, with its autotuning off (LIGER_FUSED_MOE_AUTOTUNE=0 unless set: tuned, it
+#              takes ~4 minutes per shape); deepseek-v3 with 6 iterations instead of 10
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
-# On the H200 (2026-11-30): tests ~210 s, deepspeed ~35 s, compare ~190 s, layer ~210 s: more than one
-# 10-minute device call holds, so split them, e.g. `tests deepspeed` and `compare layer`.
+# On the H200 (2026-11-30): tests ~210 s, compare ~190 s, layer ~210 s (one process then): more than one
+# 10-minute device call holds, so split them, e.g. `tests` and `compare layer`.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
 out="${OUT:-out}/acceptance"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests deepspeed compare layer)
+[ ${#parts[@]} -eq 0 ] && parts=(tests compare layer)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Fail in a second, not after minutes of device time, when a dependency is missing.
 if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed" 2>&1); then
@@ -60,28 +61,25 @@ collect_background() {
 for part in "${parts[@]}"; do
     case $part in
     tests)
-        run_in_background tests-layer-reference python3 -m pytest -q tests/test_gpu_layer.py -k "matches_reference"
-        run_in_background tests-layer-other python3 -m pytest -q tests/test_gpu_layer.py -k "not matches_reference"
-        run_in_background tests-parallel python3 -m pytest -q tests/test_gpu_parallel.py
-        kernel_tests=(python3 -m pytest -q tests/test_kernels_interp.py -k)
-        run_in_background tests-kernels-mega "${kernel_tests[@]}" "match_reference and mega"
-        run_in_background tests-kernels-multi "${kernel_tests[@]}" "match_reference and not mega"
-        run_in_background tests-kernels-other "${kernel_tests[@]}" "not match_reference"
-        collect_background ;;
-    deepspeed)
-        run_part deepspeed torchrun --nproc-per-node 1 scripts/bench_deepspeed.py --ep-size 1 --zero-stage 2 \
-            --out "$out/deepspeed.json" ;;
+        # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores: ~2.5 minutes on the H200.
+        run_part tests python3 -m pytest -q -n 12 -p no:cacheprovider tests/test_gpu_layer.py \
+            tests/test_gpu_parallel.py tests/test_empty_work.py tests/test_layer.py tests/test_kernels_grouped_mlp.py \
+            tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
+            tests/test_ops.py tests/test_parallel_multi_gpu.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
         run_part compare-deepspeed python3 scripts/compare.py --config "$cfg" --framework deepspeed \
             --out "$out/compare-deepspeed" ;;
     layer)
-        LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0} run_part layer python3 scripts/bench_layer.py \
-            --shapes qwen3-30b-a3b olmoe mixtral-8x7b --providers mok-multi mok-mega torch megatron liger \
-            --iters 10 --out "$out/layer"
-        run_part layer-deepseek python3 scripts/bench_layer.py --shapes deepseek-v3 \
-            --providers mok-multi mok-mega torch megatron --iters 6 --out "$out/layer-deepseek" ;;
+        # One process per shape: no allocator state or clock history carries over from the shape before.
+        for shape in qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3; do
+            providers=(mok-multi mok-mega torch megatron liger) iters=10
+            [ "$shape" = deepseek-v3 ] && providers=(mok-multi mok-mega torch megatron) iters=6
+            LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0} run_part "layer-$shape" python3 \
+                scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
+                --out "$out/layer-$shape"
+        done ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done

@@ -1,30 +1,42 @@
 """Write configs/topologies/*.yaml: the run configs users start from (then validated by
-mok_plugin.topology.load_topology; tests load every file).
+mok_plugin.run.topology.load_topology; tests load every file).
 
     python scripts/make_topology_configs.py            # rewrites configs/topologies/
 
 For each model and machine the pipeline size is the smallest of 1, 2, 4, 8, 16 whose memory
-estimate fits (mok_plugin.planner); dp = ep, so one EP group spans the data-parallel ranks of a
+estimate fits (mok_plugin.run.planner); dp = ep, so one EP group spans the data-parallel ranks of a
 pipeline stage and sits in one NVLink domain. Where ep does not divide the experts, redundant
 experts fill the slots (as DeepSeek's and TensorRT-LLM's deployments do).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mok_plugin.config import MoKConfigError  # noqa: E402
-from mok_plugin.topology import RunConfig  # noqa: E402
+from mok_plugin.config import MoKConfigError
+from mok_plugin.run.sections import MACHINES
+from mok_plugin.run.topology import RunConfig
 
 OUT = Path(__file__).resolve().parents[1] / "configs" / "topologies"
-FACTS = "shared/reference/topologies-and-models.md, table 5a (the models' config.json)"
 
-# dense_params_b: attention, embeddings and dense FFN layers, from the shapes in table 5a
+# Where each model's numbers come from: its config.json on Hugging Face (layers, hidden size, expert
+# size, experts, top-k, shared experts, score function, top-k normalisation, groups, scaling, aux
+# coefficient) and the model's card or technical report.
+_HF = "https://huggingface.co/"
+SOURCES = {
+    "deepseek-v3": f"{_HF}deepseek-ai/DeepSeek-V3 (config.json); DeepSeek-V3 Technical Report, arXiv:2412.19437",
+    "kimi-k2": f"{_HF}moonshotai/Kimi-K2-Instruct (config.json, model card); Kimi K2 technical report, "
+    "arXiv:2507.20534",
+    "qwen3-235b-a22b": f"{_HF}Qwen/Qwen3-235B-A22B (config.json, model card); Qwen3 Technical Report, arXiv:2505.09388",
+    "glm-4.5": f"{_HF}zai-org/GLM-4.5 (config.json, model card); GLM-4.5 technical report, arXiv:2508.06471",
+    "gpt-oss-120b": f"{_HF}openai/gpt-oss-120b (config.json); gpt-oss-120b & gpt-oss-20b model card, arXiv:2508.10925",
+    "qwen3-30b-a3b": f"{_HF}Qwen/Qwen3-30B-A3B (config.json, model card); Qwen3 Technical Report, arXiv:2505.09388",
+    "qwen3-30b-a3b-4-layers": f"{_HF}Qwen/Qwen3-30B-A3B (config.json), four of its 48 layers",
+}
+
+# dense_params_b: attention, embeddings and dense FFN layers, from the shapes in each config.json
 # (routed and shared experts excluded; MTP layers excluded).
 MODELS = {
     "deepseek-v3": dict(num_layers=61, moe_layers=58, hidden_size=7168, ffn_hidden_size=2048, num_experts=256,
@@ -60,7 +72,7 @@ ROUTING = {
 
 
 def _run(name: str, machine: str, ep: int, pp: int, dp: int, transport: str, seq: int = 4096) -> RunConfig | None:
-    model = dict(name=name, source=FACTS, **MODELS[name])
+    model = dict(name=name, source=SOURCES[name], **MODELS[name])
     redundant = (-model["num_experts"]) % ep
     parallel = dict(tp=1, pp=pp, ep=ep, expert_tp=1, dp=dp, seq_length=seq, micro_batch=1,
                     redundant_experts=redundant)  # fmt: skip
@@ -83,10 +95,36 @@ def smallest_fitting(name: str, machine: str, ep: int, dp: int, transport: str, 
     raise SystemExit(f"{name} on {machine} at EP {ep}: no layout up to PP 16, DP {8 * dp} fits")
 
 
+def _command(run: RunConfig, stem: str) -> str:
+    """The exact command that runs this config."""
+    path = f"configs/topologies/{stem}.yaml"
+    if run.machine == "cpu":
+        return f"python scripts/compare.py --config {path}   (what bash scripts/main.sh runs)"
+    if run.parallel.world_size == 1:
+        return f"python scripts/compare.py --config {path}   (on one GPU; scripts/plan.py {path} prints its plan)"
+    return f"python scripts/plan.py {path}   (its per-GPU memory and MoE-layer time plan)"
+
+
 def write(run: RunConfig, stem: str, description: str) -> None:
     data = {"description": description, **run.model_dump(mode="json", exclude={"description"})}
-    text = f"# {description}\n# Written by scripts/make_topology_configs.py; validated by mok_plugin.load_topology.\n"
+    machine = MACHINES[run.machine]
+    lines = [
+        f"# {description}",
+        f"# Run: {_command(run, stem)}",
+        f"# Model: {run.model.source}",
+        f"# Machine ({run.machine}): {machine.source}",
+        "# Written by scripts/make_topology_configs.py; validated by mok_plugin.run.topology.load_topology.",
+    ]
+    text = "\n".join(_wrap(line) for line in lines) + "\n"
     (OUT / f"{stem}.yaml").write_text(text + yaml.safe_dump(data, sort_keys=False))
+
+
+def _wrap(comment: str, width: int = 118) -> str:
+    """A long comment line as several `#` lines of at most `width` characters (words kept whole)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(comment, width=width, subsequent_indent="#   ", break_long_words=False,
+                                    break_on_hyphens=False))  # fmt: skip
 
 
 def main() -> int:

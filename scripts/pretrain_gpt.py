@@ -21,20 +21,8 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-
-from mok_plugin.megatron.launcher import parse_args_with_mok  # noqa: E402
 
 UNSUPPORTED = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
@@ -49,6 +37,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
+def require_cuda(argv: list[str]) -> None:
+    """Megatron's training loop needs CUDA; say so in one line, before Megatron parses its hundreds of
+    flags (and prints them) only to stop with its own error. `--help` still works without a GPU."""
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(argv):
+        raise SystemExit(
+            "scripts/pretrain_gpt.py needs a CUDA GPU (Megatron's training loop runs on CUDA only) and "
+            "torch sees none; on the CPU, `bash scripts/main.sh` compares the stock and MoK MoE layers"
+        )
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch: mock tokens in, per-token losses out (TP = PP = CP = 1: no broadcast)."""
     batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
@@ -58,6 +56,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
     args = get_args()
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
@@ -80,6 +82,15 @@ def use_prebuilt_dataset_helpers() -> None:
 
 
 def main() -> None:
+    require_cuda(sys.argv[1:])
+    # Imported here, after the CUDA check: importing Megatron's training package is slow and noisy.
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from mok_plugin.megatron.launcher import parse_args_with_mok
+
     use_prebuilt_dataset_helpers()
     args = parse_args_with_mok(parse_and_validate_args, args_defaults={"tokenizer_type": "NullTokenizer"})
     for field, flag in UNSUPPORTED.items():

@@ -1,7 +1,8 @@
 """MoKConfig and load_config: defaults, YAML loading, and every rejection naming its field; values
 that would validate but not run (non-finite or huge floats, sizes past int64 buffers) and the
 removed `deterministic` key are errors; a torch.dtype is a params_dtype; every way a file can fail
-to read is an error naming the file; no error echoes a huge input whole."""
+to read is an error naming the file; a run config is refused, pointing to load_topology; no error
+echoes a huge input whole."""
 
 import math
 from pathlib import Path
@@ -85,6 +86,19 @@ def test_load_config_reads_top_level_and_mok_section(tmp_path):
     nested.write_text("machine: cpu\nmok:\n  hidden_size: 64\n  ffn_hidden_size: 32\n  num_experts: 8\n  top_k: 2\n")
     assert load_config(flat).score_function == "sigmoid"
     assert load_config(nested) == MoKConfig(**BASE)
+
+
+def test_load_config_refuses_a_run_config_naming_the_file(tmp_path):
+    # config.py knows nothing of run configs, but says where to read one.
+    run = {"machine": "cpu", "model": {"name": "tiny"}, "parallel": {"seq_length": 64}, "mok": BASE}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    with pytest.raises(MoKConfigError, match=r"run\.yaml: a run config \(top-level model, parallel\)") as info:
+        load_config(path)
+    assert "mok_plugin.run.load_topology(path).mok_config()" in str(info.value)
+    path.write_text(yaml.safe_dump({"parallel": {"ep": 2}, **BASE}))
+    with pytest.raises(MoKConfigError, match=r"run\.yaml: a run config \(top-level parallel\)"):
+        load_config(path)
 
 
 def test_load_config_errors_name_file_and_field(tmp_path):

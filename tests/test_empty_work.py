@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mok_plugin import MoKConfig, MoKMoE
-from mok_plugin.kernels.configs import parse_tile_config
+from mok_plugin.kernels.configs import MoKTileConfig
 from mok_plugin.schedule import expert_capacity
 from mok_plugin.testing import assert_close, make_layer_inputs, oracle_kept_pairs, oracle_moe
 
@@ -117,6 +117,6 @@ def test_pre_gathered_weight_gradient_of_no_tokens_is_zero(left_by_token):
     left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
     d_w = expert_wgrad(left, right, schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert,
                        left_by_token=left_by_token, right_by_token=not left_by_token, segment_align=128,
-                       config=parse_tile_config("32x32x32w4s1g"))  # fmt: skip
+                       config=MoKTileConfig(32, 32, 32, 4, 1, gather_rows=True))  # fmt: skip
     assert d_w.shape == (E, left.shape[1], right.shape[1])
     assert torch.equal(d_w.cpu(), torch.zeros(d_w.shape))

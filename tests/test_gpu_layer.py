@@ -82,15 +82,19 @@ def _results_in_process():
 
 def test_bitwise_equal_across_processes(tmp_path):
     script = textwrap.dedent(
-        f"""
+        """
         import sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_gpu_layer import _results_in_process
         torch.save(_results_in_process(), sys.argv[1])
         """
     )
     path = tmp_path / "child.pt"
-    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=600)
+    # The child imports this module from the tests folder, as pytest does.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])),
+    }
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=600, env=env)
     child = torch.load(path)
     for i, (a, b) in enumerate(zip(child, _results_in_process(), strict=True)):
         assert torch.equal(a, b), f"tensor {i} differs between processes"

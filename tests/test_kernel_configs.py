@@ -1,5 +1,7 @@
-"""The pinned kernel-config table's helpers: the short config notation the scripts take, and the
-in-process override a benchmark uses to time a candidate table."""
+"""The pinned kernel-config table (kernels/configs.py): lookup, the one shape rule (row-tile GEMMs
+narrow BLOCK_N for narrow outputs; weight-gradient, megakernel and epilogue tiles never change),
+the choice between the two weight-gradient entries, the interpreter's small tiles, and the
+in-process swap a benchmark uses (mok_plugin.bench.tuning builds its overrides on it)."""
 
 import pytest
 
@@ -8,73 +10,75 @@ from mok_plugin.kernels.configs import (
     PRE_GATHER_MIN_WIDTH,
     MoKTileConfig,
     kernel_config,
-    overridden_configs,
-    parse_tile_config,
-    tile_config_label,
-    tile_config_spec,
+    swap_pinned,
     wgrad_kernel,
 )
 
 
-@pytest.mark.parametrize(
-    "spec, expected, label",
-    [
-        ("128x256x64w8s3", MoKTileConfig(128, 256, 64, 8, 3), "128x256x64 w8 s3"),
-        ("128x128x64w8s4t/2", MoKTileConfig(128, 128, 64, 8, 4, tma=True, split_n=2), "128x128x64 w8 s4 tma /2"),
-        ("64x128x32w4s2g", MoKTileConfig(64, 128, 32, 4, 2, gather_rows=True), "64x128x32 w4 s2 gather"),
-        (
-            "128x128x64w8s4gt",
-            MoKTileConfig(128, 128, 64, 8, 4, tma=True, gather_rows=True),
-            "128x128x64 w8 s4 gather tma",
-        ),
-        (
-            "128x256x64w8s3te",
-            MoKTileConfig(128, 256, 64, 8, 3, tma=True, split_epilogue=True),
-            "128x256x64 w8 s3 tma split-epilogue",
-        ),
-    ],
-)
-def test_parse_and_label(spec, expected, label):
-    assert parse_tile_config(spec) == expected
-    assert tile_config_label(expected) == label
-    assert tile_config_spec(expected) == spec  # the form the scripts print reads back
-
-
-@pytest.mark.parametrize(
-    "spec", ["", "128x256w8s3", "128x256x64w8", "128x256x64w8s3tg", "128x256x64w8s3et", "128x256x64w8s3/x"]
-)
-def test_parse_rejects_other_forms(spec):
-    with pytest.raises(ValueError, match="expected like"):
-        parse_tile_config(spec)
-
-
-def test_override_applies_inside_the_block_only(monkeypatch):
+@pytest.fixture
+def pinned_table(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pinned table, not the interpreter's small tiles
-    pinned, down_fwd = kernel_config("wgrad", 4096), kernel_config("down_fwd", 4096)
-    candidate = parse_tile_config("128x256x64w8s4g")
-    assert candidate != pinned
-    with overridden_configs({"wgrad": candidate}):
+
+
+def test_swap_pinned_returns_what_it_replaced(pinned_table):
+    before, down_fwd = kernel_config("wgrad", 4096), kernel_config("down_fwd", 4096)
+    candidate = MoKTileConfig(128, 256, 64, 8, 4, gather_rows=True)
+    previous = swap_pinned({"wgrad": candidate})
+    try:
+        assert previous == {"wgrad": before}
         assert kernel_config("wgrad", 4096) == candidate
         assert kernel_config("down_fwd", 4096) == down_fwd  # the other entries stay
-    assert kernel_config("wgrad", 4096) == pinned
-    with pytest.raises(RuntimeError), overridden_configs({"wgrad": candidate}):
-        raise RuntimeError("the table is restored on errors too")
-    assert kernel_config("wgrad", 4096) == pinned
+    finally:
+        swap_pinned(previous)
+    assert kernel_config("wgrad", 4096) == before
 
 
-def test_override_rejects_unknown_kernels():
-    assert "wgrad" in PINNED_KERNELS
-    with (
-        pytest.raises(KeyError, match="no pinned config"),
-        overridden_configs({"wgrad_fast": MoKTileConfig(1, 1, 1, 1, 1)}),
-    ):
-        pass
+def test_swap_pinned_rejects_unknown_kernels_and_changes_nothing(pinned_table):
+    before = kernel_config("wgrad", 4096)
+    with pytest.raises(KeyError, match="no pinned config for \\['wgrad_fast'\\]"):
+        swap_pinned({"wgrad": MoKTileConfig(1, 1, 1, 1, 1), "wgrad_fast": MoKTileConfig(1, 1, 1, 1, 1)})
+    assert kernel_config("wgrad", 4096) == before
 
 
-def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands(monkeypatch):
+def test_unknown_kernel_is_a_key_error(pinned_table):
+    with pytest.raises(KeyError):
+        kernel_config("down_dgrad_fused", 64)
+
+
+def test_row_tiles_narrow_for_narrow_outputs_only(pinned_table):
+    wide = kernel_config("down_fwd", 4096)
+    assert wide.block_n == 256
+    assert kernel_config("down_fwd", 100).block_n == 128  # the next power of two
+    assert kernel_config("down_fwd", 8).block_n == 64  # never below 64
+    assert kernel_config("down_fwd", 100).block_m == wide.block_m  # rows and K order stay
+    assert kernel_config("down_fwd", 100).block_k == wide.block_k
+
+
+@pytest.mark.parametrize("kernel", ["megakernel_down_dgrad", "megakernel_wgrad", "down_dgrad_epilogue", "combine"])
+def test_fixed_tiles_never_narrow(pinned_table, kernel):
+    # The router partials are as wide as the epilogue's (or the megakernel's) I-block: a fixed
+    # width keeps the router gradient's summation order the same for every I.
+    assert kernel_config(kernel, 8) == kernel_config(kernel, 1 << 16)
+
+
+def test_megakernel_tiles_share_rows_and_k_steps(pinned_table):
+    # One launch runs every task kind, so they must agree on BLOCK_M and BLOCK_K (megakernel.py).
+    dgrad, dx = kernel_config("megakernel_down_dgrad", 768), kernel_config("gate_up_dgrad", 2048)
+    assert (dgrad.block_m, dgrad.block_k) == (dx.block_m, dx.block_k)
+    up, down = kernel_config("gate_up_fwd", 768), kernel_config("down_fwd", 2048)
+    assert (up.block_m, up.block_k) == (down.block_m, down.block_k)
+
+
+def test_interpreter_uses_small_tiles(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for kernel in PINNED_KERNELS:
+        cfg = kernel_config(kernel, 4096)
+        assert cfg.block_m <= 32 and cfg.block_n <= 32 and cfg.num_stages == 1, kernel
+
+
+def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands(pinned_table):
     # The copy costs the same at any width while the GEMM grows with it: narrow shapes (qwen3's
     # I = 768, olmoe's 2I = 2048) gather in the K loop, wide ones (mixtral's I = 14336) copy first.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pinned table, not the interpreter's small tiles
     assert wgrad_kernel(768) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1) == "wgrad_in_loop"
     assert wgrad_kernel(PRE_GATHER_MIN_WIDTH) == wgrad_kernel(14336) == "wgrad"
     assert not kernel_config("wgrad_in_loop", 768).gather_rows

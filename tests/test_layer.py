@@ -1,6 +1,7 @@
 """MoKMoE: parameter names and shapes, output and aux-loss contract, token counts, the expert-bias
-update, input errors that name the problem, backend selection, and determinism: bitwise-equal
-results across two runs in one process and across two processes."""
+update, input errors that name the problem, backend selection, determinism (bitwise-equal results across
+two runs in one process and across two processes), and the triton backend against the reference
+backend end to end (shared expert, aux loss)."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 from mok_plugin import MoKConfig, MoKMoE
 from mok_plugin.layer import resolve_backend
-from mok_plugin.testing import make_layer_inputs
+from mok_plugin.testing import assert_close, make_layer_inputs
 
 CFG = dict(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)
 
@@ -140,16 +141,20 @@ def test_bitwise_equal_across_two_processes(tmp_path):
     # Each child process builds the layer from the same seeds and saves every result; a fresh
     # interpreter means fresh allocator state, thread pools and (on GPU) kernel caches.
     script = textwrap.dedent(
-        f"""
+        """
         import sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_layer import _run_once
         torch.save(_run_once(torch.float32), sys.argv[1])
         """
     )
     paths = [tmp_path / f"run{i}.pt" for i in range(2)]
     for path in paths:
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=300)
+        # The child imports this module from the tests folder, as pytest does.
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])),
+        }
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=300, env=env)
     a, b = (torch.load(p) for p in paths)
     here = _run_once(torch.float32)
     for name in a:
@@ -173,3 +178,32 @@ def test_forward_is_batch_invariant(backend):
         for start, stop in [(0, 37), (100, 250), (299, 300)]:
             part, _ = layer(x[start:stop].clone())
             assert torch.equal(full[start:stop], part), f"tokens {start}:{stop} changed with the batch"
+
+
+# The triton backend runs compiled on a GPU, in Triton's CPU interpreter without one (conftest.py).
+_TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_layer_triton_backend_matches_reference(dtype):
+    name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    cfg = MoKConfig(
+        hidden_size=32,
+        ffn_hidden_size=24,
+        num_experts=6,
+        top_k=2,
+        num_shared_experts=1,
+        aux_loss_coeff=0.01,
+        params_dtype=name,
+        backend="triton",
+    )
+    results = []
+    for backend in ("triton", "reference"):
+        layer = MoKMoE(cfg.replace(backend=backend), seed=3, device=_TRITON_DEVICE)
+        assert layer.backend == backend
+        x = make_layer_inputs(33, 32, dtype=dtype, device=_TRITON_DEVICE, seed=4).requires_grad_()
+        out, aux = layer(x)
+        ((out.float() ** 2).sum() + aux).backward()
+        results.append([out, x.grad] + [p.grad for p in layer.parameters()])
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert_close(a, b, dtype, f"tensor {i}", n_reduce=64)

@@ -19,10 +19,10 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noq
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 
+from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import MoKMoELayer, mok_config_from_megatron, use_mok  # noqa: E402
 from mok_plugin.megatron.checkpoint import _to_stock as to_stock  # noqa: E402
-from mok_plugin.megatron.stock import make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
 
 pytestmark = pytest.mark.megatron

@@ -4,7 +4,8 @@ for top-1, top-2 and top-8 routing, uniform and skewed (every first choice on ra
 other ranks send everything away and most experts get no token); with token dropping; bf16 too;
 through both exchanges:
 exact (batch split unevenly, one rank with no tokens) and capacity (fixed-size buffers, equal
-split). Also: the router still gets a gradient, a capacity overflow and bad groups raise."""
+split). Also: the router still gets a gradient, a capacity overflow and bad groups raise, and the
+forward's stages show as the profiler ranges mok_plugin.ep.dispatch, .experts and .combine."""
 
 import os
 
@@ -142,6 +143,37 @@ def test_capacity_overflow_names_the_factor():
 def test_bad_groups_raise():
     with pytest.raises(ValueError, match=r"mok\.ep_size=2 needs ep_group"):
         MoKMoE(_config(2, False, "float32", 2))
+
+
+def _profiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port)
+    try:
+        names = {}
+        for exchange in ("exact", "capacity"):
+            layer = MoKMoE(_config(2, False, "float32", world, exchange), ep_group=dist.group.WORLD, seed=3)
+            x = make_layer_inputs(8, H, seed=rank).requires_grad_()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out, aux = layer(x)
+                (out.sum() + aux).backward()
+            events = sorted(prof.events(), key=lambda event: event.time_range.start)
+            names[exchange] = [event.name for event in events if event.name.startswith("mok_plugin.")]
+        torch.save(names, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stages_are_profiler_ranges(tmp_path):
+    # The layer has no benchmark hook: profilers (and scripts/bench_ep.py) find the expert-parallel
+    # stages by these range names, once per forward, in this order, on every rank, for both exchanges.
+    from mok_plugin.parallel import PROFILER_RANGES
+
+    assert PROFILER_RANGES == ("mok_plugin.ep.dispatch", "mok_plugin.ep.experts", "mok_plugin.ep.combine")
+    assert not hasattr(MoKMoE(_config(2, False, "float32", 1)), "ep_stage_timer")
+    run_ranks(_profiled_worker, 2, (str(tmp_path),), timeout_s=120)
+    for rank in range(2):
+        names = torch.load(tmp_path / f"rank{rank}.pt")
+        for exchange in ("exact", "capacity"):
+            assert names[exchange] == list(PROFILER_RANGES), f"rank {rank}, {exchange}: {names[exchange]}"
 
 
 def test_bench_ep_runs_and_writes_json(tmp_path):

@@ -1,11 +1,12 @@
 """Schedule: counts, padded offsets, row maps as exact permutation invariants, (token, k) order
 within an expert, capacity drops, empty experts, T = 1, and no host sync (it runs on meta-free
-device tensors built only from integer ops)."""
+device tensors built only from integer ops); `sum_over_k` adds a token's rows in ascending k in fp32
+(fp64 for fp64 rows) and rounds once."""
 
 import pytest
 import torch
 
-from mok_plugin.schedule import build_schedule, expert_capacity, max_padded_rows
+from mok_plugin.schedule import build_schedule, expert_capacity, max_padded_rows, sum_over_k
 from mok_plugin.testing import oracle_kept_pairs
 
 
@@ -126,3 +127,15 @@ def test_empty_slots_get_no_row_and_are_not_dropped():
     assert s.tokens_per_expert.tolist() == [2, 3]
     assert int(s.num_dropped) == 0
     assert s.tk_to_row.tolist() == [0, -1, 4, 1, -1, -1, 5, 6]
+
+
+def test_sum_over_k_adds_in_ascending_k_in_fp32_and_rounds_once():
+    # fp32 is not associative: ((1e8 + 1) - 1e8) is 0, (1e8 - 1e8) + 1 would be 1.
+    rows = torch.tensor([[[1e8], [1.0], [-1e8]]], dtype=torch.float32)
+    assert torch.equal(sum_over_k(rows, torch.float32), torch.zeros(1, 1))
+    # bf16 rows, one rounding: 1 + 2**-8 + 2**-8 is 1 + 2**-7 (exact in bf16); summed in bf16 it is 1.
+    rows = torch.tensor([[[1.0], [2**-8], [2**-8]]], dtype=torch.bfloat16)
+    assert torch.equal(sum_over_k(rows, torch.bfloat16), torch.tensor([[1 + 2**-7]], dtype=torch.bfloat16))
+    # fp64 rows accumulate in fp64: 1 + 2**-30 survives (it would not in fp32).
+    rows = torch.tensor([[[1.0], [2**-30]]], dtype=torch.float64)
+    assert torch.equal(sum_over_k(rows, torch.float64), torch.tensor([[1 + 2**-30]], dtype=torch.float64))

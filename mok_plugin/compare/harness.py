@@ -1,6 +1,17 @@
 """Train the comparison model with the stock MoE layers and with MoK, twice each, from the same
-initial weights on the same tokens; measure step time, tokens/s, peak memory and losses, and
-check whether the two runs of each variant are bitwise equal (losses and final weights).
+initial weights on the same tokens (a seeded synthetic language, data.py); measure step time,
+tokens/s, the layers' peak memory and the losses, and check whether the two runs of each variant
+are bitwise equal (losses and final weights).
+
+Memory (`peak_memory_mib`), per run:
+  - on a GPU: `torch.cuda.max_memory_allocated`, reset before each run (everything the caching
+    allocator handed out during that run: weights, gradients, optimizer state, activations);
+  - on the CPU: the peak of the bytes held by tensor storages during one training step, counted by
+    torch's `MemTracker` (torch.distributed._tools.mem_tracker): the model's parameters and
+    gradients and the optimizer's state, registered before the step, plus every tensor an operator
+    allocates during it (activations, temporaries). Not the process's resident memory, which is
+    mostly the imported libraries. The tracked step is left out of the timing (tracking slows it).
+`MEMORY_SOURCES` names each; the report prints the one used.
 """
 
 from __future__ import annotations
@@ -14,32 +25,41 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mok_plugin.compare.data import make_batches
 from mok_plugin.compare.models import VOCAB, build_model
+from mok_plugin.run.topology import RunConfig
 from mok_plugin.testing import free_port
-from mok_plugin.topology import RunConfig
 
-__all__ = ["RunResult", "run_comparison"]
+__all__ = ["LEARNING_RATE", "MEMORY_SOURCES", "RunResult", "memory_source", "run_comparison"]
 
 VARIANTS = (("stock", 1), ("stock", 2), ("mok", 1), ("mok", 2))
+# Adam's step size. 1e-2, not 1e-3: with the tiny config's embeddings (std 0.02) the model needs
+# about 10 steps at 1e-2 to leave ln(vocab) (measured: 6.24 -> 3.6 by step 10), and 100 at 1e-3.
+LEARNING_RATE = 1e-2
+MEMORY_SOURCES = {
+    "cuda": "CUDA peak allocated (torch.cuda.max_memory_allocated, reset per run)",
+    "cpu": "peak bytes held by tensors in one training step: weights, gradients, optimizer state, "
+    "activations (torch MemTracker)",
+}
+
+
+def memory_source(device: torch.device) -> str:
+    """What `peak_memory_mib` measures on `device` (a sentence for the report)."""
+    return MEMORY_SOURCES["cuda" if device.type == "cuda" else "cpu"]
 
 
 @dataclass
 class RunResult:
     variant: str
     repeat: int
-    losses: list[float]
+    losses: list[float]  # the language-model cross-entropy at each step
+    aux_losses: list[float] | None  # DeepSpeed: the layers' summed l_aux (unscaled) at each step
     step_ms: float
     tokens_per_s: float
     peak_memory_mib: float
 
     def summary(self) -> dict:
         return asdict(self)
-
-
-def _rss_mib() -> float:
-    """Resident memory of this process (Linux /proc), MiB: the CPU's stand-in for peak allocation."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _init_distributed(framework: str, device: torch.device) -> None:
@@ -65,14 +85,27 @@ def _init_distributed(framework: str, device: torch.device) -> None:
             model_parallel_cuda_manual_seed(0)
 
 
-def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable, Callable]:
-    """(step(tokens) -> loss, state() -> final weights, close()) for the framework's training path."""
+@dataclass
+class _Trainer:
+    step: Callable[[torch.Tensor], torch.Tensor]  # one training step on int64 [B, S + 1] tokens -> the loss
+    state: Callable[[], dict]  # the final weights
+    close: Callable[[], None]  # releases the optimizer's buffers
+    optimizer: torch.optim.Optimizer  # the torch optimizer that holds the state (for the memory count)
+
+
+def _trainer(model, framework: str, run: RunConfig) -> _Trainer:
+    """The framework's training path over `model`."""
     if framework == "deepspeed":
         import deepspeed
 
+        # ZeRO's gradient buckets default to 5e8 elements (1.9 GiB in fp32) whatever the model's size;
+        # at most the model's size here, so that the memory column shows the model, not an empty bucket.
+        bucket = min(500_000_000, sum(p.numel() for p in model.parameters()))
         config = {"train_micro_batch_size_per_gpu": run.parallel.micro_batch, "gradient_accumulation_steps": 1,
-                  "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-                  "zero_optimization": {"stage": 1}}  # fmt: skip
+                  "steps_per_print": 10**9,
+                  "optimizer": {"type": "Adam", "params": {"lr": LEARNING_RATE, "torch_adam": True}},
+                  "zero_optimization": {"stage": 1, "reduce_bucket_size": bucket,
+                                        "allgather_bucket_size": bucket}}  # fmt: skip
         if next(model.parameters()).is_cuda:
             config["bf16"] = {"enabled": True}  # bf16 weights, fp32 master weights in the optimizer
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -83,8 +116,10 @@ def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable,
             engine.step()
             return loss
 
-        return ds_step, engine.module.state_dict, engine.destroy  # destroy releases the optimizer's buffers
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        # ZeRO wraps a torch Adam (.optimizer) over its fp32 partitions; destroy releases its buffers
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        return _Trainer(ds_step, engine.module.state_dict, engine.destroy, inner)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
 
     def step(tokens):
         optimizer.zero_grad(set_to_none=True)
@@ -93,69 +128,113 @@ def _trainer(model, framework: str, run: RunConfig) -> tuple[Callable, Callable,
         optimizer.step()
         return loss
 
-    return step, model.state_dict, lambda: None
+    return _Trainer(step, model.state_dict, lambda: None, optimizer)
+
+
+def _tracked_step(trainer: _Trainer, model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """One training step under MemTracker; returns the peak bytes held by tensors on the tokens' device."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    # Tensors that exist before the step are invisible unless registered: the weights (and any
+    # gradients), the optimizer's state, and its parameters and their gradients (under ZeRO, fp32
+    # partitions that are not the model's weights). Storages are counted once however many views.
+    external = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    external += [p.grad for p in external if p.grad is not None]
+    tracker.track_external(model, trainer.optimizer, *external)
+    with tracker:
+        trainer.step(tokens)
+    peak = tracker.get_tracker_snapshot("peak")
+    return int(peak.get(tokens.device, {}).get("Total", 0))
 
 
 def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.device,
                    progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
-    """Stock twice and MoK twice; returns {"runs": [...], "bitwise": {...}, "summary": {...}}."""
+    """Stock twice and MoK twice; returns {"runs": [...], "bitwise": {...}, "summary": {...}, "data": {...}}."""
     _init_distributed(framework, device)
     # host-ok: the initial weights are kept on the CPU, once, outside the timed steps
     init_state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                   for k, v in build_model(run, framework, "stock", device).state_dict().items()}  # fmt: skip
     B, S = run.parallel.micro_batch, run.parallel.seq_length
+    batches = make_batches(VOCAB, steps, B, S + 1)  # drawn once, on the CPU: every run sees the same tokens
+    # On the CPU one step (the second, once the optimizer's state exists) is measured for memory
+    # and left out of the timing; the first step is left out too (first-call costs).
+    tracked = min(1, steps - 1) if device.type == "cpu" else None
     results: list[RunResult] = []
     first_state: dict[str, dict] = {}  # the first run's final weights per variant, on the CPU
     bitwise: dict[str, bool] = {}
     for variant, repeat in VARIANTS:
         model = build_model(run, framework, variant, device)
         model.load_state_dict(init_state)  # MoK's state dict speaks the stock keys
-        step, final_state, close = _trainer(model, framework, run)
-        generator = torch.Generator().manual_seed(1234)
+        trainer = _trainer(model, framework, run)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        losses, times, peak = [], [], _rss_mib()
+        losses, aux_losses, times, peak_bytes = [], [], [], 0
         for i in range(steps):
-            tokens = torch.randint(0, VOCAB, (B, S + 1), generator=generator).to(device)
-            start = time.perf_counter()
-            loss = step(tokens)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # host-ok: the harness times each step
-            times.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
-            peak = max(peak, _rss_mib())
+            tokens = batches[i].to(device)
+            if i == tracked:
+                peak_bytes = _tracked_step(trainer, model, tokens)
+            else:
+                start = time.perf_counter()
+                trainer.step(tokens)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # host-ok: the harness times each step
+                times.append((i, time.perf_counter() - start))
+            losses.append(float(model.last_lm_loss))
+            if model.last_aux_loss is not None:
+                aux_losses.append(float(model.last_aux_loss))
             if progress:
                 progress(f"{variant} run {repeat}: step {i + 1}/{steps}, loss {losses[-1]:.4f}")
-        steady = statistics.median(times[1:] or times)
-        memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak
-        results.append(RunResult(variant, repeat, losses, steady * 1e3, B * S / steady, memory))
+        steady = statistics.median([t for i, t in times if i > 0] or [t for _, t in times] or [float("nan")])
+        if device.type == "cuda":
+            peak_bytes = torch.cuda.max_memory_allocated(device)
+        results.append(RunResult(variant, repeat, losses, aux_losses or None, steady * 1e3, B * S / steady,
+                                 peak_bytes / 2**20))  # fmt: skip
         # host-ok: after the timed steps. A copy, since on the CPU a plain move would alias weights
         # that close() may release or reuse.
-        state = {k: v.detach().to("cpu", copy=True) for k, v in final_state().items() if isinstance(v, torch.Tensor)}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state().items() if isinstance(v, torch.Tensor)}
         if variant not in first_state:
             first_state[variant] = state
         else:
             bitwise[variant] = results[-2].losses == losses and _equal_states(first_state.pop(variant), state)
-        close()
-        del model, step, final_state, close, state  # free this run's model and optimizer before the next one
+        trainer.close()
+        del model, trainer, state  # free this run's model and optimizer before the next one
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"runs": [r.summary() for r in results], "bitwise": bitwise, "summary": _summary(results)}
+    return {
+        "runs": [r.summary() for r in results],
+        "bitwise": bitwise,
+        "summary": _summary(results, B * S),
+        "data": _data_summary(),
+    }
+
+
+def _data_summary() -> dict:
+    from mok_plugin.compare.data import ALPHABET, SUCCESSORS, BigramLanguage, uniform_loss
+
+    return {
+        "kind": f"a seeded random bigram language: {ALPHABET} of the {VOCAB} token ids, {SUCCESSORS} successors each",
+        "uniform_loss": uniform_loss(VOCAB),
+        "entropy": BigramLanguage.make(VOCAB).entropy,
+        "learning_rate": LEARNING_RATE,
+    }
 
 
 def _equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _summary(results: list[RunResult]) -> dict[str, dict]:
+def _summary(results: list[RunResult], tokens_per_step: int) -> dict[str, dict]:
     out = {}
     for variant in ("stock", "mok"):
         rs = [r for r in results if r.variant == variant]
+        step_ms = statistics.median(r.step_ms for r in rs)
         out[variant] = {
-            "step_ms": statistics.median(r.step_ms for r in rs),
-            "tokens_per_s": statistics.median(r.tokens_per_s for r in rs),
+            "step_ms": step_ms,
+            "tokens_per_s": tokens_per_step / (step_ms / 1e3),  # from the same step time, so the columns agree
             "peak_memory_mib": max(r.peak_memory_mib for r in rs),
+            "first_loss": rs[0].losses[0],
             "final_loss": rs[0].losses[-1],
         }
     return out

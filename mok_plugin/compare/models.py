@@ -5,8 +5,13 @@ come from a framework, stock or MoK.
 
 `megatron`: Megatron-Core's MoELayer (stock, local spec, allgather dispatcher) or MoKMoELayer, built
 from one TransformerConfig. `deepspeed`: deepspeed.moe.layer.MoE (stock, dropless, no random
-routing) or mok_plugin.deepspeed.MoE. The loss adds the MoE aux losses the way each framework
-wants them (Megatron: through MoEAuxLossAutoScaler inside the layer; DeepSpeed: 0.01 x l_aux).
+routing, each expert drawn on its own rather than copied) or mok_plugin.deepspeed.MoE (which the
+harness loads with the stock model's weights). The loss adds the MoE aux losses the way each framework
+wants them (Megatron: through MoEAuxLossAutoScaler inside the layer, so the returned loss is the
+cross-entropy alone; DeepSpeed: the run config's `aux_loss_coeff` x the sum of the layers' l_aux).
+After each forward the model keeps the cross-entropy (`last_lm_loss`) and, with DeepSpeed, the
+unscaled aux loss (`last_aux_loss`), so the harness can report the language-model loss, which means
+the same thing under both frameworks.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mok_plugin.topology import RunConfig
+from mok_plugin.run.topology import RunConfig
 
 __all__ = ["MoELanguageModel", "build_model"]
 
@@ -25,7 +30,7 @@ VOCAB = 512
 
 
 class MoELanguageModel(nn.Module):
-    def __init__(self, run: RunConfig, moe_factory, returns_aux: bool):
+    def __init__(self, run: RunConfig, moe_factory, returns_aux: bool, aux_coeff: float = 0.0):
         super().__init__()
         H = run.model.hidden_size
         self.embed = nn.Embedding(VOCAB, H)
@@ -33,8 +38,12 @@ class MoELanguageModel(nn.Module):
         self.norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(run.model.moe_layers))
         self.moes = nn.ModuleList(moe_factory() for _ in range(run.model.moe_layers))
         self.returns_aux = returns_aux  # DeepSpeed's MoE returns (out, l_aux, counts); Megatron's (out, bias)
+        self.aux_coeff = aux_coeff  # DeepSpeed only: Megatron's layers scale and add their own aux loss
+        self.last_lm_loss: torch.Tensor | None = None  # fp32 scalar, detached: the last forward's cross-entropy
+        self.last_aux_loss: torch.Tensor | None = None  # fp32 scalar, detached: its summed l_aux (DeepSpeed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """int64 [B, S + 1] tokens -> the loss to minimise: next-token cross-entropy (+ aux_coeff x l_aux)."""
         h = self.embed(tokens[:, :-1]).transpose(0, 1)  # [S, B, H], Megatron's layout
         aux = h.new_zeros((), dtype=torch.float32)
         for norm, moe in zip(self.norms, self.moes, strict=True):
@@ -43,15 +52,20 @@ class MoELanguageModel(nn.Module):
                 aux = aux + out[1]
             h = h + out[0]
         logits = F.linear(h.transpose(0, 1), self.embed.weight)
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) + 0.01 * aux
+        lm_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        self.last_lm_loss = lm_loss.detach()
+        if not self.returns_aux:
+            return lm_loss
+        self.last_aux_loss = aux.detach().float()
+        return lm_loss + self.aux_coeff * aux
 
 
 def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
 
+    from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe
     from mok_plugin.megatron import set_default_mok_overrides, use_mok
-    from mok_plugin.megatron.stock import make_stock_router_cpu_safe
 
     m, cfg = run.model, run.mok_config()
     config = TransformerConfig(
@@ -90,7 +104,22 @@ def _deepspeed_factory(run: RunConfig, variant: str):
     if variant == "mok":
         return lambda: mds.MoE(m.hidden_size, mds.SwiGLUExpert(m.hidden_size, m.ffn_hidden_size), **kwargs,
                                mok_config={"backend": cfg.backend})  # fmt: skip
-    return lambda: StockMoE(m.hidden_size, mds.SwiGLUExpert(m.hidden_size, m.ffn_hidden_size), **kwargs)
+
+    def stock():
+        layer = StockMoE(m.hidden_size, mds.SwiGLUExpert(m.hidden_size, m.ffn_hidden_size), **kwargs)
+        # DeepSpeed starts every expert as a copy of the one expert module it is given. Identical
+        # experts make the router's true gradient zero (any routing gives the same output), so what
+        # it gets is rounding noise (~1e-10), which differs between the stock and MoK layers' sums
+        # and which Adam scales up into real updates: the two routers, then the runs, drift apart
+        # for no reason of their own. Each expert gets its own draw instead (nn.Linear's default
+        # init, from the seeded global generator); MoK's model loads these weights.
+        for expert in layer.deepspeed_moe.experts.deepspeed_experts:
+            for module in expert.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+        return layer
+
+    return stock
 
 
 def build_model(run: RunConfig, framework: str, variant: str, device: torch.device) -> MoELanguageModel:
@@ -99,7 +128,8 @@ def build_model(run: RunConfig, framework: str, variant: str, device: torch.devi
     if framework == "megatron":
         model = MoELanguageModel(run, _megatron_factory(run, variant, device), returns_aux=False)
     elif framework == "deepspeed":
-        model = MoELanguageModel(run, _deepspeed_factory(run, variant), returns_aux=True)
+        aux_coeff = run.mok_config().aux_loss_coeff
+        model = MoELanguageModel(run, _deepspeed_factory(run, variant), returns_aux=True, aux_coeff=aux_coeff)
     else:
         raise ValueError(f"framework={framework!r}; allowed: megatron, deepspeed")
     if device.type == "cuda" and framework == "megatron":

@@ -1,25 +1,62 @@
-"""The comparison's outputs: a printed table, JSON, a Markdown report and a PNG plot."""
+"""The comparison's outputs: a printed table, JSON, a Markdown report and a PNG plot.
+
+`result` is what `run_comparison` returns plus a "meta" block that the command adds (config,
+framework, device, steps, tokens per step, model, what ran, top_k, aux_loss_coeff, memory source).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-__all__ = ["format_table", "write_reports"]
+__all__ = ["agreement_note", "format_table", "write_reports"]
 
 
 def format_table(result: dict) -> str:
-    s, b = result["summary"], result["bitwise"]
+    """The table printed last: one row per variant, then the ratio, what each column measures, and
+    whether the two layers' losses agree (and why not, where they cannot)."""
+    s, b, meta = result["summary"], result["bitwise"], result["meta"]
     lines = [
-        f"{'variant':<8} {'step ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'final loss':>11}  two runs bitwise equal",
+        f"{'variant':<8} {'step ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'final loss':>11}"
+        "  two runs bitwise equal",
     ]
     for variant in ("stock", "mok"):
         r = s[variant]
-        lines.append(f"{variant:<8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.0f} {r['peak_memory_mib']:>9.0f} "
-                     f"{r['final_loss']:>11.5f}  {'yes' if b[variant] else 'NO'}")  # fmt: skip
+        lines.append(f"{variant:<8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.0f} {r['peak_memory_mib']:>9.2f} "
+                     f"{r['first_loss']:>11.5f} {r['final_loss']:>11.5f}  {'yes' if b[variant] else 'NO'}")  # fmt: skip
     ratio = s["mok"]["tokens_per_s"] / s["stock"]["tokens_per_s"]
     lines.append(f"MoK / stock tokens/s: {ratio:.2f}x")
+    lines.append(f"peak MiB: {meta['memory_kind']}")
+    lines.append(f"loss: {_loss_meaning(result)}")
+    lines.append(f"stock vs MoK: {agreement_note(result)}")
     return "\n".join(lines)
+
+
+def _loss_meaning(result: dict) -> str:
+    d = result["data"]
+    return (f"next-token cross-entropy on {d['kind']}; untrained {d['uniform_loss']:.2f} (ln vocab), "
+            f"the language's entropy {d['entropy']:.2f}")  # fmt: skip
+
+
+def agreement_note(result: dict) -> str:
+    """One sentence: how far apart the stock and MoK losses are, and, where they must differ, why."""
+    runs = {(r["variant"], r["repeat"]): r for r in result["runs"]}
+    stock, mok = runs[("stock", 1)], runs[("mok", 1)]
+    gaps = [abs(a - b) for a, b in zip(stock["losses"], mok["losses"], strict=True)]
+    meta = result["meta"]
+    if meta["framework"] == "deepspeed" and meta["top_k"] == 2 and meta["aux_loss_coeff"] > 0:
+        aux_gap = abs(stock["aux_losses"][0] - mok["aux_losses"][0])
+        return (f"the losses differ by design: DeepSpeed's top-2 gate computes l_aux from each token's first "
+                f"choice only, MoK's from both choices (mok_plugin.deepspeed warns), and the model trains on "
+                f"cross-entropy + {meta['aux_loss_coeff']:g} x l_aux. At step 1 the cross-entropies agree to "
+                f"{gaps[0]:.1e} while l_aux differs by {aux_gap:.1e} ({stock['aux_losses'][0]:.5f} vs "
+                f"{mok['aux_losses'][0]:.5f}); from then on the gradients differ and the cross-entropies drift "
+                f"apart (by up to {max(gaps):.1e}, at step {gaps.index(max(gaps)) + 1}; {gaps[-1]:.1e} at step "
+                f"{len(gaps)}). With aux_loss_coeff: 0 in the config, or top_k != 2, they agree.")  # fmt: skip
+    return (
+        f"the losses agree to {max(gaps):.1e} at every step (same weights, tokens and routing; the last "
+        "digits differ by the order of floating-point sums)"
+    )
 
 
 def _markdown(result: dict) -> str:
@@ -27,19 +64,33 @@ def _markdown(result: dict) -> str:
     out = [f"# MoK vs stock: {meta['config']}", "",
            f"- framework: {meta['framework']}; device: {meta['device']}; steps: {meta['steps']}; "
            f"tokens per step: {meta['tokens_per_step']}",
-           f"- model: {meta['model']}", f"- what ran: {meta['mode']}", "",
-           "| variant | step ms | tokens/s | peak memory (MiB) | final loss | two runs bitwise equal |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+           f"- model: {meta['model']}", f"- what ran: {meta['mode']}",
+           f"- data: {result['data']['kind']}, seeded (every run sees the same tokens); Adam, "
+           f"learning rate {result['data']['learning_rate']:g}",
+           f"- loss: {_loss_meaning(result)}", "",
+           "| variant | step ms | tokens/s | peak memory (MiB) | first loss | final loss | two runs bitwise equal |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
     for variant in ("stock", "mok"):
         r = result["summary"][variant]
-        out.append(f"| {variant} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_memory_mib']:.0f} | "
-                   f"{r['final_loss']:.5f} | {'yes' if result['bitwise'][variant] else 'no'} |")  # fmt: skip
-    out += ["", f"Peak memory: {meta['memory_kind']}.", "", "## Loss at each step", "",
+        out.append(f"| {variant} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_memory_mib']:.2f} | "
+                   f"{r['first_loss']:.5f} | {r['final_loss']:.5f} | "
+                   f"{'yes' if result['bitwise'][variant] else 'no'} |")  # fmt: skip
+    out += ["", f"Peak memory: {meta['memory_kind']}.", "",
+            "Step ms: the median over the steps after the first (on the CPU also without the step measured for "
+            "memory), median of the two runs; tokens/s = tokens per step / step time.", "",
+            f"Stock vs MoK: {agreement_note(result)}", "",
+            "## Loss at each step", "",
             "| step | " + " | ".join(f"{r['variant']} #{r['repeat']}" for r in result["runs"]) + " |",
             "|---" * (len(result["runs"]) + 1) + "|"]  # fmt: skip
     for i in range(meta["steps"]):
         out.append(f"| {i + 1} | " + " | ".join(f"{r['losses'][i]:.6f}" for r in result["runs"]) + " |")
-    out += ["", "Plot: `comparison.png` (loss per step; tokens/s).", ""]
+    if all(r["aux_losses"] for r in result["runs"]):
+        out += ["", "## DeepSpeed's l_aux at each step (unscaled, summed over the MoE layers)", "",
+                "| step | " + " | ".join(f"{r['variant']} #{r['repeat']}" for r in result["runs"]) + " |",
+                "|---" * (len(result["runs"]) + 1) + "|"]  # fmt: skip
+        for i in range(meta["steps"]):
+            out.append(f"| {i + 1} | " + " | ".join(f"{r['aux_losses'][i]:.6f}" for r in result["runs"]) + " |")
+    out += ["", "Plot: `comparison.png` (loss per step; tokens/s). Framework messages: `compare.log`.", ""]
     return "\n".join(out)
 
 
@@ -53,7 +104,9 @@ def _plot(result: dict, path: Path) -> None:
     for r in result["runs"]:
         ax_loss.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", markersize=3,
                      linestyle="-" if r["repeat"] == 1 else "--", label=f"{r['variant']} #{r['repeat']}")  # fmt: skip
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    data = result["data"]
+    ax_loss.axhline(data["entropy"], color="tab:green", linewidth=0.8, linestyle=":", label="language's entropy")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (nats)", title="loss")
     ax_loss.legend()
     variants = ["stock", "mok"]
     ax_speed.bar(variants, [result["summary"][v]["tokens_per_s"] for v in variants], color=["tab:gray", "tab:blue"])

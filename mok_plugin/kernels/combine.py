@@ -11,7 +11,7 @@ out [T, H] params dtype; d_w fp32 [T, K].
 
 Grids: combine_rows runs a program per (block of BLOCK_M tokens, block of BLOCK_N columns), which
 owns those outputs; reduce_router_grad a program per block of BLOCK_M (token, k) pairs. The tile
-functions are shared with the persistent megakernel (megakernel.py).
+functions (tiles.py) are shared with the persistent megakernel (megakernel.py).
 
 Determinism: each output has one owner; the sum over k and over I-blocks runs in ascending order
 in fp32 and is rounded once; no atomics. The weighting by the routing weight happens upstream (in
@@ -25,17 +25,16 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import kernel_config
+from mok_plugin.kernels.tiles import combine_tile, router_grad_tile
 
 __all__ = ["combine_rows", "reduce_router_grad"]
 
 
 @triton.jit
-def _combine_tile(
-    pid_t,
-    pid_n,
-    rows_ptr,  # (R_pad, H) params dtype
-    tk_to_row_ptr,  # (T*K,) int64
-    out_ptr,  # (T, H) out
+def _combine_rows_kernel(
+    rows_ptr,
+    tk_to_row_ptr,
+    out_ptr,
     T,
     H,
     stride_rows_r,
@@ -44,64 +43,36 @@ def _combine_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[t-block, n-block]: each token's K rows summed in ascending k, fp32, rounded once."""
-    tokens = pid_t.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok = tokens < T
-    c_ok = cols < H
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.static_range(K):
-        row = tl.load(tk_to_row_ptr + tokens * K + k, mask=t_ok, other=-1)
-        ok = row >= 0
-        vals = tl.load(
-            rows_ptr + row[:, None] * stride_rows_r + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0
-        )
-        acc += vals.to(tl.float32)
-    tl.store(
-        out_ptr + tokens[:, None] * stride_out_t + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=t_ok[:, None] & c_ok[None, :],
-    )
-
-
-@triton.jit
-def _router_grad_tile(
-    pid,
-    partial_ptr,  # (R_pad, J) fp32
-    tk_to_row_ptr,  # (T*K,) int64
-    d_w_ptr,  # (T*K,) fp32 out
-    TK,
-    J,
-    stride_partial_r,
-    BLOCK_M: tl.constexpr,
-):
-    """d_w[tk-block]: the J partials of each pair's row summed in ascending order; 0 if dropped."""
-    tk = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tk_ok = tk < TK
-    row = tl.load(tk_to_row_ptr + tk, mask=tk_ok, other=-1)
-    ok = row >= 0
-    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for j in range(J):
-        acc += tl.load(partial_ptr + row * stride_partial_r + j, mask=ok, other=0.0)
-    tl.store(d_w_ptr + tk, acc, mask=tk_ok)
-
-
-@triton.jit
-def _combine_rows_kernel(
-    rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
     """Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)). Program (m, n) owns out[m-block, n-block]."""
-    _combine_tile(
-        tl.program_id(0), tl.program_id(1), rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t,
-        K, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+    combine_tile(
+        tl.program_id(0),
+        tl.program_id(1),
+        rows_ptr=rows_ptr,
+        tk_to_row_ptr=tk_to_row_ptr,
+        out_ptr=out_ptr,
+        T=T,
+        H=H,
+        stride_rows_r=stride_rows_r,
+        stride_out_t=stride_out_t,
+        K=K,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+    )
 
 
 @triton.jit
 def _reduce_router_grad_kernel(partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M: tl.constexpr):
     """Grid: (cdiv(T*K, BLOCK_M),). Program m owns d_w[m-block]."""
-    _router_grad_tile(tl.program_id(0), partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M)
+    router_grad_tile(
+        tl.program_id(0),
+        partial_ptr=partial_ptr,
+        tk_to_row_ptr=tk_to_row_ptr,
+        d_w_ptr=d_w_ptr,
+        TK=TK,
+        J=J,
+        stride_partial_r=stride_partial_r,
+        BLOCK_M=BLOCK_M,
+    )
 
 
 def combine_rows(rows: torch.Tensor, tk_to_row: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

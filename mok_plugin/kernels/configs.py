@@ -12,10 +12,7 @@ Under the Triton interpreter (CPU tests) small tiles keep numpy work and program
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 __all__ = [
@@ -24,10 +21,7 @@ __all__ = [
     "PRE_GATHER_MIN_WIDTH",
     "interpreter_on",
     "kernel_config",
-    "overridden_configs",
-    "parse_tile_config",
-    "tile_config_label",
-    "tile_config_spec",
+    "swap_pinned",
     "wgrad_kernel",
 ]
 
@@ -42,24 +36,15 @@ class MoKTileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # row blocks that share a column sweep, for L2 reuse of rows and weights
-    # Contiguous operands (weights, the schedule-ordered row buffers; in down_dgrad also the
-    # epilogue's h, dh and w*A tiles) through TMA tensor descriptors where the shapes allow it
-    # (rows of a multiple of 16 bytes). The same tiles and K order as
-    # pointer loads; whether it is used depends on shapes only, so every process decides alike.
+    # Contiguous operands (weights, the schedule-ordered row buffers) through TMA tensor
+    # descriptors where the shapes allow it (rows of a multiple of 16 bytes). The same tiles and K
+    # order as pointer loads; whether it is used depends on shapes only, so every process decides alike.
     tma: bool = False
-    # The tile's block_n columns as this many accumulators of block_n / split_n, finished one after
-    # the other (down_dgrad: 1 or 2), so a heavy epilogue works on a narrow accumulator at a time.
-    split_n: int = 1
     # Weight gradients: copy the by-token operand (x or dO) into schedule row order before the GEMM,
     # a column block at a time (grouped_mlp.GATHER_CHUNK_BYTES), so both operands are contiguous
     # (TMA). Without it the K loop gathers the rows itself (their indices loaded a step ahead, so it
     # still pipelines num_stages deep). Same products in the same order either way.
     gather_rows: bool = False
-    # down_dgrad: the GEMM stores dA' (fp32) and a second, elementwise kernel runs the epilogue
-    # (dSwiGLU, router partials, w*A) on it, so the GEMM keeps a plain epilogue and its registers.
-    # The same epilogue function as the fused tile's, with router partials
-    # grouped_mlp.EPILOGUE_BLOCK_N columns wide. The GEMM takes the whole tile (split_n must be 1).
-    split_epilogue: bool = False
 
 
 def interpreter_on() -> bool:
@@ -73,12 +58,14 @@ def interpreter_on() -> bool:
 _TABLE: dict[str, MoKTileConfig] = {
     "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 3),  # two accumulators: 128x256 of fp32 per program
     "down_fwd": MoKTileConfig(128, 256, 64, 8, 3),
-    # Heavy epilogue (dSwiGLU, router partials). Fused into the GEMM it held the tile to 128x64
-    # accumulators (255 registers; two of them per tile: 1.59 ms on qwen3-30b-a3b, 5.20 on
-    # mixtral-8x7b). As a separate elementwise kernel over an fp32 dA', the GEMM takes down_fwd's
-    # 128x256 tile: qwen3 1.55-1.60 -> 1.41 ms, olmoe 1.94 -> 1.75, mixtral 5.13-5.25 -> 3.96,
-    # deepseek-v3 5.84 -> 4.46 (both kernels included; TMA for W2 was slower; BENCHMARKS.md).
-    "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3, split_epilogue=True),
+    # down_dgrad is a plain GEMM into an fp32 dA' and a separate elementwise epilogue kernel
+    # (dSwiGLU, router partials, w*A). Fused into the GEMM the epilogue held the tile to 128x64
+    # accumulators (255 registers); split, the GEMM takes down_fwd's 128x256 tile (BENCHMARKS.md).
+    "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3),
+    # The epilogue kernel: block_m rows x block_n columns (its router partials are block_n wide) in
+    # num_warps warps; no K loop. 32x128 in 8 warps was the fastest of 32x64 w4, 16x64, 64x64 and
+    # 64x128 on the four named shapes (0.49 / 0.66 / 1.06 / 0.73 ms, 3.0-3.9 TB/s).
+    "down_dgrad_epilogue": MoKTileConfig(32, 128, 1, 8, 1),
     # TMA, 4 stages: 1.48 -> 1.45 ms (qwen3-30b-a3b), 6.02 -> 5.75 ms (mixtral-8x7b).
     "gate_up_dgrad": MoKTileConfig(128, 256, 64, 8, 4, tma=True),
     # Weight gradients whose by-row operand is at least PRE_GATHER_MIN_WIDTH wide: the by-token
@@ -89,6 +76,9 @@ _TABLE: dict[str, MoKTileConfig] = {
     # ahead, so it pipelines num_stages deep), no copy. dW2: qwen3-30b-a3b 1.08 -> 0.83 ms,
     # olmoe 1.34 -> 1.11, deepseek-v3 6.25 -> 6.14 (BENCHMARKS.md, "kernel tuning").
     "wgrad_in_loop": MoKTileConfig(128, 256, 64, 8, 3, tma=True),
+    # The megakernel's down-dgrad tasks run the GEMM and the epilogue in one tile (one launch has
+    # no second kernel to hand dA' to): 128x64, the widest whose epilogue fits the registers.
+    "megakernel_down_dgrad": MoKTileConfig(128, 64, 64, 8, 3),
     # The megakernel's weight-gradient tasks gather by-token rows in the loop, inside one launch
     # whose registers fit every task; its stages are the launch's, so they apply to every task.
     "megakernel_wgrad": MoKTileConfig(128, 128, 64, 8, 3),
@@ -96,7 +86,9 @@ _TABLE: dict[str, MoKTileConfig] = {
 }
 PINNED_KERNELS = tuple(_TABLE)
 # Kernels whose tile does not depend on the output width: the weight gradients and combine.
-_NEVER_NARROWED = frozenset({"combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad"})
+_NEVER_NARROWED = frozenset(
+    {"combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad", "megakernel_down_dgrad", "down_dgrad_epilogue"}
+)
 _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
@@ -128,64 +120,21 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
     if kernel not in _NEVER_NARROWED and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         if narrow < cfg.block_n:
-            cfg = replace(cfg, block_n=narrow, split_n=1)
+            cfg = replace(cfg, block_n=narrow)
     return cfg
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(e?)(?:/(\d))?")
-
-
-def parse_tile_config(spec: str) -> MoKTileConfig:
-    """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
-    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'e' for down_dgrad's separate
-    epilogue kernel, '/2' for two accumulators.
+def swap_pinned(entries: dict[str, MoKTileConfig]) -> dict[str, MoKTileConfig]:
+    """Put `entries` into the pinned table and return the entries they replaced, for a benchmark
+    comparing candidate tables in one process (mok_plugin.bench.tuning.overridden_configs). Not for
+    training: every process must use the same table.
 
     Raises:
-        ValueError: spec is not in that form.
+        KeyError: a kernel the table does not have (nothing is replaced then).
     """
-    match = _SPEC.fullmatch(spec)
-    if not match:
-        raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4gt or 128x256x64w8s3te")
-    *numbers, gather, tma, epilogue, split = match.groups()
-    return MoKTileConfig(
-        *(int(n) for n in numbers),
-        tma=tma == "t",
-        split_n=int(split or 1),
-        gather_rows=gather == "g",
-        split_epilogue=epilogue == "e",
-    )
-
-
-def tile_config_spec(cfg: MoKTileConfig) -> str:
-    """The short form parse_tile_config reads back: '128x128x64w8s4gt/2'."""
-    spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
-    spec += ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "") + ("e" if cfg.split_epilogue else "")
-    return spec + (f"/{cfg.split_n}" if cfg.split_n > 1 else "")
-
-
-def tile_config_label(cfg: MoKTileConfig) -> str:
-    """'128x128x64 w8 s4 gather tma /2': a config as the benchmark tables print it."""
-    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
-    extra += " split-epilogue" if cfg.split_epilogue else ""
-    extra += f" /{cfg.split_n}" if cfg.split_n > 1 else ""
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
-
-
-@contextlib.contextmanager
-def overridden_configs(overrides: dict[str, MoKTileConfig]) -> Iterator[None]:
-    """Within the block, the pinned table has these entries instead (a benchmark comparing a
-    candidate table in one process). Not for training: every process must use the same table.
-
-    Raises:
-        KeyError: a kernel the table does not have.
-    """
-    unknown = set(overrides) - set(PINNED_KERNELS)
+    unknown = set(entries) - set(PINNED_KERNELS)
     if unknown:
         raise KeyError(f"no pinned config for {sorted(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
-    saved = dict(_TABLE)
-    _TABLE.update(overrides)
-    try:
-        yield
-    finally:
-        _TABLE.clear()
-        _TABLE.update(saved)
+    previous = {name: _TABLE[name] for name in entries}
+    _TABLE.update(entries)
+    return previous

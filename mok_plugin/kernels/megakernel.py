@@ -19,8 +19,25 @@ Backward task list (dO in; dX, d_topk_weights, dW13, dW2 out):
     dW2 tiles, then dW13 tiles (e, m, n)    wait ready_expert[e] == e's row blocks * I-blocks
     combine tiles of dX                     waits dx_done == number of gate/up-dgrad tiles
 
-Each task runs the same `_*_tile` device function as the multi-kernel variant (grouped_mlp.py,
-combine.py) with the same tile shape, so both variants compute bitwise the same results.
+Each task runs the same tile function (tiles.py) as the multi-kernel variant (grouped_mlp.py,
+combine.py) with the same tile shape, so both variants compute bitwise the same outputs and weight
+gradients. One difference: the multi-kernel variant runs the down-dgrad GEMM and its epilogue as
+two kernels with dA' stored between (a 128x256 GEMM tile, a 32x128 epilogue block); one launch has
+no second kernel to hand dA' to, so here a down-dgrad task runs both in one 128x64 tile
+(`down_dgrad_tile`). dh and w*A are the same bits; the router partials are summed over other
+I-blocks, so the router gradient agrees to fp32 rounding, not bitwise.
+
+What it costs today, and what would make it pay: measured on the H200 (BENCHMARKS.md), fwd+bwd
+takes 1.5x the multi-kernel variant's time on qwen3-30b-a3b (13.2 vs 8.5 ms), 1.4x on mixtral-8x7b
+and 1.6x on deepseek-v3, with a higher peak (3379 vs 1716 MiB on qwen3: every stage's buffers of a pass are allocated up
+front and live through the one launch). The
+causes: every task shares one launch's registers, warps and pipeline depth, so no tile gets the
+config it is fastest with (the down-dgrad tile is 128x64 fused, the weight gradients gather rows in
+the loop without TMA); and the spin-waits between dependent tasks idle SMs at each stage boundary.
+It would pay where launches dominate (small T, where several short kernels each leave SMs idle) or
+with producer/consumer warp specialisation that lets each task kind run its own tile config inside
+one launch; neither is the case on the named training shapes, so the multi-kernel variant is the
+default.
 
 Determinism: the ticket and the counters are integers; they decide which program runs a tile and
 when, never the order in which floats are added inside a tile. Every output tile has one owner.
@@ -36,18 +53,17 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.combine import _combine_tile, _router_grad_tile
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
-from mok_plugin.kernels.grouped_mlp import (
-    _check_schedule,
-    _dot_precision,
-    _down_dgrad_tile,
-    _down_tile,
-    _gate_up_dgrad_tile,
-    _gate_up_tile,
-    _grouped_pid,
-    _stages_for,
-    _wgrad_tile,
+from mok_plugin.kernels.launch import check_schedule, dot_precision, stages_for
+from mok_plugin.kernels.tiles import (
+    combine_tile,
+    down_dgrad_tile,
+    down_tile,
+    gate_up_dgrad_tile,
+    gate_up_tile,
+    grouped_pid,
+    router_grad_tile,
+    wgrad_tile,
 )
 
 __all__ = ["forward_megakernel", "backward_megakernel"]
@@ -73,16 +89,42 @@ def _wait_for(counter_ptr, target):
 
 @triton.jit
 def _forward_megakernel(
-    x_ptr, w13_ptr, w2_ptr, w_rows_ptr, h_ptr, a_ptr, y_ptr, out_ptr,
-    row_to_token_ptr, tile_to_expert_ptr, tk_to_row_ptr,
+    x_ptr,
+    w13_ptr,
+    w2_ptr,
+    w_rows_ptr,
+    h_ptr,
+    a_ptr,
+    y_ptr,
+    out_ptr,
+    row_to_token_ptr,
+    tile_to_expert_ptr,
+    tk_to_row_ptr,
     counters_ptr,  # (2 + R_pad / BLOCK_M,) int32 zeroed: [ticket, down_done, ready_rows...]
-    NUM_ROWS, T, H, I,
-    stride_x_t, stride_w13_e, stride_w13_n, stride_w2_e, stride_w2_h, stride_h_r, stride_a_r, stride_y_r,
+    NUM_ROWS,
+    T,
+    H,
+    I,
+    stride_x_t,
+    stride_w13_e,
+    stride_w13_n,
+    stride_w2_e,
+    stride_w2_h,
+    stride_h_r,
+    stride_a_r,
+    stride_y_r,
     stride_out_t,
-    K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr, GROUP_M: tl.constexpr,
-    COMBINE_BM: tl.constexpr, COMBINE_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    K: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BN_GATE_UP: tl.constexpr,
+    BN_DOWN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    COMBINE_BM: tl.constexpr,
+    COMBINE_BN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Grid: (number of SMs,). Each program takes tickets until the forward task list is done."""
     n_rb = NUM_ROWS // BLOCK_M
     n_i = tl.cdiv(I, BN_GATE_UP)
@@ -95,47 +137,134 @@ def _forward_megakernel(
     task = tl.atomic_add(counters_ptr, 1)
     while task < total:
         if task < n_gate_up:
-            pid_m, pid_n = _grouped_pid(task, n_rb, n_i, GROUP_M)
-            _gate_up_tile(
-                pid_m, pid_n, x_ptr, w13_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I,
-                stride_x_t, stride_w13_e, stride_w13_n, stride_h_r, stride_a_r,
-                TILE_M, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT_PRECISION, False,
-            )  # fmt: skip
+            pid_m, pid_n = grouped_pid(task, n_rb, n_i, GROUP_M)
+            gate_up_tile(
+                pid_m,
+                pid_n,
+                x_ptr=x_ptr,
+                w13=w13_ptr,
+                h_ptr=h_ptr,
+                a_ptr=a_ptr,
+                row_to_token_ptr=row_to_token_ptr,
+                tile_to_expert_ptr=tile_to_expert_ptr,
+                H=H,
+                I=I,
+                stride_x_t=stride_x_t,
+                stride_w_e=stride_w13_e,
+                stride_w_n=stride_w13_n,
+                stride_h_r=stride_h_r,
+                stride_a_r=stride_a_r,
+                TILE_M=TILE_M,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BN_GATE_UP,
+                BLOCK_K=BLOCK_K,
+                DOT_PRECISION=DOT_PRECISION,
+                TMA=False,
+            )
             _signal(ready_rows_ptr + pid_m)
         elif task < n_gate_up + n_down:
-            pid_m, pid_n = _grouped_pid(task - n_gate_up, n_rb, n_h, GROUP_M)
+            pid_m, pid_n = grouped_pid(task - n_gate_up, n_rb, n_h, GROUP_M)
             _wait_for(ready_rows_ptr + pid_m, n_i)
-            _down_tile(
-                pid_m, pid_n, a_ptr, w2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, I, H,
-                stride_a_r, stride_w2_e, stride_w2_h, stride_y_r, TILE_M, BLOCK_M, BN_DOWN, BLOCK_K, DOT_PRECISION,
-                False,
-            )  # fmt: skip
+            down_tile(
+                pid_m,
+                pid_n,
+                a=a_ptr,
+                w2=w2_ptr,
+                w_rows_ptr=w_rows_ptr,
+                y_ptr=y_ptr,
+                row_to_token_ptr=row_to_token_ptr,
+                tile_to_expert_ptr=tile_to_expert_ptr,
+                H=H,
+                I=I,
+                stride_a_r=stride_a_r,
+                stride_w_e=stride_w2_e,
+                stride_w_h=stride_w2_h,
+                stride_y_r=stride_y_r,
+                TILE_M=TILE_M,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BN_DOWN,
+                BLOCK_K=BLOCK_K,
+                DOT_PRECISION=DOT_PRECISION,
+                TMA=False,
+            )
             _signal(counters_ptr + 1)
         else:
             t = task - n_gate_up - n_down
             _wait_for(counters_ptr + 1, n_down)
-            _combine_tile(
-                t // n_comb_n, t % n_comb_n, y_ptr, tk_to_row_ptr, out_ptr, T, H, stride_y_r, stride_out_t,
-                K, COMBINE_BM, COMBINE_BN,
-            )  # fmt: skip
+            combine_tile(
+                t // n_comb_n,
+                t % n_comb_n,
+                rows_ptr=y_ptr,
+                tk_to_row_ptr=tk_to_row_ptr,
+                out_ptr=out_ptr,
+                T=T,
+                H=H,
+                stride_rows_r=stride_y_r,
+                stride_out_t=stride_out_t,
+                K=K,
+                BLOCK_M=COMBINE_BM,
+                BLOCK_N=COMBINE_BN,
+            )
         task = tl.atomic_add(counters_ptr, 1)
 
 
 @triton.jit
 def _backward_megakernel(
-    d_out_ptr, x_ptr, w13_ptr, w2_ptr, h_ptr, w_rows_ptr,
-    d_h_ptr, a_weighted_ptr, partial_ptr, d_x_rows_ptr, d_x_ptr, d_topk_ptr, d_w13_ptr, d_w2_ptr,
-    row_to_token_ptr, tile_to_expert_ptr, tk_to_row_ptr, expert_offsets_ptr, tokens_per_expert_ptr,
+    d_out_ptr,
+    x_ptr,
+    w13_ptr,
+    w2_ptr,
+    h_ptr,
+    w_rows_ptr,
+    d_h_ptr,
+    a_weighted_ptr,
+    partial_ptr,
+    d_x_rows_ptr,
+    d_x_ptr,
+    d_topk_ptr,
+    d_w13_ptr,
+    d_w2_ptr,
+    row_to_token_ptr,
+    tile_to_expert_ptr,
+    tk_to_row_ptr,
+    expert_offsets_ptr,
+    tokens_per_expert_ptr,
     counters_ptr,  # (4 + R_pad / BLOCK_M + E,) int32 zeroed: [ticket, dgrad_done, dx_done, -, rows..., experts...]
-    NUM_ROWS, T, H, I, E,
-    stride_d_out_t, stride_x_t, stride_w13_e, stride_w13_n, stride_w2_e, stride_w2_h,
-    stride_h_r, stride_a_r, stride_part_r, stride_dxr_r, stride_dx_t,
-    stride_dw13_e, stride_dw13_m, stride_dw2_e, stride_dw2_m,
-    K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BN_DGRAD: tl.constexpr, BN_DX: tl.constexpr, WG_BM: tl.constexpr, WG_BN: tl.constexpr, WG_BK: tl.constexpr,
-    GROUP_M: tl.constexpr, COMBINE_BM: tl.constexpr, COMBINE_BN: tl.constexpr, ROUTER_BLOCK: tl.constexpr,
+    NUM_ROWS,
+    T,
+    H,
+    I,
+    E,
+    stride_d_out_t,
+    stride_x_t,
+    stride_w13_e,
+    stride_w13_n,
+    stride_w2_e,
+    stride_w2_h,
+    stride_h_r,
+    stride_a_r,
+    stride_part_r,
+    stride_dxr_r,
+    stride_dx_t,
+    stride_dw13_e,
+    stride_dw13_m,
+    stride_dw2_e,
+    stride_dw2_m,
+    K: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BN_DGRAD: tl.constexpr,
+    BN_DX: tl.constexpr,
+    WG_BM: tl.constexpr,
+    WG_BN: tl.constexpr,
+    WG_BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    COMBINE_BM: tl.constexpr,
+    COMBINE_BN: tl.constexpr,
+    ROUTER_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """Grid: (number of SMs,). Each program takes tickets until the backward task list is done."""
     n_rb = NUM_ROWS // BLOCK_M
     n_i = tl.cdiv(I, BN_DGRAD)
@@ -159,12 +288,33 @@ def _backward_megakernel(
     task = tl.atomic_add(counters_ptr, 1)
     while task < total:
         if task < end_dgrad:
-            pid_m, pid_n = _grouped_pid(task, n_rb, n_i, GROUP_M)
-            _down_dgrad_tile(
-                pid_m, pid_n, d_out_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, partial_ptr,
-                row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t, stride_w2_e, stride_w2_h, stride_h_r,
-                stride_a_r, stride_part_r, TILE_M, BLOCK_M, BN_DGRAD, BLOCK_K, DOT_PRECISION, False, False,
-            )  # fmt: skip
+            pid_m, pid_n = grouped_pid(task, n_rb, n_i, GROUP_M)
+            down_dgrad_tile(
+                pid_m,
+                pid_n,
+                d_out_ptr=d_out_ptr,
+                w2=w2_ptr,
+                h_ptr=h_ptr,
+                w_rows_ptr=w_rows_ptr,
+                d_h_ptr=d_h_ptr,
+                a_weighted_ptr=a_weighted_ptr,
+                d_w_partial_ptr=partial_ptr,
+                row_to_token_ptr=row_to_token_ptr,
+                tile_to_expert_ptr=tile_to_expert_ptr,
+                H=H,
+                I=I,
+                stride_d_out_t=stride_d_out_t,
+                stride_w_e=stride_w2_e,
+                stride_w_h=stride_w2_h,
+                stride_h_r=stride_h_r,
+                stride_a_r=stride_a_r,
+                stride_part_r=stride_part_r,
+                TILE_M=TILE_M,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BN_DGRAD,
+                BLOCK_K=BLOCK_K,
+                DOT_PRECISION=DOT_PRECISION,
+            )
             expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
             tl.debug_barrier()
             tl.atomic_add(ready_rows_ptr + pid_m, 1, sem="release", scope="gpu")
@@ -173,17 +323,40 @@ def _backward_megakernel(
             tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
         elif task < end_router:
             _wait_for(counters_ptr + 1, n_dgrad)
-            _router_grad_tile(
-                task - end_dgrad, partial_ptr, tk_to_row_ptr, d_topk_ptr, T * K, n_i, stride_part_r, ROUTER_BLOCK
+            router_grad_tile(
+                task - end_dgrad,
+                partial_ptr=partial_ptr,
+                tk_to_row_ptr=tk_to_row_ptr,
+                d_w_ptr=d_topk_ptr,
+                TK=T * K,
+                J=n_i,
+                stride_partial_r=stride_part_r,
+                BLOCK_M=ROUTER_BLOCK,
             )
         elif task < end_dx:
-            pid_m, pid_n = _grouped_pid(task - end_router, n_rb, n_hx, GROUP_M)
+            pid_m, pid_n = grouped_pid(task - end_router, n_rb, n_hx, GROUP_M)
             _wait_for(ready_rows_ptr + pid_m, n_i)
-            _gate_up_dgrad_tile(
-                pid_m, pid_n, d_h_ptr, w13_ptr, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, 2 * I, H,
-                stride_h_r, stride_w13_e, stride_w13_n, stride_dxr_r, TILE_M, BLOCK_M, BN_DX, BLOCK_K, DOT_PRECISION,
-                False,
-            )  # fmt: skip
+            gate_up_dgrad_tile(
+                pid_m,
+                pid_n,
+                d_h=d_h_ptr,
+                w13=w13_ptr,
+                d_x_rows_ptr=d_x_rows_ptr,
+                row_to_token_ptr=row_to_token_ptr,
+                tile_to_expert_ptr=tile_to_expert_ptr,
+                H=H,
+                I=I,
+                stride_d_h_r=stride_h_r,
+                stride_w_e=stride_w13_e,
+                stride_w_j=stride_w13_n,
+                stride_d_x_r=stride_dxr_r,
+                TILE_M=TILE_M,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BN_DX,
+                BLOCK_K=BLOCK_K,
+                DOT_PRECISION=DOT_PRECISION,
+                TMA=False,
+            )
             _signal(counters_ptr + 2)
         elif task < end_w13:
             is_w2 = task < end_w2
@@ -193,26 +366,76 @@ def _backward_megakernel(
             row_blocks = (tl.load(expert_offsets_ptr + expert + 1) - tl.load(expert_offsets_ptr + expert)) // BLOCK_M
             _wait_for(ready_expert_ptr + expert, row_blocks * n_i)
             if is_w2:
-                pid_m, pid_n = _grouped_pid(t % per_expert, w2_m, w2_n, GROUP_M)
-                _wgrad_tile(
-                    expert, pid_m, pid_n, d_out_ptr, a_weighted_ptr, d_w2_ptr, row_to_token_ptr, expert_offsets_ptr,
-                    tokens_per_expert_ptr, H, I, stride_d_out_t, stride_a_r, stride_dw2_e, stride_dw2_m, 1,
-                    True, False, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
-                )  # fmt: skip
+                pid_m, pid_n = grouped_pid(t % per_expert, w2_m, w2_n, GROUP_M)
+                wgrad_tile(
+                    expert,
+                    pid_m,
+                    pid_n,
+                    left=d_out_ptr,
+                    right=a_weighted_ptr,
+                    d_w_ptr=d_w2_ptr,
+                    row_to_token_ptr=row_to_token_ptr,
+                    expert_offsets_ptr=expert_offsets_ptr,
+                    tokens_per_expert_ptr=tokens_per_expert_ptr,
+                    M_OUT=H,
+                    N_OUT=I,
+                    stride_left=stride_d_out_t,
+                    stride_right=stride_a_r,
+                    stride_d_w_e=stride_dw2_e,
+                    stride_d_w_m=stride_dw2_m,
+                    stride_d_w_n=1,
+                    LEFT_BY_TOKEN=True,
+                    RIGHT_BY_TOKEN=False,
+                    BLOCK_M=WG_BM,
+                    BLOCK_N=WG_BN,
+                    BLOCK_K=WG_BK,
+                    DOT_PRECISION=DOT_PRECISION,
+                    TMA=False,
+                )
             else:
-                pid_m, pid_n = _grouped_pid(t % per_expert, w13_m, w13_n, GROUP_M)
-                _wgrad_tile(
-                    expert, pid_m, pid_n, d_h_ptr, x_ptr, d_w13_ptr, row_to_token_ptr, expert_offsets_ptr,
-                    tokens_per_expert_ptr, 2 * I, H, stride_h_r, stride_x_t, stride_dw13_e, stride_dw13_m, 1,
-                    False, True, WG_BM, WG_BN, WG_BK, DOT_PRECISION, False,
-                )  # fmt: skip
+                pid_m, pid_n = grouped_pid(t % per_expert, w13_m, w13_n, GROUP_M)
+                wgrad_tile(
+                    expert,
+                    pid_m,
+                    pid_n,
+                    left=d_h_ptr,
+                    right=x_ptr,
+                    d_w_ptr=d_w13_ptr,
+                    row_to_token_ptr=row_to_token_ptr,
+                    expert_offsets_ptr=expert_offsets_ptr,
+                    tokens_per_expert_ptr=tokens_per_expert_ptr,
+                    M_OUT=2 * I,
+                    N_OUT=H,
+                    stride_left=stride_h_r,
+                    stride_right=stride_x_t,
+                    stride_d_w_e=stride_dw13_e,
+                    stride_d_w_m=stride_dw13_m,
+                    stride_d_w_n=1,
+                    LEFT_BY_TOKEN=False,
+                    RIGHT_BY_TOKEN=True,
+                    BLOCK_M=WG_BM,
+                    BLOCK_N=WG_BN,
+                    BLOCK_K=WG_BK,
+                    DOT_PRECISION=DOT_PRECISION,
+                    TMA=False,
+                )
         else:
             t = task - end_w13
             _wait_for(counters_ptr + 2, n_dx)
-            _combine_tile(
-                t // n_comb_n, t % n_comb_n, d_x_rows_ptr, tk_to_row_ptr, d_x_ptr, T, H, stride_dxr_r, stride_dx_t,
-                K, COMBINE_BM, COMBINE_BN,
-            )  # fmt: skip
+            combine_tile(
+                t // n_comb_n,
+                t % n_comb_n,
+                rows_ptr=d_x_rows_ptr,
+                tk_to_row_ptr=tk_to_row_ptr,
+                out_ptr=d_x_ptr,
+                T=T,
+                H=H,
+                stride_rows_r=stride_dxr_r,
+                stride_out_t=stride_dx_t,
+                K=K,
+                BLOCK_M=COMBINE_BM,
+                BLOCK_N=COMBINE_BN,
+            )
         task = tl.atomic_add(counters_ptr, 1)
 
 
@@ -220,9 +443,6 @@ def _num_programs(device: torch.device) -> int:
     if interpreter_on() or device.type != "cuda":
         return 1  # the interpreter runs programs one after the other: one program runs the whole list
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-FUSED_DGRAD_BLOCK_N = 64
 
 
 def _same_block(*configs) -> tuple[int, int]:
@@ -250,21 +470,51 @@ def forward_megakernel(
     I = I2 // 2
     gu, dn, comb = kernel_config("gate_up_fwd", I), kernel_config("down_fwd", H), kernel_config("combine", H)
     block_m, block_k = _same_block(gu, dn)
-    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, gu)
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, gu)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     y = torch.empty(num_rows, H, dtype=x.dtype, device=x.device)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     counters = torch.zeros(2 + num_rows // block_m, dtype=torch.int32, device=x.device)
     _forward_megakernel[(_num_programs(x.device),)](
-        x, gate_up_proj, down_proj, w_rows, h, a, y, out, row_to_token, tile_to_expert, tk_to_row, counters,
-        num_rows, T, H, I,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0), down_proj.stride(1),
-        h.stride(0), a.stride(0), y.stride(0), out.stride(0),
-        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n,
-        GROUP_M=gu.group_m, COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=gu.num_warps, num_stages=gu.num_stages,
-    )  # fmt: skip
+        x,
+        gate_up_proj,
+        down_proj,
+        w_rows,
+        h,
+        a,
+        y,
+        out,
+        row_to_token,
+        tile_to_expert,
+        tk_to_row,
+        counters,
+        num_rows,
+        T,
+        H,
+        I,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        h.stride(0),
+        a.stride(0),
+        y.stride(0),
+        out.stride(0),
+        K=top_k,
+        TILE_M=tile_m,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        BN_GATE_UP=gu.block_n,
+        BN_DOWN=dn.block_n,
+        GROUP_M=gu.group_m,
+        COMBINE_BM=comb.block_m,
+        COMBINE_BN=comb.block_n,
+        DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=gu.num_warps,
+        num_stages=gu.num_stages,
+    )
     return out, h
 
 
@@ -288,13 +538,11 @@ def backward_megakernel(
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
-    dg, dx_cfg = kernel_config("down_dgrad", I), kernel_config("gate_up_dgrad", H)
-    wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # wgrad tiles never narrow
+    dg, dx_cfg = kernel_config("megakernel_down_dgrad", I), kernel_config("gate_up_dgrad", H)
+    wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # these tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
-    num_rows = _check_schedule(row_to_token, tile_to_expert, tile_m, dg, max_split_n=2)
-    # One accumulator's I-block. With the multi-kernel variant's separate epilogue the megakernel
-    # keeps the fused tile, 128x64: the widest whose epilogue fits the registers (255 per thread).
-    bn_dgrad = FUSED_DGRAD_BLOCK_N if dg.split_epilogue else dg.block_n // dg.split_n
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, dg)
+    bn_dgrad = dg.block_n
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
@@ -306,16 +554,62 @@ def backward_megakernel(
     d_w2 = torch.empty_like(down_proj)
     counters = torch.zeros(4 + num_rows // block_m + E, dtype=torch.int32, device=dev)
     _backward_megakernel[(_num_programs(dev),)](
-        d_out, x, gate_up_proj, down_proj, h, w_rows, d_h, a_weighted, partial, d_x_rows, d_x, d_topk, d_w13, d_w2,
-        row_to_token, tile_to_expert, tk_to_row, expert_offsets, tokens_per_expert, counters,
-        num_rows, T, H, I, E,
-        d_out.stride(0), x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
-        down_proj.stride(1), h.stride(0), a_weighted.stride(0), partial.stride(0), d_x_rows.stride(0), d_x.stride(0),
-        d_w13.stride(0), d_w13.stride(1), d_w2.stride(0), d_w2.stride(1),
-        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=bn_dgrad, BN_DX=dx_cfg.block_n,
-        WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
-        COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
+        d_out,
+        x,
+        gate_up_proj,
+        down_proj,
+        h,
+        w_rows,
+        d_h,
+        a_weighted,
+        partial,
+        d_x_rows,
+        d_x,
+        d_topk,
+        d_w13,
+        d_w2,
+        row_to_token,
+        tile_to_expert,
+        tk_to_row,
+        expert_offsets,
+        tokens_per_expert,
+        counters,
+        num_rows,
+        T,
+        H,
+        I,
+        E,
+        d_out.stride(0),
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        h.stride(0),
+        a_weighted.stride(0),
+        partial.stride(0),
+        d_x_rows.stride(0),
+        d_x.stride(0),
+        d_w13.stride(0),
+        d_w13.stride(1),
+        d_w2.stride(0),
+        d_w2.stride(1),
+        K=top_k,
+        TILE_M=tile_m,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        BN_DGRAD=bn_dgrad,
+        BN_DX=dx_cfg.block_n,
+        WG_BM=wg.block_m,
+        WG_BN=wg.block_n,
+        WG_BK=wg.block_k,
+        GROUP_M=dg.group_m,
+        COMBINE_BM=comb.block_m,
+        COMBINE_BN=comb.block_n,
+        ROUTER_BLOCK=_ROUTER_BLOCK,
         # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
-        DOT_PRECISION=_dot_precision(dt), num_warps=dg.num_warps, num_stages=_stages_for(wg, dt).num_stages,
-    )  # fmt: skip
+        DOT_PRECISION=dot_precision(dt),
+        num_warps=dg.num_warps,
+        num_stages=stages_for(wg, dt).num_stages,
+    )
     return d_x, d_topk.view(T, top_k), d_w13, d_w2

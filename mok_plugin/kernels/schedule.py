@@ -163,7 +163,7 @@ def schedule_maps(
     sizes = [R, num_rows, num_rows, num_rows // tile_m]
     if torch.compiler.is_compiling():
         # A buffer each: under inductor, kernels writing views of one fill ran into an illegal
-        # address once on the H200 (tests/test_kernels_interp.py::test_compile_fullgraph, in the
+        # address once on the H200 (tests/test_ops.py::test_compile_fullgraph, in the
         # parallel GPU suite; not reproduced alone). It costs at most three more fill launches.
         tk_to_row, row_to_tk, row_to_token, tile_to_expert = (
             torch.full((n,), -1, dtype=torch.int64, device=device) for n in sizes

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     arguments.parse_and_validate_args = parse_and_validate_args
     sys.argv = [str(script), *rest]
+    # What `python script.py` does, so the script's own imports (megatron.training, ...) resolve from
+    # its checkout; this runs the user's Megatron-LM script, it does not reach into this repository.
     sys.path.insert(0, str(script.resolve().parent))
     runpy.run_path(str(script), run_name="__main__")
     return 0

@@ -5,15 +5,18 @@ Glossary: W ranks in the expert-parallel group; rank r owns the E_l = E / W expe
 [r*E_l, (r+1)*E_l). A *pair* is one routed (token, k); a rank's pairs are sent *expert-major*:
 sorted by global expert (so by destination rank), then by local (token, k).
 
-What one forward does, on every rank:
+What one forward does, on every rank (each stage inside a `torch.profiler.record_function` range,
+`mok_plugin.ep.dispatch`, `mok_plugin.ep.experts` and `mok_plugin.ep.combine`, which profilers and
+scripts/bench_ep.py read; without a profiler each costs a few microseconds on the host and no
+device work):
     1. sort the pairs expert-major and send each pair's token row, routing weight and local expert
        id to the rank that owns the expert (through fixed-size buffers, or sized by exchanged
        counts: see the two exchanges below);
-    3. the owner receives blocks in source-rank order, each block expert-major in the source's
+    2. the owner receives blocks in source-rank order, each block expert-major in the source's
        (token, k) order, and runs its local experts on them with the same schedule code as the
        single-process layer: within an expert, rows are in (source rank, local token, k) order,
        which is global token order because the global batch is rank-major;
-    4. results go back by the inverse exchange; each source sums its token's K rows in ascending k
+    3. results go back by the inverse exchange; each source sums its token's K rows in ascending k
        in fp32 and rounds once, exactly as the single-process combine does.
 The backward mirrors it: each exchange's gradient goes back through the inverse exchange;
 the gradient of the row gather is the same fixed-order sum over k (not an index_add, whose order
@@ -58,20 +61,21 @@ the same order; `topk_ids` hold global expert ids.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from mok_plugin.parallel.symmetric import symmetric_all_to_all_equal
-from mok_plugin.reference import sum_over_k
 from mok_plugin.routing import count_per_expert
-from mok_plugin.schedule import MoKSchedule, build_schedule
+from mok_plugin.schedule import MoKSchedule, build_schedule, sum_over_k
 
-__all__ = ["moe_experts_expert_parallel"]
+__all__ = ["PROFILER_RANGES", "moe_experts_expert_parallel"]
+
+#: The profiler ranges around the forward's stages, in the order they run.
+PROFILER_RANGES = ("mok_plugin.ep.dispatch", "mok_plugin.ep.experts", "mok_plugin.ep.combine")
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, MoKSchedule], torch.Tensor]
 
@@ -175,7 +179,6 @@ def moe_experts_expert_parallel(
     num_experts: int,
     tile_m: int,
     capacity_factor: float | None = None,
-    phase: Callable[[str], AbstractContextManager] | None = None,
     transport: str = "nccl",
     expert_capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +197,6 @@ def moe_experts_expert_parallel(
             rank); otherwise the capacity exchange: each rank sends each rank at most
             ceil(capacity_factor * T * K / W) rows through fixed-size buffers, with no host read,
             and every rank must have the same T.
-        phase: optional context-manager factory wrapped around the "dispatch", "experts" and
-            "combine" stages of the forward (scripts/bench_ep.py times them with it).
         transport: "nccl" (torch.distributed all-to-all, any backend) or "symmetric_memory"
             (pull from peers' NVLink buffers; capacity exchange and CUDA only).
         expert_capacity: rows one expert keeps (token dropping), None = dropless. Each expert keeps
@@ -210,18 +211,18 @@ def moe_experts_expert_parallel(
             alike, before the row exchange. On a GPU the check is a device-side assertion, so it
             stops every rank's process instead of raising.
     """
-    stage = phase or (lambda name: contextlib.nullcontext())
-    with stage("dispatch"):
+    dispatch_range, experts_range, combine_range = PROFILER_RANGES
+    with record_function(dispatch_range):
         x_recv, w_recv, expert_recv, order, send_back = _dispatch(
             x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport
         )
-    with stage("experts"):
+    with record_function(experts_range):
         # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
         schedule = build_schedule(
             expert_recv.view(-1, 1), num_experts // dist.get_world_size(group), tile_m=tile_m, capacity=expert_capacity
         )
         y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
-    with stage("combine"):
+    with record_function(combine_range):
         y_sent_order = send_back(y_recv)
         T, K = topk_ids.shape
         out = sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)

@@ -24,8 +24,9 @@ rendezvous, as the machines here require; nothing calls cuMulticastCreate.
 Caller's contract: CUDA tensors; every rank of the group calls with the same shape and dtype, in the
 same order; the group fits in one NVLink domain.
 
-Status: written against torch 2.11's API and exercised on a single GPU only by the GPU tests; the
-multi-GPU run belongs to the multi-GPU issue.
+Status: written against torch 2.11's API; exercised on one GPU by tests/test_gpu_parallel.py and on
+two H200s by `mok bench multi-gpu` (EP 2 bitwise equal to EP 1; BENCHMARKS.md, "Multi-GPU"). Not yet
+timed, and not yet run on 4 or 8 GPUs.
 """
 
 from __future__ import annotations

@@ -10,110 +10,30 @@ A file in configs/topologies/ holds one run:
 `load_topology(path)` validates it and rejects what cannot run, each error naming its field:
 experts not divisible by EP (unless `redundant_experts` makes them so), a world size the layout
 does not factor, more pipeline stages than (MoE) layers, tensor or expert-tensor parallelism (both
-adapters refuse them today), a `mok:` field that contradicts the model or parallel section (the
+adapters refuse them), a `mok:` field that contradicts the model or parallel section (the
 layer and the planner would disagree), the NVLink symmetric-memory path over more GPUs than one
 NVLink domain, an expert exchange over a link the machine does not have (0 GB/s), and a layout
-whose memory does not fit the GPU (estimated by `mok_plugin.planner`). A file that cannot be read
-or parsed is an error naming the file.
+whose memory does not fit the GPU (estimated by `mok_plugin.run.planner`). A file that cannot be
+read or parsed is an error naming the file.
 
-Machine figures are datasheet values (dense bf16 TFLOP/s, HBM, NVLink per direction, scale-out
-per direction), each with its source; `h200-measured` uses what was measured on this project's
-H200 (BENCHMARKS.md).
+The parts of a run (`Machine` and the `MACHINES` table with each figure's public source,
+`ModelShape`, `ParallelLayout`) live in sections.py, which the planner reads too; they are
+re-exported here. `mok_plugin.load_config` reads MoK layer configs only and refuses a run config:
+`load_topology(path).mok_config()` is one MoE layer's config of a run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mok_plugin.config import MAX_DIM, MoKConfig, MoKConfigError, format_validation_error, read_yaml, short_repr
+from mok_plugin.config import MoKConfig, MoKConfigError, format_validation_error, read_yaml, short_repr
+from mok_plugin.run.planner import exchange_link, memory_per_gpu
+from mok_plugin.run.sections import MACHINES, Machine, ModelShape, ParallelLayout
 
 __all__ = ["MACHINES", "Machine", "ModelShape", "ParallelLayout", "RunConfig", "load_topology"]
-
-_DATASHEETS = "shared/reference/topologies-and-models.md (NVIDIA datasheets, tables 1-2)"
-
-
-class Machine(BaseModel):
-    """One GPU's rates and its fast-interconnect domain."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    gpu: str
-    nvlink_domain: int = Field(gt=0, description="GPUs that share NVLink (a node, or an NVL72 rack).")
-    hbm_gib: float = Field(gt=0)
-    hbm_tb_s: float = Field(gt=0)
-    bf16_tflops: float = Field(gt=0, description="Dense bf16 tensor-core rate.")
-    nvlink_gb_s: float = Field(ge=0, description="NVLink bandwidth per GPU, one direction.")
-    scale_out_gb_s: float = Field(ge=0, description="Network bandwidth per GPU, one direction.")
-    source: str
-
-
-MACHINES: dict[str, Machine] = {
-    m.name: m
-    for m in (
-        Machine(name="gb300-nvl72", gpu="GB300", nvlink_domain=72, hbm_gib=277.5, hbm_tb_s=8.0, bf16_tflops=2500,
-                nvlink_gb_s=900, scale_out_gb_s=100, source=_DATASHEETS),
-        Machine(name="gb200-nvl72", gpu="GB200", nvlink_domain=72, hbm_gib=185.0, hbm_tb_s=8.0, bf16_tflops=2500,
-                nvlink_gb_s=900, scale_out_gb_s=50, source=_DATASHEETS),
-        Machine(name="hgx-h200", gpu="H200", nvlink_domain=8, hbm_gib=141.0, hbm_tb_s=4.8, bf16_tflops=989,
-                nvlink_gb_s=450, scale_out_gb_s=50, source=_DATASHEETS),
-        Machine(name="hgx-h100", gpu="H100", nvlink_domain=8, hbm_gib=80.0, hbm_tb_s=3.35, bf16_tflops=989,
-                nvlink_gb_s=450, scale_out_gb_s=50, source=_DATASHEETS),
-        Machine(name="h200-measured", gpu="H200", nvlink_domain=1, hbm_gib=139.8, hbm_tb_s=4.1, bf16_tflops=742,
-                nvlink_gb_s=0, scale_out_gb_s=0,
-                source="measured on this project's H200: device copy 4.1 TB/s, dense bf16 GEMM 742 TFLOP/s"),
-        Machine(name="cpu", gpu="CPU", nvlink_domain=1, hbm_gib=16.0, hbm_tb_s=0.02, bf16_tflops=0.1, nvlink_gb_s=0,
-                scale_out_gb_s=0, source="a nominal 2-core CPU with 16 GiB for the quickstart (rough)"),
-    )
-}  # fmt: skip
-
-
-class ModelShape(BaseModel):
-    """The MoE part of a model, and the size of everything else."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    # Sizes have MoKConfig's bound (config.MAX_DIM): the planner multiplies them.
-    num_layers: int = Field(gt=0, le=MAX_DIM)
-    moe_layers: int = Field(gt=0, le=MAX_DIM)
-    hidden_size: int = Field(gt=0, le=MAX_DIM)
-    ffn_hidden_size: int = Field(gt=0, le=MAX_DIM, description="One routed expert's intermediate size.")
-    num_experts: int = Field(gt=0, le=MAX_DIM)
-    top_k: int = Field(gt=0, le=MAX_DIM)
-    shared_ffn_hidden_size: int = Field(
-        default=0, ge=0, le=MAX_DIM, description="Total shared-expert intermediate size."
-    )
-    dense_params_b: float = Field(
-        ge=0,
-        le=1e6,  # a million billion: far above any model, and finite arithmetic in the planner
-        allow_inf_nan=False,
-        description="Billions of parameters outside routed and shared experts (attention, embeddings, dense FFN).",
-    )
-    source: str = ""
-
-
-class ParallelLayout(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tp: int = Field(default=1, gt=0, le=MAX_DIM)
-    pp: int = Field(default=1, gt=0, le=MAX_DIM)
-    ep: int = Field(default=1, gt=0, le=MAX_DIM)
-    expert_tp: int = Field(default=1, gt=0, le=MAX_DIM)
-    dp: int = Field(default=1, gt=0, le=MAX_DIM)
-    seq_length: int = Field(gt=0, le=MAX_DIM)
-    micro_batch: int = Field(default=1, gt=0, le=MAX_DIM)
-    redundant_experts: int = Field(
-        default=0, ge=0, le=MAX_DIM, description="Extra expert slots so that EP divides them."
-    )
-    activation_recompute: Literal["none", "selective", "full"] = "selective"
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
 
 
 class RunConfig(BaseModel):
@@ -129,6 +49,7 @@ class RunConfig(BaseModel):
 
     @property
     def hardware(self) -> Machine:
+        """The machine's rates (from MACHINES)."""
         return MACHINES[self.machine]
 
     def _from_sections(self) -> dict[str, tuple[Any, str]]:
@@ -169,8 +90,6 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        from mok_plugin.planner import exchange_link, memory_per_gpu  # the planner imports this module
-
         problems: list[str] = []
         if self.machine not in MACHINES:
             raise ValueError(f"machine={short_repr(self.machine)}: unknown; allowed: {', '.join(MACHINES)}")

@@ -1,25 +1,25 @@
-"""Run configs and the planner: every file in configs/topologies/ loads and validates; each kind of
-impossible layout is rejected with a message naming the field (more stages than layers, TP or
-expert TP, a mok block contradicting the model or parallel section, an exchange over a 0 GB/s
-link, non-finite values); a file that cannot be read is an error naming it; the planner's
-arithmetic against hand-worked cases; scripts/plan.py prints a plan and refuses bad input cleanly."""
+"""Run configs (mok_plugin.run.topology, run.sections): every file in configs/topologies/ loads,
+validates and fits; each kind of impossible layout is rejected with a message naming the field (more
+stages than layers, TP or expert TP, a mok block contradicting the model or parallel section, an
+exchange over a 0 GB/s link, non-finite values); a file that cannot be read is an error naming it;
+`load_config` refuses each of them and points to `load_topology`; the run package's imports point
+one way (config <- sections <- planner <- topology <- plan) with no deferred import."""
 
+import ast
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from mok_plugin import load_topology as load_topology_public
 from mok_plugin.config import MoKConfigError, load_config
-from mok_plugin.planner import GIB, layer_time, memory_per_gpu
-from mok_plugin.topology import MACHINES, RunConfig, load_topology
+from mok_plugin.run.planner import memory_per_gpu
+from mok_plugin.run.topology import MACHINES, RunConfig, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs" / "topologies").glob("*.yaml"))
-sys.path.insert(0, str(ROOT / "scripts"))
-import plan  # noqa: E402
+PACKAGE = ROOT / "mok_plugin"
 
 
 def test_the_configs_cover_the_promised_layouts():
@@ -33,15 +33,60 @@ def test_the_configs_cover_the_promised_layouts():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_config_loads_and_fits(path):
-    assert load_config(path).num_experts >= 8  # mok_plugin.load_config validates the whole run
+    # load_config reads MoK layer configs only; a run config's layer config comes from load_topology.
+    with pytest.raises(MoKConfigError, match=r"mok_plugin\.run\.load_topology\(path\)\.mok_config\(\)"):
+        load_config(path)
+    assert load_topology(path).mok_config().num_experts >= 8
     run = load_topology(path)
     assert memory_per_gpu(run).fits
     assert (run.model.num_experts + run.parallel.redundant_experts) % run.parallel.ep == 0
     run.mok_config()  # a valid MoKConfig for one layer
 
 
+def test_load_topology_is_public_api():
+    assert load_topology_public is load_topology
+
+
+def test_every_machine_names_a_public_source():
+    for machine in MACHINES.values():
+        assert machine.source and "shared/reference" not in machine.source, machine.name
+        if machine.name not in ("cpu", "h200-measured"):
+            assert "https://www.nvidia.com/" in machine.source or "https://docs.nvidia.com/" in machine.source
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """(modules imported at module level, modules imported inside a function or class) of a file."""
+    tree = ast.parse(path.read_text())
+    top = {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    top |= {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    nested = [
+        node.module or ""
+        for outer in tree.body
+        if not isinstance(outer, ast.Import | ast.ImportFrom)
+        for node in ast.walk(outer)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mok_plugin")
+    ]
+    return top, nested
+
+
+def test_imports_point_one_way():
+    config_top, config_nested = _imports(PACKAGE / "config.py")
+    assert not [m for m in config_top | set(config_nested) if m.startswith("mok_plugin.run")]
+    order = ["sections", "planner", "topology", "plan"]  # each may import only those before it
+    for i, name in enumerate(order):
+        top, nested = _imports(PACKAGE / "run" / f"{name}.py")
+        assert not nested, f"run/{name}.py imports {nested} inside a function"
+        later = {f"mok_plugin.run.{other}" for other in order[i:]} | {"mok_plugin.run"}
+        assert not top & later, f"run/{name}.py imports {top & later}"
+    assert not (PACKAGE / "topology.py").exists() and not (PACKAGE / "planner.py").exists()
+
+
 def _base() -> dict:
     return yaml.safe_load((ROOT / "configs" / "topologies" / "deepseek-v3_gb300-nvl72_ep64.yaml").read_text())
+
+
+def _tiny() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "topologies" / "tiny_cpu.yaml").read_text())
 
 
 def _reject(tmp_path, data: dict, message: str) -> None:
@@ -86,61 +131,6 @@ def test_unknown_machine_and_keys(tmp_path):
     data = _base()
     data["mok"]["ep_exchange"] = "eventually"
     _reject(tmp_path, data, r"mok.ep_exchange")
-
-
-def test_memory_arithmetic_by_hand():
-    # One GB300, DeepSeek-V3 at EP 64, PP 2, DP 64, 4096 tokens: 4 experts x 29 layers here.
-    run = load_topology(ROOT / "configs" / "topologies" / "deepseek-v3_gb300-nvl72_ep64.yaml")
-    mem = memory_per_gpu(run)
-    per_expert = 3 * 7168 * 2048
-    assert mem.expert_params == pytest.approx(4 * 29 * per_expert)
-    shared = 29 * 3 * 7168 * 2048
-    assert mem.dense_params == pytest.approx(14.4e9 / 2 + shared)
-    total = mem.expert_params + mem.dense_params
-    assert mem.weights_gib == pytest.approx(2 * total / GIB)
-    assert mem.grads_gib == pytest.approx(4 * total / GIB)
-    # Experts shard their optimizer over tp*dp/ep = 1 rank, the rest over dp = 64.
-    assert mem.optimizer_gib == pytest.approx(12 * (mem.expert_params + mem.dense_params / 64) / GIB)
-    T, H, K, I = 4096, 7168, 8, 2048
-    assert mem.activations_gib == pytest.approx((61 * 34 * T * H + 58 * (2 * T * H + 4 * T * K * I)) / GIB)
-    assert mem.mok_buffers_gib == pytest.approx(4 * (T * K * 2.0) * H * 2 / GIB)
-    assert mem.budget_gib == pytest.approx(0.9 * MACHINES["gb300-nvl72"].hbm_gib)
-
-
-def test_layer_time_by_hand():
-    run = load_topology(ROOT / "configs" / "topologies" / "deepseek-v3_gb300-nvl72_ep64.yaml")
-    t = layer_time(run, efficiency=0.5)
-    flops = 3 * 2 * 4096 * 8 * 3 * 7168 * 2048
-    assert t.expert_flops == pytest.approx(flops)
-    assert t.expert_ms == pytest.approx(flops / (0.5 * 2500e12) * 1e3)
-    sent = 4 * 4096 * 8 * 7168 * 2 * 63 / 64
-    assert (t.exchange_bytes, t.link) == (pytest.approx(sent), "NVLink")
-    assert t.exchange_ms == pytest.approx(sent / 900e9 * 1e3)
-    # EP beyond the NVLink domain goes over the scale-out network.
-    data = _base()
-    data["mok"]["ep_transport"] = "nccl"
-    data["machine"] = "hgx-h200"
-    data["parallel"].update(ep=16, dp=16, pp=16, seq_length=2048)
-    far = layer_time(RunConfig(**data))
-    assert far.link == "scale-out" and far.exchange_ms == pytest.approx(far.exchange_bytes / 50e9 * 1e3)
-    assert math.isclose(layer_time(load_topology(ROOT / "configs/topologies/tiny_cpu.yaml")).exchange_ms, 0.0)
-
-
-def test_plan_script_prints_and_exits_by_fit(tmp_path):
-    run = subprocess.run([sys.executable, "scripts/plan.py", "configs/topologies/kimi-k2_gb300-nvl72_ep64.yaml",
-                          "--json", str(tmp_path / "plan.json")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    assert "-> fits" in run.stdout and "over NVLink at 900 GB/s" in run.stdout and "source:" in run.stdout
-    data = _base()
-    data["parallel"].update(ep=72, dp=72, redundant_experts=0)
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    run = subprocess.run([sys.executable, "scripts/plan.py", str(bad)], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 2 and "does not divide" in run.stderr
-
-
-def _tiny() -> dict:
-    return yaml.safe_load((ROOT / "configs" / "topologies" / "tiny_cpu.yaml").read_text())
 
 
 def test_more_pipeline_stages_than_layers(tmp_path):
@@ -189,21 +179,11 @@ def test_mok_block_repeating_the_model_is_fine(tmp_path):
 
 def test_exchange_over_a_link_the_machine_lacks(tmp_path):
     # The CPU machine has no scale-out network (0 GB/s): the planner used to charge 0 ms for it.
+    # (The planner's own refusal of such a run: tests/test_run_planner.py.)
     data = _tiny()
     data["parallel"].update(ep=2, dp=2)
     _reject(tmp_path, data, r"parallel\.ep=2: the expert exchange goes over scale-out, but machine 'cpu' has "
                             r"scale_out_gb_s=0 GB/s")  # fmt: skip
-    # layer_time refuses it too (model_copy skips validation, as a hand-built run could).
-    valid = RunConfig(**_tiny())
-    run = valid.model_copy(update={"parallel": valid.parallel.model_copy(update={"ep": 2, "dp": 2})})
-    with pytest.raises(MoKConfigError, match=r"machine 'cpu' has scale_out_gb_s=0 GB/s"):
-        layer_time(run)
-
-
-@pytest.mark.parametrize("efficiency", [0, -0.5, 1.5, math.nan, math.inf])
-def test_layer_time_efficiency_in_zero_one(efficiency):
-    with pytest.raises(ValueError, match="efficiency"):
-        layer_time(load_topology(ROOT / "configs" / "topologies" / "tiny_cpu.yaml"), efficiency)
 
 
 def test_non_finite_and_huge_values_in_a_run_config(tmp_path):
@@ -240,22 +220,9 @@ def test_load_topology_names_the_file_for_every_read_failure(tmp_path):
         load_topology(broken)
 
 
-@pytest.mark.parametrize("value", ["0", "-0.5", "nan", "inf", "1.5", "fast"])
-def test_plan_efficiency_must_be_a_fraction(value, capsys):
-    with pytest.raises(SystemExit) as info:
-        plan.main(["configs/topologies/tiny_cpu.yaml", "--efficiency", value])
-    assert info.value.code == 2 and "--efficiency" in capsys.readouterr().err
-
-
-def test_plan_file_errors_are_one_line_without_traceback(tmp_path, capsys):
-    binary = tmp_path / "binary.yaml"
-    binary.write_bytes(b"\xff\xfe")
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("machine: [\n")
-    for path, problem in ((tmp_path / "missing.yaml", "no such file"), (tmp_path, "is a directory"),
-                          (binary, "not UTF-8 text"), (broken, "not valid YAML")):  # fmt: skip
-        assert plan.main([str(path)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: {path}: {problem}"), err
-    run = subprocess.run([sys.executable, "scripts/plan.py", str(binary)], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 2 and "Traceback" not in run.stderr and "binary.yaml: not UTF-8" in run.stderr
+def test_a_run_config_built_in_code_validates_the_same_way():
+    # RunConfig(**data) (not from a file) runs the same checks; the planner estimates it.
+    data = _base()
+    data["parallel"].update(pp=1, ep=8, dp=8)
+    with pytest.raises(ValueError, match=r"parallel: the layout does not fit GB300 memory"):
+        RunConfig(**data)

@@ -1,5 +1,9 @@
 """Per-GPU estimates for a run config: memory, and the time of one MoE layer.
 
+Reads a run through `PlannedRun` (its model, parallel layout, machine and MoK config), which
+`RunConfig` (topology.py) satisfies; it does not import topology.py, whose validation calls these
+estimates, so the import runs one way: sections <- planner <- topology.
+
 Memory per GPU (bytes), for bf16 weights trained with fp32 gradients and Adam (Megatron's defaults
 with the distributed optimizer):
   weights      2 B per parameter held: routed experts (E_slots / ep experts x moe_layers / pp layers,
@@ -9,10 +13,12 @@ with the distributed optimizer):
   optimizer    12 B per parameter (fp32 master, Adam m and v), sharded over the parameter's
                data-parallel ranks: dp for dense ones, tp dp / (ep expert_tp) for experts
   activations  per layer and micro-batch of T = seq_length x micro_batch tokens: 34 T H / tp bytes
-               for attention and norms with selective recompute (Korthikanti et al. 2022; "none" is
-               treated the same, "full" keeps 2 T H), plus MoK's saved tensors in an MoE layer: the
-               input (2 T H) and the gate/up output of the K routed rows (2 x 2 T K I); 1F1B keeps pp
-               micro-batches in flight on the first stage, so num_layers / pp x pp layers' worth
+               for attention and norms with selective recompute (Korthikanti et al., "Reducing
+               Activation Recomputation in Large Transformer Models", 2022, arXiv:2205.05198, with
+               sequence parallelism; "none" is treated the same, "full" keeps 2 T H), plus MoK's saved
+               tensors in an MoE layer: the input (2 T H) and the gate/up output of the K routed rows
+               (2 x 2 T K I); 1F1B keeps pp micro-batches in flight on the first stage, so
+               num_layers / pp x pp layers' worth
   MoK buffers  expert-parallel exchange buffers of one layer: rows x H x 2 B for send and receive,
                dispatch and combine (4 buffers), rows = T K x ep_capacity_factor (capacity exchange)
                or T K (exact)
@@ -24,7 +30,7 @@ Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
                 forward), at `efficiency` x the machine's dense bf16 rate
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
                 sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
-                scale-out network (per-direction datasheet rates); a run whose exchange would
+                scale-out network (per-direction datasheet rates, run/sections.py); a run whose exchange would
                 use a link the machine lacks (0 GB/s) is refused when the run config loads
                 (and by `layer_time`), never charged 0 ms
 `efficiency` is in (0, 1].
@@ -34,15 +40,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from mok_plugin.config import MoKConfigError
-from mok_plugin.topology import RunConfig
+from mok_plugin.config import MoKConfig, MoKConfigError
+from mok_plugin.run.sections import Machine, ModelShape, ParallelLayout
 
-__all__ = ["LayerTime", "MemoryEstimate", "exchange_link", "layer_time", "memory_per_gpu"]
+__all__ = ["LayerTime", "MemoryEstimate", "PlannedRun", "exchange_link", "layer_time", "memory_per_gpu"]
 
 GIB = 1024**3
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIMIZER = 2, 4, 12
 HBM_USABLE = 0.9
+
+
+class PlannedRun(Protocol):
+    """What the planner reads of a run; `mok_plugin.run.topology.RunConfig` is one."""
+
+    @property
+    def model(self) -> ModelShape: ...
+
+    @property
+    def parallel(self) -> ParallelLayout: ...
+
+    @property
+    def hardware(self) -> Machine: ...
+
+    def mok_config(self) -> MoKConfig: ...
 
 
 @dataclass(frozen=True)
@@ -75,11 +97,11 @@ class LayerTime:
     link_gb_s: float
 
 
-def _tokens(run: RunConfig) -> int:
+def _tokens(run: PlannedRun) -> int:
     return run.parallel.seq_length * run.parallel.micro_batch
 
 
-def memory_per_gpu(run: RunConfig) -> MemoryEstimate:
+def memory_per_gpu(run: PlannedRun) -> MemoryEstimate:
     """The memory estimate of the module docstring."""
     p, m, hw = run.parallel, run.model, run.hardware
     layers_here = m.moe_layers / p.pp
@@ -106,7 +128,7 @@ def memory_per_gpu(run: RunConfig) -> MemoryEstimate:
     )
 
 
-def exchange_link(run: RunConfig) -> tuple[str, str, float]:
+def exchange_link(run: PlannedRun) -> tuple[str, str, float]:
     """The link the expert exchange uses: (name, the Machine field of its rate, GB/s per direction).
 
     "none" (rate 0) at EP 1; NVLink when the EP group fits one NVLink domain; else the scale-out
@@ -120,7 +142,7 @@ def exchange_link(run: RunConfig) -> tuple[str, str, float]:
     return "scale-out", "scale_out_gb_s", hw.scale_out_gb_s
 
 
-def layer_time(run: RunConfig, efficiency: float = 0.6) -> LayerTime:
+def layer_time(run: PlannedRun, efficiency: float = 0.6) -> LayerTime:
     """The MoE-layer time estimate of the module docstring (forward + backward, one micro-batch).
 
     Raises:

@@ -1,0 +1,78 @@
+"""torch.profiler readers: GPU time per kernel, and device time per named range.
+
+`kernel_breakdown` says where a layer's time goes, kernel by kernel. `range_times` reads the
+`torch.profiler.record_function` ranges the layer opens around its expert-parallel stages
+(`mok_plugin.ep.dispatch`, `.experts`, `.combine`), one value per occurrence, so a benchmark gets
+per-stage times without a hook in the layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["kernel_breakdown", "print_breakdown", "range_times"]
+
+
+def kernel_breakdown(work: Callable[[], object], iters: int = 3) -> list[dict]:
+    """GPU time per call of `work` of each kernel it launches (torch.profiler over `iters` calls),
+    most first: where the time goes, kernels timed inside the whole.
+
+    Returns:
+        [{"kernel": name, "ms": per call, "launches": per call}], largest ms first.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            work()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1000 / iters
+            entry[1] += 1
+    rows = [{"kernel": name, "ms": ms, "launches": count // iters} for name, (ms, count) in totals.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def print_breakdown(row: dict) -> None:
+    """Print a layer-benchmark row's "kernels" entry (kernels of at least 5 us)."""
+    kernels = row["kernels"]
+    total = sum(k["ms"] for k in kernels)
+    print(f"\n{row['shape']} {row['routing']} {row['provider']}: GPU time per forward + backward, by kernel "
+          f"(sum {total:.2f} ms; timed fwd+bwd {row['fwd+bwd']['ms']:.2f} ms)")  # fmt: skip
+    for k in kernels:
+        if k["ms"] >= 0.005:
+            print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")
+
+
+def range_times(events: Iterable, names: Iterable[str]) -> dict[str, list[float]]:
+    """Milliseconds of each occurrence of each named `record_function` range, in start order.
+
+    On a CUDA run a range's time is its span on the device: the profiler's GPU-side copy of the
+    range (a "gpu_user_annotation", from its first kernel's start to its last kernel's end). Where
+    the profiler recorded no GPU side (a CPU run, or a range that launched no kernel), it is the
+    host range's own elapsed time.
+
+    Args:
+        events: `prof.events()` of a finished torch.profiler run.
+        names: the range names wanted.
+    Returns:
+        {name: [ms, ...]}, an empty list for a range that never ran.
+    """
+    wanted = set(names)
+    host: dict[str, list[tuple[float, float]]] = {name: [] for name in wanted}
+    device: dict[str, list[tuple[float, float]]] = {name: [] for name in wanted}
+    for event in events:
+        if event.name not in wanted:
+            continue
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        span = (event.time_range.start, (event.time_range.end - event.time_range.start) / 1000)
+        (device if on_device else host)[event.name].append(span)
+    return {
+        name: [ms for _, ms in sorted(device[name] if len(device[name]) == len(host[name]) else host[name])]
+        for name in wanted
+    }

@@ -1,0 +1,180 @@
+"""Compile the layer's Triton kernels for Hopper (sm_90) without a GPU and report how each K loop is
+software-pipelined: how many shared-memory buffers its operands get, whether the loads are
+asynchronous copies, the shared memory per program, and registers and spill stack per thread
+(from the cubin). Costs no device time.
+
+    mok bench inspect                                                  # the pinned configs
+    mok bench inspect --candidates 128x128x64w8s4 128x128x64w8s4g --dump out/ttgir
+(`python scripts/inspect_kernels.py ...` is the same command.)
+
+Compiled as the launcher specialises a real call: bf16 operands, 16-byte aligned pointers and
+integer arguments divisible by 16; with a TMA config, the operands the launcher would hand over as
+tensor descriptors are descriptor-typed. Use the device's Triton version for numbers that match it
+(3.6 on the H200 here; the shared-memory figures agreed with the device's compiled-kernel report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mok_plugin.bench.tuning import parse_tile_config, tile_config_label
+from mok_plugin.kernels import grouped_mlp as gm
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
+
+__all__ = ["compile_for_hopper", "main", "pipeline_report", "resource_usage"]
+
+KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
+
+HOPPER = GPUTarget("cuda", 90, 32)
+INT64_POINTERS = {"row_to_token_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr", "tile_to_expert_ptr"}
+FP32_POINTERS = {"w_rows_ptr", "d_w_partial_ptr"}
+WIDE = 4096  # an output width that no pinned config narrows for
+SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
+
+
+def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dict]:
+    """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
+    common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
+              "TMA": cfg.tma}  # fmt: skip
+    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n)
+    # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
+    row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
+                   "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
+    if kernel in row_kernels:
+        return row_kernels[kernel], row_tiles
+    # expert_wgrad launches dW13 with its operands swapped, so the by-token one is the left in both;
+    # pre-gathered rows turn it into a by-row one.
+    # (dW2's launch: its output columns are contiguous, a stride Triton specialises as the constant 1)
+    return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=not cfg.gather_rows,
+                                         RIGHT_BY_TOKEN=False, stride_d_w_n=1)  # fmt: skip
+
+
+def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
+    """The arguments a TMA launch passes as tensor descriptors, with their block shapes (as the
+    launchers in grouped_mlp.py build them)."""
+    if not cfg.tma:
+        return {}
+    m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
+    blocks = {
+        "gate_up_fwd": {"w13": [n, k]},
+        "down_fwd": {"a": [m, k], "w2": [n, k]},
+        "down_dgrad": {"w2": [k, n]},
+        "gate_up_dgrad": {"d_h": [m, k], "w13": [k, n]},
+        # only by-row operands: with pre-gathered rows both are
+        "wgrad_down": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),
+        "wgrad_gate_up": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),
+    }
+    return blocks[kernel]
+
+
+def _is_pointer(name: str) -> bool:
+    """The kernels' naming: pointers end in _ptr, operands that may come as a tensor descriptor (TMA)
+    are bare lowercase names (w13, a, left); sizes are UPPER_CASE and strides stride_*."""
+    return name.endswith("_ptr") or not (name.isupper() or name.startswith("stride_"))
+
+
+def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
+    """`kernel` compiled for sm_90 as its launcher would specialise a bf16 call with `cfg`."""
+    fn, constexprs = _kernel_and_constexprs(kernel, cfg)
+    descriptors = _descriptor_blocks(kernel, cfg)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name in descriptors:
+            signature[name] = f"tensordesc<bf16{descriptors[name]}>"
+            continue
+        if _is_pointer(name):
+            signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
+        else:
+            signature[name] = "i32"
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    return triton.compile(source, target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def pipeline_report(ttgir: str) -> dict:
+    """Operand buffers (the leading dimension of each multi-buffered shared allocation), the count
+    of asynchronous global-to-shared copies, and how many register tensors are staged in shared
+    memory (a wgmma operand that came through registers, or a TMA store's source)."""
+    buffers = [int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    return {
+        "buffers": max(buffers, default=1),
+        "async_copies": len(re.findall(r"async_copy_global_to_local", ttgir)),
+        "register_operands": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor", ttgir)),
+    }
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread: spills live there) from the cubin, read by
+    the cuobjdump that ships with Triton's NVIDIA backend."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else (-1, -1)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of `mok bench inspect` (and scripts/inspect_kernels.py)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--candidates", nargs="*", type=parse_tile_config, default=[],
+                        help="configs to compile besides the pinned ones (mok bench tune's notation)")  # fmt: skip
+    parser.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR and PTX here")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Compile and report; 0 on success (a config the compiler rejects is a row, not a failure)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if interpreter_on():
+        parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter; unset it to compile them")
+    print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got")
+    print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
+          f"{'stack B':>7}  note")  # fmt: skip
+    for kernel in args.kernels:
+        # both pinned weight-gradient configs: pre-gathered (wide by-row operands) and in the loop
+        entries = ("wgrad", "wgrad_in_loop") if kernel.startswith("wgrad") else (kernel,)
+        pinned = [kernel_config(entry, WIDE) for entry in entries]
+        for cfg in [*pinned, *args.candidates]:
+            name = tile_config_label(cfg)
+            if cfg.gather_rows and not kernel.startswith("wgrad"):
+                continue  # an option that kernel does not take
+            try:
+                compiled = compile_for_hopper(kernel, cfg)
+            except Exception as error:  # a config the compiler rejects
+                print(f"{kernel:<14} {name:<30} compile failed: {type(error).__name__}")
+                continue
+            report = pipeline_report(compiled.asm["ttgir"])
+            note = "(pinned)" if cfg in pinned else ""
+            if report["register_operands"]:
+                note += f" {report['register_operands']} register tensors staged in shared memory"
+            if report["buffers"] < cfg.num_stages:
+                note += f" pipelined {report['buffers']} deep, not {cfg.num_stages}"
+            if compiled.metadata.shared > SMEM_LIMIT:
+                note += " over Hopper's 227 KiB of shared memory: would not launch"
+            regs, stack = resource_usage(compiled.asm["cubin"])
+            if stack:
+                note += f" spills ({stack} bytes of stack)"
+            print(f"{kernel:<14} {name:<30} {report['buffers']:>7} {report['async_copies']:>12} "
+                  f"{compiled.metadata.shared / 1024:>8.1f} {regs:>4} {stack:>7}  {note.strip()}")  # fmt: skip
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                stem = f"{kernel}-{name.replace(' ', '_')}"
+                (args.dump / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+                (args.dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+    return 0

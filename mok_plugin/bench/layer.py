@@ -1,0 +1,226 @@
+"""Time one MoE layer (forward, backward, forward + backward) on the GPU against its peers.
+
+Providers, all on the same inputs in one process (mok_plugin.bench.providers): mok-mega, mok-multi,
+torch (grouped_mm), megatron and liger when installed. Liger autotunes 32 configs for each of its
+GEMM kernels at every new shape (about 4 minutes per shape on the H200);
+LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
+
+Every provider is checked against the reference backend and for bitwise repeatability before it
+is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling is measured in
+the same run. Each timing follows SETTLE_S seconds of the same work, so that all of them run at the
+clock the chip holds under sustained load (its power cap). Router logits and the top-k choice are
+the same for every provider and are not timed (the megatron peer includes its own router).
+
+    mok bench layer --shapes qwen3-30b-a3b olmoe --routing uniform --out out/
+    mok bench layer --shape 4096,2880,1024,32,4 --routing skewed
+    mok bench layer --shapes olmoe --providers mok-multi torch --profile   # time per kernel
+    mok bench layer --shapes mixtral-8x7b --providers mok-multi torch --memory  # what sets the peak
+(`python scripts/bench_layer.py ...` is the same command.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mok_plugin.bench.breakdown import kernel_breakdown, print_breakdown
+from mok_plugin.bench.ceiling import dense_gemm_tflops
+from mok_plugin.bench.flops import moe_flops
+from mok_plugin.bench.memory import memory_breakdown, print_memory
+from mok_plugin.bench.providers import LEAVES, PROVIDERS, check_provider, fwd_bwd, make_inputs, provider_reference
+from mok_plugin.bench.report import run_metadata
+from mok_plugin.bench.timing import SETTLE_S, summarize, time_ms
+from mok_plugin.bench.tuning import overridden_configs, parse_tile_config, tile_config_label
+from mok_plugin.kernels.configs import PINNED_KERNELS
+from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
+
+__all__ = ["bench_provider", "build_parser", "main"]
+
+PASSES = ("forward", "backward", "fwd+bwd")
+
+
+def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int,
+                   settle_s: float = SETTLE_S) -> dict:  # fmt: skip
+    """Check one provider, then time it: peak memory of a forward + backward, then forward,
+    backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load.
+
+    Returns:
+        {"provider", "error", "bitwise"} and, when error is None, "peak_mib" and per pass
+        {"ms", "p20", "p80"}. A provider with an error is not timed (nothing runs on the GPU clock).
+    """
+    row: dict = {"provider": name, **check_provider(fn, inputs, shape, expected)}
+    torch.cuda.empty_cache()
+    if row["error"]:
+        return row
+    leaves = [inputs[k].detach().requires_grad_() for k in LEAVES]
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves)
+
+    out_holder: list = []
+
+    def backward():
+        torch.autograd.grad(out_holder[0], leaves, inputs["d_out"], retain_graph=True)
+
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn, inputs)
+    row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row["forward"] = summarize(time_ms(forward, iters, settle_s=settle_s))
+    out_holder.append(fn(*leaves))
+    row["backward"] = summarize(time_ms(backward, iters, settle_s=settle_s))
+    out_holder.clear()
+    row["fwd+bwd"] = summarize(time_ms(lambda: fwd_bwd(fn, inputs), iters, settle_s=settle_s))
+    return row
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of `mok bench layer` (and scripts/bench_layer.py)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        default=["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"],
+        help=f"named shapes: {', '.join(NAMED_SHAPES)}",
+    )
+    parser.add_argument("--shape", action="append", default=[], help="extra shape T,H,I,E,K")
+    parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="*", default=["uniform"])
+    parser.add_argument("--providers", nargs="*", choices=list(PROVIDERS), default=list(PROVIDERS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                        help="seconds of back-to-back calls before each timing, so that every provider and the "
+                             "dense GEMM run at the clock the chip holds under load (the tables before 2026-11-30 "
+                             "timed the dense GEMM in its first calls after idle)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each provider's kernels by GPU time per forward + backward (torch.profiler)",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also list the tensors live at each provider's peak, by the line that allocated them",
+    )
+    parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
+                        help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
+                             "(mok bench tune's notation); repeatable")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the layer benchmark; 0 on success, 2 without a CUDA GPU."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
+    except ValueError as error:
+        parser.error(f"--override KERNEL=CONFIG: {error}")
+    if set(overrides) - set(PINNED_KERNELS):
+        parser.error(f"--override: unknown kernel in {sorted(overrides)}; kernels: {', '.join(PINNED_KERNELS)}")
+    if not torch.cuda.is_available():
+        print("mok bench layer (scripts/bench_layer.py) needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if overrides:
+        print("pinned table overridden: " + ", ".join(f"{k}={tile_config_label(c)}" for k, c in overrides.items()))
+    with overridden_configs(overrides):
+        return _run(args, overrides)
+
+
+def _run(args: argparse.Namespace, overrides: dict) -> int:
+    shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
+    burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
+    gemm = dense_gemm_tflops(settle_s=args.settle_s)
+    dense_line = (
+        f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
+        f"({burst:.0f} in its first calls after idle)"
+    )
+    print(dense_line, flush=True)
+    rows = []
+    for shape_name, shape in shapes:
+        for routing in args.routing:
+            inputs = make_inputs(shape, routing, args.seed)
+            expected = fwd_bwd(provider_reference(inputs, shape), inputs)
+            for provider in args.providers:
+                t0 = time.time()
+                try:
+                    fn = PROVIDERS[provider](inputs, shape)
+                except RuntimeError as why:  # ProviderUnavailable: a peer that is not installed
+                    print(f"  {shape_name} {routing} {provider}: skipped ({why})", flush=True)
+                    continue
+                row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s)
+                if args.profile and not row["error"]:
+                    row["kernels"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+                if args.memory and not row["error"]:
+                    row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+                row.update(shape=shape_name, dims=list(shape.as_tuple()), routing=routing)
+                rows.append(row)
+                print(
+                    f"  {shape_name} {routing} {provider}: done in {time.time() - t0:.1f} s"
+                    + (f" WRONG: {row['error']}" if row["error"] else ""),
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
+            del inputs, expected
+            torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        **run_metadata(),
+        "dense_gemm_tflops": gemm,
+        "dense_gemm_tflops_first_calls_after_idle": burst,
+        "settle_s": args.settle_s,
+        "config_overrides": {k: tile_config_label(c) for k, c in overrides.items()},
+    }
+    (args.out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print()
+    print_table(rows, gemm)
+    for row in rows:
+        if "kernels" in row:
+            print_breakdown(row)
+        if "memory" in row:
+            print_memory(row)
+    print(f"{dense_line}; details in {args.out / 'bench_layer.json'}")
+    return 0
+
+
+def print_table(rows: list[dict], gemm: float) -> None:
+    """The layer table: per row and pass ms (p20-p80), TFLOP/s, % of dense GEMM, peak MiB, the
+    ratio to the torch provider of the same shape and routing, bitwise yes/no."""
+    print(
+        f"{'shape':<16} {'routing':<8} {'provider':<10} {'pass':<8} {'ms':>8} {'p20-p80':>15} {'TFLOP/s':>8} "
+        f"{'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
+    )
+    for row in rows:
+        if row["error"]:
+            print(f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} WRONG: {row['error']}")
+            continue
+        shape = MoEShape(*row["dims"])
+        torch_row = next(
+            (
+                r
+                for r in rows
+                if r["provider"] == "torch"
+                and r["shape"] == row["shape"]
+                and r["routing"] == row["routing"]
+                and not r["error"]
+            ),
+            None,
+        )
+        for pass_name in PASSES:
+            ms = row[pass_name]["ms"]
+            tflops = moe_flops(shape, pass_name) / ms / 1e9
+            ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row else "-"
+            print(
+                f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} {pass_name:<8} {ms:8.2f} "
+                f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
+                f"{row['peak_mib']:9.1f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
+            )

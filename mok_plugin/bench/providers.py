@@ -1,0 +1,298 @@
+"""The layer's implementations under test, each a small function, and the check they pass first.
+
+A provider is `provider(inputs, shape) -> run`, where `run(x, topk_weights, gate_up_proj, down_proj)
+-> out` computes the routed experts with the benchmark's routing (`inputs["topk_ids"]`):
+  mok-mega       the triton backend, persistent megakernel (one launch per pass), schedule included
+  mok-multi      the triton backend, one launch per GEMM, schedule included
+  torch          the plain PyTorch path: index gather, grouped_mm gate/up, SwiGLU, grouped_mm down,
+                 weighted fixed-order sum over k
+  megatron       Megatron-Core's stock MoELayer, when megatron-core is importable
+  liger          Liger-Kernel's fused MoE, when liger-kernel is importable
+A peer that is not installed raises ProviderUnavailable, which the benchmark prints as the reason it
+skipped it. Every provider is checked against the reference (`check_provider`) before it is timed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mok_plugin import ops
+from mok_plugin.reference import moe_experts_reference
+from mok_plugin.routing import count_per_expert
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
+from mok_plugin.testing import TOLERANCES, MoEShape, free_port
+
+__all__ = [
+    "DTYPE",
+    "PROVIDERS",
+    "ProviderUnavailable",
+    "build_megatron_moe",
+    "check",
+    "check_provider",
+    "fwd_bwd",
+    "make_inputs",
+    "megatron_run",
+    "provider_liger",
+    "provider_megatron",
+    "provider_mok",
+    "provider_reference",
+    "provider_torch",
+]
+
+DTYPE = torch.bfloat16
+# The tensors fwd_bwd returns, in order.
+NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
+LEAVES = ("x", "topk_weights", "gate_up_proj", "down_proj")
+
+
+class ProviderUnavailable(RuntimeError):
+    """A peer that cannot run here (not installed, or this torch lacks what it needs); the message
+    says why and how to get it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and the pass every provider runs
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(shape: MoEShape, routing: str, seed: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Seeded inputs of one benchmark case, bf16 tensors and fp32 routing weights.
+
+    Args:
+        shape: (T, H, I, E, K).
+        routing: "uniform", or "skewed" (Zipf-like: expert e drawn with probability ~ 1/(e+1)).
+        seed: the generator's seed (on `device`).
+    Returns:
+        {"x": [T, H], "topk_ids": int64 [T, K], "topk_weights": fp32 [T, K], "gate_up_proj": [E, 2I, H],
+        "down_proj": [E, H, I], "d_out": [T, H]}.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    T, H, I, E, K = shape.as_tuple()
+    if routing == "uniform":
+        probs = torch.ones(T, E, device=device)
+    else:  # Zipf-like: expert e drawn with probability ~ 1/(e+1)
+        probs = (1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32)).expand(T, E)
+    topk_ids = torch.multinomial(probs, K, replacement=False, generator=g)
+    topk_weights = torch.softmax(torch.randn(T, K, device=device, generator=g), dim=-1)
+    return {
+        "x": torch.randn(T, H, device=device, generator=g).to(DTYPE),
+        "topk_ids": topk_ids,
+        "topk_weights": topk_weights,
+        "gate_up_proj": (torch.randn(E, 2 * I, H, device=device, generator=g) / H**0.5).to(DTYPE),
+        "down_proj": (torch.randn(E, H, I, device=device, generator=g) / I**0.5).to(DTYPE),
+        "d_out": torch.randn(T, H, device=device, generator=g).to(DTYPE),
+    }
+
+
+def fwd_bwd(fn: Callable, inputs: dict) -> list[torch.Tensor]:
+    """One forward and backward of `fn` on fresh leaves: [out, d_x, d_topk_weights, d_gate_up_proj, d_down_proj]."""
+    leaves = [inputs[k].detach().requires_grad_() for k in LEAVES]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, inputs["d_out"])
+    return [out.detach(), *grads]
+
+
+def check(results: list[torch.Tensor], expected: list[torch.Tensor], shape: MoEShape) -> str | None:
+    """None when every tensor is within the bf16 tolerance of the reference, else what failed.
+
+    Compared in slices along dim 0, so the fp32 temporaries stay small at deepseek-v3 size.
+    """
+    tol = TOLERANCES[DTYPE]
+    rows = max(1, shape.T * shape.K // shape.E)
+    growth = {"output": 1, "d_x": 2 * shape.I, "d_topk_weights": shape.H, "d_gate_up_proj": rows, "d_down_proj": rows}
+    for name, got, want in zip(NAMES, results, expected, strict=True):
+        scale = max(float(want[i : i + 16].abs().max()) for i in range(0, want.shape[0], 16))
+        worst = 0.0
+        for i in range(0, want.shape[0], 16):
+            a, b = got[i : i + 16].float(), want[i : i + 16].float()
+            bound = tol.atol * scale * max(1.0, (growth[name] / 64) ** 0.5) + tol.rtol * b.abs()
+            if not torch.isfinite(a).all() or ((a - b).abs() > bound).any():
+                worst = max(worst, float((a - b).abs().max()))
+        if worst:
+            return f"{name}: max abs err {worst:.3e} (scale {scale:.3e})"
+    return None
+
+
+def check_provider(fn: Callable, inputs: dict, shape: MoEShape, expected: list[torch.Tensor]) -> dict:
+    """The check before any timing: two forward + backward passes, the first against the
+    reference (`expected`, from fwd_bwd of provider_reference), the second against the first.
+
+    Returns:
+        {"error": None or what was wrong, "bitwise": the two passes are bitwise equal}.
+    """
+    first = fwd_bwd(fn, inputs)
+    error = check(first, expected, shape)
+    second = fwd_bwd(fn, inputs)
+    bitwise = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    return {"error": error, "bitwise": bitwise}
+
+
+# ------------------------------------------------------------------------------------------------
+# Providers: each returns fn(x, topk_weights, gate_up_proj, down_proj) -> out, given the routing
+# ------------------------------------------------------------------------------------------------
+
+
+def provider_mok(variant: str) -> Callable:
+    """The triton backend's experts op as a provider; variant "megakernel" or "multi_kernel"."""
+
+    def provider(inputs: dict, shape: MoEShape) -> Callable:
+        ids = inputs["topk_ids"]
+
+        def run(x, w, w13, w2):
+            schedule = build_schedule(ids, shape.E, tile_m=DEFAULT_TILE_M)
+            return ops.moe_experts(x, w, w13, w2, schedule, variant=variant)
+
+        return run
+
+    return provider
+
+
+def _grouped_mm() -> Callable:
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise ProviderUnavailable("this torch has no grouped_mm")
+    return fn
+
+
+def provider_torch(inputs: dict, shape: MoEShape) -> Callable:
+    """The PyTorch path: index gather, grouped_mm gate/up, SwiGLU, grouped_mm down, weighted sum over k."""
+    grouped_mm = _grouped_mm()
+    T, H, I, E, K = shape.as_tuple()
+    ids = inputs["topk_ids"]
+
+    def run(x, w, w13, w2):
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(count_per_expert(flat, E), 0).to(torch.int32)
+        h = grouped_mm(x[order // K], w13.transpose(-2, -1), offs=offs)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = grouped_mm(a, w2.transpose(-2, -1), offs=offs) * w.reshape(-1)[order, None].to(x.dtype)
+        y_tk = torch.zeros_like(y).index_copy(0, order, y)
+        return y_tk.view(T, K, H).sum(dim=1)
+
+    return run
+
+
+def provider_reference(inputs: dict, shape: MoEShape) -> Callable:
+    """The reference backend: the oracle every provider is checked against."""
+    ids = inputs["topk_ids"]
+
+    def run(x, w, w13, w2):
+        return moe_experts_reference(x, w, w13, w2, build_schedule(ids, shape.E))
+
+    return run
+
+
+def build_megatron_moe(shape: MoEShape, dispatcher: str, device: torch.device, ep_size: int = 1):
+    """Megatron-Core's stock MoELayer (local spec: SequentialMLP, no Transformer Engine) for shape,
+    with `ep_size`-way expert parallelism over the default process group (a one-rank group is made
+    when none exists). Weights are random (std 0.02, seed 0); callers may replace them.
+
+    Raises:
+        ImportError: megatron-core is not installed.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if not dist.is_initialized():
+        port = free_port()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size)
+    T, H, I, E, K = shape.as_tuple()
+    on_cpu = device.type == "cpu"
+    config = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=I, moe_ffn_hidden_size=I,
+        num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bf16=True, params_dtype=DTYPE, moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        gradient_accumulation_fusion=False,
+        # On the GPU: allocate there and fill below (Megatron's GPU init needs its RNG tracker).
+        use_cpu_initialization=on_cpu, perform_initialization=on_cpu,
+    )  # fmt: skip
+    builder = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    layer = builder(config=config).to(device)
+    if on_cpu:
+        from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe
+
+        make_stock_router_cpu_safe(layer)
+    else:
+        generator = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(0.0, 0.02, generator=generator)
+    return layer
+
+
+def provider_megatron(inputs: dict, shape: MoEShape) -> Callable:
+    """Megatron-Core's stock MoELayer with the alltoall dispatcher and SequentialMLP experts.
+
+    Its router is replaced by the benchmark's routing (the same top-k ids and weights as every other
+    provider), so the output is checked like theirs and the time excludes the router, as theirs
+    does. The expert weights are the benchmark's, passed through `functional_call` so that their
+    gradients come back like every provider's.
+    """
+    try:
+        layer = build_megatron_moe(shape, "alltoall", inputs["x"].device)
+    except ImportError as error:
+        raise ProviderUnavailable("megatron-core is not importable (pip install -e .[megatron])") from error
+    return megatron_run(layer, inputs, shape)
+
+
+def megatron_run(layer, inputs: dict, shape: MoEShape) -> Callable:
+    """run(x, w, w13, w2) through a stock MoELayer with the benchmark's routing and weights."""
+    T, H, I, E, K = shape.as_tuple()
+    ids = inputs["topk_ids"]
+    routing: dict = {}
+
+    def fixed_router(hidden, padding_mask=None):
+        probs = torch.zeros(T, E, dtype=routing["w"].dtype, device=ids.device).scatter(1, ids, routing["w"])
+        return probs, torch.zeros(T, E, dtype=torch.bool, device=ids.device).scatter(1, ids, True)
+
+    layer.router.forward = fixed_router
+
+    def run(x, w, w13, w2):
+        routing["w"] = w
+        params = {}
+        for e in range(E):
+            params[f"experts.local_experts.{e}.linear_fc1.weight"] = w13[e]
+            params[f"experts.local_experts.{e}.linear_fc2.weight"] = w2[e]
+        out, _ = torch.func.functional_call(layer, params, (x.view(T, 1, H),), strict=False)
+        return out.view(T, H)
+
+    return run
+
+
+def provider_liger(inputs: dict, shape: MoEShape) -> Callable:
+    """Liger-Kernel's fused MoE (same weight layout: gate_up [E, 2I, H] gate first, down [E, H, I]).
+
+    It autotunes 32 configs for each of its GEMM kernels at every new shape (about 4 minutes per
+    shape on the H200); LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
+    """
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError as error:
+        raise ProviderUnavailable(
+            "liger-kernel is not importable (pip install liger-kernel, or carry its wheel)"
+        ) from error
+    ids = inputs["topk_ids"].to(torch.int32)
+
+    def run(x, w, w13, w2):
+        return LigerFusedMoEFunction.apply(x, w13, w2, ids, w)
+
+    return run
+
+
+PROVIDERS: dict[str, Callable] = {
+    "mok-mega": provider_mok("megakernel"),
+    "mok-multi": provider_mok("multi_kernel"),
+    "torch": provider_torch,
+    "megatron": provider_megatron,
+    "liger": provider_liger,
+}

@@ -1,0 +1,65 @@
+"""Tile configs as the tuning commands write them, and the in-process override of the pinned table.
+
+The kernel package keeps the pinned table and its lookup (`mok_plugin.kernels.configs`); trying
+other configs is a benchmark's business and lives here. The notation: '128x256x64w8s3' is
+BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; then 'g' for pre-gathered weight-gradient rows and 't'
+for TMA, in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+
+from mok_plugin.kernels import configs
+from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
+
+__all__ = ["overridden_configs", "parse_tile_config", "tile_config_label", "tile_config_spec"]
+
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)")
+
+
+def parse_tile_config(spec: str) -> MoKTileConfig:
+    """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
+    then 'g' for pre-gathered weight-gradient rows, 't' for TMA.
+
+    Raises:
+        ValueError: spec is not in that form.
+    """
+    match = _SPEC.fullmatch(spec)
+    if not match:
+        raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4g or 128x128x64w8s4gt")
+    *numbers, gather, tma = match.groups()
+    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", gather_rows=gather == "g")
+
+
+def tile_config_spec(cfg: MoKTileConfig) -> str:
+    """The short form parse_tile_config reads back: '128x128x64w8s4gt'."""
+    spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+    return spec + ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "")
+
+
+def tile_config_label(cfg: MoKTileConfig) -> str:
+    """'128x128x64 w8 s4 gather tma': a config as the benchmark tables print it."""
+    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
+
+
+@contextlib.contextmanager
+def overridden_configs(overrides: Mapping[str, MoKTileConfig]) -> Iterator[None]:
+    """Within the block, the pinned table has these entries instead (a benchmark comparing a
+    candidate table in one process); the previous entries come back on leaving it, errors included.
+    Not for training: every process must use the same table.
+
+    Raises:
+        KeyError: a kernel the table does not have (checked before anything is replaced).
+    """
+    unknown = set(overrides) - set(PINNED_KERNELS)
+    if unknown:
+        raise KeyError(f"no pinned config for {sorted(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    previous = configs.swap_pinned(dict(overrides))
+    try:
+        yield
+    finally:
+        configs.swap_pinned(previous)

@@ -1,0 +1,162 @@
+"""Compare Megatron's (or DeepSpeed's) stock MoE layers with MoK on one run config: the same small
+MoE language model (the config's MoE shape and layer count) trained with each, twice, from the same
+weights on the same tokens of a seeded synthetic language; prints a table and writes JSON, a
+Markdown report, a PNG plot and a log of the frameworks' own messages.
+
+    mok compare --config configs/topologies/tiny_cpu.yaml        # = scripts/compare.py, the main job
+    mok compare --config CONFIG --framework deepspeed --steps 20 --out out/compare/ds-20
+
+The output folder defaults to out/compare/<framework>, so a Megatron and a DeepSpeed run do not
+overwrite each other. The console shows the progress bar and the table only: the frameworks'
+warnings and log lines (Transformer Engine, Apex, absl, DeepSpeed's op build, ...) go to
+compare.log in the output folder, and the last lines say how many there were and where.
+
+On a CPU-only machine it runs configs for the `cpu` machine (the framework's MoE layers in a small
+model, fp32) and says so in the report. On a GPU it runs any config whose model fits one GPU.
+Megatron's full GPT training loop is scripts/pretrain_gpt.py (see scripts/multi_gpu.py part 3).
+Exit status: 0, or 1 when MoK's two runs differ (MoK promises bitwise repeatability; the stock
+layers do not), or 2 for a bad config or option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["main"]
+
+LOG_NAME = "compare.log"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mok compare", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path("configs/topologies/tiny_cpu.yaml"),
+        help="a run config (configs/topologies/*.yaml); on the CPU, one for the 'cpu' machine",
+    )
+    parser.add_argument("--framework", choices=["megatron", "deepspeed"], default="megatron")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per run (at least 2; default 10)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: out/compare/<framework>)")  # fmt: skip
+    return parser
+
+
+@contextlib.contextmanager
+def _framework_output_to(log_path: Path) -> Iterator[tuple[TextIO, Counter]]:
+    """Send file descriptors 1 and 2 to `log_path` for the duration: Python's print, warnings and
+    logging, and also output from C++ and from subprocesses (DeepSpeed's compiler). Yields a console
+    stream on the original stderr (for the progress bar) and a Counter of Python warning categories."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    counts: Counter = Counter()
+    show = warnings.showwarning
+
+    def count_and_show(message, category, filename, lineno, file=None, line=None):
+        counts[category.__name__] += 1
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = count_and_show
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield console, counts
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            console.close()
+            warnings.showwarning = show
+
+
+def _deepspeed_op_is_built() -> bool:
+    """Whether DeepSpeed's CPU communication op (deepspeed_shm_comm) is already in torch's extension cache."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so").exists()
+    except Exception:  # a private torch helper: if it moved, say the build may happen
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; returns the exit status (see the module docstring)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps={args.steps}: at least 2 (the first step is left out of the timing)")
+    import torch
+    from tqdm import tqdm
+
+    from mok_plugin.compare.harness import memory_source, run_comparison
+    from mok_plugin.compare.report import format_table, write_reports
+    from mok_plugin.config import MoKConfigError
+    from mok_plugin.run.topology import load_topology
+
+    try:
+        run = load_topology(args.config)
+    except MoKConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if not on_gpu and run.machine != "cpu":
+        parser.error(f"{args.config} targets {run.machine}; on the CPU the harness runs configs for the 'cpu' "
+                     "machine (configs/topologies/tiny_cpu.yaml)")  # fmt: skip
+    if on_gpu:
+        torch.cuda.set_device(device)
+    out_dir = args.out if args.out is not None else Path("out/compare") / args.framework
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / LOG_NAME
+    tokens = run.parallel.seq_length * run.parallel.micro_batch
+    mode = (f"the config's {run.model.moe_layers} MoE layers ({args.framework}'s stock layer vs MoK) in a small "
+            f"language model on one {'GPU' if on_gpu else 'CPU process'}; "
+            + ("fp32, the CPU runs no attention or full training loop" if not on_gpu else "bf16"))  # fmt: skip
+    print(f"compare: {args.config} with {args.framework}, {args.steps} steps x {tokens} tokens, 4 runs "
+          f"(stock twice, MoK twice) on {device.type}")  # fmt: skip
+    if args.framework == "deepspeed" and not on_gpu and not _deepspeed_op_is_built():
+        print("DeepSpeed compiles its C++ communication op (deepspeed_shm_comm) first: about 30 s at 0 %, once "
+              "(cached in ~/.cache/torch_extensions)")  # fmt: skip
+    try:
+        with _framework_output_to(log_path) as (console, warning_counts):
+            with tqdm(total=4 * args.steps, unit="step", dynamic_ncols=True, file=console) as bar:
+
+                def progress(message: str) -> None:
+                    bar.set_description(message)
+                    bar.update(1)
+
+                result = run_comparison(run, args.framework, args.steps, device, progress)
+    except BaseException:
+        print(f"\nthe comparison failed; the frameworks' output is in {log_path}", file=sys.stderr)
+        raise
+    m, cfg = run.model, run.mok_config()
+    result["meta"] = {
+        "config": str(args.config), "framework": args.framework, "device": str(device), "steps": args.steps,
+        "tokens_per_step": tokens, "mode": mode,
+        "model": f"{m.name}: {m.moe_layers} MoE layers, H={m.hidden_size}, I={m.ffn_hidden_size}, "
+                 f"E={m.num_experts}, top-{m.top_k}",
+        "top_k": m.top_k, "aux_loss_coeff": cfg.aux_loss_coeff, "memory_kind": memory_source(device),
+        "log": str(log_path),
+    }  # fmt: skip
+    print("\n" + format_table(result))
+    paths = write_reports(result, out_dir)
+    lines = sum(1 for _ in log_path.open(errors="replace"))
+    kinds = ", ".join(f"{n} {name}" for name, n in warning_counts.most_common()) or "no Python warnings"
+    print(f"\nreport: {paths['markdown']}\nplot:   {paths['plot']}\njson:   {paths['json']}")
+    print(f"log:    {log_path} (the frameworks' messages: {lines} lines; {kinds})")
+    return 0 if result["bitwise"]["mok"] else 1

@@ -1,0 +1,92 @@
+"""Host-side helpers every launcher shares: argument checks, TMA descriptors, dot precision,
+pipelining depth per dtype, profiler names. No kernels, no autograd, no host synchronisation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on
+
+__all__ = [
+    "check_schedule",
+    "check_tensor",
+    "descriptor",
+    "dot_precision",
+    "launch_metadata",
+    "stages_for",
+    "tma_ok",
+]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision for operands of `dtype`."""
+    # fp32 operands would default to tf32 on the GPU; tests in fp32 need the full-precision path.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_metadata(name: str):
+    """A Triton `launch_metadata` hook that names the kernel with its K and N sizes in profiles."""
+
+    def metadata(grid, kernel, args):
+        shape = {k: args[k] for k in ("H", "I", "K_DIM", "N_OUT", "M_OUT") if k in args}
+        return {"name": f"{name} {shape}"}
+
+    return metadata
+
+
+def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError/TypeError naming `name` unless t is a contiguous `dim`-D tensor (of `dtype`)."""
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig) -> int:
+    """The schedule's padded row count R_pad, after checking its maps fit tiles of cfg.
+
+    Raises:
+        ValueError: a map has the wrong dtype or rank, or tile_m is not a multiple of BLOCK_M that
+            divides R_pad with one tile_to_expert entry per tile.
+    """
+    check_tensor("row_to_token", row_to_token, 1, torch.int64)
+    check_tensor("tile_to_expert", tile_to_expert, 1, torch.int64)
+    num_rows = row_to_token.shape[0]
+    if tile_m % cfg.block_m != 0 or num_rows % tile_m != 0 or tile_to_expert.shape[0] != num_rows // tile_m:
+        raise ValueError(
+            f"schedule tile_m={tile_m} must be a multiple of BLOCK_M={cfg.block_m} and divide num_rows={num_rows}, "
+            f"with one tile_to_expert entry per tile (got {tile_to_expert.shape[0]})"
+        )
+    return num_rows
+
+
+def tma_ok(cfg: MoKTileConfig, *tensors: torch.Tensor) -> bool:
+    """Whether cfg asks for TMA and every tensor's shape can back a descriptor (unit column stride,
+    row strides of a multiple of 16 bytes) on a GPU with the copy engine (Hopper or newer) or under
+    Triton's interpreter. Shapes and the device decide, never the data pointer, so the choice is
+    the same in every process; `descriptor` copies a tensor whose start is not 16-byte aligned."""
+    if not cfg.tma:
+        return False
+    if not interpreter_on() and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False
+    return all(t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over t viewed 2-D (a stacked weight [E, rows, cols] becomes [E * rows, cols])."""
+    if t.data_ptr() % 16:
+        t = t.clone()  # TMA needs a 16-byte aligned start; a fresh allocation has one
+    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block_shape)
+
+
+def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
+    """cfg for inputs of `dtype`. The pinned stages are sized for 2-byte inputs; fp32 tiles take
+    twice the shared memory, which no longer fits Hopper's 227 KiB at the pinned depth (gate_up_dgrad
+    would ask for 384 KiB), so fp32 (tests, checks) runs unpipelined. Tiles and K order stay, so the
+    results are the same as at any depth."""
+    return replace(cfg, num_stages=1) if dtype.itemsize > 2 else cfg

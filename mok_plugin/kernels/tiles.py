@@ -1,0 +1,697 @@
+"""Triton device functions that compute one output tile each: the arithmetic of every MoE kernel.
+
+Both variants call these functions: the multi-kernel variant (`grouped_mlp.py`, `combine.py`) from
+one kernel per pass and tile kind, the persistent megakernel (`megakernel.py`) from its task list.
+So the two run the same arithmetic with the same tile shapes. Nothing here launches anything.
+
+Math, per expert e over its rows r (token t_r, routing weight w_r), with the dimension letters of
+DESIGN.md:
+    gate_up_tile          h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
+    down_tile             y[r] = w_r * (A[r] @ W2_e^T)  [H]
+    down_dgrad_matmul     dA'[r] = dO[t_r] @ W2_e  [I]
+    down_dgrad_epilogue   from dA': the router partial <dA', A> per I-block, w_r * A[r] (A recomputed
+                          from h), dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]
+    gate_up_dgrad_tile    dx[r] = dh[r] @ W13_e  [H]
+    wgrad_tile            dW_e = sum over e's rows r of left[r]^T right[r]  (dW2: dO, w*A; dW13: dh, x)
+    combine_tile          out[t] = sum over k, ascending, of rows[row(t, k)]
+    router_grad_tile      d_w[t, k] = sum over I-blocks j, ascending, of partial[row(t, k), j]
+
+Tensors: x [T, H], dO [T, H], h [R_pad, 2I], A [R_pad, I], y and dx rows [R_pad, H] in the params
+dtype; W13 [E, 2I, H], W2 [E, H, I]; w_R fp32 [R_pad] (0 on padding rows); row_to_token int64
+[R_pad] (-1 on padding rows); tile_to_expert int64 [R_pad / TILE_M] (-1 past the last segment);
+expert_offsets int64 [E+1], tokens_per_expert int64 [E]; tk_to_row int64 [T*K] (-1: dropped).
+
+Ownership: a row-tile GEMM tile is (row block of BLOCK_M rows, column block); a row block lies
+inside one expert segment because segments are padded to TILE_M, a multiple of BLOCK_M. A
+weight-gradient tile is (expert, output tile) and loops over that expert's rows in ascending order,
+BLOCK_K rows at a time. A combine tile is (token block, column block).
+
+Determinism: every reduction is one loop in a fixed BLOCK_K (or k, or I-block) order with an fp32
+accumulator; no split-K, no atomics. Operands that are contiguous (expert weights, schedule-ordered
+row buffers) can be read through TMA tensor descriptors (TMA=True); the tiles and the K order are
+the same as with pointer loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in fp32; the one formula the forward and the backward's recomputation use."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1-D tile index, GROUP_M row blocks sweeping the columns together, so
+    consecutive programs share their rows and their weight panel in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows, tokens, row_ok) of row block pid_m; expert < 0 means no work."""
+    expert = tl.load(tile_to_expert_ptr + (pid_m * BLOCK_M) // TILE_M)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = tl.load(row_to_token_ptr + rows)
+    return expert.to(tl.int64), rows, tokens, tokens >= 0
+
+
+@triton.jit
+def _weight_block(
+    w,
+    expert,
+    stride_w_e,
+    w_row0,
+    k0,
+    n0,
+    ks,
+    cols,
+    k_ok,
+    col_ok,
+    stride_k,
+    stride_n,
+    N_MAJOR: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """[BLOCK_K, BLOCK_N] of expert weight e, element (k, n).
+
+    Pointer mode: (k, n) of expert e at w + e * stride_w_e + k * stride_k + n * stride_n, masked.
+    TMA mode: w is a tensor descriptor over the weight viewed 2-D ([E * rows, cols]), expert e's
+    rows starting at w_row0; N_MAJOR when those rows are the output columns n (block
+    [BLOCK_N, BLOCK_K], transposed here), else the reduction index k. A block that runs past the
+    expert reads the next expert's rows: past K they meet the zero columns of the left operand,
+    past N they land in output columns nobody stores; past the tensor, TMA fills zeros.
+    """
+    if TMA:
+        if N_MAJOR:
+            block = w.load([(w_row0 + n0).to(tl.int32), k0]).T  # descriptor coordinates are 32-bit
+        else:
+            block = w.load([(w_row0 + k0).to(tl.int32), n0])
+    else:
+        block = tl.load(
+            w + expert * stride_w_e + ks[:, None] * stride_k + cols[None, :] * stride_n,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+    return block
+
+
+@triton.jit
+def _row_block(a, row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, TMA: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of a row-major operand: rows a_rows (pointer mode, masked) or, through a
+    tensor descriptor, the contiguous rows from row0 (TMA mode; rows past the tensor read zeros)."""
+    if TMA:
+        block = a.load([row0.to(tl.int32), k0])
+    else:
+        block = tl.load(a + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
+    return block
+
+
+@triton.jit
+def _row_tile_matmul(
+    a,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride); a descriptor if A_TMA
+    a_row0,  # first row of the tile (A_TMA: the rows are a_row0 .. a_row0 + BLOCK_M)
+    a_rows,  # int64 [BLOCK_M] which rows of a this tile reads (pointer mode)
+    a_row_ok,  # bool [BLOCK_M]
+    stride_a,
+    w,  # expert weights (see _weight_block), a descriptor if W_TMA
+    expert,
+    stride_w_e,
+    w_row0,
+    stride_w_k,
+    stride_w_n,
+    n0,  # first output column
+    cols,  # int64 [BLOCK_N]: n0 + arange(BLOCK_N)
+    col_ok,  # bool [BLOCK_N]
+    K_DIM,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    W_N_MAJOR: tl.constexpr,
+    A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] = a[rows, :] @ W_e[:, cols], reducing over K in ascending BLOCK_K steps."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_DIM, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K_DIM
+        a_blk = _row_block(a, a_row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, TMA=A_TMA)
+        w_blk = _weight_block(
+            w,
+            expert,
+            stride_w_e,
+            w_row0,
+            k0,
+            n0,
+            ks,
+            cols,
+            k_ok,
+            col_ok,
+            stride_w_k,
+            stride_w_n,
+            N_MAJOR=W_N_MAJOR,
+            TMA=W_TMA,
+        )
+        acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gate_up_tile(
+    pid_m,
+    pid_n,
+    x_ptr,  # (T, H) params dtype
+    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
+    h_ptr,  # (R_pad, 2I) out
+    a_ptr,  # (R_pad, I) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    H,
+    I,
+    stride_x_t,
+    stride_w_e,
+    stride_w_n,
+    stride_h_r,
+    stride_a_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
+    ascending BLOCK_K order. Nothing for a row block past the last segment."""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        gate_row0 = expert * 2 * I  # the expert's first gate row in the (E * 2I, H) view
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < H
+            xa = tl.load(
+                x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            wg = _weight_block(
+                w13,
+                expert,
+                stride_w_e,
+                gate_row0,
+                k0,
+                n0,
+                ks,
+                cols,
+                k_ok,
+                col_ok,
+                1,
+                stride_w_n,
+                N_MAJOR=True,
+                TMA=TMA,
+            )
+            # The up half: output columns I + n of the same weight.
+            wu = _weight_block(
+                w13,
+                expert,
+                stride_w_e,
+                gate_row0,
+                k0,
+                n0 + I,
+                ks,
+                cols + I,
+                k_ok,
+                col_ok,
+                1,
+                stride_w_n,
+                N_MAJOR=True,
+                TMA=TMA,
+            )
+            acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
+        out_ty = h_ptr.dtype.element_ty
+        gate = acc_gate.to(out_ty)
+        up = acc_up.to(out_ty)
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        tl.store(h_tile, gate, mask=mask)
+        tl.store(h_tile + I, up, mask=mask)
+        # A from the rounded h, exactly as the backward recomputes it.
+        a = silu_mul(gate.to(tl.float32), up.to(tl.float32))
+        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
+
+
+@triton.jit
+def down_tile(
+    pid_m,
+    pid_n,
+    a,  # (R_pad, I); with TMA a descriptor over it
+    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
+    w_rows_ptr,  # (R_pad,) fp32 routing weight per row
+    y_ptr,  # (R_pad, H) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    H,
+    I,
+    stride_a_r,
+    stride_w_e,
+    stride_w_h,
+    stride_y_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
+    routing weight in fp32."""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        acc = _row_tile_matmul(
+            a=a,
+            a_row0=pid_m * BLOCK_M,
+            a_rows=rows,
+            a_row_ok=row_ok,
+            stride_a=stride_a_r,
+            w=w2,
+            expert=expert,
+            stride_w_e=stride_w_e,
+            w_row0=expert * H,
+            stride_w_k=1,
+            stride_w_n=stride_w_h,
+            n0=n0,
+            cols=cols,
+            col_ok=col_ok,
+            K_DIM=I,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
+            W_N_MAJOR=True,
+            A_TMA=TMA,
+            W_TMA=TMA,
+        )
+        w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+        y = acc * w[:, None]
+        tl.store(
+            y_ptr + rows[:, None] * stride_y_r + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def down_dgrad_matmul(
+    rows,  # int64 [BLOCK_M] the tile's rows (from tile_rows)
+    tokens,  # int64 [BLOCK_M] their tokens
+    row_ok,  # bool [BLOCK_M]
+    expert,
+    n0,  # first I column
+    cols,  # int64 [BLOCK_N]
+    col_ok,  # bool [BLOCK_N]
+    d_out_ptr,  # (T, H)
+    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
+    H,
+    stride_d_out_t,
+    stride_w_e,
+    stride_w_h,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """fp32 dA'[rows, n-block] = dO[tokens] @ W2_e[:, n-block]; the dO rows are gathered by token
+    (pointer loads), reduced over H in ascending BLOCK_K order."""
+    return _row_tile_matmul(
+        a=d_out_ptr,
+        a_row0=0,
+        a_rows=tokens,
+        a_row_ok=row_ok,
+        stride_a=stride_d_out_t,
+        w=w2,
+        expert=expert,
+        stride_w_e=stride_w_e,
+        w_row0=expert * H,
+        stride_w_k=stride_w_h,
+        stride_w_n=1,
+        n0=n0,
+        cols=cols,
+        col_ok=col_ok,
+        K_DIM=H,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION,
+        W_N_MAJOR=False,
+        A_TMA=False,
+        W_TMA=TMA,
+    )
+
+
+@triton.jit
+def down_dgrad_epilogue(
+    d_a_prime,  # fp32 [BLOCK_M, BLOCK_N] dA' of the block
+    rows,  # int64 [BLOCK_M]
+    row_ok,  # bool [BLOCK_M]
+    cols,  # int64 [BLOCK_N] I columns
+    col_ok,  # bool [BLOCK_N]
+    slot,  # the router partial column this block writes
+    h_ptr,  # (R_pad, 2I) saved pre-activation
+    w_rows_ptr,  # (R_pad,) fp32
+    d_h_ptr,  # (R_pad, 2I) out
+    a_weighted_ptr,  # (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
+    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
+    I,
+    stride_h_r,
+    stride_a_r,
+    stride_part_r,
+    OUT_TY: tl.constexpr,
+):
+    """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot`, w*A, and dh of
+    the gate and up columns. Padding rows of an active row block store zeros in dh and w*A: the
+    weight-gradient GEMMs may read them whole (through TMA) and must find finite values there.
+
+    The row sum <dA', A> is reduced in the order of dA's register layout, so a fused tile (an MMA
+    accumulator, the megakernel) and the epilogue kernel (a loaded block, the multi-kernel variant)
+    round it differently; dh and w*A are elementwise and the same either way."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    a = silu_mul(gate, up).to(OUT_TY).to(tl.float32)  # A exactly as the forward stored it
+    partial = tl.sum(d_a_prime * a, axis=1)
+    tl.store(d_w_partial_ptr + rows * stride_part_r + slot, partial, mask=row_ok)
+    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
+    a_w = (a * w[:, None]).to(OUT_TY)
+    col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
+    tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
+    d_a = d_a_prime * w[:, None]
+    sig = tl.sigmoid(gate)
+    d_gate = (d_a * up * (sig * (1.0 + gate * (1.0 - sig)))).to(OUT_TY)
+    d_up = (d_a * (gate * sig)).to(OUT_TY)
+    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(d_h_tile, d_gate, mask=col_mask)
+    tl.store(d_h_tile + I, d_up, mask=col_mask)
+
+
+@triton.jit
+def down_dgrad_tile(
+    pid_m,
+    pid_n,
+    d_out_ptr,  # (T, H)
+    w2,  # (E, H, I)
+    h_ptr,  # (R_pad, 2I)
+    w_rows_ptr,  # (R_pad,) fp32
+    d_h_ptr,  # (R_pad, 2I) out
+    a_weighted_ptr,  # (R_pad, I) out
+    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    H,
+    I,
+    stride_d_out_t,
+    stride_w_e,
+    stride_w_h,
+    stride_h_r,
+    stride_a_r,
+    stride_part_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dA'[rows, n-block] and its epilogue in one tile (the megakernel's down-dgrad task; the
+    multi-kernel variant runs the same two functions as two kernels, with dA' stored between)."""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        d_a_prime = down_dgrad_matmul(
+            rows=rows,
+            tokens=tokens,
+            row_ok=row_ok,
+            expert=expert,
+            n0=n0,
+            cols=cols,
+            col_ok=col_ok,
+            d_out_ptr=d_out_ptr,
+            w2=w2,
+            H=H,
+            stride_d_out_t=stride_d_out_t,
+            stride_w_e=stride_w_e,
+            stride_w_h=stride_w_h,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
+            TMA=False,
+        )
+        down_dgrad_epilogue(
+            d_a_prime=d_a_prime,
+            rows=rows,
+            row_ok=row_ok,
+            cols=cols,
+            col_ok=col_ok,
+            slot=pid_n,
+            h_ptr=h_ptr,
+            w_rows_ptr=w_rows_ptr,
+            d_h_ptr=d_h_ptr,
+            a_weighted_ptr=a_weighted_ptr,
+            d_w_partial_ptr=d_w_partial_ptr,
+            I=I,
+            stride_h_r=stride_h_r,
+            stride_a_r=stride_a_r,
+            stride_part_r=stride_part_r,
+            OUT_TY=d_out_ptr.dtype.element_ty,
+        )
+
+
+@triton.jit
+def gate_up_dgrad_tile(
+    pid_m,
+    pid_n,
+    d_h,  # (R_pad, 2I); with TMA a descriptor over it
+    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
+    d_x_rows_ptr,  # (R_pad, H) out
+    row_to_token_ptr,  # (R_pad,) int64
+    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
+    H,
+    I,
+    stride_d_h_r,
+    stride_w_e,
+    stride_w_j,
+    stride_d_x_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order."""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        acc = _row_tile_matmul(
+            a=d_h,
+            a_row0=pid_m * BLOCK_M,
+            a_rows=rows,
+            a_row_ok=row_ok,
+            stride_a=stride_d_h_r,
+            w=w13,
+            expert=expert,
+            stride_w_e=stride_w_e,
+            w_row0=expert * 2 * I,
+            stride_w_k=stride_w_j,
+            stride_w_n=1,
+            n0=n0,
+            cols=cols,
+            col_ok=col_ok,
+            K_DIM=2 * I,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
+            W_N_MAJOR=False,
+            A_TMA=TMA,
+            W_TMA=TMA,
+        )
+        tl.store(
+            d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
+            acc.to(d_x_rows_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+@triton.jit
+def _wgrad_operand(src, rows, tokens, r_ok, r0, col0, cols, col_ok, stride, BY_TOKEN: tl.constexpr, TMA: tl.constexpr):
+    """[BLOCK_K, len(cols)] rows of a weight-gradient operand: gathered by token (always pointer
+    loads, masked), or the contiguous schedule rows r0.. (a tensor descriptor when TMA; rows past
+    the segment are its zero padding rows)."""
+    if TMA and not BY_TOKEN:
+        block = src.load([r0.to(tl.int32), col0])
+    else:
+        src_rows = tokens if BY_TOKEN else rows
+        mask = r_ok[:, None] & col_ok[None, :]
+        block = tl.load(src + src_rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    return block
+
+
+@triton.jit
+def wgrad_tile(
+    expert,
+    pid_m,
+    pid_n,
+    left,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT) (a descriptor with TMA)
+    right,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT) (likewise)
+    d_w_ptr,  # (E, M_OUT, N_OUT) out, any strides (a transposed view when the launcher swapped operands)
+    row_to_token_ptr,  # (R_pad,) int64
+    expert_offsets_ptr,  # (E+1,) int64
+    tokens_per_expert_ptr,  # (E,) int64
+    M_OUT,
+    N_OUT,
+    stride_left,
+    stride_right,
+    stride_d_w_e,
+    stride_d_w_m,
+    stride_d_w_n,
+    LEFT_BY_TOKEN: tl.constexpr,
+    RIGHT_BY_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
+    ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros. With TMA the
+    by-row operand is read through a descriptor, which needs the segment's padding rows to hold
+    zeros up to the next multiple of BLOCK_K (the down-dgrad epilogue writes them)."""
+    expert = expert.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    ms = m0.to(tl.int64) + tl.arange(0, BLOCK_M)
+    ns = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    m_ok = ms < M_OUT
+    n_ok = ns < N_OUT
+    start = tl.load(expert_offsets_ptr + expert)
+    end = start + tl.load(tokens_per_expert_ptr + expert)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Token indices are loaded one step ahead: a gathered load whose address came from a load in
+    # the same iteration held the software pipeline to 2 buffers whatever num_stages said.
+    first = start + tl.arange(0, BLOCK_K)
+    tokens = tl.load(row_to_token_ptr + first, mask=first < end, other=0)
+    for step in range(0, tl.cdiv(end - start, BLOCK_K)):
+        r0 = start + step * BLOCK_K  # a tensor also under the interpreter (descriptor coordinates need .to)
+        rows = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < end
+        next_rows = rows + BLOCK_K
+        next_tokens = tl.load(row_to_token_ptr + next_rows, mask=next_rows < end, other=0)
+        # Both tiles load row-major ([rows, cols], cols contiguous); the transpose is left to the
+        # MMA's operand layout (measured faster than loading the left tile transposed).
+        lhs = _wgrad_operand(left, rows, tokens, r_ok, r0, m0, ms, m_ok, stride_left, BY_TOKEN=LEFT_BY_TOKEN, TMA=TMA)
+        rhs = _wgrad_operand(
+            right, rows, tokens, r_ok, r0, n0, ns, n_ok, stride_right, BY_TOKEN=RIGHT_BY_TOKEN, TMA=TMA
+        )
+        acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
+        tokens = next_tokens
+    tl.store(
+        d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :] * stride_d_w_n,
+        acc.to(d_w_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Back to token order
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def combine_tile(
+    pid_t,
+    pid_n,
+    rows_ptr,  # (R_pad, H) params dtype
+    tk_to_row_ptr,  # (T*K,) int64
+    out_ptr,  # (T, H) out
+    T,
+    H,
+    stride_rows_r,
+    stride_out_t,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[t-block, n-block]: each token's K rows summed in ascending k, fp32, rounded once."""
+    tokens = pid_t.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = tokens < T
+    c_ok = cols < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.static_range(K):
+        row = tl.load(tk_to_row_ptr + tokens * K + k, mask=t_ok, other=-1)
+        ok = row >= 0
+        vals = tl.load(
+            rows_ptr + row[:, None] * stride_rows_r + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0
+        )
+        acc += vals.to(tl.float32)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_out_t + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )
+
+
+@triton.jit
+def router_grad_tile(
+    pid,
+    partial_ptr,  # (R_pad, J) fp32
+    tk_to_row_ptr,  # (T*K,) int64
+    d_w_ptr,  # (T*K,) fp32 out
+    TK,
+    J,
+    stride_partial_r,
+    BLOCK_M: tl.constexpr,
+):
+    """d_w[tk-block]: the J partials of each pair's row summed in ascending order; 0 if dropped."""
+    tk = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tk_ok = tk < TK
+    row = tl.load(tk_to_row_ptr + tk, mask=tk_ok, other=-1)
+    ok = row >= 0
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j in range(J):
+        acc += tl.load(partial_ptr + row * stride_partial_r + j, mask=ok, other=0.0)
+    tl.store(d_w_ptr + tk, acc, mask=tk_ok)

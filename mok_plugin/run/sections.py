@@ -1,0 +1,146 @@
+"""The parts of a run config that the planner and `RunConfig` both read: the machine table
+(`Machine`, `MACHINES`), the model's MoE shape (`ModelShape`) and the parallel layout
+(`ParallelLayout`).
+
+Each part validates its own fields only. What holds across parts (EP divides the expert slots, the
+layout fits the GPU, ...) is `RunConfig`'s job (topology.py), and the arithmetic is the planner's
+(planner.py); both import this module, which imports neither, so the three form no import circle.
+
+Machine figures are per GPU: dense (no 2:4 sparsity) bf16 tensor-core rate, HBM that CUDA sees, HBM
+bandwidth, NVLink bandwidth per direction (half the bidirectional figure NVIDIA quotes), scale-out
+network per direction (the NIC's Gb/s / 8). Each machine names its sources, NVIDIA's datasheets and
+reference architectures; `h200-measured` uses what was measured on this project's H200 instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mok_plugin.config import MAX_DIM
+
+__all__ = ["MACHINES", "Machine", "ModelShape", "ParallelLayout"]
+
+
+class Machine(BaseModel):
+    """One GPU's rates and its fast-interconnect domain."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    gpu: str
+    nvlink_domain: int = Field(gt=0, description="GPUs that share NVLink (a node, or an NVL72 rack).")
+    hbm_gib: float = Field(gt=0)
+    hbm_tb_s: float = Field(gt=0)
+    bf16_tflops: float = Field(gt=0, description="Dense bf16 tensor-core rate.")
+    nvlink_gb_s: float = Field(ge=0, description="NVLink bandwidth per GPU, one direction.")
+    scale_out_gb_s: float = Field(ge=0, description="Network bandwidth per GPU, one direction.")
+    source: str
+
+
+# Public sources of the figures below. NVIDIA's datasheets quote bf16 with 2:4 sparsity; the dense
+# rates are half, as NVIDIA's own cost model (aiconfigurator's system files) lists them.
+_AIC = "https://github.com/ai-dynamo/aiconfigurator/blob/main/aic-core/src/aiconfigurator_core/systems/"
+_GB300 = (
+    "NVIDIA GB300 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb300-nvl72/) and 'Inside NVIDIA "
+    "Blackwell Ultra' (https://developer.nvidia.com/blog/inside-nvidia-blackwell-ultra-the-chip-powering-the-ai-"
+    "factory-era/): 72 GPUs on NVLink 5 at 1.8 TB/s per GPU (900 GB/s per direction), 288 GB HBM3e at 8 TB/s "
+    f"(284,208 MiB visible to CUDA); 2,500 TFLOP/s dense bf16 ({_AIC}gb300.yaml); one ConnectX-8 at 800 Gb/s per "
+    "GPU (NVL72 AI factory reference architecture, https://docs.nvidia.com/enterprise-reference-architectures/"
+    "nvl72-ai-factory/latest/components.html)"
+)
+_GB200 = (
+    "NVIDIA GB200 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb200-nvl72/) and DGX GB200 user "
+    "guide (https://docs.nvidia.com/dgx/dgxgb200-user-guide/hardware.html): 72 GPUs on NVLink 5 at 1.8 TB/s per "
+    "GPU (900 GB/s per direction), 186 GB HBM3e at 8 TB/s (189,471 MiB visible to CUDA), one ConnectX-7 at "
+    f"400 Gb/s per GPU; 2,500 TFLOP/s dense bf16 ({_AIC}gb200.yaml)"
+)
+_DGX_HOPPER = (
+    "8 GPUs per node on NVLink 4, one ConnectX-7 at 400 Gb/s per GPU (DGX BasePOD reference architecture, "
+    "https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/latest/"
+    "core-components.html)"
+)
+_H200 = (
+    "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): H200 SXM, 141 GB HBM3e at 4.8 TB/s, "
+    "NVLink 900 GB/s (450 GB/s per direction), bf16 1,979 TFLOP/s with sparsity (989 dense, "
+    f"{_AIC}h200_sxm.yaml); " + _DGX_HOPPER
+)
+_H100 = (
+    "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/): H100 SXM, 80 GB HBM3 at 3.35 TB/s, "
+    "NVLink 900 GB/s (450 GB/s per direction), bf16 1,979 TFLOP/s with sparsity (989 dense, "
+    f"{_AIC}h100_sxm.yaml); " + _DGX_HOPPER
+)
+
+MACHINES: dict[str, Machine] = {
+    m.name: m
+    for m in (
+        Machine(name="gb300-nvl72", gpu="GB300", nvlink_domain=72, hbm_gib=277.5, hbm_tb_s=8.0, bf16_tflops=2500,
+                nvlink_gb_s=900, scale_out_gb_s=100, source=_GB300),
+        Machine(name="gb200-nvl72", gpu="GB200", nvlink_domain=72, hbm_gib=185.0, hbm_tb_s=8.0, bf16_tflops=2500,
+                nvlink_gb_s=900, scale_out_gb_s=50, source=_GB200),
+        Machine(name="hgx-h200", gpu="H200", nvlink_domain=8, hbm_gib=141.0, hbm_tb_s=4.8, bf16_tflops=989,
+                nvlink_gb_s=450, scale_out_gb_s=50, source=_H200),
+        Machine(name="hgx-h100", gpu="H100", nvlink_domain=8, hbm_gib=80.0, hbm_tb_s=3.35, bf16_tflops=989,
+                nvlink_gb_s=450, scale_out_gb_s=50, source=_H100),
+        Machine(name="h200-measured", gpu="H200", nvlink_domain=1, hbm_gib=139.8, hbm_tb_s=4.1, bf16_tflops=742,
+                nvlink_gb_s=0, scale_out_gb_s=0,
+                source="measured on this project's H200: device copy 4.1 TB/s, dense bf16 GEMM 742 TFLOP/s"),
+        Machine(name="cpu", gpu="CPU", nvlink_domain=1, hbm_gib=16.0, hbm_tb_s=0.02, bf16_tflops=0.1, nvlink_gb_s=0,
+                scale_out_gb_s=0, source="a nominal 2-core CPU with 16 GiB for the quickstart (rough)"),
+    )
+}  # fmt: skip
+
+
+class ModelShape(BaseModel):
+    """The MoE part of a model, and the size of everything else.
+
+    `source` names where the shape comes from: the model's own publication, for example its
+    `config.json` on Hugging Face (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct,
+    Qwen/Qwen3-235B-A22B, Qwen/Qwen3-30B-A3B, zai-org/GLM-4.5, openai/gpt-oss-120b) or its technical
+    report (DeepSeek-V3: arXiv:2412.19437).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    # Sizes have MoKConfig's bound (config.MAX_DIM): the planner multiplies them.
+    num_layers: int = Field(gt=0, le=MAX_DIM)
+    moe_layers: int = Field(gt=0, le=MAX_DIM)
+    hidden_size: int = Field(gt=0, le=MAX_DIM)
+    ffn_hidden_size: int = Field(gt=0, le=MAX_DIM, description="One routed expert's intermediate size.")
+    num_experts: int = Field(gt=0, le=MAX_DIM)
+    top_k: int = Field(gt=0, le=MAX_DIM)
+    shared_ffn_hidden_size: int = Field(
+        default=0, ge=0, le=MAX_DIM, description="Total shared-expert intermediate size."
+    )
+    dense_params_b: float = Field(
+        ge=0,
+        le=1e6,  # a million billion: far above any model, and finite arithmetic in the planner
+        allow_inf_nan=False,
+        description="Billions of parameters outside routed and shared experts (attention, embeddings, dense FFN).",
+    )
+    source: str = ""
+
+
+class ParallelLayout(BaseModel):
+    """How the run's GPUs are split: tensor, pipeline, expert, expert-tensor and data parallelism."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tp: int = Field(default=1, gt=0, le=MAX_DIM)
+    pp: int = Field(default=1, gt=0, le=MAX_DIM)
+    ep: int = Field(default=1, gt=0, le=MAX_DIM)
+    expert_tp: int = Field(default=1, gt=0, le=MAX_DIM)
+    dp: int = Field(default=1, gt=0, le=MAX_DIM)
+    seq_length: int = Field(gt=0, le=MAX_DIM)
+    micro_batch: int = Field(default=1, gt=0, le=MAX_DIM)
+    redundant_experts: int = Field(
+        default=0, ge=0, le=MAX_DIM, description="Extra expert slots so that EP divides them."
+    )
+    activation_recompute: Literal["none", "selective", "full"] = "selective"
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the run: tp x pp x dp (expert parallelism splits the data-parallel ranks)."""
+        return self.tp * self.pp * self.dp

@@ -1,0 +1,144 @@
+"""The layer benchmark's parts that run without a GPU: the FLOP convention, the summary statistics
+(median, p20-p80, slowest rank per iteration), the check every provider passes before it is timed
+(a wrong one is reported and never timed; a missing peer is a ProviderUnavailable), Megatron-Core's
+stock peer against the reference on the CPU, and the memory trace behind `--memory` on a synthetic
+allocator trace."""
+
+import sys
+
+import pytest
+import torch
+
+from mok_plugin.bench import providers
+from mok_plugin.bench.flops import moe_flops
+from mok_plugin.bench.layer import bench_provider
+from mok_plugin.bench.memory import peak_live_set
+from mok_plugin.bench.timing import slowest_rank_median, summarize
+from mok_plugin.testing import NAMED_SHAPES, MoEShape
+
+SHAPE = MoEShape(32, 64, 32, 4, 2)
+
+
+def test_flops_follow_design_md():
+    # DESIGN.md: 6/12/18 T*K*H*I for a GLU expert, 4/8/12 for a plain MLP.
+    shape = NAMED_SHAPES["qwen3-30b-a3b"]
+    tkhi = 16384 * 8 * 2048 * 768
+    assert [moe_flops(shape, p) for p in ("forward", "backward", "fwd+bwd")] == [6 * tkhi, 12 * tkhi, 18 * tkhi]
+    assert [moe_flops(shape, p, gated=False) for p in ("forward", "backward", "fwd+bwd")] == [
+        4 * tkhi, 8 * tkhi, 12 * tkhi,
+    ]  # fmt: skip
+    with pytest.raises(KeyError):
+        moe_flops(shape, "fwd")
+
+
+def test_summarize_gives_median_and_p20_p80():
+    times = [float(t) for t in range(1, 11)]  # 1..10 ms
+    summary = summarize(times)
+    assert summary["ms"] == 5.5
+    assert summary["p20"] < summary["ms"] < summary["p80"]
+    assert (summary["p20"], summary["p80"]) == pytest.approx((2.2, 8.8))
+
+
+def test_slowest_rank_then_median():
+    # Per iteration the slower rank counts, then the median over iterations; a stage a rank did not run is 0.
+    rank0 = [{"forward": 1.0, "dispatch": 0.5}, {"forward": 5.0, "dispatch": 0.5}, {"forward": 2.0, "dispatch": 0.5}]
+    rank1 = [{"forward": 3.0}, {"forward": 1.0}, {"forward": 4.0}]
+    assert slowest_rank_median([rank0, rank1], ("forward", "dispatch", "combine")) == {
+        "forward": 4.0, "dispatch": 0.5, "combine": 0.0,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_case():
+    inputs = providers.make_inputs(SHAPE, "skewed", 0, device="cpu")
+    expected = providers.fwd_bwd(providers.provider_reference(inputs, SHAPE), inputs)
+    return inputs, expected
+
+
+def test_right_provider_passes_the_check(cpu_case):
+    inputs, expected = cpu_case
+    result = providers.check_provider(providers.provider_torch(inputs, SHAPE), inputs, SHAPE, expected)
+    assert result == {"error": None, "bitwise": True}
+
+
+def test_wrong_provider_is_reported_and_not_timed(cpu_case, monkeypatch):
+    # A provider off by a little in its output: the check names the tensor, and bench_provider
+    # returns before anything is timed (no CUDA call at all, so this runs on the CPU).
+    inputs, expected = cpu_case
+    run = providers.provider_torch(inputs, SHAPE)
+
+    def wrong(x, w, w13, w2):
+        return run(x, w, w13, w2) * 1.25
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a wrong provider was timed")
+
+    monkeypatch.setattr("mok_plugin.bench.layer.time_ms", no_timing)
+    row = bench_provider("wrong", wrong, inputs, SHAPE, expected, iters=3)
+    assert row["error"].startswith("output: max abs err") and row["bitwise"] is True
+    assert not {"forward", "backward", "fwd+bwd", "peak_mib"} & set(row)
+
+
+def test_nondeterministic_provider_is_not_bitwise(cpu_case):
+    inputs, expected = cpu_case
+    run, calls = providers.provider_torch(inputs, SHAPE), []
+
+    def flaky(x, w, w13, w2):  # right the first time (the checked pass), off by a bf16 step the second
+        calls.append(None)
+        return run(x, w, w13, w2) * (1.0 if len(calls) == 1 else 1 + 2**-7)
+
+    assert providers.check_provider(flaky, inputs, SHAPE, expected) == {"error": None, "bitwise": False}
+
+
+def test_missing_peer_is_unavailable(monkeypatch, cpu_case):
+    inputs, _ = cpu_case
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_moe", None)
+    with pytest.raises(providers.ProviderUnavailable, match="liger-kernel is not importable"):
+        providers.provider_liger(inputs, SHAPE)
+    assert issubclass(providers.ProviderUnavailable, RuntimeError)  # the layer benchmark skips it with the reason
+
+
+def test_megatron_peer_matches_reference_on_cpu(cpu_case):
+    # The Megatron-Core peer: the stock MoELayer (allgather dispatcher on the CPU; the benchmark
+    # uses alltoall on GPUs) with the benchmark's routing and weights, against the reference.
+    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    inputs = providers.make_inputs(SHAPE, "uniform", 0, device="cpu")
+    try:
+        layer = providers.build_megatron_moe(SHAPE, "allgather", torch.device("cpu"))
+        got = providers.fwd_bwd(providers.megatron_run(layer, inputs, SHAPE), inputs)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    want = providers.fwd_bwd(providers.provider_reference(inputs, SHAPE), inputs)
+    assert providers.check(got, want, SHAPE) is None
+
+
+def test_peak_live_set_finds_the_peak_and_who_allocated_it():
+    # --memory: a synthetic allocator trace whose peak is the second of three moments.
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    torch_frame = frame("/site-packages/torch/nn/functional.py", 10, "linear")
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 20},
+        {"action": "alloc", "addr": 1, "size": 300, "frames": [torch_frame, frame("/x/mok_plugin/ops.py", 5, "fwd")]},
+        {"action": "alloc", "addr": 2, "size": 500, "frames": [torch_frame]},
+        {"action": "free_requested", "addr": 99, "size": 1000},  # allocated before the trace: ignored
+        {"action": "alloc", "addr": 3, "size": 200, "frames": []},
+        {"action": "free_requested", "addr": 2, "size": 500},
+        {"action": "free_completed", "addr": 2, "size": 500},
+        {"action": "alloc", "addr": 4, "size": 400, "frames": [frame("/x/mok_plugin/bench/layer.py", 7, "run")]},
+    ]
+    peak, live = peak_live_set(trace)
+    assert peak == 1000  # 300 + 500 + 200, before the free; the later 300 + 200 + 400 is less
+    assert live == [
+        {"bytes": 300, "site": "ops.py:5 fwd"},  # the project's frame, not torch's
+        {"bytes": 500, "site": "functional.py:10 linear"},
+        {"bytes": 200, "site": "?"},
+    ]
+    assert peak_live_set([]) == (0, [])

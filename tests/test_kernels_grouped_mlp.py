@@ -1,0 +1,177 @@
+"""The multi-kernel variant's expert GEMMs (kernels/grouped_mlp.py) against the reference backend
+at small shapes: forward and every gradient (x, routing weights, both expert weights) over the
+crafted cases of triton_cases.py (T = 1, empty experts, every row on one expert, skewed routing,
+H and I not multiples of the block), capacity drops, each config variant of the tiles (pointer
+loads, TMA descriptors, pre-gathered weight-gradient rows), the weight gradients' column blocks,
+and down_dgrad's GEMM + epilogue kernels against a float64 computation.
+
+Without CUDA this runs in Triton's CPU interpreter in fp32 and fp16, through the same kernels
+(and the same down_dgrad path) the GPU runs; with CUDA the same tests run compiled.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton backend needs triton")
+
+from triton_cases import CASES, DEVICE, DTYPES, GRADIENT_NAMES, compare_with_reference, crafted_routing  # noqa: E402
+
+from mok_plugin import ops  # noqa: E402
+from mok_plugin.kernels import grouped_mlp  # noqa: E402
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.testing import assert_close  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, H, I, E, K, kind", CASES)
+def test_kernels_match_reference(T, H, I, E, K, kind, dtype):
+    compare_with_reference(T, H, I, E, K, kind, dtype, variant="multi_kernel")
+
+
+def test_kernels_with_capacity_drops():
+    compare_with_reference(48, 32, 16, 4, 2, "one_expert", torch.float32, capacity=20, variant="multi_kernel")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "T, H, I, E, K, kind",
+    [
+        pytest.param(90, 48, 40, 5, 2, "skewed", id="aligned"),  # every operand can back a descriptor
+        pytest.param(70, 64, 24, 4, 3, "uniform", id="I_not_block_multiple"),  # TMA zero fill at the edges
+        pytest.param(50, 36, 24, 6, 2, "uniform", id="H_rows_unaligned"),  # fp16 rows of 72 bytes: pointer fallback
+    ],
+)
+def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
+    # Every config variant (TMA descriptors, pre-gathered weight-gradient rows) computes the same
+    # tiles in the same K order; TMA reads the weight gradients' padding rows whole (they must hold
+    # zeros). compare_with_reference checks each against the reference and for bitwise
+    # repeatability; here also against the pointer path, to rounding (numpy's matmul in the
+    # interpreter rounds a transposed operand differently).
+    configs = {
+        "pointer loads": lambda name, n_out: kernel_config(name, n_out),
+        "TMA": lambda name, n_out: replace(kernel_config(name, n_out), tma=True),
+        "pre-gathered wgrad rows": lambda name, n_out: replace(kernel_config(name, n_out), gather_rows=True),
+        "pre-gathered wgrad rows, TMA": lambda name, n_out: replace(
+            kernel_config(name, n_out), gather_rows=True, tma=True
+        ),
+    }
+    results = {}
+    for label, config in configs.items():
+        monkeypatch.setattr(grouped_mlp, "kernel_config", config)
+        results[label] = compare_with_reference(T, H, I, E, K, kind, dtype, seed=7, variant="multi_kernel")
+    for label, got in results.items():
+        for name, a, b in zip(GRADIENT_NAMES, results["pointer loads"], got, strict=True):
+            assert_close(b, a, dtype, f"{name} ({label} vs pointer loads)")
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
+def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma, monkeypatch):
+    # The pre-gathered operand is copied a column block at a time to bound its memory; each block's
+    # sums run over the same rows in the same order, so any block count gives the same bits.
+    T, H, I, E, K = 70, 72, 40, 5, 2
+    g = torch.Generator().manual_seed(11)
+    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    rows = schedule.row_to_token.shape[0]
+    by_token = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
+    by_row = torch.randn(rows, I, generator=g).to(DEVICE, torch.float16)
+    by_row[schedule.row_to_token < 0] = 0  # the zero padding rows down_dgrad writes
+    left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
+    segments = (schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert)
+    cfg = MoKTileConfig(32, 32, 32, 4, 2, tma=tma, gather_rows=True)  # small blocks, compiled or interpreted
+
+    def wgrad():
+        return grouped_mlp.expert_wgrad(
+            left,
+            right,
+            *segments,
+            left_by_token=left_by_token,
+            right_by_token=not left_by_token,
+            segment_align=schedule.tile_m,
+            config=cfg,
+        )
+
+    whole = wgrad()
+    block = cfg.block_m if left_by_token else cfg.block_n
+    monkeypatch.setattr(grouped_mlp, "GATHER_CHUNK_BYTES", rows * 2 * block)  # one block per copy
+    assert len(grouped_mlp.gather_column_blocks(H, rows * 2, block)) == 3  # 32 + 32 + 8 columns
+    assert torch.equal(wgrad(), whole)
+    # and against the sum it stands for, per expert over its rows
+    tokens = schedule.row_to_token.clamp(min=0)
+    gathered = torch.where((schedule.row_to_token >= 0)[:, None], by_token[tokens].float(), 0.0)
+    lhs, rhs = (gathered, by_row.float()) if left_by_token else (by_row.float(), gathered)
+    starts = schedule.expert_offsets.tolist()[:E]
+    want = torch.stack(
+        [lhs[s : s + n].T @ rhs[s : s + n] for s, n in zip(starts, schedule.tokens_per_expert.tolist(), strict=True)]
+    )
+    assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_down_dgrad_matches_float64(dtype):
+    # down_dgrad is a GEMM into an fp32 dA' and an epilogue kernel; the same two launches the GPU
+    # runs. Against float64: dh = dSwiGLU(h, w * dA'), w*A, and the router partials <dA', A> per
+    # I-block of the epilogue's width, in their slots; padding rows hold zeros in dh and w*A (the
+    # weight gradients' TMA reads them whole).
+    T, H, I, E, K = 50, 48, 72, 5, 2  # I = 72: three epilogue blocks of 32 in the interpreter, the last partial
+    g = torch.Generator().manual_seed(6)
+    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w_rows = ops._row_weights(torch.rand(T, K, generator=g).to(DEVICE), s.row_to_tk)
+    h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
+    d_h, a_w, partial = grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+
+    used = s.row_to_token >= 0
+    rows = used.nonzero().flatten()
+    tokens = s.row_to_token[rows]
+    experts = torch.repeat_interleave(torch.arange(E, device=DEVICE), s.tokens_per_expert)
+    assert torch.equal(experts, torch.bucketize(rows, s.expert_offsets[1:], right=True))
+    d_a_prime = torch.einsum("rh,rhi->ri", d_out[tokens].double(), w2[experts].double())
+    gate, up = h[rows, :I].double(), h[rows, I:].double()
+    sig = torch.sigmoid(gate)
+    a = (gate * sig * up).to(dtype).double()  # A as the forward stored it
+    w = w_rows[rows].double()[:, None]
+    want_d_h = torch.cat([w * d_a_prime * up * sig * (1 + gate * (1 - sig)), w * d_a_prime * gate * sig], dim=1)
+    assert_close(d_h[rows], want_d_h, dtype, "dh", n_reduce=H)
+    assert_close(a_w[rows], a * w, dtype, "w*A")
+    width = kernel_config("down_dgrad_epilogue", I).block_n
+    assert partial.shape == (s.num_rows, -(-I // width))
+    want_partial = torch.zeros(len(rows), partial.shape[1], dtype=torch.float64, device=DEVICE)
+    for j in range(partial.shape[1]):
+        want_partial[:, j] = (d_a_prime[:, j * width : (j + 1) * width] * a[:, j * width : (j + 1) * width]).sum(1)
+    assert_close(partial[rows], want_partial, dtype, "router partials", n_reduce=H * width)
+    padding = ~used & (torch.arange(s.num_rows, device=DEVICE) < s.expert_offsets[-1])  # inside active segments
+    assert padding.any() and not d_h[padding].any() and not a_w[padding].any()
+    again = grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+    for name, first, second in zip(["dh", "w*A", "partials"], (d_h, a_w, partial), again, strict=True):
+        assert torch.equal(first, second), name
+
+
+def test_gather_column_blocks_cover_the_columns_once():
+    from mok_plugin.kernels.grouped_mlp import GATHER_CHUNK_BYTES, gather_column_blocks
+
+    assert gather_column_blocks(2048, 1000, 128) == [(0, 2048)]  # small enough: one copy
+    bytes_per_col = GATHER_CHUNK_BYTES // 900  # 2048 columns would need 3 copies
+    blocks = gather_column_blocks(2048, bytes_per_col, 128)
+    assert blocks == [(0, 768), (768, 1536), (1536, 2048)]
+    assert all((c1 - c0) * bytes_per_col <= GATHER_CHUNK_BYTES for c0, c1 in blocks)
+    # a single block wider than the budget is still one block, never an empty range
+    assert gather_column_blocks(100, GATHER_CHUNK_BYTES, 64) == [(0, 64), (64, 100)]
+
+
+def test_launchers_name_a_bad_argument():
+    T, H, I, E, K = 8, 32, 16, 2, 2
+    s = build_schedule(torch.randint(0, E, (T, K)).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x, w13 = torch.randn(T, H).to(DEVICE), torch.randn(E, 2 * I, H).to(DEVICE)
+    with pytest.raises(TypeError, match="gate_up_proj must be torch.float32"):
+        grouped_mlp.gate_up_fwd(x, w13.half(), s.row_to_token, s.tile_to_expert, s.tile_m)
+    with pytest.raises(ValueError, match="x has H=16 but gate_up_proj has H=32"):
+        grouped_mlp.gate_up_fwd(x[:, :16].contiguous(), w13, s.row_to_token, s.tile_to_expert, s.tile_m)
+    with pytest.raises(ValueError, match="schedule tile_m=48 must be a multiple of BLOCK_M"):
+        grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, 48)

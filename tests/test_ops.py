@@ -1,0 +1,156 @@
+"""The triton backend's ops (mok_plugin/ops.py): their schemas and fakes (torch.library.opcheck),
+that they do not mutate their inputs, the multi-kernel backward releasing the saved h before the
+up projection's gradients, the variant switch, and torch.compile(fullgraph=True) of the forward and of both variants' backward.
+
+Without CUDA this runs in Triton's CPU interpreter in fp32 (compile checks graph capture with
+aot_eager); with CUDA the same tests run compiled (compile with inductor).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton backend needs triton")
+
+from triton_cases import DEVICE, compare_with_reference, crafted_routing  # noqa: E402
+
+from mok_plugin import MoKConfig, MoKMoE, ops  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="kernel_variant='fast'"):
+        compare_with_reference(4, 32, 16, 4, 2, "uniform", torch.float32, variant="fast")
+
+
+def _op_inputs():
+    g = torch.Generator().manual_seed(9)
+    T, H, I, E, K = 12, 32, 16, 4, 2
+    ids = crafted_routing(T, E, K, "uniform", g).to(DEVICE)
+    s = build_schedule(ids, E, tile_m=DEFAULT_TILE_M)
+    rows = s.row_to_token.shape[0]
+    tensors = {
+        "x": torch.randn(T, H, generator=g),
+        "w": torch.rand(T, K, generator=g),
+        "w13": torch.randn(E, 2 * I, H, generator=g),
+        "w2": torch.randn(E, H, I, generator=g),
+        "h": torch.randn(rows, 2 * I, generator=g),
+        "a": torch.randn(rows, I, generator=g),
+    }
+    return {k: v.to(DEVICE) for k, v in tensors.items()}, s
+
+
+def _op_calls():
+    """(op, args) of every forward op the layer runs, with differentiable inputs requiring grad."""
+    t, s = _op_inputs()
+    for name in ("x", "w", "w13", "w2", "h"):
+        t[name].requires_grad_()
+    return [
+        (ops.moe_experts_fwd, (t["x"], t["w"], t["w13"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
+        (ops.expert_up_fwd, (t["x"], t["w13"], s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
+                             s.tokens_per_expert, s.tile_m, s.top_k)),
+        (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+def test_opcheck_forward_ops(index):
+    op, args = _op_calls()[index]
+    # Schema, fake tensor, autograd registration; aot dispatch is covered by the compile test.
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+def test_ops_do_not_mutate_their_inputs(index):
+    # The schemas say mutates_args=(): check that the inputs really are untouched.
+    op, args = _op_calls()[index]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    op(*args)
+    for a, b in zip(args, before, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert all(arg.alias_info is None for arg in op._opoverload._schema.arguments)
+
+
+def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkeypatch):
+    # The multi-kernel variant is two autograd nodes, so autograd releases the saved h [R_pad, 2I]
+    # after the down node's backward: the up node's weight gradient (the backward's memory peak)
+    # runs without it. Saved-tensor hooks box every saved tensor; h's box must be gone at dW13.
+    import gc
+    import weakref
+
+    class Box:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    t, s = _op_inputs()
+    h_shape = t["h"].shape
+    h_boxes, seen = [], {}
+    real_wgrad = ops.expert_wgrad
+
+    def pack(tensor):
+        box = Box(tensor)
+        if tensor.shape == h_shape:
+            h_boxes.append(weakref.ref(box))
+        return box
+
+    def expert_wgrad(left, right, *args, **kwargs):
+        if kwargs["right_by_token"]:  # dW13, in the up node's backward
+            gc.collect()
+            seen["h saved at dW13"] = [ref() is not None for ref in h_boxes]
+            # nor a zero gradient for A [R_pad, I], which gets none
+            seen["A-sized tensors at dW13"] = sum(
+                torch.is_tensor(o) and o.shape == t["a"].shape for o in gc.get_objects()
+            )
+        return real_wgrad(left, right, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "expert_wgrad", expert_wgrad)
+    leaves = [t[k].requires_grad_() for k in ("x", "w", "w13", "w2")]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        out = ops.moe_experts(*leaves, s, variant="multi_kernel")
+    assert len(h_boxes) == 1  # h is saved once, by the down node
+    out.sum().backward()
+    assert seen["h saved at dW13"] == [False]
+    assert seen["A-sized tensors at dW13"] == 1  # the test's own t["a"]
+    assert all(leaf.grad is not None for leaf in leaves)
+
+
+def test_compile_fullgraph():
+    cfg = MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, backend="triton")
+    layer = MoKMoE(cfg, seed=1, device=DEVICE)
+    x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
+    eager_out, _ = layer(x)
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"  # CPU: check graph capture, not codegen
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    out, aux = compiled(x)
+    again, _ = compiled(x)
+    assert torch.equal(out, again)  # compiled runs repeat bitwise
+    # Inductor may fuse the router's softmax differently from eager, so only closeness is promised.
+    assert_close(out, eager_out, torch.float32, "compiled vs eager")
+
+
+@pytest.mark.parametrize("variant", ["multi_kernel", "megakernel"])
+def test_compile_fullgraph_backward(variant):
+    # The backward through both variants' autograd nodes, compiled: gradients close to eager and
+    # bitwise equal between two compiled runs.
+    cfg = MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, backend="triton",
+                    kernel_variant=variant)  # fmt: skip
+    layer = MoKMoE(cfg, seed=1, device=DEVICE)
+    x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
+
+    def grads(fn):
+        layer.zero_grad(set_to_none=True)
+        x_leaf = x.detach().clone().requires_grad_()
+        out, aux = fn(x_leaf)
+        ((out.float() ** 2).sum() + aux).backward()
+        return [x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    eager = grads(layer)
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    first, second = grads(compiled), grads(compiled)
+    for i, (a, b, c) in enumerate(zip(eager, first, second, strict=True)):
+        assert torch.equal(b, c), f"gradient {i} differs between two compiled runs"
+        assert_close(b, a, torch.float32, f"gradient {i}, compiled vs eager", n_reduce=64)
