@@ -1,6 +1,7 @@
 """The triton backend's ops (mok_plugin/ops.py): their schemas and fakes (torch.library.opcheck),
 that they do not mutate their inputs, the multi-kernel backward releasing the saved h before the
-up projection's gradients, the variant switch, and torch.compile(fullgraph=True) of the forward and of both variants' backward.
+up projection's gradients, the variant switch, and torch.compile(fullgraph=True) of the forward and of
+both variants' backward.
 
 Without CUDA this runs in Triton's CPU interpreter in fp32 (compile checks graph capture with
 aot_eager); with CUDA the same tests run compiled (compile with inductor).

@@ -19,15 +19,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 GRADIENT_NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
 
-# Shapes every kernel variant is checked at, each with why it exists.
+# (T, H, I, E, K, routing, capacity) every kernel variant is checked at, each with why it exists.
 CASES = [
-    pytest.param(40, 64, 32, 4, 2, "uniform", id="uniform"),
-    pytest.param(1, 64, 32, 4, 2, "uniform", id="T1"),  # a single token: most experts empty
-    pytest.param(50, 40, 24, 6, 3, "uniform", id="H_I_not_block_multiples"),  # masks on every edge
-    pytest.param(60, 32, 32, 5, 2, "one_expert", id="all_first_choices_on_one_expert"),
-    pytest.param(70, 32, 16, 8, 2, "skewed", id="skewed_with_empty_experts"),
-    pytest.param(130, 32, 16, 3, 1, "uniform", id="segment_spans_two_tiles"),  # > DEFAULT_TILE_M rows/expert
-    pytest.param(4, 256, 32, 4, 2, "uniform", id="rows_fewer_than_E_times_H"),  # wide H: no config narrows
+    pytest.param(40, 64, 32, 4, 2, "uniform", None, id="uniform"),
+    pytest.param(1, 64, 32, 4, 2, "uniform", None, id="T1"),  # a single token: most experts empty
+    pytest.param(50, 40, 24, 6, 3, "uniform", None, id="H_I_not_block_multiples"),  # masks on every edge
+    pytest.param(60, 32, 32, 5, 2, "one_expert", None, id="all_first_choices_on_one_expert"),
+    pytest.param(70, 32, 16, 8, 2, "skewed", None, id="skewed_with_empty_experts"),
+    pytest.param(130, 32, 16, 3, 1, "uniform", None, id="segment_spans_two_tiles"),  # > DEFAULT_TILE_M rows/expert
+    pytest.param(4, 256, 32, 4, 2, "uniform", None, id="rows_fewer_than_E_times_H"),  # wide H: no config narrows
+    pytest.param(48, 32, 16, 4, 2, "one_expert", 20, id="capacity_drops"),  # expert 3's 48 rows cut to 20
 ]
 
 

@@ -32,31 +32,13 @@ __all__ = ["combine_rows", "reduce_router_grad"]
 
 @triton.jit
 def _combine_rows_kernel(
-    rows_ptr,
-    tk_to_row_ptr,
-    out_ptr,
-    T,
-    H,
-    stride_rows_r,
-    stride_out_t,
-    K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t, K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)). Program (m, n) owns out[m-block, n-block]."""
     combine_tile(
-        tl.program_id(0),
-        tl.program_id(1),
-        rows_ptr=rows_ptr,
-        tk_to_row_ptr=tk_to_row_ptr,
-        out_ptr=out_ptr,
-        T=T,
-        H=H,
-        stride_rows_r=stride_rows_r,
-        stride_out_t=stride_out_t,
-        K=K,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        tl.program_id(0), tl.program_id(1), rows_ptr=rows_ptr, tk_to_row_ptr=tk_to_row_ptr, out_ptr=out_ptr, T=T, H=H,
+        stride_rows_r=stride_rows_r, stride_out_t=stride_out_t, K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
 
@@ -64,14 +46,8 @@ def _combine_rows_kernel(
 def _reduce_router_grad_kernel(partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M: tl.constexpr):
     """Grid: (cdiv(T*K, BLOCK_M),). Program m owns d_w[m-block]."""
     router_grad_tile(
-        tl.program_id(0),
-        partial_ptr=partial_ptr,
-        tk_to_row_ptr=tk_to_row_ptr,
-        d_w_ptr=d_w_ptr,
-        TK=TK,
-        J=J,
-        stride_partial_r=stride_partial_r,
-        BLOCK_M=BLOCK_M,
+        tl.program_id(0), partial_ptr=partial_ptr, tk_to_row_ptr=tk_to_row_ptr, d_w_ptr=d_w_ptr, TK=TK, J=J,
+        stride_partial_r=stride_partial_r, BLOCK_M=BLOCK_M,
     )
 
 
@@ -96,17 +72,8 @@ def combine_rows(rows: torch.Tensor, tk_to_row: torch.Tensor, num_tokens: int, t
     cfg = kernel_config("combine", H)
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(H, cfg.block_n))
     _combine_rows_kernel[grid](
-        rows,
-        tk_to_row,
-        out,
-        num_tokens,
-        H,
-        rows.stride(0),
-        out.stride(0),
-        K=top_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
+        rows, tk_to_row, out, num_tokens, H, rows.stride(0), out.stride(0), K=top_k, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return out
 
@@ -123,13 +90,6 @@ def reduce_router_grad(partial: torch.Tensor, tk_to_row: torch.Tensor, num_token
         return d_w.view(num_tokens, top_k)
     block = 128
     _reduce_router_grad_kernel[(triton.cdiv(TK, block),)](
-        partial,
-        tk_to_row,
-        d_w,
-        TK,
-        partial.shape[1],
-        partial.stride(0),
-        BLOCK_M=block,
-        num_warps=4,
+        partial, tk_to_row, d_w, TK, partial.shape[1], partial.stride(0), BLOCK_M=block, num_warps=4,
     )
     return d_w.view(num_tokens, top_k)

@@ -41,8 +41,8 @@ from mok_plugin.kernels.launch import (
     tma_ok,
 )
 from mok_plugin.kernels.tiles import (
+    down_dgrad_block,
     down_dgrad_epilogue,
-    down_dgrad_matmul,
     down_tile,
     gate_up_dgrad_tile,
     gate_up_tile,
@@ -61,176 +61,60 @@ __all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgr
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_fwd"))
 def _gate_up_fwd_kernel(
-    x_ptr,
-    w13,
-    h_ptr,
-    a_ptr,
-    row_to_token_ptr,
-    tile_to_expert_ptr,
-    NUM_ROWS,
-    H,
-    I,
-    stride_x_t,
-    stride_w_e,
-    stride_w_n,
-    stride_h_r,
-    stride_a_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    x_ptr, w13, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_x_t, stride_w_e,
+    stride_w_n, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
-        pid_m,
-        pid_n,
-        x_ptr=x_ptr,
-        w13=w13,
-        h_ptr=h_ptr,
-        a_ptr=a_ptr,
-        row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr,
-        H=H,
-        I=I,
-        stride_x_t=stride_x_t,
-        stride_w_e=stride_w_e,
-        stride_w_n=stride_w_n,
-        stride_h_r=stride_h_r,
-        stride_a_r=stride_a_r,
-        TILE_M=TILE_M,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION,
-        TMA=TMA,
+        pid_m, pid_n, x_ptr=x_ptr, w13=w13, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e,
+        stride_w_n=stride_w_n, stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_fwd"))
 def _down_fwd_kernel(
-    a,
-    w2,
-    w_rows_ptr,
-    y_ptr,
-    row_to_token_ptr,
-    tile_to_expert_ptr,
-    NUM_ROWS,
-    H,
-    I,
-    stride_a_r,
-    stride_w_e,
-    stride_w_h,
-    stride_y_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    a, w2, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_a_r, stride_w_e,
+    stride_w_h, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     down_tile(
-        pid_m,
-        pid_n,
-        a=a,
-        w2=w2,
-        w_rows_ptr=w_rows_ptr,
-        y_ptr=y_ptr,
-        row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr,
-        H=H,
-        I=I,
-        stride_a_r=stride_a_r,
-        stride_w_e=stride_w_e,
-        stride_w_h=stride_w_h,
-        stride_y_r=stride_y_r,
-        TILE_M=TILE_M,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION,
-        TMA=TMA,
+        pid_m, pid_n, a=a, w2=w2, w_rows_ptr=w_rows_ptr, y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
+        stride_w_h=stride_w_h, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_gemm"))
 def _down_dgrad_gemm_kernel(
-    d_out_ptr,
-    w2,
-    d_a_ptr,
-    row_to_token_ptr,
-    tile_to_expert_ptr,
-    NUM_ROWS,
-    H,
-    I,
-    stride_d_out_t,
-    stride_w_e,
-    stride_w_h,
-    stride_d_a_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
+    stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
     (rows in use only) for _down_dgrad_epilogue_kernel."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
+        pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t, stride_w_e=stride_w_e,
+        stride_w_h=stride_w_h, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+    )
     if expert >= 0:
-        n0 = pid_n * BLOCK_N
-        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
-        d_a_prime = down_dgrad_matmul(
-            rows=rows,
-            tokens=tokens,
-            row_ok=row_ok,
-            expert=expert,
-            n0=n0,
-            cols=cols,
-            col_ok=col_ok,
-            d_out_ptr=d_out_ptr,
-            w2=w2,
-            H=H,
-            stride_d_out_t=stride_d_out_t,
-            stride_w_e=stride_w_e,
-            stride_w_h=stride_w_h,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION,
-            TMA=TMA,
-        )
-        tl.store(
-            d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :], d_a_prime, mask=row_ok[:, None] & col_ok[None, :]
-        )
+        d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
+        tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_epilogue"))
 def _down_dgrad_epilogue_kernel(
-    d_a_ptr,
-    h_ptr,
-    w_rows_ptr,
-    d_h_ptr,
-    a_weighted_ptr,
-    d_w_partial_ptr,
-    row_to_token_ptr,
-    tile_to_expert_ptr,
-    I,
-    stride_d_a_r,
-    stride_h_r,
-    stride_a_r,
-    stride_part_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    d_a_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, I,
+    stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs the down-dgrad epilogue on the
@@ -245,95 +129,35 @@ def _down_dgrad_epilogue_kernel(
             d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
         )
         down_dgrad_epilogue(
-            d_a_prime=d_a_prime,
-            rows=rows,
-            row_ok=row_ok,
-            cols=cols,
-            col_ok=col_ok,
-            slot=pid_n,
-            h_ptr=h_ptr,
-            w_rows_ptr=w_rows_ptr,
-            d_h_ptr=d_h_ptr,
-            a_weighted_ptr=a_weighted_ptr,
-            d_w_partial_ptr=d_w_partial_ptr,
-            I=I,
-            stride_h_r=stride_h_r,
-            stride_a_r=stride_a_r,
-            stride_part_r=stride_part_r,
+            d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
+            w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
+            I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
             OUT_TY=h_ptr.dtype.element_ty,
         )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_dgrad"))
 def _gate_up_dgrad_kernel(
-    d_h,
-    w13,
-    d_x_rows_ptr,
-    row_to_token_ptr,
-    tile_to_expert_ptr,
-    NUM_ROWS,
-    H,
-    I,
-    stride_d_h_r,
-    stride_w_e,
-    stride_w_j,
-    stride_d_x_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_h_r, stride_w_e,
+    stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     gate_up_dgrad_tile(
-        pid_m,
-        pid_n,
-        d_h=d_h,
-        w13=w13,
-        d_x_rows_ptr=d_x_rows_ptr,
-        row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr,
-        H=H,
-        I=I,
-        stride_d_h_r=stride_d_h_r,
-        stride_w_e=stride_w_e,
-        stride_w_j=stride_w_j,
-        stride_d_x_r=stride_d_x_r,
-        TILE_M=TILE_M,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION,
-        TMA=TMA,
+        pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e,
+        stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_expert_wgrad"))
 def _expert_wgrad_kernel(
-    left,
-    right,
-    d_w_ptr,
-    row_to_token_ptr,
-    expert_offsets_ptr,
-    tokens_per_expert_ptr,
-    M_OUT,
-    N_OUT,
-    stride_left,
-    stride_right,
-    stride_d_w_e,
-    stride_d_w_m,
-    stride_d_w_n,
-    LEFT_BY_TOKEN: tl.constexpr,
-    RIGHT_BY_TOKEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT, stride_left,
+    stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows."""
@@ -342,29 +166,12 @@ def _expert_wgrad_kernel(
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
     wgrad_tile(
-        pid // (num_pid_m * num_pid_n),
-        pid_m,
-        pid_n,
-        left=left,
-        right=right,
-        d_w_ptr=d_w_ptr,
-        row_to_token_ptr=row_to_token_ptr,
-        expert_offsets_ptr=expert_offsets_ptr,
-        tokens_per_expert_ptr=tokens_per_expert_ptr,
-        M_OUT=M_OUT,
-        N_OUT=N_OUT,
-        stride_left=stride_left,
-        stride_right=stride_right,
-        stride_d_w_e=stride_d_w_e,
-        stride_d_w_m=stride_d_w_m,
-        stride_d_w_n=stride_d_w_n,
-        LEFT_BY_TOKEN=LEFT_BY_TOKEN,
-        RIGHT_BY_TOKEN=RIGHT_BY_TOKEN,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION,
-        TMA=TMA,
+        pid // (num_pid_m * num_pid_n), pid_m, pid_n, left=left, right=right, d_w_ptr=d_w_ptr,
+        row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
+        tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=M_OUT, N_OUT=N_OUT, stride_left=stride_left,
+        stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m, stride_d_w_n=stride_d_w_n,
+        LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
 
 
@@ -380,26 +187,15 @@ def _launch_row_tiles(
     cfg = stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
     kernel[grid](
-        NUM_ROWS=num_rows,
-        TILE_M=tile_m,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **args,
     )
 
 
 def gate_up_fwd(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor,
-    tile_m: int,
-    config: MoKTileConfig | None = None,
+    x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
+    tile_m: int, config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R_pad, 2I] and A [R_pad, I] (params dtype) for the gathered rows; padding rows untouched."""
     check_tensor("x", x, 2)
@@ -414,38 +210,18 @@ def gate_up_fwd(
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
     _launch_row_tiles(
-        _gate_up_fwd_kernel,
-        cfg,
-        num_rows,
-        I,
-        x.dtype,
-        tile_m,
-        x_ptr=x,
-        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj,
-        h_ptr=h,
-        a_ptr=a,
-        row_to_token_ptr=row_to_token,
-        tile_to_expert_ptr=tile_to_expert,
-        H=H,
-        I=I,
-        stride_x_t=x.stride(0),
-        stride_w_e=gate_up_proj.stride(0),
-        stride_w_n=gate_up_proj.stride(1),
-        stride_h_r=h.stride(0),
-        stride_a_r=a.stride(0),
-        TMA=tma,
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
+        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, h_ptr=h, a_ptr=a,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_x_t=x.stride(0),
+        stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1), stride_h_r=h.stride(0),
+        stride_a_r=a.stride(0), TMA=tma,
     )
     return h, a
 
 
 def down_fwd(
-    a: torch.Tensor,
-    down_proj: torch.Tensor,
-    w_rows: torch.Tensor,
-    row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor,
-    tile_m: int,
-    config: MoKTileConfig | None = None,
+    a: torch.Tensor, down_proj: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] = w_r * (A[r] @ W2_e^T) in the params dtype."""
     check_tensor("a", a, 2)
@@ -457,38 +233,18 @@ def down_fwd(
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
-        _down_fwd_kernel,
-        cfg,
-        num_rows,
-        H,
-        a.dtype,
-        tile_m,
+        _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
         a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
-        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj,
-        w_rows_ptr=w_rows,
-        y_ptr=y,
-        row_to_token_ptr=row_to_token,
-        tile_to_expert_ptr=tile_to_expert,
-        H=H,
-        I=I,
-        stride_a_r=a.stride(0),
-        stride_w_e=down_proj.stride(0),
-        stride_w_h=down_proj.stride(1),
-        stride_y_r=y.stride(0),
-        TMA=tma,
+        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, w_rows_ptr=w_rows, y_ptr=y,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_a_r=a.stride(0),
+        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_y_r=y.stride(0), TMA=tma,
     )
     return y
 
 
 def down_dgrad(
-    d_out: torch.Tensor,
-    down_proj: torch.Tensor,
-    h: torch.Tensor,
-    w_rows: torch.Tensor,
-    row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor,
-    tile_m: int,
-    config: MoKTileConfig | None = None,
+    d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None,
     epilogue_config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, epilogue BLOCK_N)]).
@@ -511,56 +267,25 @@ def down_dgrad(
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
     _launch_row_tiles(
-        _down_dgrad_gemm_kernel,
-        cfg,
-        num_rows,
-        I,
-        d_out.dtype,
-        tile_m,
-        d_out_ptr=d_out,
-        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj,
-        d_a_ptr=d_a,
-        row_to_token_ptr=row_to_token,
-        tile_to_expert_ptr=tile_to_expert,
-        H=H,
-        I=I,
-        stride_d_out_t=d_out.stride(0),
-        stride_w_e=down_proj.stride(0),
-        stride_w_h=down_proj.stride(1),
-        stride_d_a_r=d_a.stride(0),
-        TMA=tma,
+        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
+        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
+        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
     )
     block_m = min(epi.block_m, cfg.block_m)  # divides tile_m, as cfg.block_m does
     grid = (num_rows // block_m, triton.cdiv(I, epi.block_n))
     _down_dgrad_epilogue_kernel[grid](
-        d_a_ptr=d_a,
-        h_ptr=h,
-        w_rows_ptr=w_rows,
-        d_h_ptr=d_h,
-        a_weighted_ptr=a,
-        d_w_partial_ptr=partial,
-        row_to_token_ptr=row_to_token,
-        tile_to_expert_ptr=tile_to_expert,
-        I=I,
-        stride_d_a_r=d_a.stride(0),
-        stride_h_r=h.stride(0),
-        stride_a_r=a.stride(0),
-        stride_part_r=partial.stride(0),
-        TILE_M=tile_m,
-        BLOCK_M=block_m,
-        BLOCK_N=epi.block_n,
-        num_warps=epi.num_warps,
+        d_a_ptr=d_a, h_ptr=h, w_rows_ptr=w_rows, d_h_ptr=d_h, a_weighted_ptr=a, d_w_partial_ptr=partial,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
+        stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
+        BLOCK_M=block_m, BLOCK_N=epi.block_n, num_warps=epi.num_warps,
     )
     return d_h, a, partial
 
 
 def gate_up_dgrad(
-    d_h: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor,
-    tile_m: int,
-    config: MoKTileConfig | None = None,
+    d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
+    tile_m: int, config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype."""
     check_tensor("d_h", d_h, 2)
@@ -571,38 +296,19 @@ def gate_up_dgrad(
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     tma = tma_ok(cfg, d_h, gate_up_proj)
     _launch_row_tiles(
-        _gate_up_dgrad_kernel,
-        cfg,
-        num_rows,
-        H,
-        d_h.dtype,
-        tile_m,
+        _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h,
-        w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj,
-        d_x_rows_ptr=d_x_rows,
-        row_to_token_ptr=row_to_token,
-        tile_to_expert_ptr=tile_to_expert,
-        H=H,
-        I=I2 // 2,
-        stride_d_h_r=d_h.stride(0),
-        stride_w_e=gate_up_proj.stride(0),
-        stride_w_j=gate_up_proj.stride(1),
-        stride_d_x_r=d_x_rows.stride(0),
+        w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, d_x_rows_ptr=d_x_rows,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I2 // 2, stride_d_h_r=d_h.stride(0),
+        stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1), stride_d_x_r=d_x_rows.stride(0),
         TMA=tma,
     )
     return d_x_rows
 
 
 def expert_wgrad(
-    left: torch.Tensor,
-    right: torch.Tensor,
-    row_to_token: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    *,
-    left_by_token: bool,
-    right_by_token: bool,
-    segment_align: int = 1,
+    left: torch.Tensor, right: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor, *, left_by_token: bool, right_by_token: bool, segment_align: int = 1,
     config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
     """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
@@ -627,30 +333,14 @@ def expert_wgrad(
         # dW = (right^T left)^T: rows gathered in the K loop are faster as the left operand (dW13
         # on olmoe: 2.41 ms with x as the right, 2.10 swapped); the transposed store is once a tile.
         _launch_wgrad(
-            right,
-            left,
-            d_w.transpose(1, 2),
-            row_to_token,
-            expert_offsets,
-            tokens_per_expert,
-            True,
-            False,
-            segment_align,
-            cfg,
+            right, left, d_w.transpose(1, 2), row_to_token, expert_offsets, tokens_per_expert, True, False,
+            segment_align, cfg,
         )
         return d_w
     if not (cfg.gather_rows and left_by_token != right_by_token):
         _launch_wgrad(
-            left,
-            right,
-            d_w,
-            row_to_token,
-            expert_offsets,
-            tokens_per_expert,
-            left_by_token,
-            right_by_token,
-            segment_align,
-            cfg,
+            left, right, d_w, row_to_token, expert_offsets, tokens_per_expert, left_by_token, right_by_token,
+            segment_align, cfg,
         )
         return d_w
     # Pre-gathered rows: the by-token operand copied into schedule row order (a padding row copies
@@ -669,29 +359,13 @@ def expert_wgrad(
         rows = by_token[:, c0:c1].index_select(0, order)
         if left_by_token:
             _launch_wgrad(
-                rows,
-                right,
-                d_w[:, c0:c1],
-                row_to_token,
-                expert_offsets,
-                tokens_per_expert,
-                False,
-                False,
-                segment_align,
-                cfg,
+                rows, right, d_w[:, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
+                segment_align, cfg,
             )
         else:
             _launch_wgrad(
-                left,
-                rows,
-                d_w[:, :, c0:c1],
-                row_to_token,
-                expert_offsets,
-                tokens_per_expert,
-                False,
-                False,
-                segment_align,
-                cfg,
+                left, rows, d_w[:, :, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
+                segment_align, cfg,
             )
         del rows
     return d_w
@@ -713,16 +387,9 @@ def gather_column_blocks(num_cols: int, bytes_per_col: int, block: int) -> list[
 
 
 def _launch_wgrad(
-    left: torch.Tensor,
-    right: torch.Tensor,
-    d_w: torch.Tensor,
-    row_to_token: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    left_by_token: bool,
-    right_by_token: bool,
-    segment_align: int,
-    cfg: MoKTileConfig,
+    left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, row_to_token: torch.Tensor,
+    expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, left_by_token: bool, right_by_token: bool,
+    segment_align: int, cfg: MoKTileConfig,
 ) -> None:
     """One weight-gradient launch into d_w [E, M, N] (any strides)."""
     E, M, N = d_w.shape
@@ -731,26 +398,9 @@ def _launch_wgrad(
     tma = bool(by_row) and segment_align % cfg.block_k == 0 and tma_ok(cfg, *by_row)
     _expert_wgrad_kernel[grid](
         descriptor(left, [cfg.block_k, cfg.block_m]) if tma and not left_by_token else left,
-        descriptor(right, [cfg.block_k, cfg.block_n]) if tma and not right_by_token else right,
-        d_w,
-        row_to_token,
-        expert_offsets,
-        tokens_per_expert,
-        M,
-        N,
-        left.stride(0),
-        right.stride(0),
-        d_w.stride(0),
-        d_w.stride(1),
-        d_w.stride(2),
-        LEFT_BY_TOKEN=left_by_token,
-        RIGHT_BY_TOKEN=right_by_token,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(left.dtype),
-        TMA=tma,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        descriptor(right, [cfg.block_k, cfg.block_n]) if tma and not right_by_token else right, d_w, row_to_token,
+        expert_offsets, tokens_per_expert, M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(1),
+        d_w.stride(2), LEFT_BY_TOKEN=left_by_token, RIGHT_BY_TOKEN=right_by_token, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
+        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -180,9 +180,9 @@ def schedule_maps(
     _expert_offsets_kernel[(E,)](
         chunk_counts, chunk_prefix, tokens_per_expert, expert_offsets, tile_to_expert, num_dropped, C, cap,
         E=E, E_POW2=e_pow2, TILE_M=tile_m, BLOCK_C=max(1, 4096 // e_pow2),
-    )  # fmt: skip
+    )
     _schedule_scatter_kernel[(E, C)](
         ids, chunk_prefix, expert_offsets, tk_to_row, row_to_tk, row_to_token, R, cap, K=K, E=E, CHUNK=_CHUNK,
         BLOCK=1024,
-    )  # fmt: skip
+    )
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped

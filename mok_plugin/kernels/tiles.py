@@ -8,7 +8,7 @@ Math, per expert e over its rows r (token t_r, routing weight w_r), with the dim
 DESIGN.md:
     gate_up_tile          h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
     down_tile             y[r] = w_r * (A[r] @ W2_e^T)  [H]
-    down_dgrad_matmul     dA'[r] = dO[t_r] @ W2_e  [I]
+    down_dgrad_block      dA'[r] = dO[t_r] @ W2_e  [I]
     down_dgrad_epilogue   from dA': the router partial <dA', A> per I-block, w_r * A[r] (A recomputed
                           from h), dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]
     gate_up_dgrad_tile    dx[r] = dh[r] @ W13_e  [H]
@@ -67,19 +67,7 @@ def tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr,
 
 @triton.jit
 def _weight_block(
-    w,
-    expert,
-    stride_w_e,
-    w_row0,
-    k0,
-    n0,
-    ks,
-    cols,
-    k_ok,
-    col_ok,
-    stride_k,
-    stride_n,
-    N_MAJOR: tl.constexpr,
+    w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_k, stride_n, N_MAJOR: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """[BLOCK_K, BLOCK_N] of expert weight e, element (k, n).
@@ -118,49 +106,28 @@ def _row_block(a, row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, TMA: tl.conste
 
 @triton.jit
 def _row_tile_matmul(
-    a,  # [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride); a descriptor if A_TMA
-    a_row0,  # first row of the tile (A_TMA: the rows are a_row0 .. a_row0 + BLOCK_M)
-    a_rows,  # int64 [BLOCK_M] which rows of a this tile reads (pointer mode)
-    a_row_ok,  # bool [BLOCK_M]
-    stride_a,
-    w,  # expert weights (see _weight_block), a descriptor if W_TMA
-    expert,
-    stride_w_e,
-    w_row0,
-    stride_w_k,
-    stride_w_n,
-    n0,  # first output column
-    cols,  # int64 [BLOCK_N]: n0 + arange(BLOCK_N)
-    col_ok,  # bool [BLOCK_N]
-    K_DIM,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    W_N_MAJOR: tl.constexpr,
-    A_TMA: tl.constexpr,
-    W_TMA: tl.constexpr,
+    a, a_row0, a_rows, a_row_ok, stride_a, w, expert, stride_w_e, w_row0, stride_w_k, stride_w_n, n0, cols, col_ok,
+    K_DIM, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_N_MAJOR: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] = a[rows, :] @ W_e[:, cols], reducing over K in ascending BLOCK_K steps."""
+    """fp32 [BLOCK_M, BLOCK_N] = a[rows, :] @ W_e[:, cols], reducing over K in ascending BLOCK_K steps.
+
+    Arguments:
+        a: [*, K_DIM] rows of the left operand (row stride stride_a, unit column stride); a descriptor if A_TMA
+        a_row0: first row of the tile (A_TMA: the rows are a_row0 .. a_row0 + BLOCK_M)
+        a_rows: int64 [BLOCK_M] which rows of a this tile reads (pointer mode)
+        a_row_ok: bool [BLOCK_M]
+        w: expert weights (see _weight_block), a descriptor if W_TMA
+        n0: first output column
+        cols: int64 [BLOCK_N]: n0 + arange(BLOCK_N)
+        col_ok: bool [BLOCK_N]"""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K_DIM
         a_blk = _row_block(a, a_row0, a_rows, a_row_ok, stride_a, k0, ks, k_ok, TMA=A_TMA)
         w_blk = _weight_block(
-            w,
-            expert,
-            stride_w_e,
-            w_row0,
-            k0,
-            n0,
-            ks,
-            cols,
-            k_ok,
-            col_ok,
-            stride_w_k,
-            stride_w_n,
-            N_MAJOR=W_N_MAJOR,
+            w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_w_k, stride_w_n, N_MAJOR=W_N_MAJOR,
             TMA=W_TMA,
         )
         acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
@@ -174,30 +141,20 @@ def _row_tile_matmul(
 
 @triton.jit
 def gate_up_tile(
-    pid_m,
-    pid_n,
-    x_ptr,  # (T, H) params dtype
-    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
-    h_ptr,  # (R_pad, 2I) out
-    a_ptr,  # (R_pad, I) out
-    row_to_token_ptr,  # (R_pad,) int64
-    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    H,
-    I,
-    stride_x_t,
-    stride_w_e,
-    stride_w_n,
-    stride_h_r,
-    stride_a_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    pid_m, pid_n, x_ptr, w13, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_x_t, stride_w_e,
+    stride_w_n, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
-    ascending BLOCK_K order. Nothing for a row block past the last segment."""
+    ascending BLOCK_K order. Nothing for a row block past the last segment.
+
+    Arguments:
+        x_ptr: (T, H) params dtype
+        w13: (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
+        h_ptr: (R_pad, 2I) out
+        a_ptr: (R_pad, I) out
+        row_to_token_ptr: (R_pad,) int64
+        tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         n0 = pid_n * BLOCK_N
@@ -213,37 +170,13 @@ def gate_up_tile(
                 x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
             )
             wg = _weight_block(
-                w13,
-                expert,
-                stride_w_e,
-                gate_row0,
-                k0,
-                n0,
-                ks,
-                cols,
-                k_ok,
-                col_ok,
-                1,
-                stride_w_n,
-                N_MAJOR=True,
+                w13, expert, stride_w_e, gate_row0, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n, N_MAJOR=True,
                 TMA=TMA,
             )
             # The up half: output columns I + n of the same weight.
             wu = _weight_block(
-                w13,
-                expert,
-                stride_w_e,
-                gate_row0,
-                k0,
-                n0 + I,
-                ks,
-                cols + I,
-                k_ok,
-                col_ok,
-                1,
-                stride_w_n,
-                N_MAJOR=True,
-                TMA=TMA,
+                w13, expert, stride_w_e, gate_row0, k0, n0 + I, ks, cols + I, k_ok, col_ok, 1, stride_w_n,
+                N_MAJOR=True, TMA=TMA,
             )
             acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
@@ -261,65 +194,35 @@ def gate_up_tile(
 
 @triton.jit
 def down_tile(
-    pid_m,
-    pid_n,
-    a,  # (R_pad, I); with TMA a descriptor over it
-    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
-    w_rows_ptr,  # (R_pad,) fp32 routing weight per row
-    y_ptr,  # (R_pad, H) out
-    row_to_token_ptr,  # (R_pad,) int64
-    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    H,
-    I,
-    stride_a_r,
-    stride_w_e,
-    stride_w_h,
-    stride_y_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    pid_m, pid_n, a, w2, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_a_r, stride_w_e,
+    stride_w_h, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
-    routing weight in fp32."""
+    routing weight in fp32.
+
+    Arguments:
+        a: (R_pad, I); with TMA a descriptor over it
+        w2: (E, H, I); with TMA a descriptor over it viewed (E * H, I)
+        w_rows_ptr: (R_pad,) fp32 routing weight per row
+        y_ptr: (R_pad, H) out
+        row_to_token_ptr: (R_pad,) int64
+        tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < H
         acc = _row_tile_matmul(
-            a=a,
-            a_row0=pid_m * BLOCK_M,
-            a_rows=rows,
-            a_row_ok=row_ok,
-            stride_a=stride_a_r,
-            w=w2,
-            expert=expert,
-            stride_w_e=stride_w_e,
-            w_row0=expert * H,
-            stride_w_k=1,
-            stride_w_n=stride_w_h,
-            n0=n0,
-            cols=cols,
-            col_ok=col_ok,
-            K_DIM=I,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION,
-            W_N_MAJOR=True,
-            A_TMA=TMA,
-            W_TMA=TMA,
+            a=a, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_a_r, w=w2, expert=expert,
+            stride_w_e=stride_w_e, w_row0=expert * H, stride_w_k=1, stride_w_n=stride_w_h, n0=n0, cols=cols,
+            col_ok=col_ok, K_DIM=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
+            W_N_MAJOR=True, A_TMA=TMA, W_TMA=TMA,
         )
         w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
         y = acc * w[:, None]
-        tl.store(
-            y_ptr + rows[:, None] * stride_y_r + cols[None, :],
-            y.to(y_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
-        )
+        y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
+        tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,72 +231,40 @@ def down_tile(
 
 
 @triton.jit
-def down_dgrad_matmul(
-    rows,  # int64 [BLOCK_M] the tile's rows (from tile_rows)
-    tokens,  # int64 [BLOCK_M] their tokens
-    row_ok,  # bool [BLOCK_M]
-    expert,
-    n0,  # first I column
-    cols,  # int64 [BLOCK_N]
-    col_ok,  # bool [BLOCK_N]
-    d_out_ptr,  # (T, H)
-    w2,  # (E, H, I); with TMA a descriptor over it viewed (E * H, I)
-    H,
-    stride_d_out_t,
-    stride_w_e,
-    stride_w_h,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+def down_dgrad_block(
+    pid_m, pid_n, d_out_ptr, w2, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t, stride_w_e, stride_w_h,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """fp32 dA'[rows, n-block] = dO[tokens] @ W2_e[:, n-block]; the dO rows are gathered by token
-    (pointer loads), reduced over H in ascending BLOCK_K order."""
-    return _row_tile_matmul(
-        a=d_out_ptr,
-        a_row0=0,
-        a_rows=tokens,
-        a_row_ok=row_ok,
-        stride_a=stride_d_out_t,
-        w=w2,
-        expert=expert,
-        stride_w_e=stride_w_e,
-        w_row0=expert * H,
-        stride_w_k=stride_w_h,
-        stride_w_n=1,
-        n0=n0,
-        cols=cols,
-        col_ok=col_ok,
-        K_DIM=H,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION,
-        W_N_MAJOR=False,
-        A_TMA=False,
-        W_TMA=TMA,
-    )
+    """(expert, rows, row_ok, cols, col_ok, dA') of tile (pid_m, pid_n): fp32 dA'[rows, n-block] =
+    dO[tokens] @ W2_e[:, n-block], the dO rows gathered by token (pointer loads), reduced over H in
+    ascending BLOCK_K order. A row block past the last segment (expert < 0) computes nothing and
+    gets zeros; its caller stores nothing for it.
+
+    Arguments:
+        d_out_ptr: (T, H)
+        w2: (E, H, I); with TMA a descriptor over it viewed (E * H, I)
+        row_to_token_ptr: (R_pad,) int64
+        tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    d_a_prime = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert >= 0:
+        d_a_prime = _row_tile_matmul(
+            a=d_out_ptr, a_row0=0, a_rows=tokens, a_row_ok=row_ok, stride_a=stride_d_out_t, w=w2, expert=expert,
+            stride_w_e=stride_w_e, w_row0=expert * H, stride_w_k=stride_w_h, stride_w_n=1, n0=n0, cols=cols,
+            col_ok=col_ok, K_DIM=H, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
+            W_N_MAJOR=False, A_TMA=False, W_TMA=TMA,
+        )
+    return expert, rows, row_ok, cols, col_ok, d_a_prime
 
 
 @triton.jit
 def down_dgrad_epilogue(
-    d_a_prime,  # fp32 [BLOCK_M, BLOCK_N] dA' of the block
-    rows,  # int64 [BLOCK_M]
-    row_ok,  # bool [BLOCK_M]
-    cols,  # int64 [BLOCK_N] I columns
-    col_ok,  # bool [BLOCK_N]
-    slot,  # the router partial column this block writes
-    h_ptr,  # (R_pad, 2I) saved pre-activation
-    w_rows_ptr,  # (R_pad,) fp32
-    d_h_ptr,  # (R_pad, 2I) out
-    a_weighted_ptr,  # (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
-    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block
-    I,
-    stride_h_r,
-    stride_a_r,
-    stride_part_r,
-    OUT_TY: tl.constexpr,
+    d_a_prime, rows, row_ok, cols, col_ok, slot, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, I,
+    stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr,
 ):
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot`, w*A, and dh of
     the gate and up columns. Padding rows of an active row block store zeros in dh and w*A: the
@@ -401,7 +272,20 @@ def down_dgrad_epilogue(
 
     The row sum <dA', A> is reduced in the order of dA's register layout, so a fused tile (an MMA
     accumulator, the megakernel) and the epilogue kernel (a loaded block, the multi-kernel variant)
-    round it differently; dh and w*A are elementwise and the same either way."""
+    round it differently; dh and w*A are elementwise and the same either way.
+
+    Arguments:
+        d_a_prime: fp32 [BLOCK_M, BLOCK_N] dA' of the block
+        rows: int64 [BLOCK_M]
+        row_ok: bool [BLOCK_M]
+        cols: int64 [BLOCK_N] I columns
+        col_ok: bool [BLOCK_N]
+        slot: the router partial column this block writes
+        h_ptr: (R_pad, 2I) saved pre-activation
+        w_rows_ptr: (R_pad,) fp32
+        d_h_ptr: (R_pad, 2I) out
+        a_weighted_ptr: (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
+        d_w_partial_ptr: (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block"""
     mask = row_ok[:, None] & col_ok[None, :]
     h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
@@ -425,135 +309,66 @@ def down_dgrad_epilogue(
 
 @triton.jit
 def down_dgrad_tile(
-    pid_m,
-    pid_n,
-    d_out_ptr,  # (T, H)
-    w2,  # (E, H, I)
-    h_ptr,  # (R_pad, 2I)
-    w_rows_ptr,  # (R_pad,) fp32
-    d_h_ptr,  # (R_pad, 2I) out
-    a_weighted_ptr,  # (R_pad, I) out
-    d_w_partial_ptr,  # (R_pad, cdiv(I, BLOCK_N)) fp32 out
-    row_to_token_ptr,  # (R_pad,) int64
-    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    H,
-    I,
-    stride_d_out_t,
-    stride_w_e,
-    stride_w_h,
-    stride_h_r,
-    stride_a_r,
-    stride_part_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    pid_m, pid_n, d_out_ptr, w2, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
+    tile_to_expert_ptr, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dA'[rows, n-block] and its epilogue in one tile (the megakernel's down-dgrad task; the
-    multi-kernel variant runs the same two functions as two kernels, with dA' stored between)."""
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    multi-kernel variant runs the same two functions as two kernels, with dA' stored between).
+
+    Arguments:
+        d_out_ptr: (T, H)
+        w2: (E, H, I)
+        h_ptr: (R_pad, 2I)
+        w_rows_ptr: (R_pad,) fp32
+        d_h_ptr: (R_pad, 2I) out
+        a_weighted_ptr: (R_pad, I) out
+        d_w_partial_ptr: (R_pad, cdiv(I, BLOCK_N)) fp32 out
+        row_to_token_ptr: (R_pad,) int64
+        tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
+    expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
+        pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t, stride_w_e=stride_w_e,
+        stride_w_h=stride_w_h, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION, TMA=False,
+    )
     if expert >= 0:
-        n0 = pid_n * BLOCK_N
-        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
-        d_a_prime = down_dgrad_matmul(
-            rows=rows,
-            tokens=tokens,
-            row_ok=row_ok,
-            expert=expert,
-            n0=n0,
-            cols=cols,
-            col_ok=col_ok,
-            d_out_ptr=d_out_ptr,
-            w2=w2,
-            H=H,
-            stride_d_out_t=stride_d_out_t,
-            stride_w_e=stride_w_e,
-            stride_w_h=stride_w_h,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION,
-            TMA=False,
-        )
         down_dgrad_epilogue(
-            d_a_prime=d_a_prime,
-            rows=rows,
-            row_ok=row_ok,
-            cols=cols,
-            col_ok=col_ok,
-            slot=pid_n,
-            h_ptr=h_ptr,
-            w_rows_ptr=w_rows_ptr,
-            d_h_ptr=d_h_ptr,
-            a_weighted_ptr=a_weighted_ptr,
-            d_w_partial_ptr=d_w_partial_ptr,
-            I=I,
-            stride_h_r=stride_h_r,
-            stride_a_r=stride_a_r,
-            stride_part_r=stride_part_r,
+            d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
+            w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
+            I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
             OUT_TY=d_out_ptr.dtype.element_ty,
         )
 
 
 @triton.jit
 def gate_up_dgrad_tile(
-    pid_m,
-    pid_n,
-    d_h,  # (R_pad, 2I); with TMA a descriptor over it
-    w13,  # (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
-    d_x_rows_ptr,  # (R_pad, H) out
-    row_to_token_ptr,  # (R_pad,) int64
-    tile_to_expert_ptr,  # (R_pad / TILE_M,) int64
-    H,
-    I,
-    stride_d_h_r,
-    stride_w_e,
-    stride_w_j,
-    stride_d_x_r,
-    TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    pid_m, pid_n, d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_h_r, stride_w_e,
+    stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order."""
+    """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order.
+
+    Arguments:
+        d_h: (R_pad, 2I); with TMA a descriptor over it
+        w13: (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
+        d_x_rows_ptr: (R_pad, H) out
+        row_to_token_ptr: (R_pad,) int64
+        tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < H
         acc = _row_tile_matmul(
-            a=d_h,
-            a_row0=pid_m * BLOCK_M,
-            a_rows=rows,
-            a_row_ok=row_ok,
-            stride_a=stride_d_h_r,
-            w=w13,
-            expert=expert,
-            stride_w_e=stride_w_e,
-            w_row0=expert * 2 * I,
-            stride_w_k=stride_w_j,
-            stride_w_n=1,
-            n0=n0,
-            cols=cols,
-            col_ok=col_ok,
-            K_DIM=2 * I,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION,
-            W_N_MAJOR=False,
-            A_TMA=TMA,
-            W_TMA=TMA,
+            a=d_h, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_d_h_r, w=w13, expert=expert,
+            stride_w_e=stride_w_e, w_row0=expert * 2 * I, stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols,
+            col_ok=col_ok, K_DIM=2 * I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=TMA, W_TMA=TMA,
         )
-        tl.store(
-            d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :],
-            acc.to(d_x_rows_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
-        )
+        d_x_tile = d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :]
+        tl.store(d_x_tile, acc.to(d_x_rows_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -572,34 +387,23 @@ def _wgrad_operand(src, rows, tokens, r_ok, r0, col0, cols, col_ok, stride, BY_T
 
 @triton.jit
 def wgrad_tile(
-    expert,
-    pid_m,
-    pid_n,
-    left,  # rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT) (a descriptor with TMA)
-    right,  # rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT) (likewise)
-    d_w_ptr,  # (E, M_OUT, N_OUT) out, any strides (a transposed view when the launcher swapped operands)
-    row_to_token_ptr,  # (R_pad,) int64
-    expert_offsets_ptr,  # (E+1,) int64
-    tokens_per_expert_ptr,  # (E,) int64
-    M_OUT,
-    N_OUT,
-    stride_left,
-    stride_right,
-    stride_d_w_e,
-    stride_d_w_m,
-    stride_d_w_n,
-    LEFT_BY_TOKEN: tl.constexpr,
-    RIGHT_BY_TOKEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    expert, pid_m, pid_n, left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT,
+    N_OUT, stride_left, stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr,
+    RIGHT_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
     ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros. With TMA the
     by-row operand is read through a descriptor, which needs the segment's padding rows to hold
-    zeros up to the next multiple of BLOCK_K (the down-dgrad epilogue writes them)."""
+    zeros up to the next multiple of BLOCK_K (the down-dgrad epilogue writes them).
+
+    Arguments:
+        left: rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT) (a descriptor with TMA)
+        right: rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT) (likewise)
+        d_w_ptr: (E, M_OUT, N_OUT) out, any strides (a transposed view when the launcher swapped operands)
+        row_to_token_ptr: (R_pad,) int64
+        expert_offsets_ptr: (E+1,) int64
+        tokens_per_expert_ptr: (E,) int64"""
     expert = expert.to(tl.int64)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
@@ -628,11 +432,8 @@ def wgrad_tile(
         )
         acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
         tokens = next_tokens
-    tl.store(
-        d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :] * stride_d_w_n,
-        acc.to(d_w_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    d_w_tile = d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :] * stride_d_w_n
+    tl.store(d_w_tile, acc.to(d_w_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -642,20 +443,15 @@ def wgrad_tile(
 
 @triton.jit
 def combine_tile(
-    pid_t,
-    pid_n,
-    rows_ptr,  # (R_pad, H) params dtype
-    tk_to_row_ptr,  # (T*K,) int64
-    out_ptr,  # (T, H) out
-    T,
-    H,
-    stride_rows_r,
-    stride_out_t,
-    K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    pid_t, pid_n, rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[t-block, n-block]: each token's K rows summed in ascending k, fp32, rounded once."""
+    """out[t-block, n-block]: each token's K rows summed in ascending k, fp32, rounded once.
+
+    Arguments:
+        rows_ptr: (R_pad, H) params dtype
+        tk_to_row_ptr: (T*K,) int64
+        out_ptr: (T, H) out"""
     tokens = pid_t.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = tokens < T
@@ -668,25 +464,20 @@ def combine_tile(
             rows_ptr + row[:, None] * stride_rows_r + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0
         )
         acc += vals.to(tl.float32)
-    tl.store(
-        out_ptr + tokens[:, None] * stride_out_t + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=t_ok[:, None] & c_ok[None, :],
-    )
+    out_tile = out_ptr + tokens[:, None] * stride_out_t + cols[None, :]
+    tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
 def router_grad_tile(
-    pid,
-    partial_ptr,  # (R_pad, J) fp32
-    tk_to_row_ptr,  # (T*K,) int64
-    d_w_ptr,  # (T*K,) fp32 out
-    TK,
-    J,
-    stride_partial_r,
-    BLOCK_M: tl.constexpr,
+    pid, partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M: tl.constexpr,
 ):
-    """d_w[tk-block]: the J partials of each pair's row summed in ascending order; 0 if dropped."""
+    """d_w[tk-block]: the J partials of each pair's row summed in ascending order; 0 if dropped.
+
+    Arguments:
+        partial_ptr: (R_pad, J) fp32
+        tk_to_row_ptr: (T*K,) int64
+        d_w_ptr: (T*K,) fp32 out"""
     tk = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tk_ok = tk < TK
     row = tl.load(tk_to_row_ptr + tk, mask=tk_ok, other=-1)
