@@ -15,6 +15,7 @@ from mok_plugin.bench.multi_gpu import failure_line, invariance_rows
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_cpu_smoke_run_uses_small_shapes(tmp_path):
     run = subprocess.run(

@@ -50,6 +50,7 @@ def _compare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["megatron", "deepspeed"])
 def test_compare_tiny_config(tmp_path, framework):
     pytest.importorskip({"megatron": "megatron.core", "deepspeed": "deepspeed"}[framework])

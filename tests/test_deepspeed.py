@@ -236,6 +236,7 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, o
                f"{out}/rank{rank}.pt")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage, ep_size", [(1, 1), (2, 2)])
 def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
@@ -252,6 +253,7 @@ def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
             assert torch.equal(r["from_stock_weights"][key], value), key
 
 
+@pytest.mark.slow
 def test_source_patch_on_a_copy_of_the_installed_package(tmp_path):
     import json
     import shutil

@@ -40,6 +40,7 @@ def test_kernels_match_reference(T, H, I, E, K, kind, capacity, dtype):
         pytest.param(50, 36, 24, 6, 2, "uniform", id="H_rows_unaligned"),  # fp16 rows of 72 bytes: pointer fallback
     ],
 )
+@pytest.mark.slow
 def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
     # Every config variant (TMA descriptors, pre-gathered weight-gradient rows) computes the same
     # tiles in the same K order; TMA reads the weight gradients' padding rows whole (they must hold

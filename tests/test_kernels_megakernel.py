@@ -22,6 +22,7 @@ def test_megakernel_matches_reference(T, H, I, E, K, kind, capacity, dtype):
     compare_with_reference(T, H, I, E, K, kind, dtype, capacity=capacity, variant="megakernel")
 
 
+@pytest.mark.slow
 def test_megakernel_equals_multi_kernel():
     # Both variants run the same tile functions with the same tile shapes: the output, dx and the
     # weight gradients are the same bits. The router gradient sums per-I-block partials whose

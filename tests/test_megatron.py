@@ -295,6 +295,7 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_expert_parallel_two_processes_matches_one(megatron_world, tmp_path):
     # EP = 1 here; EP = 2 over two spawned processes on Megatron's expert-parallel group. MoK's
     # order does not depend on the EP size, so outputs and gradients are bitwise equal.

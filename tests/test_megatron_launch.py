@@ -188,6 +188,7 @@ def _run_entry(command, env=None):
     return json.loads(line[len("MLPS=") :]), run.stdout
 
 
+@pytest.mark.slow
 def test_launcher_runs_an_unmodified_megatron_script():
     script = "tests/data/stock_entry.py"
     stock, _ = _run_entry([sys.executable, script, *MODEL_ARGS])
@@ -199,6 +200,7 @@ def test_launcher_runs_an_unmodified_megatron_script():
     assert "MoK determinism report" in out
 
 
+@pytest.mark.slow
 def test_source_patch_on_a_copy_of_the_installed_package(tmp_path):
     import megatron.core
 

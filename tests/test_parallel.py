@@ -101,6 +101,7 @@ def single_process():
     return {case[0]: _run_case(case, 1, 0, None) for case in CASES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_topology_invariance_bitwise(world, tmp_path, single_process):
     ranks = _run_world(world, tmp_path)
@@ -176,6 +177,7 @@ def test_stages_are_profiler_ranges(tmp_path):
             assert names[exchange] == list(PROFILER_RANGES), f"rank {rank}, {exchange}: {names[exchange]}"
 
 
+@pytest.mark.slow
 def test_bench_ep_runs_and_writes_json(tmp_path):
     # The EP benchmark end to end on 2 gloo processes at a tiny shape: it prints and writes its JSON.
     import json

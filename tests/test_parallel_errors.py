@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_rank_error_is_every_rank_error(world, tmp_path):
     run_ranks(_worker, world, (str(tmp_path),), timeout_s=300)

@@ -20,24 +20,26 @@ Backward task list (dO in; dX, d_topk_weights, dW13, dW2 out):
     combine tiles of dX                     waits dx_done == number of gate/up-dgrad tiles
 
 Each task runs the same tile function (tiles.py) as the multi-kernel variant (grouped_mlp.py,
-combine.py) with the same tile shape, so both variants compute bitwise the same outputs and weight
-gradients. One difference: the multi-kernel variant runs the down-dgrad GEMM and its epilogue as
-two kernels with dA' stored between (a 128x256 GEMM tile, a 32x128 epilogue block); one launch has
-no second kernel to hand dA' to, so here a down-dgrad task runs both in one 128x64 tile
-(`down_dgrad_tile`). dh and w*A are the same bits; the router partials are summed over other
-I-blocks, so the router gradient agrees to fp32 rounding, not bitwise.
+combine.py), so the forward gives bitwise the same output. The backward's tiles differ where one
+launch cannot take the multi-kernel configs: the multi-kernel variant runs the down-dgrad GEMM and
+its epilogue as two kernels with dA' stored between (a 128x256 GEMM tile, a 32x128 epilogue
+block), while a down-dgrad task here runs both in one 128x64 tile (`down_dgrad_tile`); and its
+weight gradients gather rows in the loop without TMA. With the interpreter's small tiles (and in
+fp32 on a GPU) the two still agree bitwise but for the router gradient, whose per-I-block partials
+are summed over other blocks; in bf16 on a GPU the backward agrees to bf16 rounding
+(tests/test_gpu_layer.py::test_megakernel_and_multi_kernel_agree).
 
-What it costs today, and what would make it pay: measured on the H200 (BENCHMARKS.md), fwd+bwd
-takes 1.5x the multi-kernel variant's time on qwen3-30b-a3b (13.2 vs 8.5 ms), 1.4x on mixtral-8x7b
-and 1.6x on deepseek-v3, with a higher peak (3379 vs 1716 MiB on qwen3: every stage's buffers of a pass are allocated up
-front and live through the one launch). The
-causes: every task shares one launch's registers, warps and pipeline depth, so no tile gets the
-config it is fastest with (the down-dgrad tile is 128x64 fused, the weight gradients gather rows in
-the loop without TMA); and the spin-waits between dependent tasks idle SMs at each stage boundary.
-It would pay where launches dominate (small T, where several short kernels each leave SMs idle) or
-with producer/consumer warp specialisation that lets each task kind run its own tile config inside
-one launch; neither is the case on the named training shapes, so the multi-kernel variant is the
-default.
+What it costs today, and what would make it pay: measured on the H200 (BENCHMARKS.md, after the
+restructure), fwd+bwd takes 1.5x the multi-kernel variant's time on qwen3-30b-a3b (13.1 vs 8.7 ms)
+and mixtral-8x7b (46.1 vs 31.1 ms), 1.6x on deepseek-v3 (74.3 vs 46.3 ms), with a higher peak (3379
+vs 1716 MiB on qwen3: every stage's buffers of a pass are allocated up front and live through the
+one launch). The causes: every task shares one launch's registers, warps and pipeline depth, so no
+tile gets the config it is fastest with (the down-dgrad tile is 128x64 fused, the weight gradients
+gather rows in the loop without TMA); and the spin-waits between dependent tasks idle SMs at each
+stage boundary. It would pay where launches dominate (small T, where several short kernels each
+leave SMs idle) or with producer/consumer warp specialisation that lets each task kind run its own
+tile config inside one launch; neither is the case on the named training shapes, so the
+multi-kernel variant is the default.
 
 Determinism: the ticket and the counters are integers; they decide which program runs a tile and
 when, never the order in which floats are added inside a tile. Every output tile has one owner.
