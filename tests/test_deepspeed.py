@@ -99,6 +99,9 @@ def test_mixtral_style_expert_and_bad_experts(ds_world):
             self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
             self.w2 = nn.Linear(I, H, bias=False)
 
+        def forward(self, x):  # Hugging Face's MixtralBlockSparseTop2MLP
+            return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
     layer = mds.MoE(H, Mixtral(), num_experts=E, k=2, drop_tokens=False)
     assert any(k.endswith("deepspeed_experts.0.w3.weight") for k in layer.state_dict())
     with pytest.raises(TypeError, match="SwiGLU experts only"):
@@ -107,6 +110,45 @@ def test_mixtral_style_expert_and_bad_experts(ds_world):
         biased = mds.SwiGLUExpert(H, I)
         biased.gate_proj = nn.Linear(H, I)
         mds.MoE(H, biased, num_experts=E)
+
+
+class _GemmaStyleMLP(nn.Module):
+    """Hugging Face's gate/up/down names with a GeLU activation (Gemma): the layout of a SwiGLU
+    expert, another function."""
+
+    def __init__(self, act_fn):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize(
+    "act_fn", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU()], ids=["gelu", "gelu_tanh", "relu"]
+)
+def test_an_expert_with_another_activation_is_refused_not_computed_as_swiglu(ds_world, act_fn):
+    with pytest.raises(TypeError, match=r"_GemmaStyleMLP: its linears are laid out as gate/up/down, but it does not"):
+        mds.MoE(H, _GemmaStyleMLP(act_fn), num_experts=E, k=2, drop_tokens=False)
+    # The same module with SiLU is a SwiGLU expert, and its training mode is left as it was.
+    expert = _GemmaStyleMLP(nn.SiLU()).train()
+    mds.MoE(H, expert, num_experts=E, k=2, drop_tokens=False)
+    assert expert.training
+
+
+def test_an_expert_that_cannot_run_is_refused_naming_the_failure(ds_world):
+    class NoForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+            self.down_proj = nn.Linear(I, H, bias=False)
+
+    with pytest.raises(
+        TypeError, match=r"NoForward: calling the expert on a \[4, \d+\] input failed \(NotImplementedError"
+    ):
+        mds.MoE(H, NoForward(), num_experts=E, k=2, drop_tokens=False)
 
 
 @pytest.mark.parametrize(

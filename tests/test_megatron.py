@@ -214,6 +214,10 @@ UNSUPPORTED = [
     (dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True), "--moe-shared-expert-gate"),
     (dict(add_bias_linear=True), "--add-bias-linear"),
     (dict(gated_linear_unit=False), "--swiglu"),
+    # Accepted and ignored before: GPT-OSS's clamp and offset on a SiLU GLU, interleaved gate/up rows.
+    (dict(activation_func_clamp_value=7.0), "--activation-func-clamp-value"),
+    (dict(glu_linear_offset=1.0), "--glu-linear-offset"),
+    (dict(moe_mlp_glu_interleave_size=32), "--moe-mlp-glu-interleave-size"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-token-drop-policy"),
     (
         dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", expert_model_parallel_size=2),

@@ -78,6 +78,15 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "add_bias_linear": (bool, "MoK's experts have no bias; pass --disable-bias-linear"),
+    # GPT-OSS's clamped GLU and interleaved gate/up rows change what the expert computes; until MoK
+    # computes them they are refused, never run as a plain SwiGLU.
+    "activation_func_clamp_value": (lambda v: v is not None, "clamped GLU activations are not implemented"),
+    "glu_linear_offset": (lambda v: v not in (None, 0, 0.0), "an offset on the GLU's linear half is not implemented"),
+    "moe_mlp_glu_interleave_size": (lambda v: v is not None, "interleaved gate/up rows are not implemented"),
+    "moe_shared_expert_glu_interleave_size": (
+        lambda v: v is not None,
+        "interleaved gate/up rows are not implemented",
+    ),
 }
 
 
