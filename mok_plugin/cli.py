@@ -22,7 +22,7 @@ __all__ = ["BENCH_COMMANDS", "COMMANDS", "main"]
 # subcommand -> (module whose main(argv) runs it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("mok_plugin.compare.cli", "compare Megatron's or DeepSpeed's stock MoE layers with MoK"),
-    "plan": ("mok_plugin.run.plan", "plan a run: topology, memory and the launch command"),
+    "plan": ("mok_plugin.run.plan", "a run config's per-GPU memory and MoE-layer time"),
     "patch": ("mok_plugin.patching", "apply, check or revert the source patches on an installed framework"),
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {

@@ -119,7 +119,7 @@ def status(root: Path, patch: Path) -> str:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok patch` (and scripts/patches.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("action", choices=["apply", "check", "revert"])
     parser.add_argument("framework", choices=sorted(PATCH_SETS))
     parser.add_argument("--target", type=Path, default=None, help="directory holding the package (default: installed)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The single-GPU acceptance runs of the open issues, in one call on a CUDA machine:
 #   tests      the GPU test modules (layer vs reference, bitwise, torch.compile, CUDA graphs, EP transports)
-#              and the kernel, op and empty-work tests compiled, in one pytest run spread over the cores
-#              (pytest-xdist; compiling the kernels is CPU-bound): ~2.5 minutes
+#              and the kernel, op and empty-work tests compiled, in one pytest run
+#              (spread over the cores with pytest-xdist where installed: compiling the kernels is CPU-bound)
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
 #              (the DeepSpeed one is stock vs MoK under deepspeed.initialize: tokens/s, memory, losses)
 #   layer      scripts/bench_layer.py (mok bench layer) on the four named shapes, each in its own process:
@@ -13,8 +13,8 @@
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
-# On the H200 (2026-11-30): tests ~210 s, compare ~190 s, layer ~210 s (one process then): more than one
-# 10-minute device call holds, so split them, e.g. `tests` and `compare layer`.
+# On the H200 (2026-12-02): tests ~190 s with pytest-xdist, layer ~140 s (four processes); compare ~190 s
+# (2026-11-30): more than one 10-minute device call holds, so split them, e.g. `tests layer` and `compare`.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
 out="${OUT:-out}/acceptance"
@@ -39,30 +39,14 @@ run_part() {  # name, command...
     summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
 
-run_in_background() {  # like run_part; its summary line waits in $out/NAME.rc until collect_background
-    local name=$1
-    shift
-    (
-        start=$SECONDS
-        "$@" >"$out/$name.log" 2>&1
-        printf '%-22s rc=%-3s %4ss\n' "$name" "$?" "$((SECONDS - start))" >"$out/$name.rc"
-    ) &
-}
-
-collect_background() {
-    wait
-    for rc_file in "$out"/*.rc; do
-        [ -e "$rc_file" ] || continue
-        summary+=("$(cat "$rc_file")")
-        rm -f "$rc_file"
-    done
-}
-
 for part in "${parts[@]}"; do
     case $part in
     tests)
-        # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores: ~2.5 minutes on the H200.
-        run_part tests python3 -m pytest -q -n 12 -p no:cacheprovider tests/test_gpu_layer.py \
+        # pytest-xdist, where installed, spreads the kernel compiles (CPU-bound) over the cores: ~3 minutes
+        # on the H200 with 12 workers; without it the same tests run one after the other.
+        spread=()
+        python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+        run_part tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
             tests/test_gpu_parallel.py tests/test_empty_work.py tests/test_layer.py tests/test_kernels_grouped_mlp.py \
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
             tests/test_ops.py tests/test_parallel_multi_gpu.py ;;

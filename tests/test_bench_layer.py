@@ -20,7 +20,7 @@ SHAPE = MoEShape(32, 64, 32, 4, 2)
 
 
 def test_flops_follow_design_md():
-    # DESIGN.md: 6/12/18 T*K*H*I for a GLU expert, 4/8/12 for a plain MLP.
+    # BENCHMARKS.md's convention: 6/12/18 T*K*H*I for a GLU expert, 4/8/12 for a plain MLP.
     shape = NAMED_SHAPES["qwen3-30b-a3b"]
     tkhi = 16384 * 8 * 2048 * 768
     assert [moe_flops(shape, p) for p in ("forward", "backward", "fwd+bwd")] == [6 * tkhi, 12 * tkhi, 18 * tkhi]

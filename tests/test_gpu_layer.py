@@ -171,7 +171,7 @@ def test_megakernel_and_multi_kernel_agree():
 
 
 def test_forward_is_batch_invariant():
-    # DESIGN.md: a token's output does not depend on which other tokens share the batch. The
+    # README, 'What it promises': a token's output does not depend on which other tokens share the batch. The
     # row-tile kernels own each row's arithmetic and the router scores are rounded from fp64, so
     # the first 100 tokens give the same bits alone and inside a batch of 3000, shared expert too.
     shape = (3000, 1024, 512, 32, 4)

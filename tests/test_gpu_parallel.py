@@ -1,6 +1,6 @@
 """GPU only, one GPU: the expert-parallel path in a one-rank NCCL group, through both transports
 (NCCL all-to-all and the symmetric-memory pull), against the single-process experts function,
-bitwise. The multi-GPU runs belong to the multi-GPU issue."""
+bitwise. EP sizes above one are tests/test_parallel_multi_gpu.py (two GPUs or more)."""
 
 import os
 

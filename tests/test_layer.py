@@ -164,7 +164,7 @@ def test_bitwise_equal_across_two_processes(tmp_path):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_forward_is_batch_invariant(backend):
-    # DESIGN.md: a token's output does not depend on which other tokens share the batch. Without a
+    # README, 'What it promises': a token's output does not depend on which other tokens share the batch. Without a
     # GPU the triton backend runs in Triton's interpreter (tests/conftest.py).
     if backend == "triton":
         pytest.importorskip("triton", reason="the triton backend needs triton")

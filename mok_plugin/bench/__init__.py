@@ -3,7 +3,7 @@
 Each module has one job:
   timing      CUDA-event timing after a settle period (SETTLE_S), median and p20-p80, slowest rank
   ceiling     the dense bf16 GEMM ceiling, measured in the same run
-  flops       the FLOP count of a pass (DESIGN.md's convention)
+  flops       the FLOP count of a pass (SonicMoE's convention; BENCHMARKS.md, Method)
   memory      what sets a pass's peak memory, from the caching allocator's trace
   breakdown   torch.profiler readers: GPU time per kernel, device time per named range
   providers   the layer's implementations under test (MoK, torch grouped_mm, Megatron, Liger)

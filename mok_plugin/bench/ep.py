@@ -257,7 +257,7 @@ def main_rank(args, rank: int, world: int, backend: str, device: torch.device) -
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench ep` (and scripts/bench_ep.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--shape", default="qwen3-30b-a3b", help=f"named ({', '.join(NAMED_SHAPES)}) or T,H,I,E,K")
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--exchange", choices=["capacity", "exact"], default="capacity")

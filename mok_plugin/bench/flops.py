@@ -1,4 +1,4 @@
-"""FLOPs of a routed-expert pass, by DESIGN.md's convention (SonicMoE's, so numbers compare).
+"""FLOPs of a routed-expert pass, by SonicMoE's convention (so numbers compare; BENCHMARKS.md, Method).
 
 Router and data movement are left out of the count and included in the time.
 """

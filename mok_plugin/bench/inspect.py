@@ -35,7 +35,7 @@ KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr", "tile_to_expert_ptr"}
-FP32_POINTERS = {"w_rows_ptr", "d_w_partial_ptr"}
+FP32_POINTERS = {"w_rows_ptr", "d_w_partial_ptr", "d_a_ptr"}  # d_a_ptr: down_dgrad's fp32 dA'
 WIDE = 4096  # an output width that no pinned config narrows for
 SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 
@@ -129,7 +129,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench inspect` (and scripts/inspect_kernels.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--candidates", nargs="*", type=parse_tile_config, default=[],
                         help="configs to compile besides the pinned ones (mok bench tune's notation)")  # fmt: skip

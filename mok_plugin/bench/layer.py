@@ -83,7 +83,7 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench layer` (and scripts/bench_layer.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
         "--shapes",
         nargs="*",
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
     except ValueError as error:
         parser.error(f"--override KERNEL=CONFIG: {error}")
-    if set(overrides) - set(PINNED_KERNELS):
-        parser.error(f"--override: unknown kernel in {sorted(overrides)}; kernels: {', '.join(PINNED_KERNELS)}")
+    unknown = sorted(set(overrides) - set(PINNED_KERNELS))
+    if unknown:
+        parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
     if not torch.cuda.is_available():
         print("mok bench layer (scripts/bench_layer.py) needs a CUDA GPU", file=sys.stderr)
         return 2

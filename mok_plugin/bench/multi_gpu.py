@@ -289,7 +289,7 @@ def print_table(result: dict) -> None:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench multi-gpu` (and scripts/multi_gpu.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--out", type=Path, default=Path("out/multi_gpu"))
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU, small shapes (a smoke run)")
     parser.add_argument("--nprocs", type=int, default=None, help="default: the GPU count (2 with --cpu)")

@@ -157,8 +157,8 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench tune` (and scripts/tune_kernels.py)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"], choices=sorted(NAMED_SHAPES))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--defaults-only", action="store_true", help="time only the pinned configs")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=None, help="only these kernels (default: all)")

@@ -13,7 +13,7 @@ compare.log in the output folder, and the last lines say how many there were and
 
 On a CPU-only machine it runs configs for the `cpu` machine (the framework's MoE layers in a small
 model, fp32) and says so in the report. On a GPU it runs any config whose model fits one GPU.
-Megatron's full GPT training loop is scripts/pretrain_gpt.py (see scripts/multi_gpu.py part 3).
+Megatron's full GPT training loop is scripts/pretrain_gpt.py (`mok bench multi-gpu` runs it, part 3).
 Exit status: 0, or 1 when MoK's two runs differ (MoK promises bitwise repeatability; the stock
 layers do not), or 2 for a bad config or option.
 """
@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = load_topology(args.config)
     except MoKConfigError as error:
-        print(error, file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (use --device auto or cpu)")
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if not on_gpu and run.machine != "cpu":

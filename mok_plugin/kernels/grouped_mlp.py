@@ -272,7 +272,9 @@ def down_dgrad(
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
         stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
     )
-    block_m = min(epi.block_m, cfg.block_m)  # divides tile_m, as cfg.block_m does
+    block_m = min(epi.block_m, cfg.block_m)
+    if tile_m % block_m:
+        raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
     grid = (num_rows // block_m, triton.cdiv(I, epi.block_n))
     _down_dgrad_epilogue_kernel[grid](
         d_a_ptr=d_a, h_ptr=h, w_rows_ptr=w_rows, d_h_ptr=d_h, a_weighted_ptr=a, d_w_partial_ptr=partial,

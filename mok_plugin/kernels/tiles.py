@@ -4,8 +4,8 @@ Both variants call these functions: the multi-kernel variant (`grouped_mlp.py`, 
 one kernel per pass and tile kind, the persistent megakernel (`megakernel.py`) from its task list.
 So the two run the same arithmetic with the same tile shapes. Nothing here launches anything.
 
-Math, per expert e over its rows r (token t_r, routing weight w_r), with the dimension letters of
-DESIGN.md:
+Math, per expert e over its rows r (token t_r, routing weight w_r), with the dimension letters
+(T tokens, H hidden, I expert intermediate, E experts, K top-k):
     gate_up_tile          h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
     down_tile             y[r] = w_r * (A[r] @ W2_e^T)  [H]
     down_dgrad_block      dA'[r] = dO[t_r] @ W2_e  [I]

@@ -7,7 +7,7 @@ sorted by global expert (so by destination rank), then by local (token, k).
 
 What one forward does, on every rank (each stage inside a `torch.profiler.record_function` range,
 `mok_plugin.ep.dispatch`, `mok_plugin.ep.experts` and `mok_plugin.ep.combine`, which profilers and
-scripts/bench_ep.py read; without a profiler each costs a few microseconds on the host and no
+`mok bench ep` read; without a profiler each costs a few microseconds on the host and no
 device work):
     1. sort the pairs expert-major and send each pair's token row, routing weight and local expert
        id to the rank that owns the expert (through fixed-size buffers, or sized by exchanged

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         read or validated or --json cannot be written (an `error: ...` line on stderr). Bad
         arguments exit with status 2 through argparse (SystemExit).
     """
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("config", type=Path)
     parser.add_argument("--efficiency", type=efficiency, default=0.6,
                         help="fraction of dense bf16 peak the experts reach, in (0, 1]")  # fmt: skip
