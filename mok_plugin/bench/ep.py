@@ -128,6 +128,7 @@ def sent_bytes(layer: MoKMoE, x: torch.Tensor, exchange: str, capacity_factor: f
 
 
 def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict | None:
+    """This rank's iteration times (forward, backward, stages) and sent bytes; rank 0 gets every rank's."""
     shape = parse_shape(args.shape)
     T, H, I, E, K = args.tokens_per_rank, shape.H, shape.I, shape.E, shape.K
     cfg = MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=K, ep_size=world,
@@ -201,6 +202,7 @@ def summarize(gathered: list[dict]) -> dict:
 
 
 def print_table(summary: dict, args: argparse.Namespace, world: int, backend: str) -> None:
+    """The per-rank table, slowest rank per iteration then the median, printed last."""
     print(
         f"\nbench_ep: shape {args.shape}, {args.tokens_per_rank} tokens/rank, {world} ranks ({backend}), "
         f"exchange {args.exchange}, transport {args.transport}, dtype {args.dtype}"
@@ -227,11 +229,13 @@ def print_table(summary: dict, args: argparse.Namespace, world: int, backend: st
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """A gloo process of the CPU run: join the group, then run main_rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     main_rank(args, rank, world, "gloo", torch.device("cpu"))
 
 
 def main_rank(args, rank: int, world: int, backend: str, device: torch.device) -> None:
+    """One rank's whole benchmark: time, gather to rank 0, print and write the JSON there."""
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         gathered = run_rank(args, rank, world, device)

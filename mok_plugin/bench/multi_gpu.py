@@ -123,6 +123,7 @@ def invariance_rows(junit_xml: str) -> list[dict]:
 
 
 def run_invariance(args, nprocs: int, out: Path, on_gpu: bool) -> dict:
+    """Part 1: tests/test_parallel_multi_gpu.py under pytest; its cases as table rows."""
     log, xml = out / "invariance.log", out / "invariance.xml"
     print(f"part 1: invariance, {INVARIANCE_TEST.relative_to(ROOT)} on {nprocs} {'GPUs' if on_gpu else 'CPU'} ...",
           flush=True)  # fmt: skip
@@ -148,6 +149,7 @@ def run_invariance(args, nprocs: int, out: Path, on_gpu: bool) -> dict:
 
 
 def run_bench(args, nprocs: int, out: Path, on_gpu: bool) -> list[dict]:
+    """Part 2: `mok bench ep` under torchrun on the named shapes (small ones with --cpu)."""
     results = []
     for shape in args.bench_shapes:
         for tokens in args.tokens_per_gpu:
@@ -179,6 +181,7 @@ def _iteration_log(log_text: str) -> list[dict]:
 
 
 def run_pretrain(args, nprocs: int, out: Path) -> dict:
+    """Part 3: scripts/pretrain_gpt.py with the stock layer and with --mok; tokens/s and losses."""
     rows = {}
     for variant, extra in (("stock", []), ("mok", ["--mok"])):
         log = out / f"pretrain_{variant}.log"
@@ -243,6 +246,7 @@ def run_checkpoint_check(args, nprocs: int, out: Path) -> dict:
 
 
 def print_table(result: dict) -> None:
+    """Every part's result in one table, printed last."""
     print(f"\nmulti_gpu: {result['nprocs']} x {result['device']}, {result['date']}")
     inv = result["invariance"]
     print(f"\n1. topology invariance (EP sizes bitwise equal to EP = 1): {inv['status']}"

@@ -3,6 +3,7 @@ pipelining depth per dtype, profiler names. No kernels, no autograd, no host syn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -27,7 +28,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_metadata(name: str):
+def launch_metadata(name: str) -> Callable[[tuple, object, dict], dict[str, str]]:
     """A Triton `launch_metadata` hook that names the kernel with its K and N sizes in profiles."""
 
     def metadata(grid, kernel, args):
