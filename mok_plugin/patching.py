@@ -156,6 +156,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"--target {root} holds {patch_set.distribution} {version} (from {where}); these patches are "
                   f"for {patch_set.version_prefix}x", file=sys.stderr)  # fmt: skip
             return 2
+    missing = [name for name in patch_set.files if not (PATCH_DIR / name).is_file()]
+    if missing:
+        print(f"{', '.join(missing)}: not found in {PATCH_DIR}; mok patch needs the repository's patches/ folder "
+              "(an editable install, pip install -e .)", file=sys.stderr)  # fmt: skip
+        return 2
     failed = False
     for name in patch_set.files:
         patch = PATCH_DIR / name

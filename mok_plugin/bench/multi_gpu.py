@@ -96,11 +96,12 @@ def _run_job(command: list[str], log: Path, timeout_s: float, env: dict | None =
     return code, time.perf_counter() - start
 
 
-def _torchrun(nprocs: int, target: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
+def _torchrun(nprocs: int, target: list[str], log: Path, timeout_s: float, env: dict | None = None
+              ) -> tuple[int, float]:  # fmt: skip
     """target (a script and its arguments, or -m module ...) under torchrun with nprocs processes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
                *target]  # fmt: skip
-    return _run_job(command, log, timeout_s)
+    return _run_job(command, log, timeout_s, env)
 
 
 def _report_failure(name: str, log: Path, code: int) -> str:
@@ -161,7 +162,9 @@ def run_bench(args, nprocs: int, out: Path, on_gpu: bool) -> list[dict]:
             if on_gpu:
                 bench_args.append("--megatron")
             target = ["-m", "mok_plugin.cli", "bench", "ep", *bench_args]
-            code, seconds = _torchrun(nprocs, target, out / f"{name}.log", args.job_timeout_s)
+            # A CPU run stays on gloo and the CPU even where GPUs are present.
+            env = None if on_gpu else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+            code, seconds = _torchrun(nprocs, target, out / f"{name}.log", args.job_timeout_s, env)
             row = {"shape": shape, "tokens_per_gpu": tokens, "ep": nprocs, "status": "failed"}
             if code == 0:
                 row.update(json.loads((job_out / "bench_ep.json").read_text()), status="ran")
