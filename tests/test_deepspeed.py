@@ -139,16 +139,10 @@ def test_an_expert_with_another_activation_is_refused_not_computed_as_swiglu(ds_
 
 
 def test_an_expert_that_cannot_run_is_refused_naming_the_failure(ds_world):
-    class NoForward(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
-            self.down_proj = nn.Linear(I, H, bias=False)
-
-    with pytest.raises(
-        TypeError, match=r"NoForward: calling the expert on a \[4, \d+\] input failed \(NotImplementedError"
-    ):
-        mds.MoE(H, NoForward(), num_experts=E, k=2, drop_tokens=False)
+    expert = _GemmaStyleMLP(nn.SiLU())
+    expert.forward = None  # the gate/up/down layout without a forward that runs
+    with pytest.raises(TypeError, match=r"_GemmaStyleMLP: calling the expert on a \[4, \d+\] input failed \(TypeError"):
+        mds.MoE(H, expert, num_experts=E, k=2, drop_tokens=False)
 
 
 @pytest.mark.parametrize(
