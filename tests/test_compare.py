@@ -98,9 +98,28 @@ def _result(framework: str, top_k: int, stock_aux: list[float] | None, mok_aux: 
 def test_report_explains_deepspeed_top2_aux_difference():
     note = agreement_note(_result("deepspeed", 2, [2.0, 1.9], [2.1, 1.95]))
     assert "first choice only" in note and "1.0e-01" in note and "aux_loss_coeff: 0" in note
-    assert "agree to 1.0e-01" in agreement_note(_result("megatron", 2, None, None))
+    # 5.0 vs 5.1 is a real difference, not rounding: said so, with the step
+    assert "differ by up to 1.0e-01 (step 2" in agreement_note(_result("megatron", 2, None, None))
     table = format_table(_result("megatron", 2, None, None))
     assert "peak MiB: SOURCE" in table and "first loss" in table
+
+
+def test_report_says_when_losses_agree_and_when_training_diverged():
+    result = _result("megatron", 2, None, None)
+    for run in result["runs"]:
+        run["losses"] = [6.2, 5.0 + (2e-7 if run["variant"] == "mok" else 0.0)]
+    assert agreement_note(result).startswith("the losses agree to 2.0e-07 at every step")
+    for run in result["runs"]:  # as on the H200 at too high a learning rate: 6.23 -> 2e4
+        run["losses"] = [6.23, 21955.9] if run["variant"] == "stock" else [6.23, 16507.4]
+    note = agreement_note(result)
+    assert "differ by up to 5.4e+03" in note and "training diverged at this learning rate" in note
+
+
+def test_learning_rate_shrinks_with_width():
+    from mok_plugin.compare.harness import learning_rate
+
+    assert learning_rate(64) == learning_rate(32) == 1e-2  # the tiny config's, measured to train in 10 steps
+    assert learning_rate(2048) == 1e-2 * 64 / 2048
 
 
 def test_compare_refuses_gpu_configs_on_the_cpu(tmp_path):

@@ -30,12 +30,22 @@ from mok_plugin.compare.models import VOCAB, build_model
 from mok_plugin.run.topology import RunConfig
 from mok_plugin.testing import free_port
 
-__all__ = ["LEARNING_RATE", "MEMORY_SOURCES", "RunResult", "memory_source", "run_comparison"]
+__all__ = ["MEMORY_SOURCES", "RunResult", "learning_rate", "memory_source", "run_comparison"]
 
 VARIANTS = (("stock", 1), ("stock", 2), ("mok", 1), ("mok", 2))
-# Adam's step size. 1e-2, not 1e-3: with the tiny config's embeddings (std 0.02) the model needs
-# about 10 steps at 1e-2 to leave ln(vocab) (measured: 6.24 -> 3.6 by step 10), and 100 at 1e-3.
-LEARNING_RATE = 1e-2
+# Adam's step size at the tiny config's hidden size 64: 1e-2, not 1e-3, because with its embeddings
+# (std 0.02) the model needs about 10 steps at 1e-2 to leave ln(vocab) (measured: 6.24 -> 3.6 by step
+# 10), and 100 at 1e-3. Wider models take it scaled by 64 / hidden_size: at 1e-2 the 4-layer qwen3
+# config (hidden 2048, bf16, one H200) diverged, its loss 6.23 -> 2e4 in 10 steps, stock and MoK alike.
+BASE_LEARNING_RATE = 1e-2
+BASE_HIDDEN_SIZE = 64
+
+
+def learning_rate(hidden_size: int) -> float:
+    """Adam's learning rate for a model of this hidden size (see BASE_LEARNING_RATE)."""
+    return BASE_LEARNING_RATE * min(1.0, BASE_HIDDEN_SIZE / hidden_size)
+
+
 MEMORY_SOURCES = {
     "cuda": "CUDA peak allocated (torch.cuda.max_memory_allocated, reset per run)",
     "cpu": "peak bytes held by tensors in one training step: weights, gradients, optimizer state, "
@@ -95,6 +105,7 @@ class _Trainer:
 
 def _trainer(model, framework: str, run: RunConfig) -> _Trainer:
     """The framework's training path over `model`."""
+    lr = learning_rate(run.model.hidden_size)
     if framework == "deepspeed":
         import deepspeed
 
@@ -103,7 +114,7 @@ def _trainer(model, framework: str, run: RunConfig) -> _Trainer:
         bucket = min(500_000_000, sum(p.numel() for p in model.parameters()))
         config = {"train_micro_batch_size_per_gpu": run.parallel.micro_batch, "gradient_accumulation_steps": 1,
                   "steps_per_print": 10**9,
-                  "optimizer": {"type": "Adam", "params": {"lr": LEARNING_RATE, "torch_adam": True}},
+                  "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
                   "zero_optimization": {"stage": 1, "reduce_bucket_size": bucket,
                                         "allgather_bucket_size": bucket}}  # fmt: skip
         if next(model.parameters()).is_cuda:
@@ -119,7 +130,7 @@ def _trainer(model, framework: str, run: RunConfig) -> _Trainer:
         # ZeRO wraps a torch Adam (.optimizer) over its fp32 partitions; destroy releases its buffers
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         return _Trainer(ds_step, engine.module.state_dict, engine.destroy, inner)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
     def step(tokens):
         optimizer.zero_grad(set_to_none=True)
@@ -206,18 +217,18 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
         "runs": [r.summary() for r in results],
         "bitwise": bitwise,
         "summary": _summary(results, B * S),
-        "data": _data_summary(),
+        "data": _data_summary(learning_rate(run.model.hidden_size)),
     }
 
 
-def _data_summary() -> dict:
+def _data_summary(lr: float) -> dict:
     from mok_plugin.compare.data import ALPHABET, SUCCESSORS, BigramLanguage, uniform_loss
 
     return {
         "kind": f"a seeded random bigram language: {ALPHABET} of the {VOCAB} token ids, {SUCCESSORS} successors each",
         "uniform_loss": uniform_loss(VOCAB),
         "entropy": BigramLanguage.make(VOCAB).entropy,
-        "learning_rate": LEARNING_RATE,
+        "learning_rate": lr,
     }
 
 
