@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mok_plugin.reference import swiglu
+
 __all__ = ["SwiGLUExpert", "ExpertLayout", "expert_layout"]
 
 
@@ -113,8 +115,7 @@ def _check_computes_swiglu(expert: nn.Module, layout: ExpertLayout) -> None:
         expert.train(was_training)
     with torch.no_grad():
         gate_up, down = (w.double() for w in layout.stacked_weights(expert))
-        gate, up = (x.double() @ gate_up.T).chunk(2, dim=-1)
-        want = (F.silu(gate) * up) @ down.T
+        want = swiglu(x.double() @ gate_up.T) @ down.T  # the core's SwiGLU, in fp64
         diff = float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
     if not (diff <= _SWIGLU_TOLERANCE.get(layout.dtype.itemsize, 5e-2)):
         raise TypeError(

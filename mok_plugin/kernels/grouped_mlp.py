@@ -245,7 +245,6 @@ def down_fwd(
 def down_dgrad(
     d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
     tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None,
-    epilogue_config: MoKTileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, epilogue BLOCK_N)]).
 
@@ -259,7 +258,7 @@ def down_dgrad(
     check_tensor("h", h, 2, d_out.dtype)
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_dgrad", I)
-    epi = epilogue_config or kernel_config("down_dgrad_epilogue", I)
+    epi = kernel_config("down_dgrad_epilogue", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)

@@ -29,10 +29,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def launch_metadata(name: str) -> Callable[[tuple, object, dict], dict[str, str]]:
-    """A Triton `launch_metadata` hook that names the kernel with its K and N sizes in profiles."""
+    """A Triton `launch_metadata` hook that names the kernel with its sizes (H, I; a weight gradient's
+    M_OUT, N_OUT) in profiles."""
 
     def metadata(grid, kernel, args):
-        shape = {k: args[k] for k in ("H", "I", "K_DIM", "N_OUT", "M_OUT") if k in args}
+        shape = {k: args[k] for k in ("H", "I", "M_OUT", "N_OUT") if k in args}
         return {"name": f"{name} {shape}"}
 
     return metadata

@@ -302,11 +302,10 @@ def backward_megakernel(
     wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # these tiles never narrow
     block_m, block_k = _same_block(dg, dx_cfg)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, dg)
-    bn_dgrad = dg.block_n
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
-    partial = torch.zeros(num_rows, triton.cdiv(I, bn_dgrad), dtype=torch.float32, device=dev)
+    partial = torch.zeros(num_rows, triton.cdiv(I, dg.block_n), dtype=torch.float32, device=dev)
     d_x_rows = torch.empty(num_rows, H, dtype=dt, device=dev)
     d_x = torch.empty(T, H, dtype=dt, device=dev)
     d_topk = torch.empty(T * top_k, dtype=torch.float32, device=dev)
@@ -320,7 +319,7 @@ def backward_megakernel(
         d_out.stride(0), x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
         down_proj.stride(1), h.stride(0), a_weighted.stride(0), partial.stride(0), d_x_rows.stride(0), d_x.stride(0),
         d_w13.stride(0), d_w13.stride(1), d_w2.stride(0), d_w2.stride(1),
-        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=bn_dgrad, BN_DX=dx_cfg.block_n,
+        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=dg.block_n, BN_DX=dx_cfg.block_n,
         WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
         # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
