@@ -21,6 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mok_plugin.experts import MoKExpertFamily
+
 __all__ = [
     "MoKConfig",
     "MoKConfigError",
@@ -37,6 +39,8 @@ ScoreFunction = Literal["softmax", "sigmoid"]
 Backend = Literal["auto", "triton", "reference"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
 KernelVariant = Literal["megakernel", "multi_kernel"]
+ExpertKind = Literal["glu", "mlp", "linear"]
+ExpertActivation = Literal["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"]
 
 
 # --- bounds ---------------------------------------------------------------------------------------
@@ -190,6 +194,34 @@ class MoKConfig(BaseModel):
         description="Total intermediate size of the shared-expert MLP; default num_shared_experts * I.",
     )
 
+    # --- expert family (mok_plugin/experts.py has the formulas) -----------------------------------
+    expert_kind: ExpertKind = Field(
+        default="glu",
+        description="glu: gated, fc1 has 2I rows (gate first); mlp: fc1 has I rows; linear: one H x H linear "
+        "per expert (ffn_hidden_size = hidden_size), no activation.",
+    )
+    expert_activation: ExpertActivation = Field(
+        default="silu", description="The experts' activation (glu and mlp); silu + glu is SwiGLU."
+    )
+    activation_clamp: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="glu only (GPT-OSS): the gate clamped above at this value, the linear half to +-this value.",
+    )
+    glu_linear_offset: float = Field(
+        default=0.0,
+        ge=-MAX_FACTOR,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="glu only (GPT-OSS: 1.0): added to the linear half before the product.",
+    )
+    expert_fc1_bias: bool = Field(default=False, description="The experts' first linear has a bias [E, fc1 rows].")
+    expert_fc2_bias: bool = Field(
+        default=False, description="The experts' second linear has a bias [E, H], scaled by the routing weight."
+    )
+
     # --- routing ---------------------------------------------------------------------------------
     score_function: ScoreFunction = "softmax"
     norm_topk_prob: bool = Field(default=False, description="Renormalise the K chosen weights to sum to 1.")
@@ -311,9 +343,38 @@ class MoKConfig(BaseModel):
             )
         if E % self.ep_size != 0:
             problems.append(f"mok.ep_size={self.ep_size} does not divide num_experts={E}; allowed: a divisor of {E}")
+        problems += self._family_problems()
         if problems:
             raise ValueError("\n  ".join(problems))
         return self
+
+    def _family_problems(self) -> list[str]:
+        problems = []
+        if self.expert_kind != "glu":
+            for name, value, default in (
+                ("activation_clamp", self.activation_clamp, None),
+                ("glu_linear_offset", self.glu_linear_offset, 0.0),
+            ):
+                if value != default:
+                    problems.append(
+                        f"mok.{name}={value} applies to glu experts only; mok.expert_kind={self.expert_kind!r}"
+                    )
+        if self.expert_kind == "linear":
+            if self.ffn_hidden_size != self.hidden_size:
+                problems.append(
+                    f"mok.expert_kind='linear' (one H x H linear per expert) needs mok.ffn_hidden_size="
+                    f"hidden_size={self.hidden_size}, got {self.ffn_hidden_size}"
+                )
+            if self.expert_fc1_bias:
+                problems.append("mok.expert_fc1_bias: a linear expert has one linear; its bias is mok.expert_fc2_bias")
+            if self.num_shared_experts:
+                problems.append("mok.num_shared_experts: shared experts are MLPs; mok.expert_kind='linear' has none")
+        if self.kernel_variant == "megakernel" and not self.expert_family.is_swiglu:
+            problems.append(
+                f"mok.kernel_variant='megakernel' computes bias-free SwiGLU experts only, not "
+                f"{self.expert_family.describe()}; use kernel_variant='multi_kernel'"
+            )
+        return problems
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -321,6 +382,18 @@ class MoKConfig(BaseModel):
         if self.num_shared_experts == 0:
             return 0
         return self.shared_ffn_hidden_size or self.num_shared_experts * self.ffn_hidden_size
+
+    @property
+    def expert_family(self) -> MoKExpertFamily:
+        """What each expert computes (experts.py), from the expert_* fields."""
+        return MoKExpertFamily(
+            kind=self.expert_kind,
+            activation=self.expert_activation,
+            clamp=self.activation_clamp,
+            linear_offset=self.glu_linear_offset if self.expert_kind == "glu" else 0.0,
+            fc1_bias=self.expert_fc1_bias and self.expert_kind != "linear",
+            fc2_bias=self.expert_fc2_bias,
+        )
 
     @property
     def num_local_experts(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward
 from mok_plugin.routing import MoKRouting, route, update_expert_bias
@@ -92,20 +93,48 @@ def _check_ep_group(ep_size: int, ep_group) -> tuple[object | None, int]:
 
 
 class MoKExperts(nn.Module):
-    """The routed experts' weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I]."""
+    """The routed experts' weights, in the shapes `family` computes with (experts.py).
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype, device=None):
+    `gate_up_proj` [E, fc1 rows, H] (glu: 2I rows, gate first; mlp: I; None for a linear expert),
+    `down_proj` [E, H, I] ([E, H, H] for a linear expert), and with the family's biases
+    `gate_up_bias` [E, fc1 rows] and `down_bias` [E, H] (else None).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        dtype: torch.dtype,
+        device=None,
+        family: MoKExpertFamily = SWIGLU,
+    ):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device)
-        )
+        self.family = family
+        _register_mlp(self, (num_experts,), hidden_size, ffn_hidden_size, family, dtype, device)
+
+    def weights(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of a backend's experts function: family, biases."""
+        return dict(family=self.family, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
+
+
+def _register_mlp(module: nn.Module, lead: tuple[int, ...], H: int, I: int, family: MoKExpertFamily, dtype, device):
+    """gate_up_proj, down_proj, gate_up_bias, down_bias of `family` on module, each shaped lead + its own shape."""
+    fc1 = family.fc1_width(I)
+    inner = family.intermediate_size(H, I)
+
+    def param(*shape: int, wanted: bool = True) -> nn.Parameter | None:
+        return nn.Parameter(torch.empty(*lead, *shape, dtype=dtype, device=device)) if wanted else None
+
+    module.register_parameter("gate_up_proj", param(fc1, H, wanted=family.kind != "linear"))
+    module.register_parameter("down_proj", param(H, inner))
+    module.register_parameter("gate_up_bias", param(fc1, wanted=family.fc1_bias))
+    module.register_parameter("down_bias", param(H, wanted=family.fc2_bias))
 
 
 class MoKSharedExperts(nn.Module):
-    """The shared experts as one dense SwiGLU MLP: `gate_up_proj` [2Is, H], `down_proj` [H, Is].
+    """The shared experts as one dense MLP of the routed experts' family: `gate_up_proj` [fc1 rows, H]
+    (glu: [2Is, H]), `down_proj` [H, Is], and the family's biases `gate_up_bias`, `down_bias`.
 
     Batch-invariant with both backends, so a token's result does not depend on its batch (and so
     not on the expert-parallel size, since each rank runs this on its own tokens): the reference
@@ -113,29 +142,43 @@ class MoKSharedExperts(nn.Module):
     token picks with weight 1, through the row-tile kernels, which own each row's arithmetic.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device=None,
+        family: MoKExpertFamily = SWIGLU,
+    ):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
+        self.family = family
+        _register_mlp(self, (), hidden_size, intermediate_size, family, dtype, device)
         self.experts_fn = None  # set by MoKMoE: the triton backend's experts function, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts_fn is None:
-            return shared_expert_forward(x, self.gate_up_proj, self.down_proj)
+            return shared_expert_forward(
+                x, self.gate_up_proj, self.down_proj, self.family, self.gate_up_bias, self.down_bias
+            )
         every_token = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
         schedule = build_schedule(every_token, 1, tile_m=DEFAULT_TILE_M)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        return self.experts_fn(x, ones, self.gate_up_proj.unsqueeze(0), self.down_proj.unsqueeze(0), schedule)
+        return self.experts_fn(
+            x, ones, self.gate_up_proj.unsqueeze(0), self.down_proj.unsqueeze(0), schedule, family=self.family,
+            gate_up_bias=None if self.gate_up_bias is None else self.gate_up_bias.unsqueeze(0),
+            down_bias=None if self.down_bias is None else self.down_bias.unsqueeze(0),
+        )  # fmt: skip
 
 
 class MoKMoE(nn.Module):
-    """A mixture-of-experts layer with SwiGLU experts, deterministic by construction.
+    """A mixture-of-experts layer, deterministic by construction, with experts of `config.expert_family`.
 
     Parameters: `router.weight` [E, H] (replicated on every expert-parallel rank);
-    `experts.gate_up_proj` [E_l, 2I, H]; `experts.down_proj` [E_l, H, I], where E_l = E / ep_size
-    and rank r holds experts [r*E_l, (r+1)*E_l); with shared experts,
-    `shared_experts.gate_up_proj` [2Is, H] and `shared_experts.down_proj` [H, Is]. With
-    `config.expert_bias`, the buffer `expert_bias` fp32 [E].
+    `experts.gate_up_proj` [E_l, 2I, H] (SwiGLU; see MoKExperts for the other families);
+    `experts.down_proj` [E_l, H, I]; the family's biases `experts.gate_up_bias`, `experts.down_bias`;
+    where E_l = E / ep_size and rank r holds experts [r*E_l, (r+1)*E_l); with shared experts,
+    `shared_experts.gate_up_proj` [2Is, H] and `shared_experts.down_proj` [H, Is] (and biases).
+    With `config.expert_bias`, the buffer `expert_bias` fp32 [E].
 
     Args:
         config: the layer's MoKConfig.
@@ -165,9 +208,12 @@ class MoKMoE(nn.Module):
         dtype = _DTYPES[config.params_dtype]
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
         self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
-        self.experts = MoKExperts(config.num_local_experts, H, I, dtype, device)
+        family = config.expert_family
+        self.experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
         self.shared_experts = (
-            MoKSharedExperts(H, config.shared_intermediate_size, dtype, device) if config.num_shared_experts else None
+            MoKSharedExperts(H, config.shared_intermediate_size, dtype, device, family)
+            if config.num_shared_experts
+            else None
         )
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
@@ -188,7 +234,7 @@ class MoKMoE(nn.Module):
         # forward, so torch.compile traces no import machinery. A backend that cannot run where
         # the parameters are now is an error at the first forward, not here: a layer built on the
         # CPU with backend="triton" and then moved with .to("cuda") is the usual PyTorch order.
-        device = self.experts.gate_up_proj.device
+        device = self.experts.down_proj.device
         self._backend_error = None
         try:
             self.backend = resolve_backend(self.config.backend, device) if device.type != "meta" else "reference"
@@ -213,7 +259,10 @@ class MoKMoE(nn.Module):
         """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, param in self.named_parameters():
-            if name.startswith("experts."):
+            if name.endswith("_bias"):
+                with torch.no_grad():
+                    param.zero_()  # linear biases start at zero, as Megatron initialises them
+            elif name.startswith("experts."):
                 # Draw all E experts, keep this rank's slice: the weights do not depend on ep_size.
                 full_shape = (self.config.num_experts, *param.shape[1:])
                 _init_(param, self.init_std, generator, full_shape, first=self.ep_rank * param.shape[0])
@@ -222,7 +271,7 @@ class MoKMoE(nn.Module):
 
     @property
     def params_dtype(self) -> torch.dtype:
-        return self.experts.gate_up_proj.dtype
+        return self.experts.down_proj.dtype
 
     def _check_input(self, x: torch.Tensor) -> None:
         H = self.config.hidden_size
@@ -235,8 +284,8 @@ class MoKMoE(nn.Module):
                 f"x has dtype {x.dtype} but the layer's parameters are {self.params_dtype} "
                 f"(mok.params_dtype={self.config.params_dtype}); cast x or the layer"
             )
-        if x.device != self.experts.gate_up_proj.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self.experts.gate_up_proj.device}")
+        if x.device != self.experts.down_proj.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self.experts.down_proj.device}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, run the experts, combine.
@@ -262,19 +311,20 @@ class MoKMoE(nn.Module):
         debug = self.debug
         routing = self.route(x_TH, debug=debug)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
         capacity = None
         if cfg.capacity_factor is not None:
             # Over the global batch, so that every EP size keeps the same rows.
             capacity = expert_capacity(self._global_tokens(T), cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         if self.ep_group is not None:
             out, num_dropped = moe_experts_expert_parallel(
-                x_TH, routing.topk_ids, routing.topk_weights, w13, w2, self._experts_fn, self.ep_group,
+                x_TH, routing.topk_ids, routing.topk_weights, w13, w2, experts_fn, self.ep_group,
                 cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
                 transport=cfg.ep_transport, expert_capacity=capacity,
             )  # fmt: skip
         else:
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
-            out = self._experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
+            out = experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
             num_dropped = schedule.num_dropped
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_TH)
@@ -300,7 +350,7 @@ class MoKMoE(nn.Module):
             return num_tokens
         if self.config.ep_exchange == "capacity":
             return num_tokens * self.config.ep_size
-        total = torch.tensor([num_tokens], dtype=torch.int64, device=self.experts.gate_up_proj.device)
+        total = torch.tensor([num_tokens], dtype=torch.int64, device=self.experts.down_proj.device)
         torch.distributed.all_reduce(total, group=self.ep_group)
         return int(total)  # host-ok: exact exchange, sized on the host (parallel/dispatch.py)
 
@@ -364,5 +414,6 @@ class MoKMoE(nn.Module):
         c = self.config
         return (
             f"H={c.hidden_size}, I={c.ffn_hidden_size}, E={c.num_experts}, K={c.top_k}, "
+            f"experts={c.expert_family.describe()}, "
             f"shared={c.num_shared_experts}, score={c.score_function}, backend={self.backend}, dtype={c.params_dtype}"
         )

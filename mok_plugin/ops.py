@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
 from mok_plugin.kernels.grouped_mlp import down_dgrad, down_fwd, expert_wgrad, gate_up_dgrad, gate_up_fwd
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
@@ -275,6 +276,9 @@ def moe_experts(
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
     variant: str = "multi_kernel",
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for every token (Triton backend); same contract as
     `reference.moe_experts_reference`.
@@ -289,6 +293,8 @@ def moe_experts(
     Returns:
         [T, H] in x's dtype.
     """
+    if not family.is_swiglu:
+        raise NotImplementedError(f"the triton backend does not compute {family.describe()} experts yet")
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     s = schedule

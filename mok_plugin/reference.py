@@ -5,19 +5,21 @@ Owns: `MoKReferenceExperts` (one autograd Function with an explicit backward), `
 `shared_expert_forward` (the dense shared-expert MLP, plain autograd).
 
 It is the CPU backend and the oracle every kernel is tested against, so it follows the same
-fixed orders and rounding points as the kernels (DESIGN.md):
+fixed orders and rounding points as the kernels (DESIGN.md). Written for a glu expert (experts.py
+has the other kinds: an mlp's h has I columns; a linear expert has no fc1 and A is its input row):
 
 forward, per expert e over its rows r in ascending (token, k) order:
-    h_r  = x[token_r] @ W13_e^T                  accumulated in fp64, stored in the params dtype
-    A_r  = silu(h_r[:I]) * h_r[I:]                fp64 math on the stored h, stored in the params dtype
-    y_r  = w_r * (A_r @ W2_e^T)                   fp64, stored per (token, k) row in the params dtype
+    h_r  = x[token_r] @ W13_e^T + b1_e           accumulated in fp64, stored in the params dtype
+    A_r  = act(h_r)                               the family's activation, fp64 math, params dtype
+    y_r  = w_r * (A_r @ W2_e^T + b2_e)            fp64, stored per (token, k) row in the params dtype
     out_t = ((y_(t,0) + y_(t,1)) + ...) + y_(t,K-1)   fp32, k ascending, rounded once
 backward (the down-projection output z = A @ W2^T is never saved):
     dA'_r = dO[token_r] @ W2_e                   fp64
-    dw_r  = <dA'_r, A_r>                           router-score gradient, fp64 rounded to fp32
-    dA_r  = w_r * dA'_r; dh_r = dSwiGLU(h_r, dA_r) stored in the params dtype
+    dw_r  = <dA'_r, A_r> + <dO[token_r], b2_e>     router-score gradient, fp64 rounded to fp32
+    dA_r  = w_r * dA'_r; dh_r = act'(h_r) dA_r     stored in the params dtype
     dx_r  = dh_r @ W13_e                           stored per (token, k) row, then summed over k in order
     dW2_e = sum_r (w_r dO[token_r])^T A_r;  dW13_e = sum_r dh_r^T x[token_r]   over the expert's rows
+    db2_e = sum_r w_r dO[token_r];          db1_e  = sum_r dh_r
 
 The kernels accumulate in fp32; the reference accumulates in fp64 and rounds at the same points.
 That keeps it a tighter oracle and makes it batch-invariant: a CPU GEMM or a vectorised silu may
@@ -28,14 +30,15 @@ Expert segments come from `MoKSchedule`; the per-expert loop reads their bounds 
 is fine for a CPU backend and an oracle (the Triton backend never does).
 
 Does not own: routing, the schedule or the row <-> token primitives it shares with the other paths
-(`sum_over_k`, `values_per_row`: schedule.py), or the choice of backend.
+(`sum_over_k`, `values_per_row`: schedule.py), the activations' formulas (experts.py), or the
+choice of backend.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from mok_plugin.experts import SWIGLU, MoKExpertFamily, activation_backward_fp64, activation_fp64, check_expert_weights
 from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
 
 __all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward"]
@@ -48,17 +51,7 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up on [..., 2I] (gate first), computed in fp64 and returned in h's dtype."""
-    gate, up = _acc(h).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(h.dtype)
-
-
-def _swiglu_backward(h: torch.Tensor, d_a: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. h = [gate, up] of silu(gate) * up, given fp64 d_a; fp64 result."""
-    gate, up = _acc(h).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    d_gate = d_a * up * (sig * (1.0 + gate * (1.0 - sig)))
-    d_up = d_a * (gate * sig)
-    return torch.cat([d_gate, d_up], dim=-1)
+    return activation_fp64(h, SWIGLU).to(h.dtype)
 
 
 def _rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K: int) -> torch.Tensor:
@@ -81,34 +74,36 @@ class MoKReferenceExperts(torch.autograd.Function):
     """Routed experts with an explicit backward in the fixed orders of the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule: MoKSchedule):  # type: ignore[override]
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, family):  # type: ignore[override]
         T, H = x.shape
         K = schedule.top_k
         dtype = x.dtype
         row_to_token = schedule.row_to_token
         w_R = _acc(values_per_row(topk_weights, schedule.row_to_tk))
 
-        I2 = gate_up_proj.shape[1]
-        h_R = x.new_zeros(schedule.num_rows, I2)
+        h_R = x.new_zeros(schedule.num_rows, family.fc1_width(down_proj.shape[2]))
         y_R = x.new_zeros(schedule.num_rows, H)
         for e, s, n in _segments(schedule):
-            x_e = _acc(x[row_to_token[s : s + n]])
-            h = (x_e @ _acc(gate_up_proj[e]).t()).to(dtype)
-            a = swiglu(h)
-            y = (_acc(a) @ _acc(down_proj[e]).t()) * w_R[s : s + n, None]
-            h_R[s : s + n] = h
+            x_e = x[row_to_token[s : s + n]]
+            h = _fc1(x_e, gate_up_proj, gate_up_bias, e, family)
+            a = _activation(h, family)
+            y = _linear(a, down_proj[e], down_bias, e) * w_R[s : s + n, None]
+            if family.kind != "linear":
+                h_R[s : s + n] = h
             y_R[s : s + n] = y.to(dtype)
         out = sum_over_k(_rows_in_tk_order(y_R, schedule.tk_to_row, T, K), dtype)
 
-        ctx.save_for_backward(x, w_R, gate_up_proj, down_proj, h_R)
+        ctx.save_for_backward(x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R)
         ctx.schedule = schedule
+        ctx.family = family
         ctx.weights_dtype = topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
-        x, w_R, gate_up_proj, down_proj, h_R = ctx.saved_tensors
+        x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R = ctx.saved_tensors
         schedule: MoKSchedule = ctx.schedule
+        family: MoKExpertFamily = ctx.family
         T, H = x.shape
         K = schedule.top_k
         dtype = x.dtype
@@ -117,51 +112,98 @@ class MoKReferenceExperts(torch.autograd.Function):
 
         d_x_R = x.new_zeros(schedule.num_rows, H)
         d_w_R = w_R.new_zeros(schedule.num_rows)
-        d_gate_up = torch.zeros_like(gate_up_proj)
+        d_gate_up = None if gate_up_proj is None else torch.zeros_like(gate_up_proj)
         d_down = torch.zeros_like(down_proj)
+        d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
+        d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
         for e, s, n in _segments(schedule):
             tokens = row_to_token[s : s + n]
-            x_e = _acc(x[tokens])
+            x_e = x[tokens]
             d_o = _acc(d_out[tokens])
-            h = h_R[s : s + n]
-            a = _acc(swiglu(h))
+            h = x_e if family.kind == "linear" else h_R[s : s + n]
+            a = _acc(_activation(h, family))
             w = w_R[s : s + n, None]
             d_a_prime = d_o @ _acc(down_proj[e])
-            d_w_R[s : s + n] = (d_a_prime * a).sum(dim=-1)
-            d_h = _swiglu_backward(h, w * d_a_prime).to(dtype)
-            d_x_R[s : s + n] = (_acc(d_h) @ _acc(gate_up_proj[e])).to(dtype)
+            # dL/dw = <dO, A W2^T + b2>: the second bias is inside the routing weight.
+            d_w = (d_a_prime * a).sum(dim=-1)
+            if down_bias is not None:
+                d_w = d_w + d_o @ _acc(down_bias[e])
+                d_down_bias[e] = (w * d_o).sum(dim=0).to(dtype)
+            d_w_R[s : s + n] = d_w
+            d_h = activation_backward_fp64(h, w * d_a_prime, family).to(dtype)
+            if family.kind == "linear":
+                d_x_R[s : s + n] = d_h
+            else:
+                d_x_R[s : s + n] = (_acc(d_h) @ _acc(gate_up_proj[e])).to(dtype)
+                d_gate_up[e] = (_acc(d_h).t() @ _acc(x_e)).to(dtype)
+                if gate_up_bias is not None:
+                    d_gate_up_bias[e] = _acc(d_h).sum(dim=0).to(dtype)
             d_down[e] = ((w * d_o).t() @ a).to(dtype)
-            d_gate_up[e] = (_acc(d_h).t() @ x_e).to(dtype)
 
         d_x = sum_over_k(_rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
         kept = schedule.tk_to_row >= 0
         d_topk_weights = torch.where(kept, d_w_R[schedule.tk_to_row.clamp(min=0)], 0.0).view(T, K)
-        return d_x, d_topk_weights.to(ctx.weights_dtype), d_gate_up, d_down, None
+        return (d_x, d_topk_weights.to(ctx.weights_dtype), d_gate_up, d_down, d_gate_up_bias, d_down_bias, None, None)
+
+
+def _linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e: int | None) -> torch.Tensor:
+    """fp64 a @ weight^T (+ bias[e], or bias itself when e is None)."""
+    out = _acc(a) @ _acc(weight).t()
+    if bias is not None:
+        out = out + _acc(bias if e is None else bias[e])
+    return out
+
+
+def _fc1(x_e, gate_up_proj, gate_up_bias, e, family: MoKExpertFamily) -> torch.Tensor:
+    """h of the rows x_e in the params dtype (x_e itself for a linear expert, which has no fc1)."""
+    if family.kind == "linear":
+        return x_e
+    weight = gate_up_proj if e is None else gate_up_proj[e]
+    return _linear(x_e, weight, gate_up_bias, e).to(x_e.dtype)
+
+
+def _activation(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
+    """A = the family's activation of the stored h, in fp64 math, rounded to h's dtype."""
+    return activation_fp64(h, family).to(h.dtype)
 
 
 def moe_experts_reference(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | None,
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for every token (reference backend).
 
     Args:
         x: [T, H] in the params dtype.
         topk_weights: fp32 [T, K], the routing weight of each (token, k).
-        gate_up_proj: [E, 2I, H], gate rows first.
-        down_proj: [E, H, I].
+        gate_up_proj: [E, fc1 rows, H] (glu: gate rows first); None for a linear expert.
+        down_proj: [E, H, I] ([E, H, H] for a linear expert).
         schedule: from `build_schedule` on the same routing.
+        family: what each expert computes (experts.py); bias-free SwiGLU by default.
+        gate_up_bias: [E, fc1 rows] when family.fc1_bias; down_bias: [E, H] when family.fc2_bias.
     Returns:
         [T, H] in x's dtype: sum over k of w_tk * expert_k(x_t), k ascending.
     """
-    return MoKReferenceExperts.apply(x, topk_weights, gate_up_proj, down_proj, schedule)
+    check_expert_weights(family, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    return MoKReferenceExperts.apply(x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule,
+                                     family)  # fmt: skip
 
 
-def shared_expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU MLP applied to every token (plain autograd), batch-invariant.
+def shared_expert_forward(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor | None,
+    down_proj: torch.Tensor,
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense shared-expert MLP of `family` applied to every token (plain autograd), batch-invariant.
 
     Computed in fp64 and rounded at the same points (h, A, output) as the params-dtype path: a GEMM
     library may round a row differently when the number of rows changes, and vectorised silu
@@ -171,10 +213,12 @@ def shared_expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
 
     Args:
         x: [T, H].
-        gate_up_proj: [2Is, H], gate rows first.
+        gate_up_proj: [fc1 rows, H] (glu: [2Is, H], gate rows first); None for a linear expert.
         down_proj: [H, Is].
+        family, gate_up_bias [fc1 rows], down_bias [H]: as for `moe_experts_reference`.
     Returns:
         [T, H] in x's dtype.
     """
-    h = F.linear(x.double(), gate_up_proj.double()).to(x.dtype)
-    return F.linear(_acc(swiglu(h)), down_proj.double()).to(x.dtype)
+    check_expert_weights(family, gate_up_proj, down_proj, gate_up_bias, down_bias, stacked=False)
+    a = _activation(_fc1(x, gate_up_proj, gate_up_bias, None, family), family)
+    return _linear(a, down_proj, down_bias, None).to(x.dtype)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
+
 __all__ = [
     "free_port",
     "init_gloo",
@@ -31,6 +33,8 @@ __all__ = [
     "TOLERANCES",
     "assert_close",
     "make_layer_inputs",
+    "EXPERT_FAMILIES",
+    "oracle_expert_mlp",
     "oracle_experts",
     "oracle_moe",
     "oracle_kept_pairs",
@@ -152,21 +156,83 @@ def oracle_kept_pairs(topk_ids: torch.Tensor, num_experts: int, capacity: int | 
     return kept
 
 
+# One family of each kind and activation, with and without biases; the clamp is small enough that
+# unit-scale test inputs cross it (GPT-OSS's 7.0 would never clamp them).
+EXPERT_FAMILIES: dict[str, MoKExpertFamily] = {
+    "swiglu": MoKExpertFamily(),
+    "glu_gelu_bias": MoKExpertFamily("glu", "gelu", fc1_bias=True, fc2_bias=True),
+    "glu_gelu_tanh": MoKExpertFamily("glu", "gelu_tanh"),
+    "glu_relu": MoKExpertFamily("glu", "relu", fc2_bias=True),
+    "gpt_oss": MoKExpertFamily("glu", "quick_gelu", clamp=0.25, linear_offset=1.0, fc1_bias=True, fc2_bias=True),
+    "mlp_gelu_bias": MoKExpertFamily("mlp", "gelu", fc1_bias=True, fc2_bias=True),
+    "mlp_gelu_tanh": MoKExpertFamily("mlp", "gelu_tanh", fc1_bias=True),
+    "mlp_quick_gelu": MoKExpertFamily("mlp", "quick_gelu"),
+    "mlp_relu": MoKExpertFamily("mlp", "relu", fc2_bias=True),
+    "mlp_squared_relu": MoKExpertFamily("mlp", "squared_relu"),
+    "mlp_silu": MoKExpertFamily("mlp", "silu", fc1_bias=True),
+    "linear_bias": MoKExpertFamily("linear", fc2_bias=True),
+}
+
+
+def _oracle_activation(g: torch.Tensor, name: str) -> torch.Tensor:
+    """The activations written out from their definitions (not experts.py's torch calls)."""
+    if name == "silu":
+        return g / (1.0 + torch.exp(-g))
+    if name == "gelu":
+        return 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    if name == "quick_gelu":
+        return g / (1.0 + torch.exp(-1.702 * g))
+    if name == "relu":
+        return torch.where(g > 0, g, torch.zeros_like(g))
+    assert name == "squared_relu", name
+    return torch.where(g > 0, g * g, torch.zeros_like(g))
+
+
+def oracle_expert_mlp(
+    x_t: torch.Tensor,
+    w1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    family: MoKExpertFamily = SWIGLU,
+) -> torch.Tensor:
+    """One expert on one token x_t [H]: fc1, the family's activation, fc2 (experts.py's formulas)."""
+    if family.kind == "linear":
+        a = x_t
+    else:
+        h = w1 @ x_t + (b1 if b1 is not None else 0.0)
+        if family.kind == "mlp":
+            a = _oracle_activation(h, family.activation)
+        else:
+            gate, up = h[: h.shape[0] // 2], h[h.shape[0] // 2 :]
+            if family.clamp is not None:
+                gate = torch.minimum(gate, torch.full_like(gate, family.clamp))
+                up = torch.maximum(
+                    torch.minimum(up, torch.full_like(up, family.clamp)), torch.full_like(up, -family.clamp)
+                )
+            a = _oracle_activation(gate, family.activation) * (up + family.linear_offset)
+    return w2 @ a + (b2 if b2 is not None else 0.0)
+
+
 def oracle_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | None,
     down_proj: torch.Tensor,
     kept: torch.Tensor | None = None,
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """sum_k w_tk * W2_e (silu(W1_e x_t) * W3_e x_t), one token and one chosen expert at a time.
+    """sum_k w_tk * expert_e(x_t) (`oracle_expert_mlp`), one token and one chosen expert at a time.
 
     Dropped pairs (kept False) contribute nothing. Float64 in, float64 out; autograd gives the
-    gradients of x, topk_weights and both weights.
+    gradients of x, topk_weights, the weights and the biases.
     """
     T, H = x.shape
-    I = gate_up_proj.shape[1] // 2
     K = topk_ids.shape[1]
     ids = topk_ids.tolist()  # host-ok: Python-loop oracle
     kept_list = kept.tolist() if kept is not None else [[True] * K for _ in range(T)]  # host-ok: oracle
@@ -176,9 +242,14 @@ def oracle_experts(
         for k in range(K):
             if kept_list[t][k]:
                 e = ids[t][k]
-                gate = gate_up_proj[e, :I] @ x[t]
-                up = gate_up_proj[e, I:] @ x[t]
-                y = y + topk_weights[t, k] * (down_proj[e] @ (gate * torch.sigmoid(gate) * up))
+                y = y + topk_weights[t, k] * oracle_expert_mlp(
+                    x[t],
+                    None if gate_up_proj is None else gate_up_proj[e],
+                    down_proj[e],
+                    None if gate_up_bias is None else gate_up_bias[e],
+                    None if down_bias is None else down_bias[e],
+                    family,
+                )
         outputs.append(y)
     return torch.stack(outputs)
 
@@ -198,18 +269,21 @@ def oracle_moe(
     kept: torch.Tensor | None = None,
     shared_gate_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
+    family: MoKExpertFamily = SWIGLU,
+    biases: dict[str, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer in float64, one token at a time.
 
     The expert choice `topk_ids` is taken as given (selection is discrete and tested apart); the
     weights are recomputed from the logits here, so their gradient reaches the router weight.
-    Pass float64 leaf tensors with requires_grad to get gradients by autograd.
+    Pass float64 leaf tensors with requires_grad to get gradients by autograd. `biases` maps
+    gate_up_bias, down_bias, shared_gate_up_bias, shared_down_bias to tensors (absent: none).
 
     Returns:
         (output [T, H], topk_weights [T, K], aux_loss []) in float64.
     """
     T, H = x.shape
-    E = gate_up_proj.shape[0]
+    E = down_proj.shape[0]
     K = topk_ids.shape[1]
     ids = topk_ids.tolist()  # host-ok: Python-loop oracle
     weights, lse = [], []
@@ -225,12 +299,17 @@ def oracle_moe(
             chosen = chosen / chosen.sum()
         weights.append(chosen * routed_scaling_factor)
     topk_weights = torch.stack(weights)
-    out = oracle_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, kept)
-    if shared_gate_up is not None:
-        Is = shared_gate_up.shape[0] // 2
-        g = x @ shared_gate_up[:Is].t()
-        u = x @ shared_gate_up[Is:].t()
-        out = out + (g * torch.sigmoid(g) * u) @ shared_down.t()
+    b = biases or {}
+    out = oracle_experts(
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, kept, family, b.get("gate_up_bias"), b.get("down_bias")
+    )
+    if shared_down is not None:
+        shared = [
+            oracle_expert_mlp(x[t], shared_gate_up, shared_down, b.get("shared_gate_up_bias"),
+                              b.get("shared_down_bias"), family)
+            for t in range(T)
+        ]  # fmt: skip
+        out = out + torch.stack(shared)
 
     aux = torch.zeros((), dtype=x.dtype)
     if aux_loss_coeff > 0:

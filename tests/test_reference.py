@@ -4,13 +4,22 @@ aux loss; for each router variant, with and without shared experts, fp32 and bf1
 expert with no token, every token on one expert, T = 1, T not a multiple of the tile, capacity drops.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from mok_plugin import MoKConfig, MoKMoE
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule, expert_capacity
-from mok_plugin.testing import assert_close, make_layer_inputs, oracle_experts, oracle_kept_pairs, oracle_moe
+from mok_plugin.testing import (
+    EXPERT_FAMILIES,
+    assert_close,
+    make_layer_inputs,
+    oracle_experts,
+    oracle_kept_pairs,
+    oracle_moe,
+)
 
 ROUTER_VARIANTS = {
     "softmax": dict(score_function="softmax"),
@@ -25,6 +34,7 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
     layer = MoKMoE(cfg, seed=seed, init_std=0.1)
     if bias is not None:
         layer.expert_bias.copy_(bias)
+    _randomise_linear_biases(layer, seed)
     x = make_layer_inputs(T, cfg.hidden_size, dtype=dtype, seed=seed + 1).requires_grad_()
     probe = make_layer_inputs(T, cfg.hidden_size, dtype=torch.float32, seed=seed + 2)
     out, aux = layer(x)
@@ -39,11 +49,20 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
     def leaf(t):
         return t.detach().double().requires_grad_()
 
+    def maybe_leaf(t):
+        return None if t is None else leaf(t)
+
     x64, wr64 = leaf(x), leaf(layer.router.weight)
-    w13, w2 = leaf(layer.experts.gate_up_proj), leaf(layer.experts.down_proj)
+    w13, w2 = maybe_leaf(layer.experts.gate_up_proj), leaf(layer.experts.down_proj)
     shared = layer.shared_experts
-    s13 = leaf(shared.gate_up_proj) if shared is not None else None
+    s13 = maybe_leaf(shared.gate_up_proj) if shared is not None else None
     s2 = leaf(shared.down_proj) if shared is not None else None
+    biases = {
+        "gate_up_bias": maybe_leaf(layer.experts.gate_up_bias),
+        "down_bias": maybe_leaf(layer.experts.down_bias),
+        "shared_gate_up_bias": maybe_leaf(shared.gate_up_bias) if shared is not None else None,
+        "shared_down_bias": maybe_leaf(shared.down_bias) if shared is not None else None,
+    }
     out64, _, aux64 = oracle_moe(
         x64,
         wr64,
@@ -58,6 +77,8 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
         kept=kept,
         shared_gate_up=s13,
         shared_down=s2,
+        family=cfg.expert_family,
+        biases=biases,
     )
     ((out64 * probe.double()).sum() + aux64).backward()
 
@@ -66,12 +87,63 @@ def _run_and_compare(cfg: MoKConfig, T: int, seed: int, dtype: torch.dtype, bias
     assert_close(aux, aux64, torch.float32, "aux_loss")
     assert_close(x.grad, x64.grad, dtype, "d_x", n_reduce=cfg.top_k * cfg.ffn_hidden_size)
     assert_close(layer.router.weight.grad, wr64.grad, dtype, "d_router_weight", n_reduce=T)
-    assert_close(layer.experts.gate_up_proj.grad, w13.grad, dtype, "d_gate_up_proj", n_reduce=rows_per_expert)
+    if w13 is not None:
+        assert_close(layer.experts.gate_up_proj.grad, w13.grad, dtype, "d_gate_up_proj", n_reduce=rows_per_expert)
     assert_close(layer.experts.down_proj.grad, w2.grad, dtype, "d_down_proj", n_reduce=rows_per_expert)
     if shared is not None:
-        assert_close(shared.gate_up_proj.grad, s13.grad, dtype, "d_shared_gate_up", n_reduce=T)
+        if s13 is not None:
+            assert_close(shared.gate_up_proj.grad, s13.grad, dtype, "d_shared_gate_up", n_reduce=T)
         assert_close(shared.down_proj.grad, s2.grad, dtype, "d_shared_down", n_reduce=T)
+    owners = {"gate_up_bias": layer.experts, "down_bias": layer.experts}
+    if shared is not None:
+        owners.update(shared_gate_up_bias=shared, shared_down_bias=shared)
+    for name, want in biases.items():
+        if want is not None:
+            got = getattr(owners[name], name.removeprefix("shared_")).grad
+            assert_close(
+                got, want.grad, dtype, f"d_{name}", n_reduce=T if name.startswith("shared") else rows_per_expert
+            )
     return layer, routing
+
+
+def _randomise_linear_biases(layer: MoKMoE, seed: int) -> None:
+    """Fresh random biases (they start at zero, which would test nothing)."""
+    generator = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name.endswith("_bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+
+
+@pytest.mark.parametrize("family", list(EXPERT_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_expert_family_matches_oracle(family, dtype):
+    fam = _family_for(family, dtype)
+    cfg = MoKConfig(
+        hidden_size=32,
+        ffn_hidden_size=32 if fam.kind == "linear" else 24,
+        num_experts=8,
+        top_k=3,
+        num_shared_experts=0 if fam.kind == "linear" else 1,
+        params_dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+        **fam.config_fields(),
+    )
+    _run_and_compare(cfg, T=29, seed=5, dtype=dtype)
+
+
+def _family_for(name: str, dtype: torch.dtype):
+    """The test family; in bf16 a clamp is moved out to GPT-OSS's 7.0: an h within bf16's rounding
+    of the clamp flips its gradient on or off against the fp64 oracle (fp32 tests the clamp)."""
+    fam = EXPERT_FAMILIES[name]
+    if dtype == torch.bfloat16 and fam.clamp is not None:
+        fam = dataclasses.replace(fam, clamp=7.0)
+    return fam
+
+
+def test_clamped_glu_clamps_the_test_inputs():
+    # The gpt_oss test family's clamp must bind on unit-scale h, or the test above checks nothing of it.
+    fam = EXPERT_FAMILIES["gpt_oss"]
+    assert fam.clamp is not None and fam.clamp < 1.0
 
 
 @pytest.mark.parametrize("variant", list(ROUTER_VARIANTS))
