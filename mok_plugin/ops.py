@@ -24,9 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from mok_plugin.experts import SWIGLU, MoKExpertFamily
+from mok_plugin.experts import SWIGLU, MoKExpertFamily, check_expert_weights
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
-from mok_plugin.kernels.grouped_mlp import down_dgrad, down_fwd, expert_wgrad, gate_up_dgrad, gate_up_fwd
+from mok_plugin.kernels.grouped_mlp import (
+    down_dgrad,
+    down_fwd,
+    expert_bias_grad,
+    expert_wgrad,
+    gate_up_dgrad,
+    gate_up_fwd,
+)
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.schedule import MoKSchedule, values_per_row
 
@@ -123,12 +130,14 @@ torch.library.register_autograd("mok_plugin::moe_experts_fwd", _backward, setup_
 
 
 # ---- multi-kernel variant, node 1 of 2: x -> (h, A) -----------------------------------------
+# The family travels as scalars (ops take no config objects): activation, gated, clamp, offset.
 
 
 @torch.library.custom_op("mok_plugin::expert_up_fwd", mutates_args=())
 def expert_up_fwd(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
     row_to_token: torch.Tensor,
     tk_to_row: torch.Tensor,
     tile_to_expert: torch.Tensor,
@@ -136,17 +145,26 @@ def expert_up_fwd(
     tokens_per_expert: torch.Tensor,
     tile_m: int,
     top_k: int,
+    activation: str,
+    gated: bool,
+    clamp: float | None,
+    offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [R_pad, 2I], A = SwiGLU(h) [R_pad, I]) of the gathered x rows. The schedule tensors that
-    only the backward reads are inputs so that autograd saves them; top_k is passed, not derived
-    from tk_to_row's length, because T can be 0 (an expert-parallel rank that receives no rows)."""
-    return gate_up_fwd(x, gate_up_proj, row_to_token, tile_to_expert, tile_m)
+    """(h [R_pad, N1], A [R_pad, I]) of the gathered x rows (N1 = 2I gated, else I). The schedule
+    tensors that only the backward reads are inputs so that autograd saves them; top_k is passed,
+    not derived from tk_to_row's length, because T can be 0 (an expert-parallel rank that receives
+    no rows)."""
+    return gate_up_fwd(
+        x, gate_up_proj, row_to_token, tile_to_expert, tile_m, gate_up_bias=gate_up_bias, activation=activation,
+        gated=gated, clamp=clamp, offset=offset,
+    )  # fmt: skip
 
 
 @expert_up_fwd.register_fake
-def _(x, gate_up_proj, row_to_token, *schedule_and_tile):
-    rows, two_i = row_to_token.shape[0], gate_up_proj.shape[1]
-    return x.new_empty(rows, two_i), x.new_empty(rows, two_i // 2)
+def _(x, gate_up_proj, gate_up_bias, row_to_token, *schedule_and_family):
+    gated = schedule_and_family[-3]
+    rows, n1 = row_to_token.shape[0], gate_up_proj.shape[1]
+    return x.new_empty(rows, n1), x.new_empty(rows, n1 // 2 if gated else n1)
 
 
 @torch.library.custom_op("mok_plugin::expert_up_bwd", mutates_args=())
@@ -162,7 +180,7 @@ def expert_up_bwd(
     tile_m: int,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, 2I, H]) from dh."""
+    """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh."""
     d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, x.shape[0],
                        top_k)  # fmt: skip
     d_gate_up = expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
@@ -175,22 +193,79 @@ def _(d_h, x, gate_up_proj, *schedule_and_tile):
     return x.new_empty(x.shape), gate_up_proj.new_empty(gate_up_proj.shape)
 
 
+@torch.library.custom_op("mok_plugin::expert_bias_grad", mutates_args=())
+def expert_bias_grad_op(
+    src: torch.Tensor,
+    scale: torch.Tensor | None,
+    row_to_token: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    by_token: bool,
+) -> torch.Tensor:
+    """[E, N]: per expert, the sum over its rows of scale * src rows, in ascending row order."""
+    return expert_bias_grad(src, row_to_token, expert_offsets, tokens_per_expert, by_token=by_token, scale=scale)
+
+
+@expert_bias_grad_op.register_fake
+def _(src, scale, row_to_token, expert_offsets, tokens_per_expert, by_token):
+    return src.new_empty(tokens_per_expert.shape[0], src.shape[1])
+
+
 def _setup_up(ctx, inputs, output):
-    *tensors, tile_m, top_k = inputs
-    ctx.tile_m, ctx.top_k = tile_m, top_k
-    ctx.save_for_backward(*tensors)
+    x, gate_up_proj, gate_up_bias, *schedule, tile_m, top_k, _act, _gated, _clamp, _offset = inputs
+    ctx.tile_m, ctx.top_k, ctx.has_bias = tile_m, top_k, gate_up_bias is not None
+    ctx.save_for_backward(x, gate_up_proj, *schedule)
     # A gets no gradient (the down node returns dh for h instead): leave it None rather than have
     # autograd allocate zeros [R_pad, I] for it at the backward's peak.
     ctx.set_materialize_grads(False)
 
 
 def _backward_up(ctx, d_h, _d_a):
-    x, gate_up_proj, *schedule = ctx.saved_tensors
-    d_x, d_gate_up = expert_up_bwd(d_h, x, gate_up_proj, *schedule, ctx.tile_m, ctx.top_k)
-    return d_x, d_gate_up, None, None, None, None, None, None, None
+    x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = ctx.saved_tensors
+    d_x, d_gate_up = expert_up_bwd(
+        d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, ctx.tile_m,
+        ctx.top_k,
+    )  # fmt: skip
+    d_bias = None
+    if ctx.has_bias:
+        d_bias = expert_bias_grad_op(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
+    return (d_x, d_gate_up, d_bias) + (None,) * 11
 
 
 torch.library.register_autograd("mok_plugin::expert_up_fwd", _backward_up, setup_context=_setup_up)
+
+
+# ---- a linear expert's input: x -> its rows in schedule order ----------------------------------
+
+
+@torch.library.custom_op("mok_plugin::expert_gather_rows", mutates_args=())
+def expert_gather_rows(
+    x: torch.Tensor, row_to_token: torch.Tensor, tk_to_row: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """[R_pad, H]: x[row_to_token[r]] per row, zeros on padding rows (a linear expert's A and h).
+    Its backward sums each token's K row gradients in k order (`combine_rows`), never an atomic
+    scatter."""
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return padded.index_select(0, torch.where(row_to_token >= 0, row_to_token, x.shape[0])).contiguous()
+
+
+@expert_gather_rows.register_fake
+def _(x, row_to_token, tk_to_row, top_k):
+    return x.new_empty(row_to_token.shape[0], x.shape[1])
+
+
+def _setup_gather(ctx, inputs, output):
+    x, _row_to_token, tk_to_row, top_k = inputs
+    ctx.num_tokens, ctx.top_k = x.shape[0], top_k
+    ctx.save_for_backward(tk_to_row)
+
+
+def _backward_gather(ctx, d_rows):
+    (tk_to_row,) = ctx.saved_tensors
+    return combine_rows(d_rows.contiguous(), tk_to_row, ctx.num_tokens, ctx.top_k), None, None, None
+
+
+torch.library.register_autograd("mok_plugin::expert_gather_rows", _backward_gather, setup_context=_setup_gather)
 
 
 # ---- multi-kernel variant, node 2 of 2: A -> routed output (h in, for the backward) ------------
@@ -202,6 +277,7 @@ def expert_down_fwd(
     a: torch.Tensor,
     topk_weights: torch.Tensor,
     down_proj: torch.Tensor,
+    down_bias: torch.Tensor | None,
     row_to_token: torch.Tensor,
     row_to_tk: torch.Tensor,
     tk_to_row: torch.Tensor,
@@ -209,16 +285,22 @@ def expert_down_fwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    activation: str,
+    gated: bool,
+    clamp: float | None,
+    offset: float,
 ) -> torch.Tensor:
-    """out [T, H] = per token, sum over k in order of w_tk * A[row] W2_e^T. h is not read here:
-    it is an input so that this node's backward (dSwiGLU needs h) returns dh to the up node."""
+    """out [T, H] = per token, sum over k in order of w_tk * (A[row] W2_e^T + b2_e). h is not read
+    here: it is an input so that this node's backward (the activation's gradient needs h) returns
+    dh to the up node; the family scalars are for that backward."""
     T, K = topk_weights.shape
-    y = down_fwd(a, down_proj, _row_weights(topk_weights, row_to_tk), row_to_token, tile_to_expert, tile_m)
+    y = down_fwd(a, down_proj, _row_weights(topk_weights, row_to_tk), row_to_token, tile_to_expert, tile_m,
+                 down_bias=down_bias)  # fmt: skip
     return combine_rows(y, tk_to_row, T, K)
 
 
 @expert_down_fwd.register_fake
-def _(h, a, topk_weights, down_proj, *schedule_and_tile):
+def _(h, a, topk_weights, down_proj, *rest):
     return a.new_empty(topk_weights.shape[0], down_proj.shape[1])
 
 
@@ -228,6 +310,7 @@ def expert_down_bwd(
     h: torch.Tensor,
     topk_weights: torch.Tensor,
     down_proj: torch.Tensor,
+    down_bias: torch.Tensor | None,
     row_to_token: torch.Tensor,
     row_to_tk: torch.Tensor,
     tk_to_row: torch.Tensor,
@@ -235,13 +318,21 @@ def expert_down_bwd(
     expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     tile_m: int,
+    activation: str,
+    gated: bool,
+    clamp: float | None,
+    offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh [R_pad, 2I], d_topk_weights [T, K], d_down [E, H, I]): the dgrad GEMM with the router
-    partial <dA', A> and dSwiGLU in its epilogue, then dW2 from the w*A rows it wrote."""
+    """(dh [R_pad, N1], d_topk_weights [T, K], d_down [E, H, I]): the dgrad GEMM with the router
+    partial <dA', A> and the activation's gradient in its epilogue (plus <dO, b2> with the fc2
+    bias), then dW2 from the w*A rows it wrote."""
     T, K = topk_weights.shape
     d_out = d_out.contiguous()
     w_rows = _row_weights(topk_weights, row_to_tk)
-    d_h, a_weighted, partial = down_dgrad(d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m)
+    d_h, a_weighted, partial = down_dgrad(
+        d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, down_bias=down_bias, activation=activation,
+        gated=gated, clamp=clamp, offset=offset,
+    )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     del partial
     d_down = expert_wgrad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True,
@@ -250,20 +341,28 @@ def expert_down_bwd(
 
 
 @expert_down_bwd.register_fake
-def _(d_out, h, topk_weights, down_proj, *schedule_and_tile):
+def _(d_out, h, topk_weights, down_proj, *rest):
     return h.new_empty(h.shape), topk_weights.new_empty(topk_weights.shape), down_proj.new_empty(down_proj.shape)
 
 
 def _setup_down(ctx, inputs, output):
-    h, _a, *tensors, tile_m = inputs
-    ctx.tile_m = tile_m
-    ctx.save_for_backward(h, *tensors)
+    h, _a, topk_weights, down_proj, down_bias, *schedule, tile_m, act, gated, clamp, offset = inputs
+    ctx.tile_m, ctx.family = tile_m, (act, gated, clamp, offset)
+    ctx.has_bias = down_bias is not None
+    ctx.save_for_backward(h, topk_weights, down_proj, down_bias, *schedule)
 
 
 def _backward_down(ctx, d_out):
-    h, topk_weights, down_proj, *schedule = ctx.saved_tensors
-    d_h, d_topk_weights, d_down = expert_down_bwd(d_out, h, topk_weights, down_proj, *schedule, ctx.tile_m)
-    return d_h, None, d_topk_weights, d_down, None, None, None, None, None, None, None
+    h, topk_weights, down_proj, down_bias, *schedule = ctx.saved_tensors
+    d_h, d_topk_weights, d_down = expert_down_bwd(
+        d_out, h, topk_weights, down_proj, down_bias, *schedule, ctx.tile_m, *ctx.family
+    )
+    d_bias = None
+    if ctx.has_bias:
+        row_to_token, row_to_tk, _tk_to_row, _tile_to_expert, expert_offsets, tokens_per_expert = schedule
+        w_rows = _row_weights(topk_weights, row_to_tk)
+        d_bias = expert_bias_grad_op(d_out.contiguous(), w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
+    return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
 
 
 torch.library.register_autograd("mok_plugin::expert_down_fwd", _backward_down, setup_context=_setup_down)
@@ -272,7 +371,7 @@ torch.library.register_autograd("mok_plugin::expert_down_fwd", _backward_down, s
 def moe_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | None,
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
     variant: str = "multi_kernel",
@@ -286,31 +385,40 @@ def moe_experts(
     Args:
         x: [T, H] in the params dtype.
         topk_weights: fp32 [T, K].
-        gate_up_proj: [E, 2I, H]; down_proj: [E, H, I].
+        gate_up_proj: [E, N1, H] (None for a linear expert); down_proj: [E, H, I].
         schedule: from `build_schedule` with a tile_m that the kernels' BLOCK_M divides.
-        variant: "megakernel" (one persistent launch per pass) or "multi_kernel" (one launch per
-            GEMM); both run the same tile functions.
+        variant: "megakernel" (one persistent launch per pass; bias-free SwiGLU only) or
+            "multi_kernel" (one launch per GEMM); both run the same tile functions.
+        family, gate_up_bias, down_bias: what the experts compute (experts.py).
     Returns:
         [T, H] in x's dtype.
     """
-    if not family.is_swiglu:
-        raise NotImplementedError(f"the triton backend does not compute {family.describe()} experts yet")
+    check_expert_weights(family, gate_up_proj, down_proj, gate_up_bias, down_bias)
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
-    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    down_proj = down_proj.contiguous()
     s = schedule
     if _megakernel(variant):
+        if not family.is_swiglu:
+            raise ValueError(f"kernel_variant='megakernel' computes bias-free SwiGLU only, not {family.describe()}")
         out, _ = moe_experts_fwd(
-            x, topk_weights, gate_up_proj, down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
-            s.expert_offsets, s.tokens_per_expert, s.tile_m,
+            x, topk_weights, gate_up_proj.contiguous(), down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row,
+            s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m,
         )  # fmt: skip
         return out
-    h, a = expert_up_fwd(
-        x, gate_up_proj, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m,
-        s.top_k,
-    )  # fmt: skip
+    b1 = None if gate_up_bias is None else gate_up_bias.contiguous()
+    b2 = None if down_bias is None else down_bias.contiguous()
+    act = (family.activation, family.gated, family.clamp, family.linear_offset)
+    if family.kind == "linear":
+        h = a = expert_gather_rows(x, s.row_to_token, s.tk_to_row, s.top_k)
+        act = ("identity", False, None, 0.0)
+    else:
+        h, a = expert_up_fwd(
+            x, gate_up_proj.contiguous(), b1, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
+            s.tokens_per_expert, s.tile_m, s.top_k, *act,
+        )  # fmt: skip
     return expert_down_fwd(
-        h, a, topk_weights, down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
-        s.tokens_per_expert, s.tile_m,
+        h, a, topk_weights, down_proj, b2, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
+        s.expert_offsets, s.tokens_per_expert, s.tile_m, *act,
     )  # fmt: skip
 
 

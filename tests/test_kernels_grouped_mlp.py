@@ -22,7 +22,7 @@ from mok_plugin import ops  # noqa: E402
 from mok_plugin.kernels import grouped_mlp  # noqa: E402
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
-from mok_plugin.testing import assert_close  # noqa: E402
+from mok_plugin.testing import EXPERT_FAMILIES, assert_close  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,3 +172,44 @@ def test_launchers_name_a_bad_argument():
         grouped_mlp.gate_up_fwd(x[:, :16].contiguous(), w13, s.row_to_token, s.tile_to_expert, s.tile_m)
     with pytest.raises(ValueError, match="schedule tile_m=48 must be a multiple of BLOCK_M"):
         grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, 48)
+
+
+# Every expert family (testing.EXPERT_FAMILIES: each kind, each activation, the clamped GPT-OSS
+# GLU, biases on either linear) through the same kernels: against the reference, the float64
+# oracle and a second run (bitwise). A linear expert's I is H.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", list(EXPERT_FAMILIES))
+def test_every_expert_family_matches_reference_and_oracle(family, dtype):
+    fam = EXPERT_FAMILIES[family]
+    T, H, I, E, K = 45, 40, 24, 5, 2  # H and I not block multiples; skewed: empty experts
+    compare_with_reference(
+        T,
+        H,
+        H if fam.kind == "linear" else I,
+        E,
+        K,
+        "skewed",
+        dtype,
+        seed=3,
+        variant="multi_kernel",
+        family=fam,
+        oracle=True,
+    )
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mlp_squared_relu", "linear_bias"])
+@pytest.mark.parametrize("T, H, I, E, K, kind, capacity", CASES)
+def test_families_on_every_crafted_case(family, T, H, I, E, K, kind, capacity):
+    fam = EXPERT_FAMILIES[family]
+    compare_with_reference(
+        T,
+        H,
+        H if fam.kind == "linear" else I,
+        E,
+        K,
+        kind,
+        torch.float32,
+        capacity=capacity,
+        variant="multi_kernel",
+        family=fam,
+    )

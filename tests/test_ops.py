@@ -37,6 +37,8 @@ def _op_inputs():
         "w2": torch.randn(E, H, I, generator=g),
         "h": torch.randn(rows, 2 * I, generator=g),
         "a": torch.randn(rows, I, generator=g),
+        "b1": torch.randn(E, 2 * I, generator=g),
+        "b2": torch.randn(E, H, generator=g),
     }
     return {k: v.to(DEVICE) for k, v in tensors.items()}, s
 
@@ -44,31 +46,44 @@ def _op_inputs():
 def _op_calls():
     """(op, args) of every forward op the layer runs, with differentiable inputs requiring grad."""
     t, s = _op_inputs()
-    for name in ("x", "w", "w13", "w2", "h"):
+    for name in ("x", "w", "w13", "w2", "h", "b1", "b2"):
         t[name].requires_grad_()
+    swiglu = ("silu", True, None, 0.0)
+    gpt_oss = ("quick_gelu", True, 0.5, 1.0)
     return [
         (ops.moe_experts_fwd, (t["x"], t["w"], t["w13"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
                                s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
-        (ops.expert_up_fwd, (t["x"], t["w13"], s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
-                             s.tokens_per_expert, s.tile_m, s.top_k)),
-        (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
-                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
+        (ops.expert_up_fwd, (t["x"], t["w13"], None, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
+                             s.tokens_per_expert, s.tile_m, s.top_k, *swiglu)),
+        (ops.expert_up_fwd, (t["x"], t["w13"], t["b1"], s.row_to_token, s.tk_to_row, s.tile_to_expert,
+                             s.expert_offsets, s.tokens_per_expert, s.tile_m, s.top_k, *gpt_oss)),
+        (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], None, s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m, *swiglu)),
+        (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], t["b2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
+                               s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m, *gpt_oss)),
+        (ops.expert_gather_rows, (t["x"], s.row_to_token, s.tk_to_row, s.top_k)),
+        (ops.expert_bias_grad_op, (t["x"].detach(), None, s.row_to_token, s.expert_offsets, s.tokens_per_expert,
+                                   True)),
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+OP_IDS = ["moe_experts_fwd", "expert_up_fwd", "expert_up_fwd_biased_clamped_glu", "expert_down_fwd",
+          "expert_down_fwd_biased", "expert_gather_rows", "expert_bias_grad"]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(OP_IDS)), ids=OP_IDS)
 def test_opcheck_forward_ops(index):
     op, args = _op_calls()[index]
     # Schema, fake tensor, autograd registration; aot dispatch is covered by the compile test.
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["moe_experts_fwd", "expert_up_fwd", "expert_down_fwd"])
+@pytest.mark.parametrize("index", range(len(OP_IDS)), ids=OP_IDS)
 def test_ops_do_not_mutate_their_inputs(index):
     # The schemas say mutates_args=(): check that the inputs really are untouched.
     op, args = _op_calls()[index]
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # None stays None
     op(*args)
     for a, b in zip(args, before, strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from mok_plugin import ops
+from mok_plugin.experts import SWIGLU
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
-from mok_plugin.testing import assert_close
+from mok_plugin.testing import assert_close, oracle_experts, oracle_kept_pairs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
-GRADIENT_NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]
+GRADIENT_NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]  # of a SwiGLU expert
 
 # (T, H, I, E, K, routing, capacity) every kernel variant is checked at, each with why it exists.
 CASES = [
@@ -46,32 +47,73 @@ def crafted_routing(T: int, E: int, K: int, kind: str, generator: torch.Generato
     raise ValueError(kind)
 
 
-def _run(fn, x, w, w13, w2, schedule, probe):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-    out = fn(*leaves, schedule)
+def _run(fn, x, w, weights, schedule, probe, **kw):
+    """Output and the gradients of x, w and every weight that is not None (in that order)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
+    weight_leaves = {k: None if t is None else t.detach().clone().requires_grad_() for k, t in weights.items()}
+    out = fn(*leaves, weight_leaves["gate_up_proj"], weight_leaves["down_proj"], schedule, **kw,
+             gate_up_bias=weight_leaves["gate_up_bias"], down_bias=weight_leaves["down_bias"])  # fmt: skip
     (out.float() * probe).sum().backward()
-    return [out.detach()] + [t.grad for t in leaves]
+    return [out.detach()] + [t.grad for t in leaves] + [t.grad for t in weight_leaves.values() if t is not None]
 
 
-def compare_with_reference(T, H, I, E, K, kind, dtype, seed=0, capacity=None, variant="megakernel"):
+def family_weights(E, H, I, family, generator, device, dtype):
+    """gate_up_proj, down_proj and the family's biases, fresh random (biases included), scaled so
+    that h and the output stay near unit size."""
+
+    def rand(*shape, fan_in):
+        return (torch.randn(*shape, generator=generator) / fan_in**0.5).to(device, dtype)
+
+    n1 = family.fc1_width(I)
+    inner = family.intermediate_size(H, I)
+    return {
+        "gate_up_proj": rand(E, n1, H, fan_in=H) if family.kind != "linear" else None,
+        "down_proj": rand(E, H, inner, fan_in=inner),
+        "gate_up_bias": rand(E, n1, fan_in=4) if family.fc1_bias else None,
+        "down_bias": rand(E, H, fan_in=4) if family.fc2_bias else None,
+    }
+
+
+def compare_with_reference(
+    T, H, I, E, K, kind, dtype, seed=0, capacity=None, variant="megakernel", family=SWIGLU, oracle=False
+):
     """Output and every gradient of `variant` against the reference backend (to the dtype's bound)
-    and against a second run of itself (bitwise). Returns the first run's tensors."""
+    and against a second run of itself (bitwise); with `oracle`, also against the float64 per-token
+    oracle (testing.oracle_experts, written from the definitions). Returns the first run's tensors:
+    output, d_x, d_topk_weights, then the gradients of the weights and biases the family has."""
     g = torch.Generator().manual_seed(seed)
     ids = crafted_routing(T, E, K, kind, g).to(DEVICE)
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     w = torch.rand(T, K, generator=g).to(DEVICE)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    weights = family_weights(E, H, I, family, g, DEVICE, dtype)
     probe = torch.randn(T, H, generator=g).to(DEVICE)
     schedule = build_schedule(ids, E, tile_m=DEFAULT_TILE_M, capacity=capacity)
-    triton_fn = functools.partial(ops.moe_experts, variant=variant)
-    got = _run(triton_fn, x, w, w13, w2, schedule, probe)
-    want = _run(moe_experts_reference, x, w, w13, w2, schedule, probe)
+    triton_fn = functools.partial(ops.moe_experts, variant=variant, family=family)
+    got = _run(triton_fn, x, w, weights, schedule, probe)
+    want = _run(functools.partial(moe_experts_reference, family=family), x, w, weights, schedule, probe)
+    names = ["output", "d_x", "d_topk_weights"] + [f"d_{k}" for k, t in weights.items() if t is not None]
     rows = max(1, T * K // E)
-    reduce = [1, 2 * I, H, rows, rows]
-    for name, a, b, n in zip(GRADIENT_NAMES, got, want, reduce, strict=True):
-        assert_close(a, b, dtype, name, n_reduce=n)
-    again = _run(triton_fn, x, w, w13, w2, schedule, probe)
-    for name, a, b in zip(GRADIENT_NAMES, got, again, strict=True):
+    inner = family.intermediate_size(H, I)
+    reduce = {"output": 1, "d_x": max(family.fc1_width(I), inner), "d_topk_weights": max(H, inner)}
+    for name, a, b in zip(names, got, want, strict=True):
+        assert_close(a, b, dtype, name, n_reduce=reduce.get(name, rows))
+    if oracle:
+        kept = oracle_kept_pairs(ids.cpu(), E, capacity)
+        oracle_fn = functools.partial(_oracle_on_cpu, ids=ids.cpu(), kept=kept, family=family)
+        weights64 = {k: None if t is None else t.double() for k, t in weights.items()}
+        oracle_out = _run(oracle_fn, x.double(), w.double(), weights64, schedule, probe.double())
+        for name, a, b in zip(names, got, oracle_out, strict=True):
+            assert_close(a, b.to(a.device), dtype, f"{name} vs float64 oracle", n_reduce=reduce.get(name, rows))
+    again = _run(triton_fn, x, w, weights, schedule, probe)
+    for name, a, b in zip(names, got, again, strict=True):
         assert torch.equal(a, b), f"{name} differs between two runs"
     return got
+
+
+def _oracle_on_cpu(x, w, gate_up_proj, down_proj, schedule, *, ids, kept, family, gate_up_bias, down_bias):
+    def cpu(t):
+        return None if t is None else t.cpu()
+
+    out = oracle_experts(cpu(x), ids, cpu(w), cpu(gate_up_proj), cpu(down_proj), kept, family, cpu(gate_up_bias),
+                         cpu(down_bias))  # fmt: skip
+    return out.to(x.device)

@@ -41,6 +41,8 @@ from mok_plugin.kernels.launch import (
     tma_ok,
 )
 from mok_plugin.kernels.tiles import (
+    bias_grad_tile,
+    bias_router_grad_tile,
     down_dgrad_block,
     down_dgrad_epilogue,
     down_tile,
@@ -51,7 +53,15 @@ from mok_plugin.kernels.tiles import (
     wgrad_tile,
 )
 
-__all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgrad", "GATHER_CHUNK_BYTES"]
+__all__ = [
+    "gate_up_fwd",
+    "down_fwd",
+    "down_dgrad",
+    "gate_up_dgrad",
+    "expert_wgrad",
+    "expert_bias_grad",
+    "GATHER_CHUNK_BYTES",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,33 +71,35 @@ __all__ = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "expert_wgr
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_fwd"))
 def _gate_up_fwd_kernel(
-    x_ptr, w13, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_x_t, stride_w_e,
-    stride_w_n, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_x_t, stride_w_e,
+    stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
-        pid_m, pid_n, x_ptr=x_ptr, w13=w13, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
+        pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e,
-        stride_w_n=stride_w_n, stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED,
+        CLAMP=CLAMP, OFFSET=OFFSET,
     )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_fwd"))
 def _down_fwd_kernel(
-    a, w2, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_a_r, stride_w_e,
-    stride_w_h, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    a, w2, b2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_a_r, stride_w_e,
+    stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     down_tile(
-        pid_m, pid_n, a=a, w2=w2, w_rows_ptr=w_rows_ptr, y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
+        pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, w_rows_ptr=w_rows_ptr, y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
-        stride_w_h=stride_w_h, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
 
 
@@ -115,7 +127,7 @@ def _down_dgrad_gemm_kernel(
 def _down_dgrad_epilogue_kernel(
     d_a_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, I,
     stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs the down-dgrad epilogue on the
     dA' block (m, n), padding rows reading zeros, with router partial slot n."""
@@ -132,13 +144,13 @@ def _down_dgrad_epilogue_kernel(
             d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
             w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
-            OUT_TY=h_ptr.dtype.element_ty,
+            OUT_TY=h_ptr.dtype.element_ty, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
         )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_dgrad"))
 def _gate_up_dgrad_kernel(
-    d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_h_r, stride_w_e,
+    d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r, stride_w_e,
     stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -146,7 +158,7 @@ def _gate_up_dgrad_kernel(
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     gate_up_dgrad_tile(
         pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1, stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e,
         stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
@@ -175,6 +187,34 @@ def _expert_wgrad_kernel(
     )
 
 
+@triton.jit(launch_metadata=launch_metadata("mok_expert_bias_grad"))
+def _bias_grad_kernel(
+    src, scale_ptr, d_b_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, N, stride_src,
+    stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid: (E, cdiv(N, BLOCK_N)); program (e, n) owns bias-gradient block (e, n)."""
+    bias_grad_tile(
+        tl.program_id(0), tl.program_id(1), src=src, scale_ptr=scale_ptr, d_b_ptr=d_b_ptr,
+        row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
+        tokens_per_expert_ptr=tokens_per_expert_ptr, N=N, stride_src=stride_src, stride_d_b_e=stride_d_b_e,
+        BY_TOKEN=BY_TOKEN, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
+    )
+
+
+@triton.jit(launch_metadata=launch_metadata("mok_bias_router_grad"))
+def _bias_router_grad_kernel(
+    d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
+    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M,); program m writes partial column `slot` of row block m."""
+    bias_router_grad_tile(
+        tl.program_id(0), d_out_ptr=d_out_ptr, b2_ptr=b2_ptr, d_w_partial_ptr=d_w_partial_ptr,
+        row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, stride_d_out_t=stride_d_out_t,
+        stride_b2_e=stride_b2_e, stride_part_r=stride_part_r, slot=slot, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers: check, allocate, launch. No autograd, no host synchronisation.
 # ----------------------------------------------------------------------------------------------
@@ -195,38 +235,50 @@ def _launch_row_tiles(
 
 def gate_up_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
-    tile_m: int, config: MoKTileConfig | None = None,
+    tile_m: int, config: MoKTileConfig | None = None, *, gate_up_bias: torch.Tensor | None = None,
+    activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [R_pad, 2I] and A [R_pad, I] (params dtype) for the gathered rows; padding rows untouched."""
+    """h [R_pad, N1] (+ the fc1 bias) and A [R_pad, I] = the activation of h (params dtype) for the
+    gathered rows; N1 = 2I when gated, else I. Padding rows untouched."""
     check_tensor("x", x, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, x.dtype)
-    E, I2, H = gate_up_proj.shape
-    I = I2 // 2
+    E, N1, H = gate_up_proj.shape
+    I = N1 // 2 if gated else N1
     if x.shape[1] != H:
         raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
+    if gate_up_bias is not None:
+        check_tensor("gate_up_bias", gate_up_bias, 2, x.dtype)
     cfg = config or kernel_config("gate_up_fwd", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
-    h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
     _launch_row_tiles(
         _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
-        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, h_ptr=h, a_ptr=a,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_x_t=x.stride(0),
-        stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1), stride_h_r=h.stride(0),
-        stride_a_r=a.stride(0), TMA=tma,
+        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
+        h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
+        stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
+        stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
+        GATED=gated, CLAMP=clamp, OFFSET=offset,
     )
     return h, a
 
 
+def _stride0(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.stride(0)
+
+
 def down_fwd(
     a: torch.Tensor, down_proj: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None,
+    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [R_pad, H] = w_r * (A[r] @ W2_e^T) in the params dtype."""
+    """y [R_pad, H] = w_r * (A[r] @ W2_e^T + b2_e) in the params dtype."""
     check_tensor("a", a, 2)
     check_tensor("down_proj", down_proj, 3, a.dtype)
     check_tensor("w_rows", w_rows, 1, torch.float32)
+    if down_bias is not None:
+        check_tensor("down_bias", down_bias, 2, a.dtype)
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_fwd", H)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
@@ -235,23 +287,29 @@ def down_fwd(
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
         a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
-        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, w_rows_ptr=w_rows, y_ptr=y,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_a_r=a.stride(0),
-        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_y_r=y.stride(0), TMA=tma,
+        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
+        w_rows_ptr=w_rows, y_ptr=y, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
+        stride_a_r=a.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
+        stride_b2_e=_stride0(down_bias), stride_y_r=y.stride(0), TMA=tma,
     )
     return y
 
 
 def down_dgrad(
     d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None,
+    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
+    down_bias: torch.Tensor | None = None, activation: str = "silu", gated: bool = True, clamp: float | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh [R_pad, 2I], w_r * A [R_pad, I], router partials fp32 [R_pad, cdiv(I, epilogue BLOCK_N)]).
+    """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J]).
 
-    Two launches: a plain GEMM stores dA' = dO[t_r] @ W2_e in fp32, then an elementwise epilogue
-    kernel fills dh, w*A and the router partials from it (kept apart, the GEMM keeps a plain
-    epilogue and takes a 128x256 tile; fused, the epilogue's registers held it to 128x64). dA' is
-    freed on return. Padding rows of every active row block hold zeros in dh and w*A.
+    h is the saved pre-activation [R_pad, N1] (N1 = 2I when gated, else I; for a linear expert the
+    gathered input rows with activation "identity"). Two launches: a plain GEMM stores
+    dA' = dO[t_r] @ W2_e in fp32, then an elementwise epilogue kernel fills dh, w*A and the router
+    partials from it (kept apart, the GEMM keeps a plain epilogue and takes a 128x256 tile; fused,
+    the epilogue's registers held it to 128x64). dA' is freed on return. Padding rows of every
+    active row block hold zeros in dh and w*A. With the fc2 bias, a third launch writes each row's
+    <dO, b2_e> into the last partial column (J = I-blocks + 1).
     """
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
@@ -260,9 +318,10 @@ def down_dgrad(
     cfg = config or kernel_config("down_dgrad", I)
     epi = kernel_config("down_dgrad_epilogue", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
-    d_h = torch.empty(num_rows, 2 * I, dtype=d_out.dtype, device=d_out.device)
+    d_h = torch.empty(num_rows, h.shape[1], dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
-    partial = torch.zeros(num_rows, triton.cdiv(I, epi.block_n), dtype=torch.float32, device=d_out.device)
+    i_blocks = triton.cdiv(I, epi.block_n)
+    partial = torch.zeros(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
     _launch_row_tiles(
@@ -274,13 +333,20 @@ def down_dgrad(
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
-    grid = (num_rows // block_m, triton.cdiv(I, epi.block_n))
-    _down_dgrad_epilogue_kernel[grid](
+    _down_dgrad_epilogue_kernel[(num_rows // block_m, i_blocks)](
         d_a_ptr=d_a, h_ptr=h, w_rows_ptr=w_rows, d_h_ptr=d_h, a_weighted_ptr=a, d_w_partial_ptr=partial,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
         stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
-        BLOCK_M=block_m, BLOCK_N=epi.block_n, num_warps=epi.num_warps,
+        BLOCK_M=block_m, BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,
+        num_warps=epi.num_warps,
     )
+    if down_bias is not None:
+        check_tensor("down_bias", down_bias, 2, d_out.dtype)
+        _bias_router_grad_kernel[(num_rows // block_m,)](
+            d_out, down_bias, partial, row_to_token, tile_to_expert, H, d_out.stride(0), down_bias.stride(0),
+            partial.stride(0), i_blocks, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=epi.block_n,
+            num_warps=epi.num_warps,
+        )
     return d_h, a, partial
 
 
@@ -288,10 +354,10 @@ def gate_up_dgrad(
     d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None,
 ) -> torch.Tensor:
-    """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype."""
+    """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype (dh [R_pad, N1], W13 [E, N1, H])."""
     check_tensor("d_h", d_h, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, d_h.dtype)
-    E, I2, H = gate_up_proj.shape
+    E, N1, H = gate_up_proj.shape
     cfg = config or kernel_config("gate_up_dgrad", H)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
@@ -300,7 +366,7 @@ def gate_up_dgrad(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h,
         w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, d_x_rows_ptr=d_x_rows,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I2 // 2, stride_d_h_r=d_h.stride(0),
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, N1=N1, stride_d_h_r=d_h.stride(0),
         stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1), stride_d_x_r=d_x_rows.stride(0),
         TMA=tma,
     )
@@ -405,3 +471,31 @@ def _launch_wgrad(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
         TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+# Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
+_BIAS_GRAD_BLOCK = (32, 128)
+
+
+def expert_bias_grad(
+    src: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor,
+    *, by_token: bool, scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """d_b [E, N] in src's dtype = per expert, sum over its rows r of scale[r] * src[row r] (rows in
+    ascending order, fp32). src is [T, N] indexed through row_to_token when by_token (db2: dO with
+    the routing weights as scale), else [R_pad, N] (db1: dh)."""
+    check_tensor("src", src, 2)
+    check_tensor("expert_offsets", expert_offsets, 1, torch.int64)
+    check_tensor("tokens_per_expert", tokens_per_expert, 1, torch.int64)
+    if scale is not None:
+        check_tensor("scale", scale, 1, torch.float32)
+    E, N = tokens_per_expert.shape[0], src.shape[1]
+    d_b = torch.empty(E, N, dtype=src.dtype, device=src.device)
+    if E == 0 or N == 0:
+        return d_b
+    block_k, block_n = _BIAS_GRAD_BLOCK
+    _bias_grad_kernel[(E, triton.cdiv(N, block_n))](
+        src, scale, d_b, row_to_token, expert_offsets, tokens_per_expert, N, src.stride(0), d_b.stride(0),
+        BY_TOKEN=by_token, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+    )
+    return d_b

@@ -5,16 +5,22 @@ one kernel per pass and tile kind, the persistent megakernel (`megakernel.py`) f
 So the two run the same arithmetic with the same tile shapes. Nothing here launches anything.
 
 Math, per expert e over its rows r (token t_r, routing weight w_r), with the dimension letters
-(T tokens, H hidden, I expert intermediate, E experts, K top-k):
-    gate_up_tile          h[r] = x[t_r] @ W13_e^T  [2I]; A[r] = silu(h_gate) * h_up  [I]
-    down_tile             y[r] = w_r * (A[r] @ W2_e^T)  [H]
+(T tokens, H hidden, I expert intermediate, E experts, K top-k), written for a glu expert (N1 = 2I
+fc1 rows; an mlp has N1 = I and no up half; mok_plugin/experts.py has the families):
+    gate_up_tile          h[r] = x[t_r] @ W13_e^T + b1_e  [N1]; A[r] = act(h[r])  [I]
+    down_tile             y[r] = w_r * (A[r] @ W2_e^T + b2_e)  [H]
     down_dgrad_block      dA'[r] = dO[t_r] @ W2_e  [I]
     down_dgrad_epilogue   from dA': the router partial <dA', A> per I-block, w_r * A[r] (A recomputed
-                          from h), dh[r] = dSwiGLU(h[r], w_r * dA'[r])  [2I]
+                          from h), dh[r] = act'(h[r]) (w_r * dA'[r])  [N1]
     gate_up_dgrad_tile    dx[r] = dh[r] @ W13_e  [H]
     wgrad_tile            dW_e = sum over e's rows r of left[r]^T right[r]  (dW2: dO, w*A; dW13: dh, x)
+    bias_grad_tile        db_e = sum over e's rows r of scale_r src[r]  (db2: w, dO; db1: dh)
+    bias_router_grad_tile the fc2 bias's router partial <dO[t_r], b2_e>
     combine_tile          out[t] = sum over k, ascending, of rows[row(t, k)]
-    router_grad_tile      d_w[t, k] = sum over I-blocks j, ascending, of partial[row(t, k), j]
+    router_grad_tile      d_w[t, k] = sum over the partial columns j, ascending, of partial[row(t, k), j]
+
+The activation is a constexpr choice of the same tiles (ACT, GATED, CLAMP, OFFSET: `expert_activation`
+and its gradient), in the forward and in the backward's recomputation alike.
 
 Tensors: x [T, H], dO [T, H], h [R_pad, 2I], A [R_pad, I], y and dx rows [R_pad, H] in the params
 dtype; W13 [E, 2I, H], W2 [E, H, I]; w_R fp32 [R_pad] (0 on padding rows); row_to_token int64
@@ -39,9 +45,85 @@ import triton.language as tl
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up in fp32; the one formula the forward and the backward's recomputation use."""
-    return gate * tl.sigmoid(gate) * up
+def _act(g, ACT: tl.constexpr):
+    """act(g) in fp32 for the activations of mok_plugin/experts.py ("identity": g)."""
+    if ACT == "silu":
+        out = g * tl.sigmoid(g)
+    elif ACT == "gelu":
+        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    elif ACT == "gelu_tanh":
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
+        out = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    elif ACT == "quick_gelu":
+        out = g * tl.sigmoid(1.702 * g)
+    elif ACT == "relu":
+        out = tl.maximum(g, 0.0)
+    elif ACT == "squared_relu":
+        out = tl.maximum(g, 0.0) * tl.maximum(g, 0.0)
+    else:
+        out = g
+    return out
+
+
+@triton.jit
+def _act_grad(g, ACT: tl.constexpr):
+    """d act / d g in fp32 (relu' = 0 at 0, as autograd)."""
+    if ACT == "silu":
+        s = tl.sigmoid(g)
+        out = s * (1.0 + g * (1.0 - s))
+    elif ACT == "gelu":
+        out = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476)) + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+    elif ACT == "gelu_tanh":
+        s = tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        out = s + g * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    elif ACT == "quick_gelu":
+        s = tl.sigmoid(1.702 * g)
+        out = s + 1.702 * g * s * (1.0 - s)
+    elif ACT == "relu":
+        out = tl.where(g > 0.0, 1.0, 0.0)
+    elif ACT == "squared_relu":
+        out = 2.0 * tl.maximum(g, 0.0)
+    else:
+        out = tl.full(g.shape, 1.0, tl.float32)
+    return out
+
+
+@triton.jit
+def expert_activation(gate, up, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr):
+    """A in fp32 from the stored h (fp32 copies): glu act(min(gate, CLAMP)) * (clamp(up, +-CLAMP) + OFFSET),
+    or act(gate) when not GATED (up unused). CLAMP None: no clamp. The one formula the forward and the
+    backward's recomputation use."""
+    if GATED:
+        if CLAMP is not None:
+            gate = tl.minimum(gate, CLAMP)
+            up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
+        a = _act(gate, ACT) * (up + OFFSET)
+    else:
+        a = _act(gate, ACT)
+    return a
+
+
+@triton.jit
+def expert_activation_grad(
+    gate, up, d_a, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr
+):
+    """(d_gate, d_up) in fp32 of `expert_activation` given d_a; d_up is d_gate when not GATED. A clamp
+    passes the gradient where its input lies in the closed range, as torch.clamp."""
+    if GATED:
+        gate_c = gate
+        up_c = up
+        if CLAMP is not None:
+            gate_c = tl.minimum(gate, CLAMP)
+            up_c = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
+        d_gate = d_a * _act_grad(gate_c, ACT) * (up_c + OFFSET)
+        d_up = d_a * _act(gate_c, ACT)
+        if CLAMP is not None:
+            d_gate = tl.where(gate <= CLAMP, d_gate, 0.0)
+            d_up = tl.where((up >= -CLAMP) & (up <= CLAMP), d_up, 0.0)
+    else:
+        d_gate = d_a * _act_grad(gate, ACT)
+        d_up = d_gate
+    return d_gate, d_up
 
 
 @triton.jit
@@ -141,17 +223,20 @@ def _row_tile_matmul(
 
 @triton.jit
 def gate_up_tile(
-    pid_m, pid_n, x_ptr, w13, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_x_t, stride_w_e,
-    stride_w_n, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    pid_m, pid_n, x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_x_t,
+    stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
-    """h[rows, n-block] of the gate and of the up half, and A[rows, n-block]; reduces over H in
-    ascending BLOCK_K order. Nothing for a row block past the last segment.
+    """h[rows, n-block] (+ b1) of the gate and of the up half (GATED; else the one fc1 half), and
+    A[rows, n-block] = the family's activation of the rounded h; reduces over H in ascending BLOCK_K
+    order. Nothing for a row block past the last segment.
 
     Arguments:
         x_ptr: (T, H) params dtype
-        w13: (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
-        h_ptr: (R_pad, 2I) out
+        w13: (E, N1, H), N1 = 2I if GATED else I; with TMA a descriptor over it viewed (E * N1, H)
+        b1_ptr: (E, N1) fc1 bias, or None
+        h_ptr: (R_pad, N1) out
         a_ptr: (R_pad, I) out
         row_to_token_ptr: (R_pad,) int64
         tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
@@ -160,7 +245,8 @@ def gate_up_tile(
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < I
-        gate_row0 = expert * 2 * I  # the expert's first gate row in the (E * 2I, H) view
+        n1 = 2 * I if GATED else I
+        gate_row0 = expert * n1  # the expert's first fc1 row in the (E * N1, H) view
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -173,37 +259,45 @@ def gate_up_tile(
                 w13, expert, stride_w_e, gate_row0, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n, N_MAJOR=True,
                 TMA=TMA,
             )
-            # The up half: output columns I + n of the same weight.
-            wu = _weight_block(
-                w13, expert, stride_w_e, gate_row0, k0, n0 + I, ks, cols + I, k_ok, col_ok, 1, stride_w_n,
-                N_MAJOR=True, TMA=TMA,
-            )
             acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
+            if GATED:
+                # The up half: output columns I + n of the same weight.
+                wu = _weight_block(
+                    w13, expert, stride_w_e, gate_row0, k0, n0 + I, ks, cols + I, k_ok, col_ok, 1, stride_w_n,
+                    N_MAJOR=True, TMA=TMA,
+                )
+                acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
+        if b1_ptr is not None:
+            b1 = b1_ptr + expert * stride_b1_e + cols
+            acc_gate += tl.load(b1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b1 + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_ty = h_ptr.dtype.element_ty
         gate = acc_gate.to(out_ty)
         up = acc_up.to(out_ty)
         mask = row_ok[:, None] & col_ok[None, :]
         h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
         tl.store(h_tile, gate, mask=mask)
-        tl.store(h_tile + I, up, mask=mask)
+        if GATED:
+            tl.store(h_tile + I, up, mask=mask)
         # A from the rounded h, exactly as the backward recomputes it.
-        a = silu_mul(gate.to(tl.float32), up.to(tl.float32))
+        a = expert_activation(gate.to(tl.float32), up.to(tl.float32), ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
         tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
 
 
 @triton.jit
 def down_tile(
-    pid_m, pid_n, a, w2, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_a_r, stride_w_e,
-    stride_w_h, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    pid_m, pid_n, a, w2, b2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_a_r,
+    stride_w_e, stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """y[rows, n-block]: reduces over I in ascending BLOCK_K order, then scales each row by its
-    routing weight in fp32.
+    """y[rows, n-block]: reduces over I in ascending BLOCK_K order, adds the fc2 bias, then scales
+    each row by its routing weight in fp32 (the weight scales the bias too).
 
     Arguments:
         a: (R_pad, I); with TMA a descriptor over it
         w2: (E, H, I); with TMA a descriptor over it viewed (E * H, I)
+        b2_ptr: (E, H) fc2 bias, or None
         w_rows_ptr: (R_pad,) fp32 routing weight per row
         y_ptr: (R_pad, H) out
         row_to_token_ptr: (R_pad,) int64
@@ -219,6 +313,8 @@ def down_tile(
             col_ok=col_ok, K_DIM=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
             W_N_MAJOR=True, A_TMA=TMA, W_TMA=TMA,
         )
+        if b2_ptr is not None:
+            acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
         y = acc * w[:, None]
         y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
@@ -264,11 +360,13 @@ def down_dgrad_block(
 @triton.jit
 def down_dgrad_epilogue(
     d_a_prime, rows, row_ok, cols, col_ok, slot, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, I,
-    stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr,
+    stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot`, w*A, and dh of
-    the gate and up columns. Padding rows of an active row block store zeros in dh and w*A: the
-    weight-gradient GEMMs may read them whole (through TMA) and must find finite values there.
+    the gate and up columns (GATED; else of the one fc1 half; for a linear expert, h is its input
+    and ACT "identity", so dh is w * dA'). Padding rows of an active row block store zeros in dh
+    and w*A: the weight-gradient GEMMs may read them whole (through TMA) and must find finite values there.
 
     The row sum <dA', A> is reduced in the order of dA's register layout, so a fused tile (an MMA
     accumulator, the megakernel) and the epilogue kernel (a loaded block, the multi-kernel variant)
@@ -281,16 +379,19 @@ def down_dgrad_epilogue(
         cols: int64 [BLOCK_N] I columns
         col_ok: bool [BLOCK_N]
         slot: the router partial column this block writes
-        h_ptr: (R_pad, 2I) saved pre-activation
+        h_ptr: (R_pad, N1) saved pre-activation, N1 = 2I if GATED else I
         w_rows_ptr: (R_pad,) fp32
-        d_h_ptr: (R_pad, 2I) out
+        d_h_ptr: (R_pad, N1) out
         a_weighted_ptr: (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
-        d_w_partial_ptr: (R_pad, cdiv(I, BLOCK_N)) fp32 out: <dA', A> per I-block"""
+        d_w_partial_ptr: (R_pad, J) fp32 out: <dA', A> per I-block"""
     mask = row_ok[:, None] & col_ok[None, :]
     h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
-    a = silu_mul(gate, up).to(OUT_TY).to(tl.float32)  # A exactly as the forward stored it
+    up = gate
+    if GATED:
+        up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    # A exactly as the forward stored it
+    a = expert_activation(gate, up, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET).to(OUT_TY).to(tl.float32)
     partial = tl.sum(d_a_prime * a, axis=1)
     tl.store(d_w_partial_ptr + rows * stride_part_r + slot, partial, mask=row_ok)
     w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
@@ -299,12 +400,11 @@ def down_dgrad_epilogue(
     col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
     tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
     d_a = d_a_prime * w[:, None]
-    sig = tl.sigmoid(gate)
-    d_gate = (d_a * up * (sig * (1.0 + gate * (1.0 - sig)))).to(OUT_TY)
-    d_up = (d_a * (gate * sig)).to(OUT_TY)
+    d_gate, d_up = expert_activation_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
     d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    tl.store(d_h_tile, d_gate, mask=col_mask)
-    tl.store(d_h_tile + I, d_up, mask=col_mask)
+    tl.store(d_h_tile, d_gate.to(OUT_TY), mask=col_mask)
+    if GATED:
+        tl.store(d_h_tile + I, d_up.to(OUT_TY), mask=col_mask)
 
 
 @triton.jit
@@ -314,7 +414,7 @@ def down_dgrad_tile(
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dA'[rows, n-block] and its epilogue in one tile (the megakernel's down-dgrad task; the
+    """dA'[rows, n-block] and its epilogue in one tile (the megakernel's down-dgrad task, SwiGLU; the
     multi-kernel variant runs the same two functions as two kernels, with dA' stored between).
 
     Arguments:
@@ -338,21 +438,21 @@ def down_dgrad_tile(
             d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
             w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
-            OUT_TY=d_out_ptr.dtype.element_ty,
+            OUT_TY=d_out_ptr.dtype.element_ty, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
         )
 
 
 @triton.jit
 def gate_up_dgrad_tile(
-    pid_m, pid_n, d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_h_r, stride_w_e,
+    pid_m, pid_n, d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, H, N1, stride_d_h_r, stride_w_e,
     stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dx[rows, n-block]; reduces over 2I in ascending BLOCK_K order.
+    """dx[rows, n-block]; reduces over the N1 fc1 rows (2I for a glu) in ascending BLOCK_K order.
 
     Arguments:
-        d_h: (R_pad, 2I); with TMA a descriptor over it
-        w13: (E, 2I, H); with TMA a descriptor over it viewed (E * 2I, H)
+        d_h: (R_pad, N1); with TMA a descriptor over it
+        w13: (E, N1, H); with TMA a descriptor over it viewed (E * N1, H)
         d_x_rows_ptr: (R_pad, H) out
         row_to_token_ptr: (R_pad,) int64
         tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
@@ -363,8 +463,8 @@ def gate_up_dgrad_tile(
         col_ok = cols < H
         acc = _row_tile_matmul(
             a=d_h, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_d_h_r, w=w13, expert=expert,
-            stride_w_e=stride_w_e, w_row0=expert * 2 * I, stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols,
-            col_ok=col_ok, K_DIM=2 * I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            stride_w_e=stride_w_e, w_row0=expert * N1, stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols,
+            col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=TMA, W_TMA=TMA,
         )
         d_x_tile = d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :]
@@ -434,6 +534,64 @@ def wgrad_tile(
         tokens = next_tokens
     d_w_tile = d_w_ptr + expert * stride_d_w_e + ms[:, None] * stride_d_w_m + ns[None, :] * stride_d_w_n
     tl.store(d_w_tile, acc.to(d_w_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def bias_grad_tile(
+    expert, pid_n, src, scale_ptr, d_b_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, N,
+    stride_src, stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """d_b[e, n-block] = sum over e's rows r of scale[r] * src[r] (scale None: 1), in ascending row
+    order, BLOCK_K rows per step (the weight gradients' order), fp32; zeros for an expert with no rows.
+
+    Arguments:
+        src: (T, N) when BY_TOKEN (indexed through row_to_token), else (R_pad, N)
+        scale_ptr: (R_pad,) fp32 or None
+        d_b_ptr: (E, N) out"""
+    expert = expert.to(tl.int64)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    start = tl.load(expert_offsets_ptr + expert)
+    end = start + tl.load(tokens_per_expert_ptr + expert)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < end
+        src_rows = rows
+        if BY_TOKEN:
+            src_rows = tl.load(row_to_token_ptr + rows, mask=r_ok, other=0)
+        mask = r_ok[:, None] & col_ok[None, :]
+        vals = tl.load(src + src_rows[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if scale_ptr is not None:
+            vals = vals * tl.load(scale_ptr + rows, mask=r_ok, other=0.0)[:, None]
+        acc += tl.sum(vals, axis=0)
+    tl.store(d_b_ptr + expert * stride_d_b_e + cols, acc.to(d_b_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def bias_router_grad_tile(
+    pid_m, d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
+    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The fc2 bias's share of the router gradient, <dO[t_r], b2_e>, into partial column `slot` of
+    row block pid_m: reduced over H in ascending BLOCK_N order, fp32.
+
+    Arguments:
+        d_out_ptr: (T, H)
+        b2_ptr: (E, H)
+        d_w_partial_ptr: (R_pad, J) fp32"""
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, H, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < H
+            mask = row_ok[:, None] & col_ok[None, :]
+            d_o = tl.load(d_out_ptr + tokens[:, None] * stride_d_out_t + cols[None, :], mask=mask, other=0.0)
+            d_o = d_o.to(tl.float32)
+            b2 = tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(d_o * b2[None, :], axis=1)
+        tl.store(d_w_partial_ptr + rows * stride_part_r + slot, acc, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------
