@@ -31,7 +31,8 @@ SOURCES = {
     "arXiv:2507.20534",
     "qwen3-235b-a22b": f"{_HF}Qwen/Qwen3-235B-A22B (config.json, model card); Qwen3 Technical Report, arXiv:2505.09388",
     "glm-4.5": f"{_HF}zai-org/GLM-4.5 (config.json, model card); GLM-4.5 technical report, arXiv:2508.06471",
-    "gpt-oss-120b": f"{_HF}openai/gpt-oss-120b (config.json); gpt-oss-120b & gpt-oss-20b model card, arXiv:2508.10925",
+    "gpt-oss-120b": f"{_HF}openai/gpt-oss-120b (config.json); gpt-oss-120b & gpt-oss-20b model card, arXiv:2508.10925"
+    "; MLP: https://github.com/openai/gpt-oss/blob/main/gpt_oss/torch/model.py (swiglu, swiglu_limit 7.0)",
     "qwen3-30b-a3b": f"{_HF}Qwen/Qwen3-30B-A3B (config.json, model card); Qwen3 Technical Report, arXiv:2505.09388",
     "qwen3-30b-a3b-4-layers": f"{_HF}Qwen/Qwen3-30B-A3B (config.json), four of its 48 layers",
 }
@@ -48,7 +49,8 @@ MODELS = {
     "glm-4.5": dict(num_layers=92, moe_layers=89, hidden_size=5120, ffn_hidden_size=1536, num_experts=160, top_k=8,
                     shared_ffn_hidden_size=1536, dense_params_b=14.6),
     "gpt-oss-120b": dict(num_layers=36, moe_layers=36, hidden_size=2880, ffn_hidden_size=2880, num_experts=128,
-                         top_k=4, dense_params_b=2.1),
+                         top_k=4, dense_params_b=2.1, expert_kind="glu", expert_activation="quick_gelu",
+                         activation_clamp=7.0, glu_linear_offset=1.0, expert_fc1_bias=True, expert_fc2_bias=True),
     "qwen3-30b-a3b": dict(num_layers=48, moe_layers=48, hidden_size=2048, ffn_hidden_size=768, num_experts=128,
                           top_k=8, dense_params_b=1.2),
     # Four of Qwen3-30B-A3B's layers (its embeddings included): what one H200 trains whole.
@@ -56,7 +58,8 @@ MODELS = {
                                    num_experts=128, top_k=8, dense_params_b=0.7),
 }  # fmt: skip
 NOTES = {
-    "gpt-oss-120b": "shape only: gpt-oss's experts are a clamped SwiGLU with biases, MoK's are plain SwiGLU",
+    "gpt-oss-120b": "experts: GPT-OSS's gated quick-GeLU x*sigmoid(1.702x), clamped at 7.0 (swiglu_limit), linear "
+    "offset 1.0, biases on both linears",
     "deepseek-v3": "routing: sigmoid, expert bias, 8 groups / 4, scaling 2.5 (mok knobs below)",
 }
 ROUTING = {

@@ -14,6 +14,7 @@ from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.layer import bench_provider
 from mok_plugin.bench.memory import peak_live_set
 from mok_plugin.bench.timing import slowest_rank_median, summarize
+from mok_plugin.experts import MoKExpertFamily
 from mok_plugin.testing import NAMED_SHAPES, MoEShape
 
 SHAPE = MoEShape(32, 64, 32, 4, 2)
@@ -24,7 +25,8 @@ def test_flops_follow_design_md():
     shape = NAMED_SHAPES["qwen3-30b-a3b"]
     tkhi = 16384 * 8 * 2048 * 768
     assert [moe_flops(shape, p) for p in ("forward", "backward", "fwd+bwd")] == [6 * tkhi, 12 * tkhi, 18 * tkhi]
-    assert [moe_flops(shape, p, gated=False) for p in ("forward", "backward", "fwd+bwd")] == [
+    mlp = MoKExpertFamily("mlp", "gelu")
+    assert [moe_flops(shape, p, mlp) for p in ("forward", "backward", "fwd+bwd")] == [
         4 * tkhi, 8 * tkhi, 12 * tkhi,
     ]  # fmt: skip
     with pytest.raises(KeyError):
@@ -67,8 +69,8 @@ def test_wrong_provider_is_reported_and_not_timed(cpu_case, monkeypatch):
     inputs, expected = cpu_case
     run = providers.provider_torch(inputs, SHAPE)
 
-    def wrong(x, w, w13, w2):
-        return run(x, w, w13, w2) * 1.25
+    def wrong(*tensors):
+        return run(*tensors) * 1.25
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a wrong provider was timed")
@@ -83,9 +85,9 @@ def test_nondeterministic_provider_is_not_bitwise(cpu_case):
     inputs, expected = cpu_case
     run, calls = providers.provider_torch(inputs, SHAPE), []
 
-    def flaky(x, w, w13, w2):  # right the first time (the checked pass), off by a bf16 step the second
+    def flaky(*tensors):  # right the first time (the checked pass), off by a bf16 step the second
         calls.append(None)
-        return run(x, w, w13, w2) * (1.0 if len(calls) == 1 else 1 + 2**-7)
+        return run(*tensors) * (1.0 if len(calls) == 1 else 1 + 2**-7)
 
     assert providers.check_provider(flaky, inputs, SHAPE, expected) == {"error": None, "bitwise": False}
 

@@ -1,5 +1,5 @@
 """The plan command (mok_plugin.run.plan, behind `mok plan` and scripts/plan.py): it prints a plan
-with every rate's source and exits by fit (0 fits, 1 does not), and refuses bad input cleanly: a bad
+with the expert MLP and every rate's source and exits by fit (0 fits, 1 does not), and refuses bad input cleanly: a bad
 --efficiency, and every way a config file can fail, as one `error:` line with exit status 2 and no
 traceback."""
 
@@ -27,6 +27,18 @@ def test_plan_script_prints_and_exits_by_fit(tmp_path):
     bad.write_text(yaml.safe_dump(data))
     run = subprocess.run([sys.executable, "scripts/plan.py", str(bad)], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2 and "does not divide" in run.stderr
+
+
+def test_plan_states_the_expert_family(tmp_path, capsys):
+    config = ROOT / "configs" / "topologies" / "gpt-oss-120b_gb200-nvl72_ep16.yaml"
+    assert plan.main([str(config), "--json", str(tmp_path / "plan.json")]) == 0
+    # 5760 x 2880 + 2880 x 2880 + 5760 + 2880 = 24,891,840 parameters; 3 x 2880^2 = 24,883,200 MACs per row.
+    assert (
+        "experts  glu(quick_gelu, clamp 7.0, offset 1.0) + fc1 and fc2 bias: 24.89 M parameters each, first linear "
+        "5760 rows, 24.88 M multiply-adds per row" in capsys.readouterr().out
+    )
+    family = yaml.safe_load((tmp_path / "plan.json").read_text())["expert_family"]
+    assert family["expert_activation"] == "quick_gelu" and family["activation_clamp"] == 7.0
 
 
 def test_plan_runs_as_a_module():

@@ -1,6 +1,8 @@
 """The planner (mok_plugin.run.planner): its memory and MoE-layer time arithmetic against
-hand-worked cases (NVLink inside the domain, the scale-out network beyond it, no exchange at EP 1);
-it refuses an exchange over a link the machine lacks and an efficiency outside (0, 1]."""
+hand-worked cases (NVLink inside the domain, the scale-out network beyond it, no exchange at EP 1),
+per expert family (GPT-OSS's gated quick-GeLU with both biases; a plain squared-ReLU MLP with an fc2
+bias and a shared expert; a linear expert): its weights, saved h and GEMM FLOPs; it refuses an
+exchange over a link the machine lacks and an efficiency outside (0, 1]."""
 
 import math
 from pathlib import Path
@@ -70,6 +72,62 @@ def test_layer_time_refuses_a_link_the_machine_lacks():
     run = valid.model_copy(update={"parallel": valid.parallel.model_copy(update={"ep": 2, "dp": 2})})
     with pytest.raises(MoKConfigError, match=r"machine 'cpu' has scale_out_gb_s=0 GB/s"):
         layer_time(run)
+
+
+def test_gpt_oss_family_by_hand():
+    # gpt-oss-120b at EP 16, PP 1, DP 16, 4096 tokens: 128 / 16 = 8 experts x 36 layers = 288 here.
+    # One expert: W1 [2I = 5760, 2880] = 16,588,800 + W2 [2880, 2880] = 8,294,400 + b1 5,760 + b2 2,880
+    # = 24,891,840 parameters (bias-free SwiGLU: 24,883,200).
+    run = load_topology(TOPOLOGIES / "gpt-oss-120b_gb200-nvl72_ep16.yaml")
+    assert run.model.expert_family.describe() == "glu(quick_gelu, clamp 7.0, offset 1.0) + fc1 and fc2 bias"
+    mem = memory_per_gpu(run)
+    assert mem.expert_params == 7_168_849_920  # 288 x 24,891,840
+    assert mem.dense_params == pytest.approx(2.1e9)
+    assert mem.weights_gib == pytest.approx(2 * (7_168_849_920 + 2.1e9) / GIB)
+    assert mem.optimizer_gib == pytest.approx(12 * (7_168_849_920 + 2.1e9 / 16) / GIB)
+    # 36 layers x 34 T H, plus per MoE layer the input (2 T H) and h of the 16,384 rows, 5760 bf16
+    # columns each (2 x 16,384 x 5760 = 188,743,680 B): 22,083,010,560 B.
+    assert mem.activations_gib == pytest.approx(22_083_010_560 / GIB)
+    # Forward 2 x 3HI per row (6 x 2880^2 = 49,766,400 FLOPs), backward twice that: 18 HI x 16,384 rows.
+    assert layer_time(run).expert_flops == 2_446_118_092_800
+    # The same model stated as plain SwiGLU: no biases, the same FLOPs and activations.
+    data = yaml.safe_load((TOPOLOGIES / "gpt-oss-120b_gb200-nvl72_ep16.yaml").read_text())
+    for key in ("activation_clamp", "glu_linear_offset", "expert_fc1_bias", "expert_fc2_bias", "expert_activation"):
+        del data["model"][key]
+    swiglu = RunConfig(**data)
+    assert memory_per_gpu(swiglu).expert_params == 7_166_361_600  # 288 x 3 x 2880^2
+    assert layer_time(swiglu).expert_flops == layer_time(run).expert_flops
+
+
+def _tiny_family(**model) -> RunConfig:
+    data = _tiny()  # H 64, I 32, E 8, K 2, 2 layers (both MoE), T = 64 x 2 = 128, EP 1, PP 1
+    data["model"].update(model)
+    return RunConfig(**data)
+
+
+def test_plain_mlp_family_by_hand():
+    # Nemotron-style squared-ReLU MLP (not gated) with an fc2 bias and a 48-wide shared expert.
+    run = _tiny_family(expert_kind="mlp", expert_activation="squared_relu", expert_fc2_bias=True,
+                       shared_ffn_hidden_size=48)  # fmt: skip
+    assert run.mok_config().expert_family == run.model.expert_family
+    mem = memory_per_gpu(run)
+    # One routed expert: W1 [32, 64] 2048 + W2 [64, 32] 2048 + b2 64 = 4160; 8 experts x 2 layers.
+    assert mem.expert_params == 66_560
+    # The shared MLP: W1 [48, 64] 3072 + W2 [64, 48] 3072 + b2 64 = 6208 per layer, on top of 1e5.
+    assert mem.dense_params == pytest.approx(100_000 + 2 * 6208)
+    # 2 x 34 T H = 557,056, plus per MoE layer 2 T H = 16,384 and h [256 rows, 32] bf16 = 16,384.
+    assert mem.activations_gib == pytest.approx(622_592 / GIB)
+    # 2 x 2HI = 8192 FLOPs forward per row, x 3 with the backward, x 256 rows.
+    assert layer_time(run).expert_flops == 6_291_456
+
+
+def test_linear_family_by_hand():
+    # One H x H linear per expert (I = H = 64) with its bias: no h is saved (its input is x).
+    run = _tiny_family(expert_kind="linear", ffn_hidden_size=64, expert_fc2_bias=True)
+    mem = memory_per_gpu(run)
+    assert mem.expert_params == 16 * (64 * 64 + 64)  # 8 experts x 2 layers
+    assert mem.activations_gib == pytest.approx((2 * 34 * 128 * 64 + 2 * 2 * 128 * 64) / GIB)
+    assert layer_time(run).expert_flops == 3 * 2 * 256 * 64 * 64
 
 
 @pytest.mark.parametrize("efficiency", [0, -0.5, 1.5, math.nan, math.inf])

@@ -2,8 +2,11 @@
 validates and fits; each kind of impossible layout is rejected with a message naming the field (more
 stages than layers, TP or expert TP, a mok block contradicting the model or parallel section, an
 exchange over a 0 GB/s link, non-finite values); a file that cannot be read is an error naming it;
-`load_config` refuses each of them and points to `load_topology`; the run package's imports point
-one way (config <- sections <- planner <- topology <- plan) with no deferred import."""
+`load_config` refuses each of them and points to `load_topology`; the model section's expert MLP
+(GPT-OSS's in its configs, SwiGLU without biases in every other, as the models publish them) reaches
+the MoKConfig, and its invalid values and combinations are errors naming the `model.` field; the run
+package's imports point one way (config <- sections <- planner <- topology <- plan) with no deferred
+import."""
 
 import ast
 import math
@@ -14,6 +17,7 @@ import yaml
 
 from mok_plugin import load_topology as load_topology_public
 from mok_plugin.config import MoKConfigError, load_config
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.run.planner import memory_per_gpu
 from mok_plugin.run.topology import MACHINES, RunConfig, load_topology
 
@@ -41,6 +45,67 @@ def test_every_config_loads_and_fits(path):
     assert memory_per_gpu(run).fits
     assert (run.model.num_experts + run.parallel.redundant_experts) % run.parallel.ep == 0
     run.mok_config()  # a valid MoKConfig for one layer
+
+
+# GPT-OSS's MLP (openai/gpt-oss gpt_oss/torch/model.py: swiglu with alpha 1.702, limit 7.0, (x_linear + 1),
+# biases on both MLP linears); every other model in configs/ is bias-free SwiGLU (their config.json files).
+GPT_OSS = MoKExpertFamily("glu", "quick_gelu", clamp=7.0, linear_offset=1.0, fc1_bias=True, fc2_bias=True)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_states_its_models_expert_mlp(path):
+    run = load_topology(path)
+    want = GPT_OSS if run.model.name.startswith("gpt-oss") else SWIGLU
+    assert run.model.expert_family == want
+    assert run.mok_config().expert_family == want
+    assert "expert_kind" in yaml.safe_load(path.read_text())["model"]  # stated, not left to the default
+
+
+def test_expert_family_fields_default_to_swiglu():
+    data = _base()
+    for key in ("expert_kind", "expert_activation", "activation_clamp", "glu_linear_offset", "expert_fc1_bias",
+                "expert_fc2_bias"):  # fmt: skip
+        data["model"].pop(key, None)
+    assert RunConfig(**data).mok_config().expert_family == SWIGLU
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (dict(expert_kind="mlp", activation_clamp=7.0), r"model\.activation_clamp=7\.0 applies to glu experts only; "
+                                                        r"model\.expert_kind='mlp'"),
+        (dict(expert_kind="mlp", glu_linear_offset=1.0), r"model\.glu_linear_offset=1\.0 applies to glu experts only"),
+        (dict(expert_kind="linear"), r"model\.expert_kind='linear' .* needs model\.ffn_hidden_size = "
+                                     r"model\.hidden_size=64, got 32"),
+        (dict(expert_kind="linear", ffn_hidden_size=64, expert_fc1_bias=True),
+         r"model\.expert_fc1_bias: a linear expert"),
+        (dict(expert_kind="linear", ffn_hidden_size=64, shared_ffn_hidden_size=64),
+         r"model\.shared_ffn_hidden_size=64: shared experts are MLPs"),
+        (dict(expert_kind="swiglu"), r"model\.expert_kind='swiglu': Input should be 'glu', 'mlp' or 'linear'"),
+        (dict(expert_activation="swish"), r"model\.expert_activation='swish': Input should be 'silu'"),
+        (dict(expert_fc1_bias="yes"), r"model\.expert_fc1_bias='yes': Input should be a valid boolean"),
+        (dict(activation_clamp="7"), r"model\.activation_clamp='7'"),
+        (dict(activation_clamp=0.0), r"model\.activation_clamp=0\.0: Input should be greater than 0"),
+        (dict(glu_linear_offset=math.nan), r"model\.glu_linear_offset=nan"),
+    ],
+)  # fmt: skip
+def test_invalid_expert_family_names_the_model_field(tmp_path, model, message):
+    data = _tiny()
+    data["model"].update(model)
+    _reject(tmp_path, data, message)
+
+
+def test_mok_block_contradicting_the_expert_family(tmp_path):
+    data = _base()
+    data["mok"]["expert_activation"] = "gelu"
+    _reject(tmp_path, data, r"mok\.expert_activation='gelu' contradicts model\.expert_activation='silu'")
+    data = yaml.safe_load((ROOT / "configs" / "topologies" / "gpt-oss-120b_gb200-nvl72_ep16.yaml").read_text())
+    data["mok"]["expert_fc2_bias"] = False
+    _reject(tmp_path, data, r"mok\.expert_fc2_bias=False contradicts model\.expert_fc2_bias=True")
+    data["mok"].update(expert_fc2_bias=True, activation_clamp=7.0)  # repeating the model is fine
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_topology(path).mok_config().expert_family == GPT_OSS
 
 
 def test_load_topology_is_public_api():

@@ -3,10 +3,11 @@
 Each module has one job:
   timing      CUDA-event timing after a settle period (SETTLE_S), median and p20-p80, slowest rank
   ceiling     the dense bf16 GEMM ceiling, measured in the same run
-  flops       the FLOP count of a pass (SonicMoE's convention; BENCHMARKS.md, Method)
+  families    the expert families by name (swiglu, gpt-oss, nemotron, glu-gelu, mlp-relu, ...)
+  flops       the FLOP count of a pass, per expert family (SonicMoE's convention; BENCHMARKS.md, Method)
   memory      what sets a pass's peak memory, from the caching allocator's trace
   breakdown   torch.profiler readers: GPU time per kernel, device time per named range
-  providers   the layer's implementations under test (MoK, torch grouped_mm, Megatron, Liger)
+  providers   the layer's implementations under test (MoK, torch grouped_mm, Megatron, Liger), per family
   tuning      the short tile-config notation and the in-process override of the pinned table
   report      run metadata for the JSON (GPU, versions, commit, time)
   layer, tune, inspect, ep, multi_gpu   the commands: each has main(argv=None)

@@ -1,9 +1,12 @@
 """Time one MoE layer (forward, backward, forward + backward) on the GPU against its peers.
 
 Providers, all on the same inputs in one process (mok_plugin.bench.providers): mok-mega, mok-multi,
-torch (grouped_mm), megatron and liger when installed. Liger autotunes 32 configs for each of its
-GEMM kernels at every new shape (about 4 minutes per shape on the H200);
-LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
+torch (grouped_mm), megatron and liger when installed. `--expert` names the expert families to time
+(mok_plugin.bench.families: swiglu, gpt-oss, nemotron, glu-gelu, mlp-relu, ...; default swiglu); a
+provider that cannot compute a family is skipped for it with the reason printed (mok-mega, megatron
+and liger compute bias-free SwiGLU only). TFLOP/s count the family's GEMMs (bench/flops.py). Liger
+autotunes 32 configs for each of its GEMM kernels at every new shape (about 4 minutes per shape on
+the H200); LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
 
 Every provider is checked against the reference backend and for bitwise repeatability before it
 is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling is measured in
@@ -15,6 +18,7 @@ the same for every provider and are not timed (the megatron peer includes its ow
     mok bench layer --shape 4096,2880,1024,32,4 --routing skewed
     mok bench layer --shapes olmoe --providers mok-multi torch --profile   # time per kernel
     mok bench layer --shapes mixtral-8x7b --providers mok-multi torch --memory  # what sets the peak
+    mok bench layer --shape 16384,2880,2880,128,4 --expert gpt-oss swiglu --providers mok-multi torch
 (`python scripts/bench_layer.py ...` is the same command.)
 """
 
@@ -31,12 +35,14 @@ import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown, print_breakdown
 from mok_plugin.bench.ceiling import dense_gemm_tflops
+from mok_plugin.bench.families import EXPERT_FAMILIES
 from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.memory import memory_breakdown, print_memory
-from mok_plugin.bench.providers import LEAVES, PROVIDERS, check_provider, fwd_bwd, make_inputs, provider_reference
+from mok_plugin.bench.providers import PROVIDERS, check_provider, fwd_bwd, leaves, make_inputs, provider_reference
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, summarize, time_ms
 from mok_plugin.bench.tuning import overridden_configs, parse_tile_config, tile_config_label
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.kernels.configs import PINNED_KERNELS
 from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
 
@@ -46,35 +52,38 @@ PASSES = ("forward", "backward", "fwd+bwd")
 
 
 def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int,
-                   settle_s: float = SETTLE_S) -> dict:  # fmt: skip
+                   settle_s: float = SETTLE_S, family: MoKExpertFamily = SWIGLU) -> dict:  # fmt: skip
     """Check one provider, then time it: peak memory of a forward + backward, then forward,
     backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load.
 
     Returns:
         {"provider", "error", "bitwise"} and, when error is None, "peak_mib" and per pass
         {"ms", "p20", "p80"}. A provider with an error is not timed (nothing runs on the GPU clock).
+    Raises:
+        NotImplementedError: the provider does not compute `family` (yet); the caller skips it.
     """
-    row: dict = {"provider": name, **check_provider(fn, inputs, shape, expected)}
+    row: dict = {"provider": name, **check_provider(fn, inputs, shape, expected, family)}
     torch.cuda.empty_cache()
     if row["error"]:
         return row
-    leaves = [inputs[k].detach().requires_grad_() for k in LEAVES]
+    args = leaves(inputs)
+    present = [a for a in args if a is not None]
 
     def forward():
         with torch.no_grad():
-            fn(*leaves)
+            fn(*args)
 
     out_holder: list = []
 
     def backward():
-        torch.autograd.grad(out_holder[0], leaves, inputs["d_out"], retain_graph=True)
+        torch.autograd.grad(out_holder[0], present, inputs["d_out"], retain_graph=True)
 
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd(fn, inputs)
     row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     row["forward"] = summarize(time_ms(forward, iters, settle_s=settle_s))
-    out_holder.append(fn(*leaves))
+    out_holder.append(fn(*args))
     row["backward"] = summarize(time_ms(backward, iters, settle_s=settle_s))
     out_holder.clear()
     row["fwd+bwd"] = summarize(time_ms(lambda: fwd_bwd(fn, inputs), iters, settle_s=settle_s))
@@ -91,6 +100,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"named shapes: {', '.join(NAMED_SHAPES)}",
     )
     parser.add_argument("--shape", action="append", default=[], help="extra shape T,H,I,E,K")
+    parser.add_argument("--expert", nargs="+", choices=list(EXPERT_FAMILIES), default=["swiglu"], metavar="FAMILY",
+                        help="expert families to time, by name (mok_plugin/bench/families.py): "
+                             f"{', '.join(EXPERT_FAMILIES)}; default swiglu")  # fmt: skip
     parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="*", default=["uniform"])
     parser.add_argument("--providers", nargs="*", choices=list(PROVIDERS), default=list(PROVIDERS))
     parser.add_argument("--iters", type=int, default=20)
@@ -127,17 +139,27 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     unknown = sorted(set(overrides) - set(PINNED_KERNELS))
     if unknown:
         parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    try:
+        shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
+    except ValueError as error:
+        parser.error(str(error))
+    for name in args.expert:
+        if EXPERT_FAMILIES[name].kind == "linear":
+            not_square = [text for text, shape in shapes if shape.I != shape.H]
+            if not_square:
+                parser.error(
+                    f"--expert {name}: one H x H linear per expert needs I = H; not in {', '.join(not_square)}"
+                )
     if not torch.cuda.is_available():
         print("mok bench layer (scripts/bench_layer.py) needs a CUDA GPU", file=sys.stderr)
         return 2
     if overrides:
         print("pinned table overridden: " + ", ".join(f"{k}={tile_config_label(c)}" for k, c in overrides.items()))
     with overridden_configs(overrides):
-        return _run(args, overrides)
+        return _run(args, overrides, shapes)
 
 
-def _run(args: argparse.Namespace, overrides: dict) -> int:
-    shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
+def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoEShape]]) -> int:
     burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
     gemm = dense_gemm_tflops(settle_s=args.settle_s)
     dense_line = (
@@ -147,35 +169,15 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
     print(dense_line, flush=True)
     rows = []
     for shape_name, shape in shapes:
-        for routing in args.routing:
-            inputs = make_inputs(shape, routing, args.seed)
-            expected = fwd_bwd(provider_reference(inputs, shape), inputs)
-            for provider in args.providers:
-                t0 = time.time()
-                try:
-                    fn = PROVIDERS[provider](inputs, shape)
-                except RuntimeError as why:  # ProviderUnavailable: a peer that is not installed
-                    print(f"  {shape_name} {routing} {provider}: skipped ({why})", flush=True)
-                    continue
-                row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s)
-                if args.profile and not row["error"]:
-                    row["kernels"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
-                if args.memory and not row["error"]:
-                    row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
-                row.update(shape=shape_name, dims=list(shape.as_tuple()), routing=routing)
-                rows.append(row)
-                print(
-                    f"  {shape_name} {routing} {provider}: done in {time.time() - t0:.1f} s"
-                    + (f" WRONG: {row['error']}" if row["error"] else ""),
-                    flush=True,
-                )
-                torch.cuda.empty_cache()
-            del inputs, expected
-            torch.cuda.empty_cache()
+        for expert in args.expert:
+            family = EXPERT_FAMILIES[expert]
+            for routing in args.routing:
+                rows += _bench_case(args, shape_name, shape, expert, family, routing)
 
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         **run_metadata(),
+        "expert_families": {name: EXPERT_FAMILIES[name].config_fields() for name in args.expert},
         "dense_gemm_tflops": gemm,
         "dense_gemm_tflops_first_calls_after_idle": burst,
         "settle_s": args.settle_s,
@@ -183,6 +185,7 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
     }
     (args.out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print()
+    print_families(args.expert)
     print_table(rows, gemm)
     for row in rows:
         if "kernels" in row:
@@ -193,16 +196,63 @@ def _run(args: argparse.Namespace, overrides: dict) -> int:
     return 0
 
 
+def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expert: str, family: MoKExpertFamily,
+                routing: str) -> list[dict]:  # fmt: skip
+    """The rows of one shape, expert family and routing: every provider that computes the family."""
+    rows = []
+    case = f"{shape_name} {expert} {routing}"
+    inputs = make_inputs(shape, routing, args.seed, family=family)
+    expected = fwd_bwd(provider_reference(inputs, shape, family), inputs)
+    for provider in args.providers:
+        t0 = time.time()
+        try:
+            fn = PROVIDERS[provider](inputs, shape, family)
+        except RuntimeError as why:  # ProviderUnavailable: a peer not installed, or not computing this family
+            print(f"  {case} {provider}: skipped ({why})", flush=True)
+            continue
+        try:
+            row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family)
+        except NotImplementedError as why:  # a family the provider's op does not compute yet
+            print(f"  {case} {provider}: skipped (not implemented: {why})", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        if args.profile and not row["error"]:
+            row["kernels"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+        if args.memory and not row["error"]:
+            row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+        row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
+                   routing=routing)  # fmt: skip
+        rows.append(row)
+        print(
+            f"  {case} {provider}: done in {time.time() - t0:.1f} s"
+            + (f" WRONG: {row['error']}" if row["error"] else ""),
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    del inputs, expected
+    torch.cuda.empty_cache()
+    return rows
+
+
+def print_families(names: list[str]) -> None:
+    """One line per expert family of the run: its benchmark name and what it computes."""
+    for name in names:
+        print(f"experts {name}: {EXPERT_FAMILIES[name].describe()}")
+
+
 def print_table(rows: list[dict], gemm: float) -> None:
-    """The layer table: per row and pass ms (p20-p80), TFLOP/s, % of dense GEMM, peak MiB, the
-    ratio to the torch provider of the same shape and routing, bitwise yes/no."""
+    """The layer table: per row and pass ms (p20-p80), TFLOP/s (of the row's expert family's GEMMs),
+    % of dense GEMM, peak MiB, the ratio to the torch provider of the same shape, expert family and
+    routing, bitwise yes/no. Rows without "expert" (older JSON) are SwiGLU."""
     print(
-        f"{'shape':<16} {'routing':<8} {'provider':<10} {'pass':<8} {'ms':>8} {'p20-p80':>15} {'TFLOP/s':>8} "
-        f"{'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
+        f"{'shape':<16} {'expert':<16} {'routing':<8} {'provider':<10} {'pass':<8} {'ms':>8} {'p20-p80':>15} "
+        f"{'TFLOP/s':>8} {'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
     )
     for row in rows:
+        expert = row.get("expert", "swiglu")
+        head = f"{row['shape']:<16} {expert:<16} {row['routing']:<8} {row['provider']:<10}"
         if row["error"]:
-            print(f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} WRONG: {row['error']}")
+            print(f"{head} WRONG: {row['error']}")
             continue
         shape = MoEShape(*row["dims"])
         torch_row = next(
@@ -211,6 +261,7 @@ def print_table(rows: list[dict], gemm: float) -> None:
                 for r in rows
                 if r["provider"] == "torch"
                 and r["shape"] == row["shape"]
+                and r.get("expert", "swiglu") == expert
                 and r["routing"] == row["routing"]
                 and not r["error"]
             ),
@@ -218,10 +269,10 @@ def print_table(rows: list[dict], gemm: float) -> None:
         )
         for pass_name in PASSES:
             ms = row[pass_name]["ms"]
-            tflops = moe_flops(shape, pass_name) / ms / 1e9
+            tflops = moe_flops(shape, pass_name, EXPERT_FAMILIES[expert]) / ms / 1e9
             ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row else "-"
             print(
-                f"{row['shape']:<16} {row['routing']:<8} {row['provider']:<10} {pass_name:<8} {ms:8.2f} "
-                f"{row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} {tflops:8.0f} {100 * tflops / gemm:5.0f}% "
-                f"{row['peak_mib']:9.1f} {ratio:>8} {'yes' if row['bitwise'] else 'NO':>7}"
+                f"{head} {pass_name:<8} {ms:8.2f} {row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} "
+                f"{tflops:8.0f} {100 * tflops / gemm:5.0f}% {row['peak_mib']:9.1f} {ratio:>8} "
+                f"{'yes' if row['bitwise'] else 'NO':>7}"
             )

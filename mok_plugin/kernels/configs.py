@@ -57,6 +57,8 @@ def interpreter_on() -> bool:
 # each kernel, one entry for both shapes where they agreed.
 _TABLE: dict[str, MoKTileConfig] = {
     "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 3),  # two accumulators: 128x256 of fp32 per program
+    # A non-gated (mlp) expert's fc1: one accumulator, so the tile takes down_fwd's 128x256.
+    "mlp_up_fwd": MoKTileConfig(128, 256, 64, 8, 3),
     "down_fwd": MoKTileConfig(128, 256, 64, 8, 3),
     # down_dgrad is a plain GEMM into an fp32 dA' and a separate elementwise epilogue kernel
     # (dSwiGLU, router partials, w*A). Fused into the GEMM the epilogue held the tile to 128x64

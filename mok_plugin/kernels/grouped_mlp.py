@@ -248,7 +248,7 @@ def gate_up_fwd(
         raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
     if gate_up_bias is not None:
         check_tensor("gate_up_bias", gate_up_bias, 2, x.dtype)
-    cfg = config or kernel_config("gate_up_fwd", I)
+    cfg = config or kernel_config("gate_up_fwd" if gated else "mlp_up_fwd", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)

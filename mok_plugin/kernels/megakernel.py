@@ -1,5 +1,9 @@
 """The persistent megakernel: a whole forward pass, or a whole backward pass, as one launch.
 
+It computes bias-free SwiGLU experts only (its tiles get the SwiGLU constants); the other expert
+families run in the multi-kernel variant, and `MoKConfig` refuses kernel_variant='megakernel' for
+them by name.
+
 A grid of as many programs as the GPU has multiprocessors takes tasks from a device-side task list
 through an integer ticket (`atomic_add` on a counter) until the list is empty. The list is in
 dependency order, every producer before its consumers, and a consumer waits on integer readiness

@@ -542,7 +542,7 @@ def bias_grad_tile(
     stride_src, stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """d_b[e, n-block] = sum over e's rows r of scale[r] * src[r] (scale None: 1), in ascending row
-    order, BLOCK_K rows per step (the weight gradients' order), fp32; zeros for an expert with no rows.
+    order BLOCK_K rows per step (the weight gradients' order), fp32; zeros for an expert with no rows.
 
     Arguments:
         src: (T, N) when BY_TOKEN (indexed through row_to_token), else (R_pad, N)
@@ -553,7 +553,9 @@ def bias_grad_tile(
     col_ok = cols < N
     start = tl.load(expert_offsets_ptr + expert)
     end = start + tl.load(tokens_per_expert_ptr + expert)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Row i of the block accumulates rows i, i + BLOCK_K, ... elementwise; one sum over the block's
+    # rows at the end (a fixed order, and no cross-row reduction per step).
+    acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         r_ok = rows < end
@@ -564,7 +566,8 @@ def bias_grad_tile(
         vals = tl.load(src + src_rows[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if scale_ptr is not None:
             vals = vals * tl.load(scale_ptr + rows, mask=r_ok, other=0.0)[:, None]
-        acc += tl.sum(vals, axis=0)
+        acc2 += vals
+    acc = tl.sum(acc2, axis=0)
     tl.store(d_b_ptr + expert * stride_d_b_e + cols, acc.to(d_b_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -574,7 +577,8 @@ def bias_router_grad_tile(
     stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The fc2 bias's share of the router gradient, <dO[t_r], b2_e>, into partial column `slot` of
-    row block pid_m: reduced over H in ascending BLOCK_N order, fp32.
+    row block pid_m: column n of the block accumulates columns n, n + BLOCK_N, ... in ascending
+    order, then one sum over the block's columns; fp32.
 
     Arguments:
         d_out_ptr: (T, H)
@@ -582,15 +586,15 @@ def bias_router_grad_tile(
         d_w_partial_ptr: (R_pad, J) fp32"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # one sum over the columns at the end
         for n0 in range(0, H, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < H
             mask = row_ok[:, None] & col_ok[None, :]
             d_o = tl.load(d_out_ptr + tokens[:, None] * stride_d_out_t + cols[None, :], mask=mask, other=0.0)
-            d_o = d_o.to(tl.float32)
             b2 = tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(d_o * b2[None, :], axis=1)
+            acc2 += d_o.to(tl.float32) * b2[None, :]
+        acc = tl.sum(acc2, axis=1)
         tl.store(d_w_partial_ptr + rows * stride_part_r + slot, acc, mask=row_ok)
 
 

@@ -2,7 +2,7 @@
 
 Modules, each importing only the ones before it (and `mok_plugin.config`, never the reverse):
   sections.py  the parts of a run: Machine and MACHINES (each figure with its public source),
-               ModelShape, ParallelLayout
+               ModelShape (the MoE shape and the expert MLP), ParallelLayout
   planner.py   per-GPU memory and MoE-layer time estimates of a run
   topology.py  RunConfig (validates a whole run, using the planner's estimates) and load_topology
   plan.py      `main(argv)`: the printed plan of a run config (`mok plan`, scripts/plan.py)

@@ -1,5 +1,5 @@
-"""Print the per-GPU plan of a run config: memory, and the time of one MoE layer and of the MoE
-layers of one micro-batch, with every rate and its source. The arithmetic is mok_plugin.run.planner's;
+"""Print the per-GPU plan of a run config: its expert MLP, memory, and the time of one MoE layer and
+of the MoE layers of one micro-batch, with every rate and its source. The arithmetic is mok_plugin.run.planner's;
 the machines' rates and their public sources are in mok_plugin.run.sections.
 
     mok plan configs/topologies/deepseek-v3_gb300-nvl72_ep64.yaml
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mok_plugin.config import MoKConfigError
-from mok_plugin.run.planner import HBM_USABLE, layer_time, memory_per_gpu
+from mok_plugin.run.planner import HBM_USABLE, expert_params, layer_time, memory_per_gpu
 from mok_plugin.run.topology import load_topology
 
 __all__ = ["efficiency", "main"]
@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     slots = m.num_experts + p.redundant_experts
     print(f"  layout   TP {p.tp}  PP {p.pp}  EP {p.ep}  expert-TP {p.expert_tp}  DP {p.dp}  "
           f"seq {p.seq_length} x micro-batch {p.micro_batch}  expert slots {slots}")  # fmt: skip
+    family = m.expert_family
+    H, I = m.hidden_size, m.ffn_hidden_size
+    print(
+        f"  experts  {family.describe()}: {expert_params(family, H, I) / 1e6:.2f} M parameters each, first "
+        f"linear {family.fc1_width(I)} rows, {family.gemm_macs_per_row(H, I) / 1e6:.2f} M multiply-adds per row"
+    )
     print(
         f"  rates    {hw.gpu}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.hbm_gib:g} GiB HBM, NVLink "
         f"{hw.nvlink_gb_s:g} GB/s/dir in a {hw.nvlink_domain}-GPU domain, scale-out {hw.scale_out_gb_s:g} GB/s/dir"
@@ -93,8 +99,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
           "(expert GEMMs + exchange, not overlapped)")  # fmt: skip
     if args.json:
         memory = {**asdict(mem), "total_gib": mem.total_gib, "fits": mem.fits}
-        result = {"config": str(args.config), "memory": memory, "moe_layer": asdict(t),
-                  "moe_layers_per_microbatch_ms": per_mb}  # fmt: skip
+        result = {"config": str(args.config), "expert_family": {"describe": family.describe(), **m.family_fields()},
+                  "memory": memory, "moe_layer": asdict(t), "moe_layers_per_microbatch_ms": per_mb}  # fmt: skip
         try:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2))

@@ -4,10 +4,17 @@ Reads a run through `PlannedRun` (its model, parallel layout, machine and MoK co
 `RunConfig` (topology.py) satisfies; it does not import topology.py, whose validation calls these
 estimates, so the import runs one way: sections <- planner <- topology.
 
+Every expert count follows the model's expert family (`ModelShape.expert_family`, experts.py): with
+F = fc1_width(I) rows of the first linear (2I glu, I mlp, 0 linear) and N its intermediate size (I,
+or H for a linear expert), one expert holds
+  P(I) = F H + H N (+ F with an fc1 bias) (+ H with an fc2 bias)
+parameters (3HI for bias-free SwiGLU, 2HI for a plain MLP, H^2 for a linear expert), and one routed
+row's forward GEMMs take M = gemm_macs_per_row(H, I) multiply-adds (3HI glu, 2HI mlp, H^2 linear).
+
 Memory per GPU (bytes), for bf16 weights trained with fp32 gradients and Adam (Megatron's defaults
 with the distributed optimizer):
   weights      2 B per parameter held: routed experts (E_slots / ep experts x moe_layers / pp layers,
-               3HI / expert_tp each), shared experts (3 H Is / tp per MoE layer), the rest
+               P(I) / expert_tp each), shared experts (P(Is) / tp per MoE layer), the rest
                (dense_params / (tp pp))
   gradients    4 B per parameter (fp32 main_grad)
   optimizer    12 B per parameter (fp32 master, Adam m and v), sharded over the parameter's
@@ -16,8 +23,9 @@ with the distributed optimizer):
                for attention and norms with selective recompute (Korthikanti et al., "Reducing
                Activation Recomputation in Large Transformer Models", 2022, arXiv:2205.05198, with
                sequence parallelism; "none" is treated the same, "full" keeps 2 T H), plus MoK's saved
-               tensors in an MoE layer: the input (2 T H) and the gate/up output of the K routed rows
-               (2 x 2 T K I); 1F1B keeps pp micro-batches in flight on the first stage, so
+               tensors in an MoE layer: the input (2 T H) and the first linear's output h of the K
+               routed rows (2 x T K F: 4 T K I for glu, 2 T K I for mlp, none for a linear expert,
+               which keeps its input rows); 1F1B keeps pp micro-batches in flight on the first stage, so
                num_layers / pp x pp layers' worth
   MoK buffers  expert-parallel exchange buffers of one layer: rows x H x 2 B for send and receive,
                dispatch and combine (4 buffers), rows = T K x ep_capacity_factor (capacity exchange)
@@ -26,8 +34,9 @@ It fits when the total is at most 90 % of the GPU's HBM (the rest: allocator sla
 context).
 
 Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
-  expert FLOPs  3 passes x 2 FLOPs x T K rows x 3 H I / expert_tp (gate, up, down; backward = 2 x
-                forward), at `efficiency` x the machine's dense bf16 rate
+  expert FLOPs  3 passes x 2 FLOPs x T K rows x M / expert_tp (forward 2 M per row, backward twice
+                the forward: 18 T K H I for SwiGLU, 12 T K H I for a plain MLP; bias adds and the
+                activation are not counted), at `efficiency` x the machine's dense bf16 rate
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
                 sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
                 scale-out network (per-direction datasheet rates, run/sections.py); a run whose exchange would
@@ -43,9 +52,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mok_plugin.config import MoKConfig, MoKConfigError
+from mok_plugin.experts import MoKExpertFamily
 from mok_plugin.run.sections import Machine, ModelShape, ParallelLayout
 
-__all__ = ["LayerTime", "MemoryEstimate", "PlannedRun", "exchange_link", "layer_time", "memory_per_gpu"]
+__all__ = [
+    "LayerTime",
+    "MemoryEstimate",
+    "PlannedRun",
+    "exchange_link",
+    "expert_params",
+    "layer_time",
+    "memory_per_gpu",
+]
 
 GIB = 1024**3
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIMIZER = 2, 4, 12
@@ -101,18 +119,28 @@ def _tokens(run: PlannedRun) -> int:
     return run.parallel.seq_length * run.parallel.micro_batch
 
 
+def expert_params(family: MoKExpertFamily, hidden_size: int, ffn_hidden_size: int) -> int:
+    """P(I) of the module docstring: the weights and biases of one expert MLP of `family`."""
+    H, F = hidden_size, family.fc1_width(ffn_hidden_size)
+    weights = F * H + H * family.intermediate_size(H, ffn_hidden_size)
+    return weights + (F if family.fc1_bias else 0) + (H if family.fc2_bias else 0)
+
+
 def memory_per_gpu(run: PlannedRun) -> MemoryEstimate:
     """The memory estimate of the module docstring."""
     p, m, hw = run.parallel, run.model, run.hardware
+    family = m.expert_family
     layers_here = m.moe_layers / p.pp
     slots = m.num_experts + p.redundant_experts
-    routed = layers_here * slots / p.ep * 3 * m.hidden_size * m.ffn_hidden_size / p.expert_tp
-    shared = layers_here * 3 * m.hidden_size * m.shared_ffn_hidden_size / p.tp
+    routed = layers_here * slots / p.ep * expert_params(family, m.hidden_size, m.ffn_hidden_size) / p.expert_tp
+    has_shared = m.shared_ffn_hidden_size > 0
+    shared = layers_here * expert_params(family, m.hidden_size, m.shared_ffn_hidden_size) / p.tp if has_shared else 0
     dense = m.dense_params_b * 1e9 / (p.tp * p.pp) + shared
     expert_dp = max(1, p.tp * p.dp // (p.ep * p.expert_tp))
     T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
     per_layer = {"full": 2 * T * H, "selective": 34 * T * H / p.tp, "none": 34 * T * H / p.tp}[p.activation_recompute]
-    moe_saved = 0 if p.activation_recompute == "full" else 2 * T * H + 2 * 2 * T * K * I / p.expert_tp
+    h_bytes = 2 * T * K * family.fc1_width(I) / p.expert_tp
+    moe_saved = 0 if p.activation_recompute == "full" else 2 * T * H + h_bytes
     activations = m.num_layers * per_layer + m.moe_layers * moe_saved
     mok = run.mok_config()
     rows = T * K * (mok.ep_capacity_factor if mok.ep_exchange == "capacity" else 1.0) if p.ep > 1 else 0
@@ -153,7 +181,7 @@ def layer_time(run: PlannedRun, efficiency: float = 0.6) -> LayerTime:
         raise ValueError(f"efficiency={efficiency!r}: must be a finite fraction of peak in (0, 1]")
     p, m, hw = run.parallel, run.model, run.hardware
     T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
-    flops = 3 * 2 * T * K * 3 * H * I / p.expert_tp
+    flops = 3 * 2 * T * K * m.expert_family.gemm_macs_per_row(H, I) / p.expert_tp
     expert_ms = flops / (efficiency * hw.bf16_tflops * 1e12) * 1e3
     exchange = 4 * T * K * H * 2 * (p.ep - 1) / p.ep
     link, rate_field, rate = exchange_link(run)

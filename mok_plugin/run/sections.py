@@ -1,6 +1,6 @@
 """The parts of a run config that the planner and `RunConfig` both read: the machine table
-(`Machine`, `MACHINES`), the model's MoE shape (`ModelShape`) and the parallel layout
-(`ParallelLayout`).
+(`Machine`, `MACHINES`), the model's MoE shape and expert MLP (`ModelShape`) and the parallel
+layout (`ParallelLayout`).
 
 Each part validates its own fields only. What holds across parts (EP divides the expert slots, the
 layout fits the GPU, ...) is `RunConfig`'s job (topology.py), and the arithmetic is the planner's
@@ -14,13 +14,14 @@ reference architectures; `h200-measured` uses what was measured on this project'
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mok_plugin.config import MAX_DIM
+from mok_plugin.config import MAX_DIM, MAX_FACTOR, ExpertActivation, ExpertKind
+from mok_plugin.experts import MoKExpertFamily
 
-__all__ = ["MACHINES", "Machine", "ModelShape", "ParallelLayout"]
+__all__ = ["FAMILY_FIELDS", "MACHINES", "Machine", "ModelShape", "ParallelLayout"]
 
 
 class Machine(BaseModel):
@@ -93,7 +94,15 @@ MACHINES: dict[str, Machine] = {
 
 
 class ModelShape(BaseModel):
-    """The MoE part of a model, and the size of everything else.
+    """The MoE part of a model (its shape and what each expert computes), and the size of everything else.
+
+    The expert MLP is stated with MoKConfig's field names (`expert_kind`, `expert_activation`,
+    `activation_clamp`, `glu_linear_offset`, `expert_fc1_bias`, `expert_fc2_bias`; formulas in
+    mok_plugin/experts.py); the default is bias-free SwiGLU. GPT-OSS, for example, states
+    `expert_activation: quick_gelu`, `activation_clamp: 7.0`, `glu_linear_offset: 1.0` and both biases.
+    Those fields are strict (a choice from the list, no "yes" for a bool, no "7" for a float) and
+    checked together: a clamp or offset on a non-glu expert, a linear expert that is not H x H, has
+    an fc1 bias or shared experts is an error naming the `model.` fields.
 
     `source` names where the shape comes from: the model's own publication, for example its
     `config.json` on Hugging Face (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct,
@@ -114,6 +123,21 @@ class ModelShape(BaseModel):
     shared_ffn_hidden_size: int = Field(
         default=0, ge=0, le=MAX_DIM, description="Total shared-expert intermediate size."
     )
+    # The expert MLP (routed and shared experts alike), as MoKConfig states it.
+    expert_kind: ExpertKind = Field(
+        default="glu", description="glu (gated, fc1 has 2I rows), mlp (fc1 has I rows) or linear (H x H)."
+    )
+    expert_activation: ExpertActivation = Field(default="silu", description="silu + glu is SwiGLU.")
+    activation_clamp: float | None = Field(
+        default=None, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False, strict=True,
+        description="glu only (GPT-OSS's swiglu_limit, 7.0): the gate clamped above, the linear half to +-this.",
+    )  # fmt: skip
+    glu_linear_offset: float = Field(
+        default=0.0, ge=-MAX_FACTOR, le=MAX_FACTOR, allow_inf_nan=False, strict=True,
+        description="glu only (GPT-OSS: 1.0): added to the linear half.",
+    )  # fmt: skip
+    expert_fc1_bias: bool = Field(default=False, strict=True, description="The first expert linear has a bias.")
+    expert_fc2_bias: bool = Field(default=False, strict=True, description="The second expert linear has a bias.")
     dense_params_b: float = Field(
         ge=0,
         le=1e6,  # a million billion: far above any model, and finite arithmetic in the planner
@@ -121,6 +145,59 @@ class ModelShape(BaseModel):
         description="Billions of parameters outside routed and shared experts (attention, embeddings, dense FFN).",
     )
     source: str = ""
+
+    @model_validator(mode="after")
+    def _check_expert_family(self) -> ModelShape:
+        problems = []
+        if self.expert_kind != "glu":
+            for name, value, default in (
+                ("activation_clamp", self.activation_clamp, None),
+                ("glu_linear_offset", self.glu_linear_offset, 0.0),
+            ):
+                if value != default:
+                    problems.append(
+                        f"model.{name}={value} applies to glu experts only; model.expert_kind={self.expert_kind!r}"
+                    )
+        if self.expert_kind == "linear":
+            if self.ffn_hidden_size != self.hidden_size:
+                problems.append(
+                    f"model.expert_kind='linear' (one H x H linear per expert) needs model.ffn_hidden_size = "
+                    f"model.hidden_size={self.hidden_size}, got {self.ffn_hidden_size}"
+                )
+            if self.expert_fc1_bias:
+                problems.append(
+                    "model.expert_fc1_bias: a linear expert has one linear; its bias is model.expert_fc2_bias"
+                )
+            if self.shared_ffn_hidden_size:
+                problems.append(
+                    f"model.shared_ffn_hidden_size={self.shared_ffn_hidden_size}: shared experts are MLPs; "
+                    "model.expert_kind='linear' has none"
+                )
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
+
+    def family_fields(self) -> dict[str, Any]:
+        """The MoKConfig fields of the expert MLP, as this section states them."""
+        return {name: getattr(self, name) for name in FAMILY_FIELDS}
+
+    @property
+    def expert_family(self) -> MoKExpertFamily:
+        """What each expert computes (mok_plugin/experts.py), as MoKConfig.expert_family gives it."""
+        return MoKExpertFamily(
+            kind=self.expert_kind,
+            activation=self.expert_activation,
+            clamp=self.activation_clamp,
+            linear_offset=self.glu_linear_offset,
+            fc1_bias=self.expert_fc1_bias,
+            fc2_bias=self.expert_fc2_bias,
+        )
+
+
+# ModelShape's expert-MLP fields: MoKConfig fields of the same names, decided by the model section.
+FAMILY_FIELDS = (
+    "expert_kind", "expert_activation", "activation_clamp", "glu_linear_offset", "expert_fc1_bias", "expert_fc2_bias",
+)  # fmt: skip
 
 
 class ParallelLayout(BaseModel):

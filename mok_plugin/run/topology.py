@@ -4,6 +4,8 @@ A file in configs/topologies/ holds one run:
 
     machine: gb300-nvl72            # a name from MACHINES
     model: {name: deepseek-v3, num_layers: 61, moe_layers: 58, hidden_size: 7168, ...}
+                                    # and the expert MLP (expert_kind, expert_activation, ...; SwiGLU
+                                    # without biases unless stated)
     parallel: {tp: 1, pp: 4, ep: 64, expert_tp: 1, dp: 64, seq_length: 4096, micro_batch: 1}
     mok: {ep_exchange: capacity, ep_transport: symmetric_memory, ...}   # MoKConfig knobs
 
@@ -14,7 +16,9 @@ adapters refuse them), a `mok:` field that contradicts the model or parallel sec
 layer and the planner would disagree), the NVLink symmetric-memory path over more GPUs than one
 NVLink domain, an expert exchange over a link the machine does not have (0 GB/s), and a layout
 whose memory does not fit the GPU (estimated by `mok_plugin.run.planner`). A file that cannot be
-read or parsed is an error naming the file.
+read or parsed is an error naming the file. The model section states the expert MLP with
+MoKConfig's field names (run/sections.py, `ModelShape`); like the shape, it reaches the MoKConfig
+from there, and a `mok:` block that says otherwise is a contradiction.
 
 The parts of a run (`Machine` and the `MACHINES` table with each figure's public source,
 `ModelShape`, `ParallelLayout`) live in sections.py, which the planner reads too; they are
@@ -65,6 +69,7 @@ class RunConfig(BaseModel):
             "num_shared_experts": (1 if m.shared_ffn_hidden_size else 0, shared),
             "shared_ffn_hidden_size": (m.shared_ffn_hidden_size or None, shared),
             "ep_size": (p.ep, f"parallel.ep={p.ep}"),
+            **{key: (value, f"model.{key}={value!r}") for key, value in m.family_fields().items()},
         }
 
     def mok_config(self) -> MoKConfig:
