@@ -188,6 +188,9 @@ class MoKMoE(nn.Module):
         init_std: standard deviation of the normal initialisation (Megatron's default 0.02).
         seed: seeds the initialisation; layers built with one seed hold the same weights whatever
             the ep_size (each rank keeps its slice of the full expert tensors).
+        experts: this rank's routed experts as modules (module_experts.MoKModuleExperts) instead of
+            stacked weights of config.expert_family; they keep their own weights (not initialised
+            here) and compute through their `experts_fn`.
 
     Raises:
         ValueError: ep_size > 1 without an ep_group, or a group of another size.
@@ -201,6 +204,7 @@ class MoKMoE(nn.Module):
         device: torch.device | str | None = None,
         init_std: float = 0.02,
         seed: int | None = None,
+        experts: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
@@ -209,7 +213,9 @@ class MoKMoE(nn.Module):
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
         self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
         family = config.expert_family
-        self.experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
+        if experts is None:
+            experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
+        self.experts = experts
         self.shared_experts = (
             MoKSharedExperts(H, config.shared_intermediate_size, dtype, device, family)
             if config.num_shared_experts
@@ -234,7 +240,7 @@ class MoKMoE(nn.Module):
         # forward, so torch.compile traces no import machinery. A backend that cannot run where
         # the parameters are now is an error at the first forward, not here: a layer built on the
         # CPU with backend="triton" and then moved with .to("cuda") is the usual PyTorch order.
-        device = self.experts.down_proj.device
+        device = self._anchor.device
         self._backend_error = None
         try:
             self.backend = resolve_backend(self.config.backend, device) if device.type != "meta" else "reference"
@@ -249,6 +255,8 @@ class MoKMoE(nn.Module):
             self._experts_fn = moe_experts_reference
         if self.shared_experts is not None:
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
+        if not isinstance(self.experts, MoKExperts):
+            self._experts_fn = self.experts.experts_fn
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -259,6 +267,8 @@ class MoKMoE(nn.Module):
         """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, param in self.named_parameters():
+            if name.startswith("experts.") and not isinstance(self.experts, MoKExperts):
+                continue  # expert modules keep their own weights
             if name.endswith("_bias"):
                 with torch.no_grad():
                     param.zero_()  # linear biases start at zero, as Megatron initialises them
@@ -270,8 +280,14 @@ class MoKMoE(nn.Module):
                 _init_(param, self.init_std, generator)
 
     @property
+    def _anchor(self) -> torch.Tensor:
+        """The weight whose device and dtype are the layer's: the stacked experts', or the router's
+        when the experts are modules (which have no stacked weights)."""
+        return self.router.weight if self.experts.down_proj is None else self.experts.down_proj
+
+    @property
     def params_dtype(self) -> torch.dtype:
-        return self.experts.down_proj.dtype
+        return self._anchor.dtype
 
     def _check_input(self, x: torch.Tensor) -> None:
         H = self.config.hidden_size
@@ -284,8 +300,8 @@ class MoKMoE(nn.Module):
                 f"x has dtype {x.dtype} but the layer's parameters are {self.params_dtype} "
                 f"(mok.params_dtype={self.config.params_dtype}); cast x or the layer"
             )
-        if x.device != self.experts.down_proj.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self.experts.down_proj.device}")
+        if x.device != self._anchor.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self._anchor.device}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, run the experts, combine.
@@ -350,7 +366,7 @@ class MoKMoE(nn.Module):
             return num_tokens
         if self.config.ep_exchange == "capacity":
             return num_tokens * self.config.ep_size
-        total = torch.tensor([num_tokens], dtype=torch.int64, device=self.experts.down_proj.device)
+        total = torch.tensor([num_tokens], dtype=torch.int64, device=self._anchor.device)
         torch.distributed.all_reduce(total, group=self.ep_group)
         return int(total)  # host-ok: exact exchange, sized on the host (parallel/dispatch.py)
 
@@ -414,6 +430,6 @@ class MoKMoE(nn.Module):
         c = self.config
         return (
             f"H={c.hidden_size}, I={c.ffn_hidden_size}, E={c.num_experts}, K={c.top_k}, "
-            f"experts={c.expert_family.describe()}, "
+            f"experts={c.expert_family.describe() if isinstance(self.experts, MoKExperts) else 'modules'}, "
             f"shared={c.num_shared_experts}, score={c.score_function}, backend={self.backend}, dtype={c.params_dtype}"
         )

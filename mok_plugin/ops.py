@@ -2,8 +2,10 @@
 
 Owns: `moe_experts` (same signature as `reference.moe_experts_reference`), the ops, and which
 tensors are saved for backward: x, the routing weights, both weights, the schedule and the
-pre-activation h [R_pad, 2I]. The down-projection output is not saved; A = SwiGLU(h) is recomputed
-in the backward's dgrad epilogue.
+pre-activation h [R_pad, N1] (N1 = 2I for a glu expert, I for an mlp; a linear expert's gathered
+input rows). The down-projection output is not saved; A = act(h) is recomputed in the backward's
+dgrad epilogue. The expert family reaches the kernels as scalars (activation, gated, clamp,
+offset); the biases as optional tensors, their gradients from `expert_bias_grad` in fixed row order.
 
 Two kernel variants sit behind the ops; `kernel_variant` picks one.
 - multi_kernel (one launch per GEMM): two autograd nodes. `expert_up_fwd` (x -> h, A) and
@@ -11,7 +13,10 @@ Two kernel variants sit behind the ops; `kernel_variant` picks one.
   dh back). Autograd runs the down node's backward first and then releases the saved h, so the
   up node's weight gradient (the backward's memory peak) runs without it: mixtral-8x7b's
   h is 0.95 GiB.
-- megakernel (one persistent launch per pass): `moe_experts_fwd` / `moe_experts_bwd`, one node.
+- megakernel (one persistent launch per pass): `moe_experts_fwd` / `moe_experts_bwd`, one node;
+  bias-free SwiGLU only.
+- a linear expert (one H x H linear) is `expert_gather_rows` (x rows in schedule order, its
+  backward a k-ordered combine) into the down node, with activation "identity".
 
 The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.compile` with
 `fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the

@@ -9,6 +9,8 @@
 #              both MoK variants, the PyTorch path and Megatron's stock layer; on all but deepseek-v3 also
 #              Liger's fused MoE, with its autotuning off (LIGER_FUSED_MOE_AUTOTUNE=0 unless set: tuned, it
 #              takes ~4 minutes per shape); deepseek-v3 with 6 iterations instead of 10
+#   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
+#              fused expert family, MoK against the PyTorch path written for that family
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -63,6 +65,13 @@ for part in "${parts[@]}"; do
             LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0} run_part "layer-$shape" python3 \
                 scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
                 --out "$out/layer-$shape"
+        done ;;
+    families)
+        families=(swiglu swiglu-bias gpt-oss glu-gelu glu-gelu-tanh glu-quick-gelu glu-relu mlp-silu mlp-gelu
+                  mlp-gelu-tanh mlp-quick-gelu mlp-relu mlp-squared-relu)
+        for shape in qwen3-30b-a3b mixtral-8x7b; do
+            run_part "families-$shape" python3 scripts/bench_layer.py --shapes "$shape" --expert "${families[@]}" \
+                --providers mok-multi torch --iters 10 --out "$out/families-$shape"
         done ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac

@@ -1,9 +1,11 @@
 """The DeepSpeed adapter on the CPU (gloo): mok_plugin.deepspeed.MoE against DeepSpeed's MoE with
-the same weights (no drop, no noise); the engine with ZeRO-1 and ZeRO-2 at EP = 1 and 2 (losses
-against the stock layer, two MoK runs bitwise equal, checkpoints both ways); the "mok" block's
-errors; apply/revert; the random options."""
+the same weights (no drop, no noise); the engine with ZeRO-1 and ZeRO-2 at EP = 1 and 2, with a
+SwiGLU expert, a biased GeLU MLP and a module no family computes (losses against the stock layer,
+two MoK runs bitwise equal, checkpoints both ways); the "mok" block's errors; apply/revert; the
+random options. The other expert modules: test_deepspeed_experts.py."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -22,10 +24,9 @@ pytestmark = pytest.mark.deepspeed
 H, I, E = 16, 24, 4
 
 
-@pytest.fixture(scope="module")
-def ds_world():
-    # A one-rank gloo world for this module; the variables torchrun would set are removed after, so
-    # that scripts the later tests start do not think they run under torchrun.
+def one_rank_world():
+    """A one-rank gloo world for a test module; the variables torchrun would set are removed after,
+    so that scripts the later tests start do not think they run under torchrun."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -37,6 +38,11 @@ def ds_world():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def ds_world():
+    yield from one_rank_world()
 
 
 def _layers(k: int, **kwargs):
@@ -90,59 +96,6 @@ def test_state_dict_keys_round_trip(ds_world):
     fresh.load_state_dict(mok.state_dict())
     for key, value in stock.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
-
-
-def test_mixtral_style_expert_and_bad_experts(ds_world):
-    class Mixtral(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
-            self.w2 = nn.Linear(I, H, bias=False)
-
-        def forward(self, x):  # Hugging Face's MixtralBlockSparseTop2MLP
-            return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
-
-    layer = mds.MoE(H, Mixtral(), num_experts=E, k=2, drop_tokens=False)
-    assert any(k.endswith("deepspeed_experts.0.w3.weight") for k in layer.state_dict())
-    with pytest.raises(TypeError, match="SwiGLU experts only"):
-        mds.MoE(H, nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H)), num_experts=E)
-    with pytest.raises(TypeError, match="no biases"):
-        biased = mds.SwiGLUExpert(H, I)
-        biased.gate_proj = nn.Linear(H, I)
-        mds.MoE(H, biased, num_experts=E)
-
-
-class _GemmaStyleMLP(nn.Module):
-    """Hugging Face's gate/up/down names with a GeLU activation (Gemma): the layout of a SwiGLU
-    expert, another function."""
-
-    def __init__(self, act_fn):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
-        self.act_fn = act_fn
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-@pytest.mark.parametrize(
-    "act_fn", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU()], ids=["gelu", "gelu_tanh", "relu"]
-)
-def test_an_expert_with_another_activation_is_refused_not_computed_as_swiglu(ds_world, act_fn):
-    with pytest.raises(TypeError, match=r"_GemmaStyleMLP: its linears are laid out as gate/up/down, but it does not"):
-        mds.MoE(H, _GemmaStyleMLP(act_fn), num_experts=E, k=2, drop_tokens=False)
-    # The same module with SiLU is a SwiGLU expert, and its training mode is left as it was.
-    expert = _GemmaStyleMLP(nn.SiLU()).train()
-    mds.MoE(H, expert, num_experts=E, k=2, drop_tokens=False)
-    assert expert.training
-
-
-def test_an_expert_that_cannot_run_is_refused_naming_the_failure(ds_world):
-    expert = _GemmaStyleMLP(nn.SiLU())
-    expert.forward = None  # the gate/up/down layout without a forward that runs
-    with pytest.raises(TypeError, match=r"_GemmaStyleMLP: calling the expert on a \[4, \d+\] input failed \(TypeError"):
-        mds.MoE(H, expert, num_experts=E, k=2, drop_tokens=False)
 
 
 @pytest.mark.parametrize(
@@ -212,12 +165,30 @@ def test_apply_and_revert(ds_world):
 # --- the engine: ZeRO-1 / ZeRO-2, EP = 1 / 2, two gloo processes ----------------------------------
 
 
+class _ResidualBlock(nn.Module):
+    """An expert no MoK family computes (a LayerNorm inside): it runs as itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(H), nn.Linear(H, H)
+
+    def forward(self, x):
+        return x + self.fc(torch.tanh(self.norm(x)))
+
+
+ENGINE_EXPERTS = {
+    "swiglu": lambda: mds.SwiGLUExpert(H, I),
+    "gelu_mlp_biases": lambda: nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H)),
+    "residual_block": _ResidualBlock,
+}
+
+
 class TinyMoEModel(nn.Module):
-    def __init__(self, moe_cls, ep_size: int):
+    def __init__(self, moe_cls, ep_size: int, expert: str = "swiglu"):
         super().__init__()
         self.proj = nn.Linear(H, H)
         # k = 3: DeepSpeed's top-k gate, whose aux loss counts every choice as MoK's does (not so for k = 2).
-        self.moe = moe_cls(H, mds.SwiGLUExpert(H, I), num_experts=E, ep_size=ep_size, k=3, drop_tokens=False,
+        self.moe = moe_cls(H, ENGINE_EXPERTS[expert](), num_experts=E, ep_size=ep_size, k=3, drop_tokens=False,
                            use_rts=False, top2_2nd_expert_sampling=False)  # fmt: skip
         self.head = nn.Linear(H, 1)
 
@@ -232,9 +203,11 @@ def _ds_config(stage: int) -> dict:
             "zero_optimization": {"stage": stage}, "mok": {"enabled": True, "backend": "reference"}}  # fmt: skip
 
 
-def _train(moe_cls, stage: int, ep_size: int, rank: int, init_state: dict | None, steps: int = 3):
+def _train(moe_cls, stage: int, ep_size: int, rank: int, init_state: dict | None, expert: str, steps: int = 3):
     torch.manual_seed(0)
-    model = TinyMoEModel(moe_cls, ep_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning of an expert that runs as itself
+        model = TinyMoEModel(moe_cls, ep_size, expert)
     if init_state is not None:
         model.load_state_dict(init_state)
     engine, *_ = deepspeed.initialize(model=model, config=_ds_config(stage), model_parameters=model.parameters())
@@ -248,21 +221,23 @@ def _train(moe_cls, stage: int, ep_size: int, rank: int, init_state: dict | None
     return engine, losses
 
 
-def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, out: str) -> None:
+def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, expert: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    init = TinyMoEModel(StockMoE, ep_size).state_dict()  # per rank: its local experts
-    stock, stock_losses = _train(StockMoE, stage, ep_size, rank, init)
-    mok1, mok_losses = _train(mds.MoE, stage, ep_size, rank, init)
-    mok2, mok_losses2 = _train(mds.MoE, stage, ep_size, rank, init)
+    init = TinyMoEModel(StockMoE, ep_size, expert).state_dict()  # per rank: its local experts
+    with torch.no_grad():  # random biases and norm weights, not the zeros and ones of their init
+        init = {k: v + 0.1 * torch.randn_like(v) for k, v in init.items()}
+    stock, stock_losses = _train(StockMoE, stage, ep_size, rank, init, expert)
+    mok1, mok_losses = _train(mds.MoE, stage, ep_size, rank, init, expert)
+    mok2, mok_losses2 = _train(mds.MoE, stage, ep_size, rank, init, expert)
     # Checkpoints: MoK -> MoK (with optimizer state), stock -> MoK (weights only).
     mok1.save_checkpoint(out, tag="mok")
     stock.save_checkpoint(out, tag="stock")
-    restored, _ = _train(mds.MoE, stage, ep_size, rank, None, steps=0)
+    restored, _ = _train(mds.MoE, stage, ep_size, rank, None, expert, steps=0)
     restored.load_checkpoint(out, tag="mok")
-    from_stock, _ = _train(mds.MoE, stage, ep_size, rank, None, steps=0)
+    from_stock, _ = _train(mds.MoE, stage, ep_size, rank, None, expert, steps=0)
     from_stock.load_checkpoint(out, tag="stock", load_optimizer_states=False, load_lr_scheduler_states=False)
     torch.save({"stock": stock_losses, "mok": mok_losses, "mok2": mok_losses2,
                 "mok_weights": {k: v.clone() for k, v in mok1.module.state_dict().items()},
@@ -274,9 +249,12 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, o
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage, ep_size", [(1, 1), (2, 2)])
-def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size):
-    mp.spawn(_engine_worker, args=(2, free_port(), stage, ep_size, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    "stage, ep_size, expert",
+    [(1, 1, "swiglu"), (2, 2, "swiglu"), (2, 2, "gelu_mlp_biases"), (2, 2, "residual_block")],
+)
+def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size, expert):
+    mp.spawn(_engine_worker, args=(2, free_port(), stage, ep_size, expert, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         # Same weights, same data, no drop, no noise: the losses agree with the stock layer.

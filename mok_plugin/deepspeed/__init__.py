@@ -1,5 +1,6 @@
-"""DeepSpeed adapter: `MoE` (a deepspeed.moe.layer.MoE running MoK), `SwiGLUExpert`, the `"mok"`
-ds_config block, and `apply(ds_config)` / `revert()` for models written against DeepSpeed's MoE.
+"""DeepSpeed adapter: `MoE` (a deepspeed.moe.layer.MoE running MoK, with any expert module: a MoK
+family runs fused, anything else as itself, see experts.py), `SwiGLUExpert`, the `"mok"` ds_config
+block, and `apply(ds_config)` / `revert()` for models written against DeepSpeed's MoE.
 
 Needs deepspeed 0.19 (`pip install 'mok_plugin[deepspeed]'`)."""
 

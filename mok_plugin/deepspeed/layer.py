@@ -7,6 +7,11 @@ optimizer groups), per-expert checkpoint files (the state dict speaks the stock 
 `deepspeed_moe.gate.wg.weight`, `deepspeed_moe.experts.deepspeed_experts.{i}.<expert names>`).
 It returns `(output, l_aux, exp_counts)` like the stock layer.
 
+Experts: any module. One that computes a MoK family (experts.py checks which, numerically) runs
+fused, its weights placed in MoK's layout; any other runs as itself, one call per expert on that
+expert's rows in order (module_experts.py), around MoK's routing, schedule and combine:
+deterministic and the same for every ep_size, unfused, with a warning (once per layer) naming why.
+
 Routing as DeepSpeed's gates define it: softmax over the experts, top-k; the k weights
 renormalised for k >= 2; `l_aux` unscaled (the caller multiplies by its coefficient):
 E * sum_e mean_t(p_te) * count_e / (k T) — DeepSpeed's top-1 and top-k (k >= 3) formula; for k = 2
@@ -20,6 +25,7 @@ are kept in (token, k) order, and the 2nd expert is the 2nd-highest score.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,8 +37,9 @@ from torch import nn
 
 from mok_plugin.config import MOK_KNOBS, MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
 from mok_plugin.deepspeed.checkpoint import install_state_dict_hooks
-from mok_plugin.deepspeed.experts import expert_layout
+from mok_plugin.deepspeed.experts import ExpertLayout, ExpertNotRecognised, expert_layout
 from mok_plugin.layer import MoKMoE
+from mok_plugin.module_experts import MoKModuleExperts
 
 __all__ = ["MoE", "set_default_knobs"]
 
@@ -109,7 +116,8 @@ class MoE(StockMoE):
         hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
         enable_expert_tensor_parallelism, top2_2nd_expert_sampling: as for deepspeed.moe.layer.MoE.
-            `expert` is a SwiGLU module (experts.py); every local expert starts as a copy of it.
+            `expert` is any module taking and returning [..., H]; every local expert starts as
+            a copy of it. A MoK family runs fused, anything else as itself (module docstring).
             `drop_tokens=True` drops over-capacity (token, k) pairs in token order at
             capacity ceil(T * k / E * capacity_factor) (single EP rank only; `min_capacity` is not
             applied); `drop_tokens=False` is dropless.
@@ -118,7 +126,8 @@ class MoE(StockMoE):
     Raises:
         MoKConfigError: a random or unsupported option, a conflicting mok_config, or
             ep_size > 1 before torch.distributed is initialised.
-        TypeError: an expert module that is not SwiGLU.
+    Warns:
+        UserWarning: once, when the expert is no MoK family and runs as itself (unfused).
     """
 
     def __init__(
@@ -150,9 +159,19 @@ class MoE(StockMoE):
             use_residual,
             enable_expert_tensor_parallelism,
         )
-        layout = expert_layout(expert)
-        if layout.hidden_size != hidden_size:
-            raise MoKConfigError(f"hidden_size={hidden_size} but the expert takes {layout.hidden_size}")
+        try:
+            layout: ExpertLayout | None = expert_layout(expert, hidden_size)
+        except ExpertNotRecognised as why:
+            layout = None
+            warnings.warn(
+                f"MoK: the expert {type(expert).__name__} is none of MoK's expert families ({why}); each expert "
+                "runs this module on its own rows (mok_plugin.module_experts): deterministic and the same for "
+                "every ep_size, but unfused and slower than a fused family",
+                stacklevel=2,
+            )
+        first = next(expert.parameters(), None)
+        dtype = layout.dtype if layout else first.dtype if first is not None else torch.get_default_dtype()
+        device = layout.device if layout else first.device if first is not None else None
         if num_experts % ep_size:
             raise MoKConfigError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
         if drop_tokens and capacity_factor != eval_capacity_factor:
@@ -167,7 +186,9 @@ class MoE(StockMoE):
             )
         derived = dict(
             hidden_size=hidden_size,
-            ffn_hidden_size=layout.ffn_hidden_size,
+            # Expert modules have no ffn_hidden_size; the config's family fields are unused then.
+            ffn_hidden_size=layout.ffn_hidden_size if layout else hidden_size,
+            **(layout.family.config_fields() if layout else {}),
             num_experts=num_experts,
             top_k=k,
             ep_size=ep_size,
@@ -175,7 +196,7 @@ class MoE(StockMoE):
             score_function="softmax",
             norm_topk_prob=k >= 2,
             aux_loss_coeff=1.0,
-            params_dtype=dtype_name(layout.dtype),
+            params_dtype=dtype_name(dtype),
             ep_exchange="exact",
         )
         knobs = _knobs(mok_config)
@@ -201,11 +222,19 @@ class MoE(StockMoE):
         self.enable_expert_tensor_parallelism = False
         self.use_residual = False
         ep_group = self._expert_parallel_group() if ep_size > 1 else None
-        self.mok = MoKMoE(self.mok_config, ep_group=ep_group, device=layout.device)
-        with torch.no_grad():  # every local expert starts as the given expert, as in DeepSpeed
-            gate_up, down = layout.stacked_weights(expert)
-            self.mok.experts.gate_up_proj.copy_(gate_up.expand_as(self.mok.experts.gate_up_proj))
-            self.mok.experts.down_proj.copy_(down.expand_as(self.mok.experts.down_proj))
+        self.expert_layout = layout  # what the experts compute; None: the expert module itself
+        # Every local expert starts as the given expert, as in DeepSpeed.
+        if layout is None:
+            modules = MoKModuleExperts([copy.deepcopy(expert) for _ in range(self.num_local_experts)])
+            self.mok = MoKMoE(self.mok_config, ep_group=ep_group, device=device, experts=modules)
+        else:
+            self.mok = MoKMoE(self.mok_config, ep_group=ep_group, device=device)
+            if device.type != "meta":
+                with torch.no_grad():
+                    weights = layout.to_mok(dict(expert.named_parameters()))
+                    for name, tensor in weights.items():
+                        stacked = getattr(self.mok.experts, name)
+                        stacked.copy_(tensor.expand_as(stacked))
         for param in self.mok.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
