@@ -228,6 +228,9 @@ class MoKConfig(BaseModel):
     routed_scaling_factor: float = Field(default=1.0, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False)
     n_group: int | None = Field(default=None, gt=0, le=MAX_DIM, description="Expert groups for group-limited routing.")
     topk_group: int | None = Field(default=None, gt=0, le=MAX_DIM, description="Groups each token may route into.")
+    router_bias: bool = Field(
+        default=False, description="A trained bias [E] on the router logits (Megatron --add-bias-linear)."
+    )
     expert_bias: bool = Field(default=False, description="Aux-loss-free balancing: a bias used only to select.")
     expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False)
     aux_loss_coeff: float = Field(

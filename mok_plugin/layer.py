@@ -173,7 +173,8 @@ class MoKSharedExperts(nn.Module):
 class MoKMoE(nn.Module):
     """A mixture-of-experts layer, deterministic by construction, with experts of `config.expert_family`.
 
-    Parameters: `router.weight` [E, H] (replicated on every expert-parallel rank);
+    Parameters: `router.weight` [E, H] (and `router.bias` [E] with `config.router_bias`; both
+    replicated on every expert-parallel rank);
     `experts.gate_up_proj` [E_l, 2I, H] (SwiGLU; see MoKExperts for the other families);
     `experts.down_proj` [E_l, H, I]; the family's biases `experts.gate_up_bias`, `experts.down_bias`;
     where E_l = E / ep_size and rank r holds experts [r*E_l, (r+1)*E_l); with shared experts,
@@ -211,7 +212,7 @@ class MoKMoE(nn.Module):
         self.config = config
         dtype = _DTYPES[config.params_dtype]
         H, I, E = config.hidden_size, config.ffn_hidden_size, config.num_experts
-        self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
+        self.router = nn.Linear(H, E, bias=config.router_bias, dtype=dtype, device=device)
         family = config.expert_family
         if experts is None:
             experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
@@ -269,9 +270,9 @@ class MoKMoE(nn.Module):
         for name, param in self.named_parameters():
             if name.startswith("experts.") and not isinstance(self.experts, MoKExperts):
                 continue  # expert modules keep their own weights
-            if name.endswith("_bias"):
+            if name.endswith("bias"):
                 with torch.no_grad():
-                    param.zero_()  # linear biases start at zero, as Megatron initialises them
+                    param.zero_()  # linear biases (experts', router's) start at zero
             elif name.startswith("experts."):
                 # Draw all E experts, keep this rank's slice: the weights do not depend on ep_size.
                 full_shape = (self.config.num_experts, *param.shape[1:])
@@ -381,7 +382,10 @@ class MoKMoE(nn.Module):
         # pick kernels by shape), which would make routing depend on the batch and on ep_size.
         # Computing in fp64 (and the scores too, in `route`) hides those last-bit differences; a
         # fixed-order router kernel would be the exact fix.
-        router_logits = torch.nn.functional.linear(x_TH.double(), self.router.weight.double())
+        bias = self.router.bias
+        router_logits = torch.nn.functional.linear(
+            x_TH.double(), self.router.weight.double(), None if bias is None else bias.double()
+        )
         if debug:
             self._check_finite_logits(router_logits)
         return route(

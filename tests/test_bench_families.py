@@ -178,3 +178,24 @@ def test_table_prints_the_family_and_counts_its_flops(capsys):
     assert out.splitlines()[2].split()[:2] == ["shape", "expert"]
     forward = next(line for line in out.splitlines() if " forward " in line).split()
     assert forward[:5] == ["olmoe", "nemotron", "uniform", "torch", "forward"] and forward[7] == "1100"
+
+
+@pytest.mark.parametrize(
+    "outliers, family, passes",
+    [
+        (1, MoKExpertFamily("mlp", "relu"), True),  # one element across a kink: allowed for relu
+        (1, MoKExpertFamily("mlp", "gelu"), False),  # gelu has no kink: nothing is allowed
+        (400, MoKExpertFamily("mlp", "relu"), False),  # more than KINK_OUTLIER_FRACTION: a real error
+    ],
+)
+def test_check_allows_a_few_kink_outliers_only_for_kinked_families(outliers, family, passes):
+    shape = MoEShape(64, 32, 64, 4, 2)
+    g = torch.Generator().manual_seed(0)
+    names = providers.result_names(family)
+    sizes = {"output": (64, 32), "d_x": (64, 32), "d_topk_weights": (64, 2), "d_gate_up_proj": (4, 64, 32),
+             "d_down_proj": (4, 32, 64)}  # fmt: skip
+    expected = [torch.randn(sizes[n], generator=g) for n in names]
+    got = [t.clone() for t in expected]
+    flat = got[names.index("d_gate_up_proj")].view(-1)
+    flat[:outliers] += 10.0
+    assert (providers.check(got, expected, shape, family) is None) == passes

@@ -1,7 +1,8 @@
 """The Megatron-Core adapter on the CPU (gloo): MoKMoELayer against Megatron's stock MoELayer built
 from the same TransformerConfig with the same weights (outputs, input, router and expert
 gradients, aux loss), checkpoints both ways (state_dict and the sharded distributed-checkpoint
-layout), gradients into main_grad, unsupported flags, the --spec path, EP = 2 in two processes."""
+layout), gradients into main_grad, unsupported flags, the --spec path, EP = 2 in two processes.
+Experts other than SwiGLU (activations, clamp, offset, biases): test_megatron_families.py."""
 
 import os
 
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.activations import squared_relu  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # noqa: E402
+from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
@@ -212,11 +215,8 @@ UNSUPPORTED = [
     (dict(moe_router_load_balancing_type="seq_aux_loss"), "--moe-router-load-balancing-type"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps"),
     (dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True), "--moe-shared-expert-gate"),
-    (dict(add_bias_linear=True), "--add-bias-linear"),
-    (dict(gated_linear_unit=False), "--swiglu"),
-    # Accepted and ignored before: GPT-OSS's clamp and offset on a SiLU GLU, interleaved gate/up rows.
-    (dict(activation_func_clamp_value=7.0), "--activation-func-clamp-value"),
-    (dict(glu_linear_offset=1.0), "--glu-linear-offset"),
+    # Interleaved gate/linear rows (TEGroupedMLP's layout); the other expert-MLP settings MoK still
+    # refuses are in test_megatron_families.py.
     (dict(moe_mlp_glu_interleave_size=32), "--moe-mlp-glu-interleave-size"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-token-drop-policy"),
     (
@@ -331,17 +331,31 @@ def test_optimizer_finds_every_parameter_in_the_sharded_state_dict(megatron_worl
     assert len(get_param_id_to_sharded_param_map(mok.sharded_state_dict("mlp."), params)) == len(params)
 
 
+_DIST_CKPT_FAMILIES = {
+    "swiglu_shared": dict(moe_shared_expert_intermediate_size=24),
+    "squared_relu_shared": dict(gated_linear_unit=False, activation_func=squared_relu,
+                                moe_shared_expert_intermediate_size=24),
+    "quick_geglu_biases": pytest.param(
+        dict(activation_func=quick_gelu, activation_func_clamp_value=7.0, glu_linear_offset=1.0, add_bias_linear=True),
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's torch_dist checkpoint format needs CUDA")
-def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path):
+@pytest.mark.parametrize("fields", list(_DIST_CKPT_FAMILIES.values()), ids=list(_DIST_CKPT_FAMILIES))
+def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path, fields):
     # Megatron's own dist_checkpointing (torch_dist format) saves the stock layer; MoK loads it,
-    # saves its own; a fresh stock layer loads that: every weight comes back.
+    # saves its own; a fresh stock layer loads that: every weight (and bias) comes back.
     from megatron.core import dist_checkpointing, tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(123)  # Megatron's GPU initialisation draws from it
-    cfg = _config(moe_shared_expert_intermediate_size=24, use_cpu_initialization=False)
+    cfg = _config(**fields, use_cpu_initialization=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     stock, mok, fresh = spec(config=cfg), use_mok(spec)(config=cfg), spec(config=cfg)
+    with torch.no_grad():  # every tensor random (Megatron starts biases at zero)
+        for param in stock.parameters():
+            param.normal_()
     for name in ("stock", "mok"):
         (tmp_path / name).mkdir()
     dist_checkpointing.save(stock.sharded_state_dict(), str(tmp_path / "stock"))
@@ -349,13 +363,10 @@ def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path):
     stock_sd = stock.state_dict()
     for key, value in mok.state_dict().items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value.cpu(), stock_sd[key].cpu()), (
-                key
-            )  # the stock router weight stays on the CPU until used
+            # .cpu(): the stock router weight stays on the CPU until used
+            assert torch.equal(value.cpu(), stock_sd[key].cpu()), key
     dist_checkpointing.save(mok.sharded_state_dict(), str(tmp_path / "mok"))
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "mok")))
     for key, value in fresh.state_dict().items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value.cpu(), stock_sd[key].cpu()), (
-                key
-            )  # the stock router weight stays on the CPU until used
+            assert torch.equal(value.cpu(), stock_sd[key].cpu()), key

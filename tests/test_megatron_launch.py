@@ -25,8 +25,12 @@ from mok_plugin.config import MoKConfig, MoKConfigError  # noqa: E402
 from mok_plugin.layer import MoKMoE  # noqa: E402
 from mok_plugin.megatron import launcher  # noqa: E402
 from mok_plugin.megatron.checkpoint import _from_stock  # noqa: E402
-from mok_plugin.megatron.config_map import MEGATRON_SET, MOK_KNOBS, mok_config_from_megatron  # noqa: E402
-from mok_plugin.megatron.layer import _DEFAULT_OVERRIDES  # noqa: E402
+from mok_plugin.megatron.config_map import (  # noqa: E402
+    MEGATRON_SET,
+    MOK_KNOBS,
+    mok_config_from_megatron,
+)
+from mok_plugin.megatron.layer import _DEFAULT_OVERRIDES, set_default_mok_overrides  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +42,14 @@ MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
               "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--moe-layer-freq", "[0,1]",
               "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion",
               "--no-persist-layer-norm", "--moe-router-load-balancing-type", "none"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_knobs():
+    """apply_mok_args sets the knobs of every MoKMoELayer built later in this process: reset them
+    after each test, so that layers other test files build do not inherit (say) the megakernel."""
+    yield
+    set_default_mok_overrides({})
 
 
 def _parse(argv):
@@ -147,6 +159,45 @@ def test_mok_config_may_repeat_what_megatron_sets(tmp_path):
     assert (cfg.top_k, cfg.capacity_factor, cfg.backend) == (2, None, "reference")
     shared = mok_config_from_megatron(_tc(moe_shared_expert_intermediate_size=32), {"num_shared_experts": 1})
     assert shared.shared_intermediate_size == 32
+
+
+_ACTIVATION_FLAGS = [
+    # (the flags instead of --swiglu, MoK's expert family)
+    (["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0"],
+     "glu(quick_gelu, clamp 7.0, offset 1.0)"),
+    (["--squared-relu"], "mlp(squared_relu)"),
+    ([], "mlp(gelu)"),  # Megatron's default activation
+    (["--swiglu"], "SwiGLU"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, family", _ACTIVATION_FLAGS, ids=[f for _, f in _ACTIVATION_FLAGS])
+def test_activation_flags_through_megatrons_parser(flags, family):
+    # Megatron derives gated_linear_unit and activation_func from these flags in
+    # core_transformer_config_from_args; MoK's family follows.
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import validate_args
+
+    args = _parse([a for a in MODEL_ARGS if a != "--swiglu"] + flags)
+    validate_args(args, {"tokenizer_type": "NullTokenizer"})
+    assert mok_config_from_megatron(core_transformer_config_from_args(args)).expert_family.describe() == family
+
+
+def test_gpt_oss_flags_with_biases():
+    # Without --disable-bias-linear Megatron turns the bias-GELU fusion on (--quick-geglu is not
+    # --swiglu); SequentialMLP experts then clamp before fc1's bias, TEGroupedMLP ones after it.
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import validate_args
+
+    gpt_oss = ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0"]
+    args = _parse([a for a in MODEL_ARGS if a not in ("--swiglu", "--disable-bias-linear")] + gpt_oss)
+    validate_args(args, {"tokenizer_type": "NullTokenizer"})
+    tc = core_transformer_config_from_args(args)
+    assert tc.add_bias_linear and tc.bias_activation_fusion
+    with pytest.raises(MoKConfigError, match="clamps fc1's output before adding its bias.*--no-bias-gelu-fusion"):
+        mok_config_from_megatron(tc, stock_experts="SequentialMLP")
+    family = mok_config_from_megatron(tc, stock_experts="TEGroupedMLP").expert_family
+    assert family.describe() == "glu(quick_gelu, clamp 7.0, offset 1.0) + fc1 and fc2 bias"
 
 
 def test_mok_config_file_read_errors_name_the_file(tmp_path):

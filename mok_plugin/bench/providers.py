@@ -131,29 +131,47 @@ def fwd_bwd(fn: Callable, inputs: dict) -> list[torch.Tensor]:
     return [out.detach(), *grads]
 
 
+# At an h within rounding of a kink of the activation (relu at 0, a clamp's edge), an implementation
+# that accumulates fp32 and the fp64 reference may take different sides: that one element of dh
+# changes by its whole size, and so do the fc1-side gradients built from it (a row of dW1 and of
+# dX). Both MoK and the PyTorch path showed it on qwen3-30b-a3b with relu (a few elements of 10^8).
+# For those families the fc1-side gradients may have this fraction of elements out of bound.
+KINK_OUTLIER_FRACTION = 1e-3
+_FC1_SIDE = ("d_x", "d_gate_up_proj", "d_gate_up_bias")
+
+
 def check(
     results: list[torch.Tensor], expected: list[torch.Tensor], shape: MoEShape, family: MoKExpertFamily = SWIGLU
 ) -> str | None:
     """None when every tensor is within the bf16 tolerance of the reference, else what failed.
 
     Compared in slices along dim 0, so the fp32 temporaries stay small at deepseek-v3 size. The
-    bound grows with the square root of the length of the sum behind each tensor.
+    bound grows with the square root of the length of the sum behind each tensor. For a family
+    with a kink (relu, a clamp), the fc1-side gradients may have KINK_OUTLIER_FRACTION of their
+    elements out of bound.
     """
     tol = TOLERANCES[DTYPE]
     rows = max(1, shape.T * shape.K // shape.E)
     fc1 = family.fc1_width(shape.I) or shape.H
     growth = {"output": 1, "d_x": fc1, "d_topk_weights": shape.H, "d_gate_up_proj": rows, "d_down_proj": rows,
               "d_gate_up_bias": rows, "d_down_bias": rows}  # fmt: skip
+    kinked = family.kind != "linear" and (family.activation == "relu" or family.clamp is not None)
     for name, got, want in zip(result_names(family), results, expected, strict=True):
         scale = max(float(want[i : i + 16].abs().max()) for i in range(0, want.shape[0], 16))
-        worst = 0.0
+        worst, outside = 0.0, 0
         for i in range(0, want.shape[0], 16):
             a, b = got[i : i + 16].float(), want[i : i + 16].float()
             bound = tol.atol * scale * max(1.0, (growth[name] / 64) ** 0.5) + tol.rtol * b.abs()
-            if not torch.isfinite(a).all() or ((a - b).abs() > bound).any():
+            if not torch.isfinite(a).all():
+                return f"{name}: non-finite values"
+            bad = (a - b).abs() > bound
+            if bad.any():
+                outside += int(bad.sum())
                 worst = max(worst, float((a - b).abs().max()))
-        if worst:
-            return f"{name}: max abs err {worst:.3e} (scale {scale:.3e})"
+        allowed = int(KINK_OUTLIER_FRACTION * want.numel()) if kinked and name in _FC1_SIDE else 0
+        if outside > allowed:
+            count = f"{outside} of {want.numel()} elements out of bound"
+            return f"{name}: max abs err {worst:.3e} (scale {scale:.3e}), {count}"
     return None
 
 

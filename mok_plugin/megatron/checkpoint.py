@@ -1,24 +1,30 @@
 """Checkpoint keys of the Megatron adapter: MoK's stacked tensors under Megatron's stock names.
 
-MoK holds each rank's experts stacked ([E_l, 2I, H] and [E_l, H, I], gate rows first, as
-Megatron's GLU fc1); Megatron's stock layer holds one fc1/fc2 pair per expert. This module maps
-between the two so that checkpoints move both ways:
+MoK holds each rank's experts stacked ([E_l, fc1 rows, H] and [E_l, H, I]; fc1 rows are 2I for a
+GLU, gate rows first as in Megatron's GLU fc1, else I); Megatron's stock layer holds one fc1/fc2
+pair per expert. This module maps between the two so that checkpoints move both ways:
 
   MoK (module tree)                      stock key (state_dict and sharded_state_dict)
-  mok.router.weight                      router.weight
+  mok.router.weight, mok.router.bias     router.weight, router.bias (the bias with --add-bias-linear)
   mok.expert_bias, mok.local_tokens_...  router.expert_bias, router.local_tokens_per_expert
   mok.experts.gate_up_proj[i]            experts.local_experts.{i}.linear_fc1.weight  (SequentialMLP)
+  mok.experts.gate_up_bias[i]            experts.local_experts.{i}.linear_fc1.bias
   mok.experts.down_proj[i]               experts.local_experts.{i}.linear_fc2.weight
+  mok.experts.down_bias[i]               experts.local_experts.{i}.linear_fc2.bias
   mok.shared_experts.gate_up_proj        shared_experts.linear_fc1.weight
   mok.shared_experts.down_proj           shared_experts.linear_fc2.weight
+  (and gate_up_bias / down_bias          shared_experts.linear_fc1.bias / linear_fc2.bias)
 
 Saving writes the SequentialMLP keys (with their `_extra_state` entries, None, as the stock local
-layers write them). Loading also accepts TEGroupedMLP's `experts.linear_fc1.weight{i}` keys. The
-sharded (distributed-checkpoint) tensors are built with Megatron's own helpers, exactly as
-SequentialMLP and MLP build theirs: expert i is a shard of `experts.experts.linear_fc1.weight`
-along a leading expert axis at its global index. Each stacked tensor is one ShardedTensorFactory
-holding the parameter itself, because Megatron's optimizer finds its states' layout by parameter
-identity; the factory builds the per-expert shards and stacks them back on load.
+layers write them). Loading also accepts TEGroupedMLP's `experts.linear_fc1.weight{i}` /
+`experts.linear_fc1.bias{i}` keys. The sharded (distributed-checkpoint) tensors are built with
+Megatron's own helpers, exactly as SequentialMLP and MLP build theirs: expert i is a shard of
+`experts.experts.linear_fc1.weight` (and `.bias`) along a leading expert axis at its global index;
+a GLU's fc1 weight and bias go through Megatron's SwiGLU factory (gate and linear halves). Each
+stacked tensor is one ShardedTensorFactory holding the parameter itself, because Megatron's
+optimizer finds its states' layout by parameter identity; the factory builds the per-expert shards
+and stacks them back on load. The shared expert has no biases in Megatron (SharedExpertMLP refuses
+them), so config_map refuses that combination; the names are mapped all the same.
 """
 
 from __future__ import annotations
@@ -34,13 +40,21 @@ __all__ = ["install_state_dict_hooks", "megatron_sharded_state_dict"]
 # (MoK name relative to the layer, stock name): tensors that are renamed, not split.
 _RENAMED = [
     ("mok.router.weight", "router.weight"),
+    ("mok.router.bias", "router.bias"),
     ("mok.expert_bias", "router.expert_bias"),
     ("mok.local_tokens_per_expert", "router.local_tokens_per_expert"),
     ("mok.shared_experts.gate_up_proj", "shared_experts.linear_fc1.weight"),
+    ("mok.shared_experts.gate_up_bias", "shared_experts.linear_fc1.bias"),
     ("mok.shared_experts.down_proj", "shared_experts.linear_fc2.weight"),
+    ("mok.shared_experts.down_bias", "shared_experts.linear_fc2.bias"),
 ]
-# (MoK stacked name, fc name): split per local expert.
-_STACKED = [("mok.experts.gate_up_proj", "linear_fc1"), ("mok.experts.down_proj", "linear_fc2")]
+# (MoK stacked name, fc name, leaf): split per local expert.
+_STACKED = [
+    ("mok.experts.gate_up_proj", "linear_fc1", "weight"),
+    ("mok.experts.gate_up_bias", "linear_fc1", "bias"),
+    ("mok.experts.down_proj", "linear_fc2", "weight"),
+    ("mok.experts.down_bias", "linear_fc2", "bias"),
+]
 _EXTRA = "_extra_state"
 
 
@@ -50,13 +64,13 @@ def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> Non
         if prefix + mok_name in state_dict:
             state_dict[prefix + stock_name] = state_dict.pop(prefix + mok_name)
             if stock_name.startswith("shared_experts."):
-                state_dict[prefix + stock_name.removesuffix("weight") + _EXTRA] = None
-    for mok_name, fc in _STACKED:
+                state_dict[prefix + stock_name.rsplit(".", 1)[0] + "." + _EXTRA] = None
+    for mok_name, fc, leaf in _STACKED:
         stacked = state_dict.pop(prefix + mok_name, None)
         if stacked is None:
             continue
         for i in range(stacked.shape[0]):
-            state_dict[f"{prefix}experts.local_experts.{i}.{fc}.weight"] = stacked[i]
+            state_dict[f"{prefix}experts.local_experts.{i}.{fc}.{leaf}"] = stacked[i]
             state_dict[f"{prefix}experts.local_experts.{i}.{fc}.{_EXTRA}"] = None
 
 
@@ -65,13 +79,17 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
     for mok_name, stock_name in _RENAMED:
         if prefix + stock_name in state_dict:
             state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
-    num_local = module.mok.experts.gate_up_proj.shape[0]
-    for mok_name, fc in _STACKED:
-        # One expert's weight: [2I, H] for fc1, [H, I] for fc2 (the stacked parameter minus its expert axis).
-        expected = tuple(module.mok.get_parameter(mok_name.removeprefix("mok.")).shape[1:])
+    num_local = module.mok.experts.down_proj.shape[0]
+    for mok_name, fc, leaf in _STACKED:
+        param = _stacked_param(module, mok_name)
+        if param is None:
+            continue  # a stock bias this layer does not have stays an unexpected key
+        # One expert's tensor: the stacked parameter minus its expert axis (fc1 weight [fc1 rows, H],
+        # fc2 weight [H, I], fc1 bias [fc1 rows], fc2 bias [H]).
+        expected = tuple(param.shape[1:])
         per_expert = []
         for i in range(num_local):
-            for key in (f"{prefix}experts.local_experts.{i}.{fc}.weight", f"{prefix}experts.{fc}.weight{i}"):
+            for key in (f"{prefix}experts.local_experts.{i}.{fc}.{leaf}", f"{prefix}experts.{fc}.{leaf}{i}"):
                 if key in state_dict:
                     weight = state_dict.pop(key)
                     found = tuple(getattr(weight, "shape", ()))
@@ -79,7 +97,8 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
                         # Caught here, by key: torch.stack would fail on the whole list, naming none.
                         raise RuntimeError(
                             f"size mismatch for {key}: the checkpoint has shape {list(found)}, this layer expects "
-                            f"{list(expected)} (one expert's {fc} weight: same hidden and expert FFN sizes needed)"
+                            f"{list(expected)} (one expert's {fc} {leaf}: same hidden and expert FFN sizes and the "
+                            "same gated or plain MLP needed)"
                         )
                     per_expert.append(weight)
                     break
@@ -87,13 +106,19 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
             state_dict[prefix + mok_name] = torch.stack(per_expert)
         elif per_expert:
             raise KeyError(
-                f"{prefix}experts: found {len(per_expert)} of {num_local} local experts' {fc} weights; "
+                f"{prefix}experts: found {len(per_expert)} of {num_local} local experts' {fc} {leaf}s; "
                 "the checkpoint's expert-parallel layout must match this layer's (same num_moe_experts and EP size)"
             )
     # Extra state the stock layers write (None for local layers, fp8 metadata for TE): MoK has none.
     extra = re.compile(re.escape(prefix) + r"(experts|shared_experts)\..*" + _EXTRA + r"\d*$")
     for key in [k for k in state_dict if extra.match(k)]:
         del state_dict[key]
+
+
+def _stacked_param(module, mok_name: str) -> torch.Tensor | None:
+    """The stacked expert parameter `mok_name` ("mok.experts.gate_up_bias"), or None when the
+    layer's family has none."""
+    return getattr(module.mok.experts, mok_name.rsplit(".", 1)[1])
 
 
 def install_state_dict_hooks(layer: torch.nn.Module) -> None:
@@ -128,23 +153,26 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     # Router (replicated) and its buffers, as MegatronModule's default does.
     out.update(make_sharded_tensors_for_checkpoint(section("router"), f"{prefix}router.", {}, sharded_offsets,
                                                    tp_group=pg.tp, dp_cp_group=dp_cp))  # fmt: skip
+    gated = layer.mok_config.expert_kind == "glu"
     if layer.mok.shared_experts is not None:
         shared = section("shared_experts")
-        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp))
+        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp, gated))
 
     # Routed experts: the per-expert shards SequentialMLP writes (expert i along a new leading axis,
     # keys under "experts.experts."), built from MoK's stacked tensors by one factory per tensor,
     # so that Megatron's optimizer finds the parameter itself (it maps optimizer state by identity).
-    experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, dp_cp)
-    for mok_name, fc in _STACKED:
-        param = layer.mok.get_parameter(mok_name.removeprefix("mok."))
-        shards = {k: v for k, v in experts.items() if f".{fc}.weight" in k}
-        out[prefix + mok_name] = _stacked_factory(param, shards, fc)
+    experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, dp_cp, gated)
+    for mok_name, fc, leaf in _STACKED:
+        param = _stacked_param(layer, mok_name)
+        if param is None:
+            continue
+        shards = {k: v for k, v in experts.items() if k.endswith(f".{fc}.{leaf}")}
+        out[prefix + mok_name] = _stacked_factory(param, shards)
     out.update({k: v for k, v in experts.items() if k.endswith(_EXTRA)})
     return out
 
 
-def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple, dp_cp) -> dict:
+def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple, dp_cp, gated: bool) -> dict:
     """{stock state-dict key: ShardedTensor / swiglu factory / ShardedObject}, as SequentialMLP makes them."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
@@ -160,7 +188,7 @@ def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple
         offsets = (*sharded_offsets, (len(sharded_offsets), global_i, num_local * ep_size))
         state = {k[len(local_prefix) - len(prefix) :]: v for k, v in plain.items()
                  if k.startswith(f"experts.local_experts.{i}.")}  # fmt: skip
-        expert = _mlp_sharded(state, local_prefix, offsets, pg.expt_tp, dp_cp)
+        expert = _mlp_sharded(state, local_prefix, offsets, pg.expt_tp, dp_cp, gated)
         replace_prefix_for_sharding(expert, local_prefix, sharded_prefix)
         for sharded in expert.values():
             sharded.replica_id = (*sharded.replica_id[:2], pg.expt_dp.rank())
@@ -168,7 +196,7 @@ def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple
     return out
 
 
-def _stacked_factory(param: torch.Tensor, shards: dict, fc: str):
+def _stacked_factory(param: torch.Tensor, shards: dict):
     """One ShardedTensorFactory over a stacked [E_l, ...] parameter whose build gives the stock
     per-expert shards (for whatever tensor Megatron passes: the parameter or an optimizer state of
     its shape) and whose merge stacks the loaded experts back."""
@@ -198,17 +226,20 @@ def _stacked_factory(param: torch.Tensor, shards: dict, fc: str):
     return ShardedTensorFactory(per_expert[0].key, param, build, merge, per_expert[0].replica_id)
 
 
-def _mlp_sharded(state: dict, prefix: str, offsets: tuple, tp_group, dp_cp) -> dict:
-    """One SwiGLU MLP's sharded tensors, as Megatron's MLP builds them (fc1 axis 0, fc2 axis 1)."""
+def _mlp_sharded(state: dict, prefix: str, offsets: tuple, tp_group, dp_cp, gated: bool) -> dict:
+    """One MLP's sharded tensors, as Megatron's MLP and its linears build them: fc1 (column
+    parallel) weight and bias along axis 0, fc2 (row parallel) weight along axis 1 and its bias
+    replicated; a GLU's fc1 weight and bias through the SwiGLU factory."""
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory as swiglu
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint as make
 
     out = {}
-    for fc, axis in (("linear_fc1", 0), ("linear_fc2", 1)):
+    for fc, axes in (("linear_fc1", {"weight": 0, "bias": 0}), ("linear_fc2", {"weight": 1})):
         sub = {k[len(fc) + 1 :]: v for k, v in state.items() if k.startswith(fc + ".")}
-        sharded = make(sub, f"{prefix}{fc}.", {"weight": axis}, offsets, tp_group=tp_group, dp_cp_group=dp_cp)
-        if fc == "linear_fc1":
-            key = f"{prefix}{fc}.weight"
-            sharded[key] = swiglu(sharded[key], offsets, False, tp_group=tp_group, dp_group=dp_cp)
+        sharded = make(sub, f"{prefix}{fc}.", axes, offsets, tp_group=tp_group, dp_cp_group=dp_cp)
+        if fc == "linear_fc1" and gated:
+            for key in (f"{prefix}{fc}.weight", f"{prefix}{fc}.bias"):
+                if key in sharded:
+                    sharded[key] = swiglu(sharded[key], offsets, False, tp_group=tp_group, dp_group=dp_cp)
         out.update(sharded)
     return out

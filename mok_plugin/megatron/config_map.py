@@ -7,6 +7,22 @@ which an override may repeat but not change). Every refused setting is an error 
 naming the command-line flag that sets it (Megatron derives its flags from the field names:
 `moe_router_fusion` is `--moe-router-fusion`).
 
+The expert MLP, matched to Megatron-Core 0.19's SequentialMLP / TEGroupedMLP / SharedExpertMLP
+(MoK's families are in mok_plugin/experts.py):
+  --swiglu / --quick-geglu        gated_linear_unit: MoK `expert_kind="glu"` (fc1 rows: gate, then
+                                  linear), else "mlp"; activation_func, recognised by identity
+                                  (`_activation_name`), is MoK's `expert_activation`.
+  --activation-func-clamp-value   gated only (Megatron ignores it otherwise): the gate clamped above,
+                                  the linear half to +-c, both after fc1's bias: MoK `activation_clamp`.
+  --glu-linear-offset             gated only: added to the (clamped) linear half: `glu_linear_offset`.
+  add_bias_linear (on unless --disable-bias-linear)   fc1 and fc2 biases on every routed expert
+                                  (`expert_fc1_bias`, `expert_fc2_bias`; the routing weight scales
+                                  fc2's bias, as `_apply_bias` does), and a bias on the router's
+                                  logits, which MoK's router must have too (`router_bias`).
+  Fusion switches (bias_activation_fusion, the TE op fuser, TE activation modules, the fused
+  weighted squared ReLU) are accepted where the stock layer computes the same function with and
+  without them, and refused by name where it does not (see `_expert_fields`).
+
 Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
   softmax, post-top-k (default)   softmax over the K chosen logits = softmax over all E, then the K
                                   chosen renormalised: MoK `norm_topk_prob=True`.
@@ -17,10 +33,12 @@ Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mok_plugin.config import MOK_KNOBS, REMOVED_FIELDS, MoKConfig, MoKConfigError, dtype_name, short_repr
 
@@ -50,6 +68,14 @@ MEGATRON_SET = {
     "capacity_factor": "--moe-expert-capacity-factor",
     "ep_size": "--expert-model-parallel-size",
     "params_dtype": "--bf16 / --fp16",
+    "expert_kind": "--swiglu / --quick-geglu (gated_linear_unit)",
+    "expert_activation": "--swiglu / --quick-geglu / --squared-relu (activation_func)",
+    "activation_clamp": "--activation-func-clamp-value",
+    "glu_linear_offset": "--glu-linear-offset",
+    "expert_fc1_bias": "--disable-bias-linear",
+    "expert_fc2_bias": "--disable-bias-linear",
+    # --add-bias-linear also gives Megatron's router a bias [E] on its logits (TopKRouter.bias)
+    "router_bias": "--disable-bias-linear",
 }
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -61,6 +87,20 @@ REPLACED = (
     "moe_router_fusion",
     "moe_router_dtype",
     "moe_token_dispatcher_type",
+    # TEGroupedMLP's fused relu(h)^2 * probs: the same function as the unfused path.
+    "use_fused_weighted_squared_relu",
+    # Read only by the TE fused shared expert (--use-grouped-gemm-for-shared-expert), refused below.
+    "moe_shared_expert_glu_interleave_size",
+)
+# Expert-MLP implementation switches: replaced where the stock layer computes the same function with
+# them as without, refused by name where it does not (`_expert_fields` says which is which).
+REPLACED_WHERE_SAME = (
+    "bias_activation_fusion",
+    "activation_func_fp8_input_store",
+    "use_te_activation_func",
+    "use_transformer_engine_op_fuser",
+    "moe_mlp_glu_interleave_size",
+    "use_grouped_gemm_for_shared_expert",
 )
 
 # field -> (is it set in a way MoK cannot honour?, why)
@@ -68,7 +108,11 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_input_jitter_eps": (lambda v: v not in (None, 0, 0.0), "input jitter is random noise (not deterministic)"),
     "moe_shared_expert_gate": (bool, "a gated shared expert is not implemented"),
     "moe_shared_expert_overlap": (bool, "MoK runs the shared expert itself; there is no dispatcher to overlap"),
-    "moe_apply_probs_on_input": (bool, "probabilities are applied after the expert activation"),
+    "moe_apply_probs_on_input": (
+        bool,
+        "it scales the expert's input by the routing weight, not its output (a different function through the "
+        "activation); MoK applies the weight after fc2",
+    ),
     "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
     "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
@@ -77,24 +121,21 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_router_padding_for_quantization": (bool, "fp8/fp4 padding is not implemented"),
     "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
-    "add_bias_linear": (bool, "MoK's experts have no bias; pass --disable-bias-linear"),
-    # GPT-OSS's clamped GLU and interleaved gate/up rows change what the expert computes; until MoK
-    # computes them they are refused, never run as a plain SwiGLU.
-    "activation_func_clamp_value": (lambda v: v is not None, "clamped GLU activations are not implemented"),
-    "glu_linear_offset": (lambda v: v not in (None, 0, 0.0), "an offset on the GLU's linear half is not implemented"),
-    "moe_mlp_glu_interleave_size": (lambda v: v is not None, "interleaved gate/up rows are not implemented"),
-    "moe_shared_expert_glu_interleave_size": (
-        lambda v: v is not None,
-        "interleaved gate/up rows are not implemented",
-    ),
+}
+
+
+_FLAGS = {
+    "num_moe_experts": "--num-experts",
+    "gated_linear_unit": "--swiglu / --quick-geglu",
+    "activation_func": "--swiglu / --quick-geglu / --squared-relu",
+    "add_bias_linear": "--disable-bias-linear",
+    "bias_activation_fusion": "--no-bias-swiglu-fusion / --no-bias-gelu-fusion",
 }
 
 
 def megatron_flag(field: str) -> str:
     """The command-line flag of a TransformerConfig field (Megatron builds them this way)."""
-    return {"num_moe_experts": "--num-experts", "gated_linear_unit": "--swiglu"}.get(
-        field, "--" + field.replace("_", "-")
-    )
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def _refuse(field: str, value: Any, why: str) -> str:
@@ -181,7 +222,157 @@ def _capacity_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
     return {"capacity_factor": float(factor)}
 
 
-def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -> MoKConfig:
+# --- the expert MLP ------------------------------------------------------------------------------
+
+
+def _activation_table() -> list[tuple[Any, str]]:
+    """(callable, MoK activation) for the activation functions Megatron-Core 0.19 sets, each the very
+    object its flags, configs and model providers use (recognised by identity, never by name)."""
+    from megatron.core import activations
+    from megatron.core.fusions import fused_bias_geglu
+    from megatron.core.transformer import utils
+
+    return [
+        (F.silu, "silu"),  # --swiglu
+        (F.gelu, "gelu"),  # TransformerConfig's default: the erf GELU
+        (F.relu, "relu"),
+        (fused_bias_geglu.quick_gelu, "quick_gelu"),  # --quick-geglu: x * sigmoid(1.702 x)
+        (activations.quick_gelu, "quick_gelu"),  # the same formula
+        (activations.squared_relu, "squared_relu"),  # --squared-relu: relu(x)^2
+        # 0.5 x (1 + tanh(0.7978845608 x (1 + 0.044715 x^2))): sqrt(2/pi) to 10 digits (3.6e-12
+        # relative), the tanh GELU to far below fp32 rounding.
+        (activations.fast_gelu, "gelu_tanh"),
+        (utils.openai_gelu, "gelu_tanh"),  # the same with sqrt(2/pi) to 16 digits
+        (utils.gelu_impl, "gelu_tanh"),
+    ]
+
+
+# Functions that megatron defines inside another function (a new object per call), by
+# (module, qualified name): --yaml-cfg's `activation_func: squaredrelu` is torch.pow(F.relu(x), 2).
+_LOCAL_ACTIVATIONS = {
+    ("megatron.training.yaml_arguments", "core_transformer_config_from_yaml.<locals>.squared_relu"): "squared_relu",
+}
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"partial({_callable_name(fn.func)}, {short_repr(fn.keywords)})"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"{getattr(fn, '__module__', None) or '?'}.{name}" if name else short_repr(fn)
+
+
+def _activation_name(fn: Any) -> str | None:
+    """MoK's name for Megatron's activation_func, or None when MoK does not compute it."""
+    for known, name in _activation_table():
+        if fn is known:
+            return name
+    if isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args and set(fn.keywords) <= {"approximate"}:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(fn.keywords.get("approximate", "none"))
+    return _LOCAL_ACTIVATIONS.get((getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)))
+
+
+def _fusion_problem(
+    family: str, swiglu: bool, fused_qgeglu: bool, clamp: float | None, bias: bool, shared: bool, grouped: bool
+) -> str | None:
+    """Why Megatron's bias_activation_fusion path is not the function MoK computes, or None.
+
+    Routed experts take their routing weight with the activation (a per-token scale); there
+    Megatron fuses SwiGLU and quick-GeGLU only and raises for every other activation. TEGroupedMLP's
+    fc1 adds its bias itself; SequentialMLP's hands it to the fused activation.
+    """
+    off = "pass --no-bias-swiglu-fusion" if swiglu else "pass --no-bias-gelu-fusion"
+    if not (swiglu or fused_qgeglu):
+        return f"Megatron's experts have no fused {family} (the stock layer raises); {off}"
+    if swiglu and clamp is not None:
+        return f"the fused SwiGLU ignores --activation-func-clamp-value (the unfused path applies it); {off}"
+    if swiglu and bias and not grouped:
+        return f"SequentialMLP experts have no fused SwiGLU with a bias (the stock layer raises); {off}"
+    if fused_qgeglu and bias and clamp is not None and not grouped:
+        return (
+            "SequentialMLP experts' fused quick-GeGLU clamps fc1's output before adding its bias (TEGroupedMLP "
+            f"and the unfused path clamp after, as MoK does); {off}"
+        )
+    if fused_qgeglu and shared:
+        return f"Megatron's shared expert has no fused quick-GeGLU (the stock layer raises); {off}"
+    return None
+
+
+def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> dict[str, Any]:
+    """MoK's expert family (experts.py) from Megatron's MLP settings; what the stock layer does not
+    compute as one function goes to problems. stock_experts: the class the stock layer would build
+    ("TEGroupedMLP", "SequentialMLP", or None when unknown), where the stock result depends on it."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    fn = tc.activation_func
+    gated = bool(tc.gated_linear_unit)
+    activation = _activation_name(fn)
+    if activation is None:
+        why = "not an activation MoK computes; allowed: F.silu, F.gelu, F.relu, quick_gelu, squared_relu, fast_gelu, "
+        why += "openai_gelu, partial(F.gelu, approximate='tanh')"
+        if getattr(fn, "__name__", None) == "erf_gelu":
+            why = "Megatron's erf_gelu divides by 1.41421, not sqrt(2): not exactly F.gelu; use F.gelu"
+        problems.append(_refuse("activation_func", _callable_name(fn), why))
+    # Megatron clamps and offsets the GLU halves only; without a GLU both have no effect there either.
+    clamp = tc.activation_func_clamp_value if gated else None
+    offset = float(tc.glu_linear_offset or 0.0) if gated else 0.0
+    bias = bool(tc.add_bias_linear)
+    shared = bool(tc.moe_shared_expert_intermediate_size)
+    swiglu, fused_qgeglu = gated and fn is F.silu, gated and fn is quick_gelu
+    grouped = stock_experts == "TEGroupedMLP"
+    family = f"{'gated ' if gated else ''}{activation or _callable_name(fn)}"
+
+    fusion_problem = _fusion_problem(family, swiglu, fused_qgeglu, clamp, bias, shared, grouped)
+    # (refused?, field, why)
+    checks = [
+        (bias and shared, "add_bias_linear", "Megatron's shared expert has no biases (SharedExpertMLP asserts it)"),
+        (tc.bias_activation_fusion and fusion_problem, "bias_activation_fusion", fusion_problem),
+        (
+            tc.bias_activation_fusion and tc.activation_func_fp8_input_store,
+            "activation_func_fp8_input_store",
+            "the fused SwiGLU keeps its input in fp8 for the backward (other gradients); MoK keeps the parameters' "
+            "dtype",
+        ),
+        (
+            tc.use_te_activation_func and not (swiglu and clamp is None and not offset),
+            "use_te_activation_func",
+            "Transformer Engine's activation modules compute their own functions (GELU with the tanh "
+            "approximation) and ignore the clamp and the linear offset",
+        ),
+        (
+            tc.use_transformer_engine_op_fuser
+            and not ((swiglu and clamp is None) or (activation == "squared_relu" and not gated)),
+            "use_transformer_engine_op_fuser",
+            f"Transformer Engine's fused grouped MLP for {family} applies its own clamp and linear offset (or none), "
+            "not Megatron's settings",
+        ),
+        (
+            gated and tc.moe_mlp_glu_interleave_size is not None,
+            "moe_mlp_glu_interleave_size",
+            "block-interleaved gate/linear rows (TEGroupedMLP's fc1 and checkpoint layout) are not implemented; "
+            "MoK keeps the gate rows first",
+        ),
+        (
+            shared and tc.use_grouped_gemm_for_shared_expert,
+            "use_grouped_gemm_for_shared_expert",
+            "Transformer Engine's fused shared expert (fp8/fp4 recipes, block-interleaved rows) is not implemented",
+        ),
+    ]
+    problems.extend(_refuse(field, getattr(tc, field), why) for refused, field, why in checks if refused)
+    fields: dict[str, Any] = {
+        "expert_kind": "glu" if gated else "mlp",
+        "expert_activation": activation or "silu",
+        "activation_clamp": clamp,
+        "glu_linear_offset": offset,
+        "expert_fc1_bias": bias,
+        "expert_fc2_bias": bias,
+        "router_bias": bias,
+    }
+    return fields
+
+
+def mok_config_from_megatron(
+    tc: Any, overrides: dict[str, Any] | None = None, stock_experts: str | None = None
+) -> MoKConfig:
     """The MoKConfig that runs the MoE layer Megatron's TransformerConfig `tc` describes.
 
     Args:
@@ -189,7 +380,10 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
         overrides: MoKConfig fields, for example from --mok-config: the MoK-only knobs
             (MOK_KNOBS: backend, kernel_variant, ep_exchange, ep_capacity_factor, ep_transport,
             debug_checks) freely; a field Megatron sets (MEGATRON_SET: shape, routing, losses,
-            capacity, shared experts, EP size, dtype) only with Megatron's value.
+            capacity, shared experts, EP size, dtype, expert family) only with Megatron's value.
+        stock_experts: the experts class the stock layer would build ("TEGroupedMLP" or
+            "SequentialMLP"; MoKMoELayer reads it from its spec), for the few fused paths whose
+            result depends on it; None (unknown) refuses those.
     Returns:
         The validated MoKConfig; ep_size is the expert-model-parallel size.
     Raises:
@@ -199,11 +393,6 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
     problems: list[str] = []
     if not tc.num_moe_experts:
         problems.append(f"{megatron_flag('num_moe_experts')} is not set: MoK replaces MoE layers only")
-    if not tc.gated_linear_unit or getattr(tc.activation_func, "__name__", "") != "silu":
-        problems.append(
-            f"--swiglu (gated_linear_unit={tc.gated_linear_unit}, activation_func="
-            f"{getattr(tc.activation_func, '__name__', tc.activation_func)}): MoK's experts are SwiGLU only"
-        )
     for field, (is_refused, why) in _REFUSED.items():
         value = getattr(tc, field, None)
         if value is not None and is_refused(value):
@@ -234,6 +423,7 @@ def mok_config_from_megatron(tc: Any, overrides: dict[str, Any] | None = None) -
     }
     derived.update(_routing_fields(tc, problems))
     derived.update(_capacity_fields(tc, problems))
+    derived.update(_expert_fields(tc, problems, stock_experts))
     if tc.moe_shared_expert_intermediate_size:
         derived.update(num_shared_experts=1, shared_ffn_hidden_size=tc.moe_shared_expert_intermediate_size)
 

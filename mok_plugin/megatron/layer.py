@@ -21,6 +21,7 @@ Not supported (an error at build time, naming the flag): see config_map.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sh
 from mok_plugin.megatron.config_map import mok_config_from_megatron
 
 try:
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.moe_utils import (
         MoEAuxLossAutoScaler,
@@ -51,6 +53,17 @@ def set_default_mok_overrides(overrides: dict[str, Any]) -> None:
     """MoK knobs (MoKConfig fields) applied to every MoKMoELayer built after this call."""
     _DEFAULT_OVERRIDES.clear()
     _DEFAULT_OVERRIDES.update(overrides)
+
+
+def stock_experts_class(submodules: Any) -> str | None:
+    """The experts class a stock MoELayer would build from `submodules` (MoESubmodules):
+    "TEGroupedMLP" or "SequentialMLP" (subclasses included), else None."""
+    experts = getattr(submodules, "experts", None)
+    builder = experts.func if isinstance(experts, functools.partial) else getattr(experts, "module", experts)
+    for base in (TEGroupedMLP, SequentialMLP):
+        if isinstance(builder, type) and issubclass(builder, base):
+            return base.__name__
+    return None
 
 
 class _MainGradAccumulation(torch.autograd.Function):
@@ -100,7 +113,9 @@ class MoKMoELayer(MoELayer):
         mok_overrides: dict[str, Any] | None = None,
     ) -> None:
         self.mok_config: MoKConfig = mok_config_from_megatron(
-            config, _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides
+            config,
+            _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides,
+            stock_experts=stock_experts_class(submodules),
         )
         pg_collection = pg_collection or get_default_pg_collection()
         # BaseMoELayer sets the groups, local expert indices and layer number; MoELayer.__init__
@@ -147,17 +162,19 @@ class MoKMoELayer(MoELayer):
 
     def _run_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         experts = self.mok.experts
-        if not (self.config.gradient_accumulation_fusion and hasattr(experts.gate_up_proj, "main_grad")):
+        if not (self.config.gradient_accumulation_fusion and hasattr(experts.down_proj, "main_grad")):
             return self.mok(hidden_states)
-        # Route the expert weights through _MainGradAccumulation for this call only.
-        originals = experts.gate_up_proj, experts.down_proj
+        # Route the expert weights through _MainGradAccumulation for this call only. Biases keep
+        # ordinary gradients, as in Megatron's fused linear layers (only the weight's goes to main_grad).
+        originals = {name: experts._parameters[name] for name in ("gate_up_proj", "down_proj")}
+        originals = {name: param for name, param in originals.items() if param is not None}
         try:
-            for name, param in zip(("gate_up_proj", "down_proj"), originals, strict=True):
+            for name, param in originals.items():
                 del experts._parameters[name]
                 setattr(experts, name, _MainGradAccumulation.apply(param))
             return self.mok(hidden_states)
         finally:
-            for name, param in zip(("gate_up_proj", "down_proj"), originals, strict=True):
+            for name, param in originals.items():
                 delattr(experts, name)
                 experts._parameters[name] = param
 
