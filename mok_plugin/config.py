@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mok_plugin.experts import MoKExpertFamily
+from mok_plugin.experts import FAMILY_FIELDS, MoKExpertFamily, family_field_problems
 
 __all__ = [
     "MoKConfig",
@@ -352,26 +352,14 @@ class MoKConfig(BaseModel):
         return self
 
     def _family_problems(self) -> list[str]:
-        problems = []
-        if self.expert_kind != "glu":
-            for name, value, default in (
-                ("activation_clamp", self.activation_clamp, None),
-                ("glu_linear_offset", self.glu_linear_offset, 0.0),
-            ):
-                if value != default:
-                    problems.append(
-                        f"mok.{name}={value} applies to glu experts only; mok.expert_kind={self.expert_kind!r}"
-                    )
-        if self.expert_kind == "linear":
-            if self.ffn_hidden_size != self.hidden_size:
-                problems.append(
-                    f"mok.expert_kind='linear' (one H x H linear per expert) needs mok.ffn_hidden_size="
-                    f"hidden_size={self.hidden_size}, got {self.ffn_hidden_size}"
-                )
-            if self.expert_fc1_bias:
-                problems.append("mok.expert_fc1_bias: a linear expert has one linear; its bias is mok.expert_fc2_bias")
-            if self.num_shared_experts:
-                problems.append("mok.num_shared_experts: shared experts are MLPs; mok.expert_kind='linear' has none")
+        fields = {name: getattr(self, name) for name in FAMILY_FIELDS}
+        problems = family_field_problems(
+            fields,
+            "mok",
+            self.hidden_size,
+            self.ffn_hidden_size,
+            f"num_shared_experts={self.num_shared_experts}" if self.num_shared_experts else None,
+        )
         if self.kernel_variant == "megakernel" and not self.expert_family.is_swiglu:
             problems.append(
                 f"mok.kernel_variant='megakernel' computes bias-free SwiGLU experts only, not "
@@ -389,14 +377,7 @@ class MoKConfig(BaseModel):
     @property
     def expert_family(self) -> MoKExpertFamily:
         """What each expert computes (experts.py), from the expert_* fields."""
-        return MoKExpertFamily(
-            kind=self.expert_kind,
-            activation=self.expert_activation,
-            clamp=self.activation_clamp,
-            linear_offset=self.glu_linear_offset if self.expert_kind == "glu" else 0.0,
-            fc1_bias=self.expert_fc1_bias and self.expert_kind != "linear",
-            fc2_bias=self.expert_fc2_bias,
-        )
+        return MoKExpertFamily.from_config_fields({name: getattr(self, name) for name in FAMILY_FIELDS})
 
     @property
     def num_local_experts(self) -> int:

@@ -40,6 +40,8 @@ __all__ = [
     "activation_fp64",
     "activation_backward_fp64",
     "check_expert_weights",
+    "family_field_problems",
+    "FAMILY_FIELDS",
 ]
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"]
@@ -117,6 +119,18 @@ class MoKExpertFamily:
             expert_fc2_bias=self.fc2_bias,
         )
 
+    @classmethod
+    def from_config_fields(cls, fields: dict[str, object]) -> MoKExpertFamily:
+        """The family of MoKConfig-named fields (the inverse of `config_fields`)."""
+        return cls(
+            kind=fields["expert_kind"],
+            activation=fields["expert_activation"],
+            clamp=fields["activation_clamp"],
+            linear_offset=fields["glu_linear_offset"],
+            fc1_bias=fields["expert_fc1_bias"],
+            fc2_bias=fields["expert_fc2_bias"],
+        )
+
     def describe(self) -> str:
         """A short human name: "SwiGLU", "glu(quick_gelu, clamp 7.0, offset 1.0) + biases", "mlp(squared_relu)"."""
         if self.kind == "linear":
@@ -133,6 +147,39 @@ class MoKExpertFamily:
 
 
 SWIGLU = MoKExpertFamily()
+# The MoKConfig (and run-config model) fields that name a family, in `config_fields` order.
+FAMILY_FIELDS: tuple[str, ...] = tuple(SWIGLU.config_fields())
+
+
+def family_field_problems(
+    fields: dict[str, object], prefix: str, hidden_size: int, ffn_hidden_size: int, shared_field: str | None
+) -> list[str]:
+    """What is wrong with a layer's family fields (MoKConfig's names, reported as `prefix.<field>`):
+    a clamp or offset on a non-glu expert; a linear expert that is not H x H, has an fc1 bias or
+    has shared experts (shared_field: the field that asks for them with its value, e.g.
+    "num_shared_experts=1"; None when none do). One list, so
+    that MoKConfig and a run config's model section say the same."""
+    kind = fields["expert_kind"]
+    problems = []
+    if kind != "glu":
+        for name, default in (("activation_clamp", None), ("glu_linear_offset", 0.0)):
+            if fields[name] != default:
+                problems.append(
+                    f"{prefix}.{name}={fields[name]} applies to glu experts only; {prefix}.expert_kind={kind!r}"
+                )
+    if kind == "linear":
+        if ffn_hidden_size != hidden_size:
+            problems.append(
+                f"{prefix}.expert_kind='linear' (one H x H linear per expert) needs {prefix}.ffn_hidden_size = "
+                f"{prefix}.hidden_size={hidden_size}, got {ffn_hidden_size}"
+            )
+        if fields["expert_fc1_bias"]:
+            problems.append(
+                f"{prefix}.expert_fc1_bias: a linear expert has one linear; its bias is {prefix}.expert_fc2_bias"
+            )
+        if shared_field:
+            problems.append(f"{prefix}.{shared_field}: shared experts are MLPs; {prefix}.expert_kind='linear' has none")
+    return problems
 
 
 def _act(g: torch.Tensor, activation: str) -> torch.Tensor:

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from mok_plugin import MoKConfig, MoKMoE
+from mok_plugin.experts import SWIGLU
 from mok_plugin.kernels.configs import MoKTileConfig
 from mok_plugin.schedule import expert_capacity
-from mok_plugin.testing import assert_close, make_layer_inputs, oracle_kept_pairs, oracle_moe
+from mok_plugin.testing import EXPERT_FAMILIES, assert_close, make_layer_inputs, oracle_kept_pairs, oracle_moe
 
 # On a GPU the triton backend runs compiled; without one, in Triton's interpreter (conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,11 +37,17 @@ CASES = {
 }
 
 
-def _layer(backend: str, variant: str, top_k: int, shared: int, capacity_factor: float | None) -> MoKMoE:
-    config = MoKConfig(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=top_k, num_shared_experts=shared,
-                       score_function="sigmoid", expert_bias=True, aux_loss_coeff=AUX, z_loss_coeff=Z,
-                       capacity_factor=capacity_factor, backend=backend, kernel_variant=variant)  # fmt: skip
-    return MoKMoE(config, seed=11, init_std=0.2, device=DEVICE)
+def _layer(backend: str, variant: str, top_k: int, shared: int, capacity_factor: float | None, family=SWIGLU) -> MoKMoE:
+    config = MoKConfig(hidden_size=H, ffn_hidden_size=H if family.kind == "linear" else I, num_experts=E,
+                       top_k=top_k, num_shared_experts=shared, score_function="sigmoid", expert_bias=True,
+                       aux_loss_coeff=AUX, z_loss_coeff=Z, capacity_factor=capacity_factor, backend=backend,
+                       kernel_variant=variant, **family.config_fields())  # fmt: skip
+    layer = MoKMoE(config, seed=11, init_std=0.2, device=DEVICE)
+    with torch.no_grad():  # biases start at zero: random ones, so that a zero gradient means something
+        for name, param in layer.named_parameters():
+            if name.endswith("_bias"):
+                param.normal_(0.0, 0.5)
+    return layer
 
 
 def _forward_backward(layer: MoKMoE, x: torch.Tensor, probe: torch.Tensor):
@@ -61,6 +68,18 @@ def test_zero_tokens(backend, variant, shared, capacity_factor):
     for name, param in layer.named_parameters():
         assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param)), name
     assert int(layer.last_tokens_per_expert.sum()) == 0 and int(layer.last_num_dropped) == 0
+
+
+# Families with biases: their bias gradients of no tokens are exactly zero too, on both backends.
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("family", ["gpt_oss", "mlp_gelu_bias", "linear_bias"])
+def test_zero_tokens_every_family(family, backend):
+    fam = EXPERT_FAMILIES[family]
+    layer = _layer(backend, "multi_kernel", 2, 0 if fam.kind == "linear" else 1, None, fam)
+    out, aux, d_x = _forward_backward(layer, torch.randn(0, H, device=DEVICE), torch.randn(0, H, device=DEVICE))
+    assert out.shape == (0, H) and d_x.shape == (0, H)
+    for name, param in layer.named_parameters():
+        assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param)), name
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "dropping"])

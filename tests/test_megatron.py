@@ -162,11 +162,13 @@ def test_checkpoints_round_trip_with_stock(megatron_world):
     for key, value in stock.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fresh.state_dict()[key], value), key
-    # The distributed-checkpoint layout: same sharded keys, global shapes, offsets, replicas, data.
-    want, got = (
-        _flat_sharded(stock.sharded_state_dict("decoder.layers.0.mlp.")),
-        _flat_sharded(mok.sharded_state_dict("decoder.layers.0.mlp.")),
-    )
+    assert_same_sharded_layout(stock, mok)
+
+
+def assert_same_sharded_layout(stock, mok) -> None:
+    """The distributed-checkpoint layout: same sharded keys, global shapes, offsets, replicas, data."""
+    want = _flat_sharded(stock.sharded_state_dict("decoder.layers.0.mlp."))
+    got = _flat_sharded(mok.sharded_state_dict("decoder.layers.0.mlp."))
     assert set(got) == set(want)
     for key in want:
         a, b = want[key], got[key]

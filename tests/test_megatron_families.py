@@ -23,7 +23,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer import utils as megatron_utils  # noqa: E402
-from test_megatron import _flat_sharded, _fwd_bwd, megatron_world  # noqa: E402, F401
+from test_megatron import _fwd_bwd, assert_same_sharded_layout, megatron_world  # noqa: E402, F401
 
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import mok_config_from_megatron, use_mok  # noqa: E402
@@ -173,16 +173,8 @@ def test_checkpoints_round_trip_with_stock(name):
     for key, value in stock.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fresh.state_dict()[key], value), key
-    # The distributed-checkpoint layout: same sharded keys, global shapes, offsets, replicas, data
-    # (a plain MLP's fc1 is not split into gate and linear halves; fc1's bias is when it is a GLU).
-    want = _flat_sharded(stock.sharded_state_dict("decoder.layers.0.mlp."))
-    got = _flat_sharded(mok.sharded_state_dict("decoder.layers.0.mlp."))
-    assert set(got) == set(want)
-    for key in want:
-        a, b = want[key], got[key]
-        assert (getattr(a, "global_shape", None), a.replica_id) == (getattr(b, "global_shape", None), b.replica_id), key
-        if isinstance(getattr(a, "data", None), torch.Tensor):
-            assert torch.equal(a.data, b.data), key
+    # (a plain MLP's fc1 is not split into gate and linear halves; fc1's bias is when it is a GLU)
+    assert_same_sharded_layout(stock, mok)
     # Megatron's optimizer finds every parameter (biases too) among the sharded tensors.
     from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 

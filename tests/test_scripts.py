@@ -21,6 +21,7 @@ THIN_SCRIPTS = {
     "inspect_kernels.py": "mok_plugin.bench.inspect",
     "bench_ep.py": "mok_plugin.bench.ep",
     "multi_gpu.py": "mok_plugin.bench.multi_gpu",
+    "bench_generic.py": "mok_plugin.bench.generic",
     "patches.py": "mok_plugin.patching",
 }
 

@@ -10,7 +10,8 @@ Each module has one job:
   providers   the layer's implementations under test (MoK, torch grouped_mm, Megatron, Liger), per family
   tuning      the short tile-config notation and the in-process override of the pinned table
   report      run metadata for the JSON (GPU, versions, commit, time)
-  layer, tune, inspect, ep, multi_gpu   the commands: each has main(argv=None)
+  generic     DeepSpeed's own MoE against MoK's, for recognised and generic expert modules
+  layer, tune, inspect, ep, multi_gpu, generic   the commands: each has main(argv=None)
 
 Nothing here is imported by `import mok_plugin`; the commands run as `mok bench ...` or through the
 thin files in scripts/.

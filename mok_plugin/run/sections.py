@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mok_plugin.config import MAX_DIM, MAX_FACTOR, ExpertActivation, ExpertKind
-from mok_plugin.experts import MoKExpertFamily
+from mok_plugin.experts import FAMILY_FIELDS, MoKExpertFamily, family_field_problems
 
 __all__ = ["FAMILY_FIELDS", "MACHINES", "Machine", "ModelShape", "ParallelLayout"]
 
@@ -148,31 +148,13 @@ class ModelShape(BaseModel):
 
     @model_validator(mode="after")
     def _check_expert_family(self) -> ModelShape:
-        problems = []
-        if self.expert_kind != "glu":
-            for name, value, default in (
-                ("activation_clamp", self.activation_clamp, None),
-                ("glu_linear_offset", self.glu_linear_offset, 0.0),
-            ):
-                if value != default:
-                    problems.append(
-                        f"model.{name}={value} applies to glu experts only; model.expert_kind={self.expert_kind!r}"
-                    )
-        if self.expert_kind == "linear":
-            if self.ffn_hidden_size != self.hidden_size:
-                problems.append(
-                    f"model.expert_kind='linear' (one H x H linear per expert) needs model.ffn_hidden_size = "
-                    f"model.hidden_size={self.hidden_size}, got {self.ffn_hidden_size}"
-                )
-            if self.expert_fc1_bias:
-                problems.append(
-                    "model.expert_fc1_bias: a linear expert has one linear; its bias is model.expert_fc2_bias"
-                )
-            if self.shared_ffn_hidden_size:
-                problems.append(
-                    f"model.shared_ffn_hidden_size={self.shared_ffn_hidden_size}: shared experts are MLPs; "
-                    "model.expert_kind='linear' has none"
-                )
+        problems = family_field_problems(
+            self.family_fields(),
+            "model",
+            self.hidden_size,
+            self.ffn_hidden_size,
+            f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}" if self.shared_ffn_hidden_size else None,
+        )
         if problems:
             raise ValueError("\n  ".join(problems))
         return self
@@ -184,20 +166,7 @@ class ModelShape(BaseModel):
     @property
     def expert_family(self) -> MoKExpertFamily:
         """What each expert computes (mok_plugin/experts.py), as MoKConfig.expert_family gives it."""
-        return MoKExpertFamily(
-            kind=self.expert_kind,
-            activation=self.expert_activation,
-            clamp=self.activation_clamp,
-            linear_offset=self.glu_linear_offset,
-            fc1_bias=self.expert_fc1_bias,
-            fc2_bias=self.expert_fc2_bias,
-        )
-
-
-# ModelShape's expert-MLP fields: MoKConfig fields of the same names, decided by the model section.
-FAMILY_FIELDS = (
-    "expert_kind", "expert_activation", "activation_clamp", "glu_linear_offset", "expert_fc1_bias", "expert_fc2_bias",
-)  # fmt: skip
+        return MoKExpertFamily.from_config_fields(self.family_fields())
 
 
 class ParallelLayout(BaseModel):
