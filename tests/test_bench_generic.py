@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--cpu", "--iters", "2", "--warmup", "1", "--shape", "48,16,24,4,2", "--shape", "48,16,24,8,2"]
 
 
+@pytest.mark.slow  # about 30 s on 2 cores: a DeepSpeed world and three expert kinds on two shapes
 def test_cpu_run_prints_the_table_last_and_writes_json(tmp_path, capsys):
     assert generic.main([*ARGS, "--expert", "residual", "gelu-mlp", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

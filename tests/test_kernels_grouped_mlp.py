@@ -199,6 +199,7 @@ def test_every_expert_family_matches_reference_and_oracle(family, dtype):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "mlp_squared_relu", "linear_bias"])
 @pytest.mark.parametrize("T, H, I, E, K, kind, capacity", CASES)
+@pytest.mark.slow  # the fast set has every family on one case (above); this sweeps the crafted cases
 def test_families_on_every_crafted_case(family, T, H, I, E, K, kind, capacity):
     fam = EXPERT_FAMILIES[family]
     compare_with_reference(
