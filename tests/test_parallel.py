@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mok_plugin import MoKConfig, MoKMoE
-from mok_plugin.testing import assert_close, init_gloo, make_layer_inputs, run_ranks
+from mok_plugin.testing import EXPERT_FAMILIES, assert_close, init_gloo, make_layer_inputs, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -35,9 +35,14 @@ CASES = [
     ("triton_top2_skewed", 2, True, "float32", "capacity", "triton"),
     # Token dropping (mok.capacity_factor): skewed routing overfills expert 0; every EP size keeps
     # the rows the single process keeps (each expert's first rows in global token order).
-    ("drop_top2_skewed_exact", 2, True, "float32", "exact", "reference", 0.5),
-    ("drop_top1_skewed_capacity", 1, True, "float32", "capacity", "reference", 1.0),
-]
+    ("drop_top2_skewed_exact", 2, True, "float32", "exact", "reference", dict(capacity_factor=0.5)),
+    ("drop_top1_skewed_capacity", 1, True, "float32", "capacity", "reference", dict(capacity_factor=1.0)),
+    # Expert families with random biases (routed and shared): the bias gradients too are bitwise
+    # the same at every EP size.
+    ("gpt_oss_top2_skewed", 2, True, "float32", "exact", "reference", EXPERT_FAMILIES["gpt_oss"].config_fields()),
+    ("triton_mlp_bias_top2", 2, False, "float32", "capacity", "triton",
+     EXPERT_FAMILIES["mlp_gelu_bias"].config_fields()),
+]  # fmt: skip
 # Tokens per rank for each world size. Exact: uneven, and rank 1 of 4 has none. Capacity: equal.
 SPLITS = {
     "exact": {1: [30], 2: [13, 17], 4: [5, 0, 15, 10]},
@@ -58,11 +63,12 @@ def _config(
 
 
 def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
-    name, top_k, skewed, dtype, exchange, backend, *drop = case
+    name, top_k, skewed, dtype, exchange, backend, *extra = case
     config = _config(top_k, skewed, dtype, ep_size, exchange, backend)
-    if drop:
-        config = config.replace(capacity_factor=drop[0])
+    if extra:
+        config = config.replace(**extra[0])
     layer = MoKMoE(config, ep_group=group, seed=3, init_std=0.2)
+    _random_biases(layer, rank)
     if skewed:
         layer.expert_bias[0] = 100.0  # expert 0 (on rank 0) is everyone's first choice
     torch_dtype = layer.params_dtype
@@ -79,7 +85,20 @@ def _run_case(case, ep_size: int, rank: int, group) -> dict[str, torch.Tensor]:
         "d_down_proj": layer.experts.down_proj.grad,
         "d_router": layer.router.weight.grad,
         "dropped": layer.last_num_dropped.clone(),
+        **{f"d_{n}": p.grad for n, p in layer.named_parameters() if n.startswith("experts.") and n.endswith("_bias")},
     }
+
+
+def _random_biases(layer: MoKMoE, rank: int) -> None:
+    """Seeded random biases (they start at zero), the same values at every EP size: each rank takes
+    its experts' rows of the full [E, ...] draw."""
+    generator = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for name, param in sorted(layer.named_parameters()):
+            if name.endswith("_bias"):
+                routed = name.startswith("experts.")
+                full = torch.randn((E, *param.shape[1:]) if routed else param.shape, generator=generator)
+                param.copy_(full[rank * param.shape[0] : (rank + 1) * param.shape[0]] if routed else full)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -115,6 +134,9 @@ def test_topology_invariance_bitwise(world, tmp_path, single_process):
         assert torch.equal(got_dx, want["d_x"]), f"{name}: input gradient differs at world size {world}"
         assert torch.equal(got_w13, want["d_gate_up_proj"]), f"{name}: dW13 differs at world size {world}"
         assert torch.equal(got_w2, want["d_down_proj"]), f"{name}: dW2 differs at world size {world}"
+        for bias in [key for key in want if key.endswith("_bias")]:
+            got_bias = torch.cat([r[name][bias] for r in ranks])
+            assert torch.equal(got_bias, want[bias]), f"{name}: {bias} differs at world size {world}"
         dropped = sum(int(r[name]["dropped"]) for r in ranks)  # each rank counts its experts' drops
         assert dropped == int(want["dropped"]), f"{name}: {dropped} pairs dropped, single process {want['dropped']}"
         assert (dropped > 0) == name.startswith("drop_"), f"{name}: dropped {dropped}"
