@@ -217,8 +217,8 @@ UNSUPPORTED = [
     (dict(moe_router_load_balancing_type="seq_aux_loss"), "--moe-router-load-balancing-type"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps"),
     (dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True), "--moe-shared-expert-gate"),
-    # Interleaved gate/linear rows (TEGroupedMLP's layout); the other expert-MLP settings MoK still
-    # refuses are in test_megatron_families.py.
+    # An interleave block that does not divide the expert FFN size (16); the other expert-MLP
+    # settings MoK refuses are in test_megatron_families.py.
     (dict(moe_mlp_glu_interleave_size=32), "--moe-mlp-glu-interleave-size"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-token-drop-policy"),
     (

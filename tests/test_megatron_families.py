@@ -202,6 +202,94 @@ def test_loads_te_grouped_mlp_keys(name):
             assert torch.equal(other.state_dict()[key], value), key
 
 
+INTERLEAVE = 4  # --moe-mlp-glu-interleave-size: blocks of 4 of the 2 * I = 32 fc1 rows
+
+
+def _te_grouped_spec_layer(cfg: TransformerConfig):
+    """A MoK layer whose spec builds TEGroupedMLP experts (its submodules name the class)."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from mok_plugin.megatron import MoKMoELayer
+
+    return MoKMoELayer(config=cfg, submodules=MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None)))
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_te_grouped_mlp_interleaved_glu_rows_load_and_round_trip():
+    # TEGroupedMLP with --moe-mlp-glu-interleave-size stores fc1's rows (weight and bias) in blocks,
+    # gate and linear alternating, and de-interleaves fc1's output with _remove_glu_interleaving
+    # before its GLU: MoK's gate-first rows are that function applied to the stored rows.
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from mok_plugin.megatron.checkpoint import glu_interleave
+
+    cfg = _config(**FAMILIES["gpt_oss_biases"][0], moe_mlp_glu_interleave_size=INTERLEAVE)
+    te_style = {}  # the stock tensors under TEGroupedMLP's keys, taken as its interleaved rows
+    for key, value in _stock(cfg).state_dict().items():
+        if ".local_experts." in key:
+            index, fc, leaf = key.split(".local_experts.")[1].split(".")
+            te_style[f"experts.{fc}.{leaf}{index}"] = value
+        else:
+            te_style[key] = value
+    for mok in (_te_grouped_spec_layer(cfg), use_mok(_spec())(config=cfg)):  # TEGroupedMLP's keys say the layout
+        mok.load_state_dict(te_style)
+        experts = mok.mok.experts
+        for i in range(E):
+            weight, bias = te_style[f"experts.linear_fc1.weight{i}"], te_style[f"experts.linear_fc1.bias{i}"]
+            assert not torch.equal(weight, TEGroupedMLP._remove_glu_interleaving(weight.T, INTERLEAVE).T)
+            assert torch.equal(experts.gate_up_proj[i], TEGroupedMLP._remove_glu_interleaving(weight.T, INTERLEAVE).T)
+            assert torch.equal(experts.gate_up_bias[i], TEGroupedMLP._remove_glu_interleaving(bias, INTERLEAVE))
+            assert torch.equal(experts.down_proj[i], te_style[f"experts.linear_fc2.weight{i}"])
+        # Saved under SequentialMLP's keys, gate rows first; interleaved again, the stock tensors exactly.
+        saved = mok.state_dict()
+        for i in range(E):
+            for leaf in ("weight", "bias"):
+                stored = te_style[f"experts.linear_fc1.{leaf}{i}"]
+                assert torch.equal(glu_interleave(saved[f"experts.local_experts.{i}.linear_fc1.{leaf}"], INTERLEAVE),
+                                   stored)  # fmt: skip
+    # The sharded tensors: the layer that replaces TEGroupedMLP stores its interleaved rows, as
+    # TEGroupedMLP's sharded_state_dict does (same keys), and reads them back gate-first; the one
+    # that replaces SequentialMLP (which ignores the setting) stores gate-first rows.
+    for mok, interleaved in ((_te_grouped_spec_layer(cfg), True), (use_mok(_spec())(config=cfg), False)):
+        mok.load_state_dict(te_style)
+        sharded = mok.sharded_state_dict("mlp.")
+        for name, leaf in (("gate_up_proj", "weight"), ("gate_up_bias", "bias")):
+            factory = sharded[f"mlp.mok.experts.{name}"]
+            assert isinstance(factory, ShardedTensorFactory)
+            built = factory.build()
+            for i in range(E):
+                rows = torch.cat([part.data for part in built[i]])
+                want = te_style[f"experts.linear_fc1.{leaf}{i}"] if interleaved else getattr(mok.mok.experts, name)[i]
+                assert torch.equal(rows, want), (name, i, interleaved)
+            merged = factory.merge_fn({i: [part.data for part in parts] for i, parts in built.items()})
+            assert torch.equal(merged, getattr(mok.mok.experts, name)), (name, interleaved)
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_sequential_mlp_ignores_the_glu_interleave_size():
+    # SequentialMLP's experts are Megatron's MLP, which never reads moe_mlp_glu_interleave_size: the same
+    # layer with and without it; MoK (gate rows first, SequentialMLP's keys) matches it.
+    fields = FAMILIES["gpt_oss_biases"][0]
+    cfg = _config(**fields, moe_mlp_glu_interleave_size=INTERLEAVE)
+    stock, plain = _stock(cfg), _stock(_config(**fields))
+    mok = use_mok(_spec())(config=cfg)
+    mok.load_state_dict(stock.state_dict())
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want, without, got = _fwd_bwd(stock, x, probe), _fwd_bwd(plain, x, probe), _fwd_bwd(mok, x, probe)
+    assert torch.equal(want[0], without[0]) and torch.equal(want[1], without[1])
+    assert all(torch.equal(want[2][key], without[2][key]) for key in want[2])
+    assert_close(got[0], want[0], torch.float32, "output")
+    assert_close(got[1], want[1], torch.float32, "d_x")
+    for key in want[2]:
+        assert_close(got[2][key], want[2][key], torch.float32, f"grad of {key}")
+    for key, value in stock.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(mok.state_dict()[key], value), key
+
+
 @pytest.mark.parametrize("name", ["nemotron_squared_relu", "gpt_oss_biases"])
 @pytest.mark.usefixtures("megatron_world")
 def test_main_grad_accumulation_with_other_families(name):
@@ -279,6 +367,7 @@ def test_fusions_with_the_same_function_are_accepted():
         dict(use_te_activation_func=True),  # TE's SwiGLU
         dict(gated_linear_unit=False, activation_func=F.gelu, moe_mlp_glu_interleave_size=32),  # no GLU: no effect
         dict(moe_shared_expert_glu_interleave_size=32),  # read by the TE fused shared expert only
+        dict(moe_mlp_glu_interleave_size=4),  # TEGroupedMLP's fc1 row blocks: reordered in checkpoints
     ]
     for fields in accepted:
         mok_config_from_megatron(_config(**fields))
@@ -305,7 +394,7 @@ REFUSED = [
     (dict(bias_activation_fusion=True, activation_func_fp8_input_store=True), "--activation-func-fp8-input-store"),
     (dict(activation_func=F.gelu, use_te_activation_func=True), "--use-te-activation-func"),
     (dict(**GPT_OSS, use_transformer_engine_op_fuser=True), "--use-transformer-engine-op-fuser"),
-    (dict(moe_mlp_glu_interleave_size=32), "--moe-mlp-glu-interleave-size.*block-interleaved"),
+    (dict(moe_mlp_glu_interleave_size=3), r"--moe-mlp-glu-interleave-size \(moe_mlp_glu_interleave_size=3\).*divide"),
     (dict(moe_shared_expert_intermediate_size=16, use_grouped_gemm_for_shared_expert=True),
      "--use-grouped-gemm-for-shared-expert"),
 ]  # fmt: skip

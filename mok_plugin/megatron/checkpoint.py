@@ -25,6 +25,14 @@ stacked tensor is one ShardedTensorFactory holding the parameter itself, because
 optimizer finds its states' layout by parameter identity; the factory builds the per-expert shards
 and stacks them back on load. The shared expert has no biases in Megatron (SharedExpertMLP refuses
 them), so config_map refuses that combination; the names are mapped all the same.
+
+With --moe-mlp-glu-interleave-size S on a GLU, TEGroupedMLP stores each expert's fc1 rows (weight
+and bias) in blocks of S rows, gate and linear alternating, and reorders them before its GLU;
+SequentialMLP ignores the setting. So TEGroupedMLP's `weight{i}`/`bias{i}` keys are de-interleaved
+to MoK's gate-first rows on load, and when the layer replaces TEGroupedMLP (its spec says so) the
+sharded expert fc1 tensors are written interleaved and read back de-interleaved, as TEGroupedMLP's
+sharded_state_dict stores them under the same keys. The SequentialMLP keys `state_dict()` writes
+stay gate-first.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_state_dict_hooks", "megatron_sharded_state_dict"]
+__all__ = ["glu_deinterleave", "glu_interleave", "install_state_dict_hooks", "megatron_sharded_state_dict"]
 
 # (MoK name relative to the layer, stock name): tensors that are renamed, not split.
 _RENAMED = [
@@ -56,6 +64,23 @@ _STACKED = [
     ("mok.experts.down_bias", "linear_fc2", "bias"),
 ]
 _EXTRA = "_extra_state"
+
+
+def glu_deinterleave(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """fc1 rows (dim 0) in blocks of `size`, gate and linear alternating -> gate rows, then linear
+    rows (TEGroupedMLP._remove_glu_interleaving, on dim 0)."""
+    return rows.reshape(rows.shape[0] // (2 * size), 2, size, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def glu_interleave(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of `glu_deinterleave`: gate rows, then linear rows -> blocks of `size` alternating."""
+    return rows.reshape(2, rows.shape[0] // (2 * size), size, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def _glu_interleave_size(layer) -> int | None:
+    """S of --moe-mlp-glu-interleave-size on a GLU layer (TEGroupedMLP's fc1 row blocks), else None."""
+    size = getattr(getattr(layer, "config", None), "moe_mlp_glu_interleave_size", None)
+    return size if size is not None and layer.mok_config.expert_kind == "glu" else None
 
 
 def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -80,6 +105,7 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
         if prefix + stock_name in state_dict:
             state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
     num_local = module.mok.experts.down_proj.shape[0]
+    interleave = _glu_interleave_size(module)
     for mok_name, fc, leaf in _STACKED:
         param = _stacked_param(module, mok_name)
         if param is None:
@@ -100,6 +126,8 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
                             f"{list(expected)} (one expert's {fc} {leaf}: same hidden and expert FFN sizes and the "
                             "same gated or plain MLP needed)"
                         )
+                    if interleave is not None and fc == "linear_fc1" and not key.startswith(f"{prefix}experts.local"):
+                        weight = glu_deinterleave(weight, interleave)  # TEGroupedMLP's interleaved fc1 rows
                     per_expert.append(weight)
                     break
         if len(per_expert) == num_local:
@@ -162,12 +190,14 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     # keys under "experts.experts."), built from MoK's stacked tensors by one factory per tensor,
     # so that Megatron's optimizer finds the parameter itself (it maps optimizer state by identity).
     experts = _stock_expert_shards(layer, plain, prefix, sharded_offsets, dp_cp, gated)
+    # TEGroupedMLP's sharded fc1 tensors keep its interleaved rows (under SequentialMLP's keys).
+    interleave = _glu_interleave_size(layer) if getattr(layer, "stock_experts", None) == "TEGroupedMLP" else None
     for mok_name, fc, leaf in _STACKED:
         param = _stacked_param(layer, mok_name)
         if param is None:
             continue
         shards = {k: v for k, v in experts.items() if k.endswith(f".{fc}.{leaf}")}
-        out[prefix + mok_name] = _stacked_factory(param, shards)
+        out[prefix + mok_name] = _stacked_factory(param, shards, interleave if fc == "linear_fc1" else None)
     out.update({k: v for k, v in experts.items() if k.endswith(_EXTRA)})
     return out
 
@@ -196,10 +226,11 @@ def _stock_expert_shards(layer, plain: dict, prefix: str, sharded_offsets: tuple
     return out
 
 
-def _stacked_factory(param: torch.Tensor, shards: dict):
+def _stacked_factory(param: torch.Tensor, shards: dict, interleave: int | None = None):
     """One ShardedTensorFactory over a stacked [E_l, ...] parameter whose build gives the stock
     per-expert shards (for whatever tensor Megatron passes: the parameter or an optimizer state of
-    its shape) and whose merge stacks the loaded experts back."""
+    its shape) and whose merge stacks the loaded experts back. interleave: fc1's rows are stored in
+    TEGroupedMLP's blocks of that many rows (a copy on build, reordered back on merge)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     per_expert = [shards[k] for k in sorted(shards, key=lambda k: int(k.split(".local_experts.")[1].split(".")[0]))]
@@ -213,7 +244,7 @@ def _stacked_factory(param: torch.Tensor, shards: dict):
         built = {}
         for i, shard in enumerate(per_expert):
             shard = copy.copy(shard)
-            shard.data = t[i]
+            shard.data = t[i] if interleave is None else glu_interleave(t[i], interleave)
             parts = shard.build() if isinstance(shard, ShardedTensorFactory) else [shard]
             for part in parts:
                 part.key = key  # every expert is a shard of one global tensor
@@ -221,7 +252,10 @@ def _stacked_factory(param: torch.Tensor, shards: dict):
         return built
 
     def merge(loaded: dict) -> torch.Tensor:
-        return torch.stack([torch.cat(loaded[i], dim=0) for i in range(len(per_expert))])
+        experts = [torch.cat(loaded[i], dim=0) for i in range(len(per_expert))]
+        if interleave is not None:
+            experts = [glu_deinterleave(expert, interleave) for expert in experts]
+        return torch.stack(experts)
 
     return ShardedTensorFactory(per_expert[0].key, param, build, merge, per_expert[0].replica_id)
 

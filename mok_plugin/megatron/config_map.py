@@ -15,6 +15,10 @@ The expert MLP, matched to Megatron-Core 0.19's SequentialMLP / TEGroupedMLP / S
   --activation-func-clamp-value   gated only (Megatron ignores it otherwise): the gate clamped above,
                                   the linear half to +-c, both after fc1's bias: MoK `activation_clamp`.
   --glu-linear-offset             gated only: added to the (clamped) linear half: `glu_linear_offset`.
+  --moe-mlp-glu-interleave-size S   gated only, where TEGroupedMLP stores fc1's rows in blocks of S,
+                                  gate and linear alternating (the same GLU): its checkpoint rows are
+                                  reordered to MoK's gate-first layout and back (checkpoint.py); S
+                                  must divide the expert FFN size. SequentialMLP ignores it.
   add_bias_linear (on unless --disable-bias-linear)   fc1 and fc2 biases on every routed expert
                                   (`expert_fc1_bias`, `expert_fc2_bias`; the routing weight scales
                                   fc2's bias, as `_apply_bias` does), and a bias on the router's
@@ -297,6 +301,10 @@ def _fusion_problem(
     return None
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> dict[str, Any]:
     """MoK's expert family (experts.py) from Megatron's MLP settings; what the stock layer does not
     compute as one function goes to problems. stock_experts: the class the stock layer would build
@@ -320,6 +328,7 @@ def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> d
     swiglu, fused_qgeglu = gated and fn is F.silu, gated and fn is quick_gelu
     grouped = stock_experts == "TEGroupedMLP"
     family = f"{'gated ' if gated else ''}{activation or _callable_name(fn)}"
+    interleave, ffn = tc.moe_mlp_glu_interleave_size, tc.moe_ffn_hidden_size or tc.ffn_hidden_size
 
     fusion_problem = _fusion_problem(family, swiglu, fused_qgeglu, clamp, bias, shared, grouped)
     # (refused?, field, why)
@@ -346,10 +355,12 @@ def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> d
             "not Megatron's settings",
         ),
         (
-            gated and tc.moe_mlp_glu_interleave_size is not None,
+            # TEGroupedMLP stores fc1's rows in blocks of S, gate and linear alternating, and reorders
+            # them before its GLU (the same function); checkpoint.py reorders the rows to MoK's
+            # gate-first layout. TEGroupedMLP's reshape needs S to divide the expert FFN size.
+            gated and interleave is not None and not (_positive_int(interleave) and ffn % interleave == 0),
             "moe_mlp_glu_interleave_size",
-            "block-interleaved gate/linear rows (TEGroupedMLP's fc1 and checkpoint layout) are not implemented; "
-            "MoK keeps the gate rows first",
+            f"the gate/linear row blocks must evenly divide the expert FFN size ({ffn}, --moe-ffn-hidden-size)",
         ),
         (
             shared and tc.use_grouped_gemm_for_shared_expert,

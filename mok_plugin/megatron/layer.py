@@ -112,10 +112,13 @@ class MoKMoELayer(MoELayer):
         name: str | None = None,
         mok_overrides: dict[str, Any] | None = None,
     ) -> None:
+        # The experts class the stock layer would build: some fused paths and TEGroupedMLP's
+        # interleaved GLU rows in sharded checkpoints depend on it.
+        self.stock_experts: str | None = stock_experts_class(submodules)
         self.mok_config: MoKConfig = mok_config_from_megatron(
             config,
             _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides,
-            stock_experts=stock_experts_class(submodules),
+            stock_experts=self.stock_experts,
         )
         pg_collection = pg_collection or get_default_pg_collection()
         # BaseMoELayer sets the groups, local expert indices and layer number; MoELayer.__init__
