@@ -84,6 +84,36 @@ def test_compare_tiny_config(tmp_path, framework):
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed"])
+def test_compare_trains_the_config_expert_family(tmp_path, framework):
+    # A GPT-OSS-like expert (clamped quick-GeGLU with offset and both biases; the clamp small enough
+    # to bind): the stock and MoK layers compute that MLP, not SwiGLU, so their losses agree.
+    pytest.importorskip({"megatron": "megatron.core", "deepspeed": "deepspeed"}[framework])
+    data = yaml.safe_load(TINY.read_text())
+    data["model"].update(expert_activation="quick_gelu", activation_clamp=0.1, glu_linear_offset=1.0,
+                         expert_fc1_bias=True, expert_fc2_bias=True)  # fmt: skip
+    data["mok"]["aux_loss_coeff"] = 0.0  # DeepSpeed's top-2 l_aux counts first choices only
+    config = tmp_path / "tiny_gpt_oss.yaml"
+    config.write_text(yaml.safe_dump(data))
+    run = _compare(tmp_path, "--config", str(config), "--framework", framework, "--steps", "3")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "compare" / framework / "comparison.json").read_text())
+    assert "glu(quick_gelu, clamp 0.1, offset 1.0) + fc1 and fc2 bias" in result["meta"]["model"]
+    for a, b in zip(result["runs"][0]["losses"], result["runs"][2]["losses"], strict=True):
+        assert abs(a - b) < 1e-4, (result["runs"][0]["losses"], result["runs"][2]["losses"])
+
+
+def test_compare_refuses_a_family_megatron_cannot_express(tmp_path):
+    pytest.importorskip("megatron.core")
+    data = yaml.safe_load(TINY.read_text())
+    data["model"].update(expert_fc1_bias=True)  # Megatron's --add-bias-linear sets both biases
+    config = tmp_path / "one_bias.yaml"
+    config.write_text(yaml.safe_dump(data))
+    run = _compare(tmp_path, "--config", str(config), "--framework", "megatron", "--steps", "2")
+    assert run.returncode == 2 and "model.expert_fc1_bias=True, model.expert_fc2_bias=False" in run.stderr
+
+
 def _result(framework: str, top_k: int, stock_aux: list[float] | None, mok_aux: list[float] | None) -> dict:
     runs = [{"variant": v, "repeat": r, "losses": [6.2, 5.0] if v == "stock" else [6.2, 5.1],
              "aux_losses": stock_aux if v == "stock" else mok_aux} for v, r in

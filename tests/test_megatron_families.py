@@ -25,6 +25,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer import utils as megatron_utils  # noqa: E402
 from test_megatron import _fwd_bwd, assert_same_sharded_layout, megatron_world  # noqa: E402, F401
 
+from mok_plugin.compare.stock_cpu import let_stock_fc2_bias_train_at_ep1, make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import mok_config_from_megatron, use_mok  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
@@ -108,14 +109,9 @@ def _stock(cfg: TransformerConfig, seed: int = 0):
     Its router's gating is the same GEMM (with the router's bias) on the weight's own device, since
     Megatron's moves the router to CUDA."""
     stock = _spec()(config=cfg)
-    router = stock.router
-    router.gating = lambda hidden: F.linear(hidden, router.weight, router.bias)
+    make_stock_router_cpu_safe(stock)
     if cfg.add_bias_linear:
-        # At EP = TP = 1 the stock expert's fc2 "all-reduces" by returning its input, and MLP then adds
-        # the scaled bias into that output in place, which autograd forbids (Megatron-Core 0.19 fails
-        # here at EP = 1). Skipping the one-rank reduce, as fc2 does under EP > 1, changes no value.
-        for expert in stock.experts.local_experts:
-            expert.linear_fc2.explicit_expert_comm = True
+        let_stock_fc2_bias_train_at_ep1(stock)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(stock.named_parameters()):

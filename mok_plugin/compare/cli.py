@@ -104,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from mok_plugin.compare.harness import memory_source, run_comparison
+    from mok_plugin.compare.models import check_framework_family
     from mok_plugin.compare.report import format_table, write_reports
     from mok_plugin.config import MoKConfigError
     from mok_plugin.run.topology import load_topology
 
     try:
         run = load_topology(args.config)
-    except MoKConfigError as error:
+        check_framework_family(run, args.framework)
+    except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": str(args.config), "framework": args.framework, "device": str(device), "steps": args.steps,
         "tokens_per_step": tokens, "mode": mode,
         "model": f"{m.name}: {m.moe_layers} MoE layers, H={m.hidden_size}, I={m.ffn_hidden_size}, "
-                 f"E={m.num_experts}, top-{m.top_k}",
+                 f"E={m.num_experts}, top-{m.top_k}, experts {cfg.expert_family.describe()}",
         "top_k": m.top_k, "aux_loss_coeff": cfg.aux_loss_coeff, "memory_kind": memory_source(device),
         "log": str(log_path),
     }  # fmt: skip

@@ -6,12 +6,17 @@ come from a framework, stock or MoK.
 `megatron`: Megatron-Core's MoELayer (stock, local spec, allgather dispatcher) or MoKMoELayer, built
 from one TransformerConfig. `deepspeed`: deepspeed.moe.layer.MoE (stock, dropless, no random
 routing, each expert drawn on its own rather than copied) or mok_plugin.deepspeed.MoE (which the
-harness loads with the stock model's weights). The loss adds the MoE aux losses the way each framework
-wants them (Megatron: through MoEAuxLossAutoScaler inside the layer, so the returned loss is the
-cross-entropy alone; DeepSpeed: the run config's `aux_loss_coeff` x the sum of the layers' l_aux).
-After each forward the model keeps the cross-entropy (`last_lm_loss`) and, with DeepSpeed, the
-unscaled aux loss (`last_aux_loss`), so the harness can report the language-model loss, which means
-the same thing under both frameworks.
+harness loads with the stock model's weights). Both frameworks' experts compute the run config's
+expert family (`model.expert_*`): Megatron's through its own flags (`gated_linear_unit`,
+`activation_func`, the clamp and offset, `add_bias_linear`), DeepSpeed's as `FamilyExpert`, a plain
+module that MoK recognises or, for a clamped GLU, runs through its generic path.
+
+The loss adds the MoE aux losses the way each framework wants them (Megatron: through
+MoEAuxLossAutoScaler inside the layer, so the returned loss is the cross-entropy alone; DeepSpeed:
+the run config's `aux_loss_coeff` x the sum of the layers' l_aux). After each forward the model
+keeps the cross-entropy (`last_lm_loss`) and, with DeepSpeed, the unscaled aux loss
+(`last_aux_loss`), so the harness can report the language-model loss, which means the same thing
+under both frameworks.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mok_plugin.experts import MoKExpertFamily
 from mok_plugin.run.topology import RunConfig
 
-__all__ = ["MoELanguageModel", "build_model"]
+__all__ = ["FamilyExpert", "MoELanguageModel", "build_model", "check_framework_family"]
 
 VOCAB = 512
 
@@ -60,11 +66,75 @@ class MoELanguageModel(nn.Module):
         return lm_loss + self.aux_coeff * aux
 
 
+class FamilyExpert(nn.Module):
+    """One expert of `family` (mok_plugin/experts.py) as a user writes it for DeepSpeed: gate/up/down
+    for a glu (GPT-OSS's clamp and offset in the forward), fc1/fc2 for an mlp, one Linear(H, H)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, family: MoKExpertFamily):
+        super().__init__()
+        self.family = family
+        H, I, b1, b2 = hidden_size, ffn_hidden_size, family.fc1_bias, family.fc2_bias
+        if family.kind == "linear":
+            self.linear = nn.Linear(H, H, bias=b2)
+            return
+        if family.kind == "glu":
+            self.gate_proj = nn.Linear(H, I, bias=b1)
+        self.up_proj = nn.Linear(H, I, bias=b1)
+        self.down_proj = nn.Linear(I, H, bias=b2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        family = self.family
+        if family.kind == "linear":
+            return self.linear(x)
+        act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+               "quick_gelu": lambda g: g * torch.sigmoid(1.702 * g), "relu": F.relu,
+               "squared_relu": lambda g: F.relu(g).square()}[family.activation]  # fmt: skip
+        up = self.up_proj(x)
+        if family.kind == "mlp":
+            return self.down_proj(act(up))
+        gate = self.gate_proj(x)
+        if family.clamp is not None:
+            gate, up = gate.clamp(max=family.clamp), up.clamp(-family.clamp, family.clamp)
+        return self.down_proj(act(gate) * (up + family.linear_offset))
+
+
+def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
+    """The TransformerConfig fields that make Megatron's experts compute `family`.
+
+    Raises:
+        ValueError: a family Megatron's flags cannot express (a linear expert; one bias without the
+            other: --add-bias-linear sets both), naming the run-config fields.
+    """
+    from megatron.core import activations
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if family.kind == "linear":
+        raise ValueError(
+            "model.expert_kind='linear': Megatron's experts are MLPs; compare it with --framework deepspeed"
+        )
+    if family.fc1_bias != family.fc2_bias:
+        raise ValueError(
+            f"model.expert_fc1_bias={family.fc1_bias}, model.expert_fc2_bias={family.fc2_bias}: Megatron's "
+            "--add-bias-linear gives both linears a bias (and the router); set both alike"
+        )
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": activations.fast_gelu, "quick_gelu": quick_gelu,
+           "relu": F.relu, "squared_relu": activations.squared_relu}[family.activation]  # fmt: skip
+    return dict(gated_linear_unit=family.kind == "glu", activation_func=act, activation_func_clamp_value=family.clamp,
+                glu_linear_offset=family.linear_offset, add_bias_linear=family.fc1_bias)  # fmt: skip
+
+
+def check_framework_family(run: RunConfig, framework: str) -> None:
+    """Raise ValueError (naming the run-config fields) when `framework`'s stock layer cannot compute
+    the run config's expert family, before anything is built."""
+    if framework == "megatron":
+        _megatron_expert_fields(run.mok_config().expert_family)
+
+
 def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
 
-    from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe
+    from mok_plugin.compare.stock_cpu import let_stock_fc2_bias_train_at_ep1, make_stock_router_cpu_safe
     from mok_plugin.megatron import set_default_mok_overrides, use_mok
 
     m, cfg = run.model, run.mok_config()
@@ -74,8 +144,8 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
         moe_router_pre_softmax=cfg.score_function == "softmax" and not cfg.norm_topk_prob,
         moe_router_score_function=cfg.score_function,
         moe_router_load_balancing_type="aux_loss" if cfg.aux_loss_coeff else "none",
-        moe_aux_loss_coeff=cfg.aux_loss_coeff, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, moe_token_dispatcher_type="allgather" if device.type == "cpu" else "alltoall",
+        moe_aux_loss_coeff=cfg.aux_loss_coeff, **_megatron_expert_fields(cfg.expert_family),
+        moe_token_dispatcher_type="allgather" if device.type == "cpu" else "alltoall",
         use_cpu_initialization=device.type == "cpu", gradient_accumulation_fusion=False,
         params_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, bf16=device.type != "cpu",
     )  # fmt: skip
@@ -88,6 +158,8 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
         layer = spec(config=config)
         if device.type == "cpu":
             make_stock_router_cpu_safe(layer)
+        if config.add_bias_linear:
+            let_stock_fc2_bias_train_at_ep1(layer)
         return layer
 
     return stock
@@ -101,20 +173,23 @@ def _deepspeed_factory(run: RunConfig, variant: str):
     m, cfg = run.model, run.mok_config()
     kwargs = dict(num_experts=cfg.num_experts, k=cfg.top_k, drop_tokens=False, use_rts=False,
                   top2_2nd_expert_sampling=False)  # fmt: skip
+
+    def expert() -> nn.Module:
+        return FamilyExpert(m.hidden_size, m.ffn_hidden_size, cfg.expert_family)
+
     if variant == "mok":
-        return lambda: mds.MoE(m.hidden_size, mds.SwiGLUExpert(m.hidden_size, m.ffn_hidden_size), **kwargs,
-                               mok_config={"backend": cfg.backend})  # fmt: skip
+        return lambda: mds.MoE(m.hidden_size, expert(), **kwargs, mok_config={"backend": cfg.backend})
 
     def stock():
-        layer = StockMoE(m.hidden_size, mds.SwiGLUExpert(m.hidden_size, m.ffn_hidden_size), **kwargs)
+        layer = StockMoE(m.hidden_size, expert(), **kwargs)
         # DeepSpeed starts every expert as a copy of the one expert module it is given. Identical
         # experts make the router's true gradient zero (any routing gives the same output), so what
         # it gets is rounding noise (~1e-10), which differs between the stock and MoK layers' sums
         # and which Adam scales up into real updates: the two routers, then the runs, drift apart
         # for no reason of their own. Each expert gets its own draw instead (nn.Linear's default
         # init, from the seeded global generator); MoK's model loads these weights.
-        for expert in layer.deepspeed_moe.experts.deepspeed_experts:
-            for module in expert.modules():
+        for each in layer.deepspeed_moe.experts.deepspeed_experts:
+            for module in each.modules():
                 if isinstance(module, nn.Linear):
                     module.reset_parameters()
         return layer
