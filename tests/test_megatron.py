@@ -177,9 +177,9 @@ def assert_same_sharded_layout(stock, mok) -> None:
             assert torch.equal(a.data, b.data), key
 
 
-def test_loads_te_grouped_mlp_keys(megatron_world):
-    _, mok = _stock_and_mok(_config())
-    state = mok.state_dict()
+def te_grouped_mlp_keys(state: dict) -> dict:
+    """SequentialMLP's `experts.local_experts.{i}.linear_fc1.weight` keys as TEGroupedMLP names them
+    (`experts.linear_fc1.weight{i}`); the same tensors."""
     te_style = {}
     for key, value in state.items():
         if ".local_experts." in key:
@@ -188,6 +188,12 @@ def test_loads_te_grouped_mlp_keys(megatron_world):
             te_style[f"experts.{fc}.{leaf}{index}"] = value
         else:
             te_style[key] = value
+    return te_style
+
+
+def test_loads_te_grouped_mlp_keys(megatron_world):
+    _, mok = _stock_and_mok(_config())
+    te_style = te_grouped_mlp_keys(mok.state_dict())
     other = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=_config())
     other.load_state_dict(te_style)
     assert torch.equal(other.mok.experts.gate_up_proj, mok.mok.experts.gate_up_proj)

@@ -23,7 +23,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer import utils as megatron_utils  # noqa: E402
-from test_megatron import _fwd_bwd, assert_same_sharded_layout, megatron_world  # noqa: E402, F401
+from test_megatron import _fwd_bwd, assert_same_sharded_layout, megatron_world, te_grouped_mlp_keys  # noqa: E402, F401
 
 from mok_plugin.compare.stock_cpu import let_stock_fc2_bias_train_at_ep1, make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
@@ -183,14 +183,7 @@ def test_checkpoints_round_trip_with_stock(name):
 def test_loads_te_grouped_mlp_keys(name):
     # TEGroupedMLP writes experts.linear_fc1.weight{i} / .bias{i}: the same tensors, other names.
     stock, mok = _stock_and_mok(_config(**FAMILIES[name][0]))
-    te_style = {}
-    for key, value in stock.state_dict().items():
-        if ".local_experts." in key:
-            _, rest = key.split(".local_experts.")
-            index, fc, leaf = rest.split(".")
-            te_style[f"experts.{fc}.{leaf}{index}"] = value
-        else:
-            te_style[key] = value
+    te_style = te_grouped_mlp_keys(stock.state_dict())
     other = use_mok(_spec())(config=_config(**FAMILIES[name][0]))
     other.load_state_dict(te_style)
     for key, value in mok.state_dict().items():
@@ -222,13 +215,8 @@ def test_te_grouped_mlp_interleaved_glu_rows_load_and_round_trip():
     from mok_plugin.megatron.checkpoint import glu_interleave
 
     cfg = _config(**FAMILIES["gpt_oss_biases"][0], moe_mlp_glu_interleave_size=INTERLEAVE)
-    te_style = {}  # the stock tensors under TEGroupedMLP's keys, taken as its interleaved rows
-    for key, value in _stock(cfg).state_dict().items():
-        if ".local_experts." in key:
-            index, fc, leaf = key.split(".local_experts.")[1].split(".")
-            te_style[f"experts.{fc}.{leaf}{index}"] = value
-        else:
-            te_style[key] = value
+    # the stock tensors under TEGroupedMLP's keys, taken as its interleaved rows
+    te_style = te_grouped_mlp_keys(_stock(cfg).state_dict())
     for mok in (_te_grouped_spec_layer(cfg), use_mok(_spec())(config=cfg)):  # TEGroupedMLP's keys say the layout
         mok.load_state_dict(te_style)
         experts = mok.mok.experts
