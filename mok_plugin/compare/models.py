@@ -98,16 +98,13 @@ class FamilyExpert(nn.Module):
         return self.down_proj(act(gate) * (up + family.linear_offset))
 
 
-def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
-    """The TransformerConfig fields that make Megatron's experts compute `family`.
-
-    Raises:
-        ValueError: a family Megatron's flags cannot express (a linear expert; one bias without the
-            other: --add-bias-linear sets both), naming the run-config fields.
-    """
-    from megatron.core import activations
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
+def check_framework_family(run: RunConfig, framework: str) -> None:
+    """Raise ValueError (naming the run-config fields) when `framework`'s stock layer cannot compute
+    the run config's expert family, before anything is built or imported: a linear expert, or one
+    linear biased and not the other (--add-bias-linear sets both), for Megatron."""
+    family = run.mok_config().expert_family
+    if framework != "megatron":
+        return
     if family.kind == "linear":
         raise ValueError(
             "model.expert_kind='linear': Megatron's experts are MLPs; compare it with --framework deepspeed"
@@ -117,17 +114,18 @@ def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
             f"model.expert_fc1_bias={family.fc1_bias}, model.expert_fc2_bias={family.fc2_bias}: Megatron's "
             "--add-bias-linear gives both linears a bias (and the router); set both alike"
         )
+
+
+def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
+    """The TransformerConfig fields that make Megatron's experts compute `family` (one that
+    `check_framework_family` accepts)."""
+    from megatron.core import activations
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": activations.fast_gelu, "quick_gelu": quick_gelu,
            "relu": F.relu, "squared_relu": activations.squared_relu}[family.activation]  # fmt: skip
     return dict(gated_linear_unit=family.kind == "glu", activation_func=act, activation_func_clamp_value=family.clamp,
                 glu_linear_offset=family.linear_offset, add_bias_linear=family.fc1_bias)  # fmt: skip
-
-
-def check_framework_family(run: RunConfig, framework: str) -> None:
-    """Raise ValueError (naming the run-config fields) when `framework`'s stock layer cannot compute
-    the run config's expert family, before anything is built."""
-    if framework == "megatron":
-        _megatron_expert_fields(run.mok_config().expert_family)
 
 
 def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
@@ -200,6 +198,7 @@ def _deepspeed_factory(run: RunConfig, variant: str):
 def build_model(run: RunConfig, framework: str, variant: str, device: torch.device) -> MoELanguageModel:
     """The comparison model with `framework`'s MoE layers, `variant` "stock" or "mok", seeded."""
     torch.manual_seed(0)
+    check_framework_family(run, framework)
     if framework == "megatron":
         model = MoELanguageModel(run, _megatron_factory(run, variant, device), returns_aux=False)
     elif framework == "deepspeed":
