@@ -61,6 +61,9 @@ NAMED_SHAPES: dict[str, MoEShape] = {
     "olmoe": MoEShape(16384, 2048, 1024, 64, 8),
     "mixtral-8x7b": MoEShape(8192, 4096, 14336, 8, 2),
     "deepseek-v3": MoEShape(8192, 7168, 2048, 256, 8),
+    # GPT-OSS-120B's expert shape (its MLP is `--expert gpt-oss` in the layer benchmark); H = I = 2880,
+    # neither a multiple of 128.
+    "gpt-oss-120b": MoEShape(16384, 2880, 2880, 128, 4),
     # Minimal cases for CPU tests and the interpreter.
     "tiny": MoEShape(24, 32, 16, 4, 2),
     "small": MoEShape(64, 64, 48, 8, 2),
