@@ -21,7 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mok_plugin.experts import FAMILY_FIELDS, MoKExpertFamily, family_field_problems
+from mok_plugin.experts import FAMILY_FIELDS, ExpertKind, MoKExpertFamily, family_field_problems
+from mok_plugin.experts import Activation as ExpertActivation
 
 __all__ = [
     "MoKConfig",
@@ -39,8 +40,6 @@ ScoreFunction = Literal["softmax", "sigmoid"]
 Backend = Literal["auto", "triton", "reference"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
 KernelVariant = Literal["megakernel", "multi_kernel"]
-ExpertKind = Literal["glu", "mlp", "linear"]
-ExpertActivation = Literal["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"]
 
 
 # --- bounds ---------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ __all__ = [
     "EXPERT_KINDS",
     "MoKExpertFamily",
     "SWIGLU",
+    "activation",
     "activation_fp64",
     "activation_backward_fp64",
     "check_expert_weights",
@@ -46,8 +47,8 @@ __all__ = [
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"]
 ExpertKind = Literal["glu", "mlp", "linear"]
-ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu")
-EXPERT_KINDS: tuple[str, ...] = ("glu", "mlp", "linear")
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+EXPERT_KINDS: tuple[str, ...] = get_args(ExpertKind)
 # quick_gelu's slope (Megatron's `quick_gelu`, OpenAI's GPT-OSS).
 QUICK_GELU_ALPHA = 1.702
 
@@ -196,7 +197,8 @@ def _act(g: torch.Tensor, activation: str) -> torch.Tensor:
     return F.relu(g).square()  # squared_relu
 
 
-def _activation(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
+def activation(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
+    """A = the family's activation of h [..., fc1 rows], in h's dtype (a linear expert: h itself)."""
     if family.kind == "linear":
         return h
     if family.kind == "mlp":
@@ -211,7 +213,7 @@ def _activation(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
 def activation_fp64(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
     """A = the family's activation of h [..., fc1 rows] (for linear, h is the input row), computed
     in fp64; fp64 result."""
-    return _activation(h.double(), family)
+    return activation(h.double(), family)
 
 
 def activation_backward_fp64(h: torch.Tensor, d_a: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
@@ -219,7 +221,7 @@ def activation_backward_fp64(h: torch.Tensor, d_a: torch.Tensor, family: MoKExpe
     derivative conventions (relu at 0, the clamp's closed range) are torch's."""
     with torch.enable_grad():
         h64 = h.double().detach().requires_grad_(True)
-        (d_h,) = torch.autograd.grad(_activation(h64, family), h64, d_a.double())
+        (d_h,) = torch.autograd.grad(activation(h64, family), h64, d_a.double())
     return d_h
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mok_plugin.experts import MoKExpertFamily
+from mok_plugin.experts import MoKExpertFamily, activation
 from mok_plugin.run.topology import RunConfig
 
 __all__ = ["FamilyExpert", "MoELanguageModel", "build_model", "check_framework_family"]
@@ -83,19 +83,10 @@ class FamilyExpert(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=b2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        family = self.family
-        if family.kind == "linear":
+        if self.family.kind == "linear":
             return self.linear(x)
-        act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-               "quick_gelu": lambda g: g * torch.sigmoid(1.702 * g), "relu": F.relu,
-               "squared_relu": lambda g: F.relu(g).square()}[family.activation]  # fmt: skip
-        up = self.up_proj(x)
-        if family.kind == "mlp":
-            return self.down_proj(act(up))
-        gate = self.gate_proj(x)
-        if family.clamp is not None:
-            gate, up = gate.clamp(max=family.clamp), up.clamp(-family.clamp, family.clamp)
-        return self.down_proj(act(gate) * (up + family.linear_offset))
+        h = self.up_proj(x) if self.family.kind == "mlp" else torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(activation(h, self.family))
 
 
 def check_framework_family(run: RunConfig, framework: str) -> None:
@@ -119,11 +110,9 @@ def check_framework_family(run: RunConfig, framework: str) -> None:
 def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
     """The TransformerConfig fields that make Megatron's experts compute `family` (one that
     `check_framework_family` accepts)."""
-    from megatron.core import activations
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from mok_plugin.megatron.config_map import megatron_activation
 
-    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": activations.fast_gelu, "quick_gelu": quick_gelu,
-           "relu": F.relu, "squared_relu": activations.squared_relu}[family.activation]  # fmt: skip
+    act = megatron_activation(family.activation)
     return dict(gated_linear_unit=family.kind == "glu", activation_func=act, activation_func_clamp_value=family.clamp,
                 glu_linear_offset=family.linear_offset, add_bias_linear=family.fc1_bias)  # fmt: skip
 

@@ -314,6 +314,8 @@ def down_dgrad(
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
     check_tensor("h", h, 2, d_out.dtype)
+    if down_bias is not None:
+        check_tensor("down_bias", down_bias, 2, d_out.dtype)
     E, H, I = down_proj.shape
     cfg = config or kernel_config("down_dgrad", I)
     epi = kernel_config("down_dgrad_epilogue", I)
@@ -341,7 +343,6 @@ def down_dgrad(
         num_warps=epi.num_warps,
     )
     if down_bias is not None:
-        check_tensor("down_bias", down_bias, 2, d_out.dtype)
         _bias_router_grad_kernel[(num_rows // block_m,)](
             d_out, down_bias, partial, row_to_token, tile_to_expert, H, d_out.stride(0), down_bias.stride(0),
             partial.stride(0), i_blocks, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=epi.block_n,

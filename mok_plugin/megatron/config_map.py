@@ -251,6 +251,11 @@ def _activation_table() -> list[tuple[Any, str]]:
     ]
 
 
+def megatron_activation(name: str) -> Any:
+    """The callable Megatron's flags set for MoK activation `name` (the first of `_activation_table`)."""
+    return next(fn for fn, mok_name in _activation_table() if mok_name == name)
+
+
 # Functions that megatron defines inside another function (a new object per call), by
 # (module, qualified name): --yaml-cfg's `activation_func: squaredrelu` is torch.pow(F.relu(x), 2).
 _LOCAL_ACTIVATIONS = {

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mok_plugin.config import MAX_DIM, MAX_FACTOR, ExpertActivation, ExpertKind
-from mok_plugin.experts import FAMILY_FIELDS, MoKExpertFamily, family_field_problems
+from mok_plugin.config import MAX_DIM, MAX_FACTOR
+from mok_plugin.experts import FAMILY_FIELDS, ExpertKind, MoKExpertFamily, family_field_problems
+from mok_plugin.experts import Activation as ExpertActivation
 
 __all__ = ["FAMILY_FIELDS", "MACHINES", "Machine", "ModelShape", "ParallelLayout"]
 
