@@ -45,85 +45,80 @@ import triton.language as tl
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr):
-    """act(g) in fp32 for the activations of mok_plugin/experts.py ("identity": g)."""
-    if ACT == "silu":
-        out = g * tl.sigmoid(g)
-    elif ACT == "gelu":
-        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    elif ACT == "gelu_tanh":
-        # 0.5 * (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
-        out = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
-    elif ACT == "quick_gelu":
-        out = g * tl.sigmoid(1.702 * g)
-    elif ACT == "relu":
-        out = tl.maximum(g, 0.0)
-    elif ACT == "squared_relu":
-        out = tl.maximum(g, 0.0) * tl.maximum(g, 0.0)
-    else:
-        out = g
-    return out
-
-
-@triton.jit
-def _act_grad(g, ACT: tl.constexpr):
-    """d act / d g in fp32 (relu' = 0 at 0, as autograd)."""
+def _act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), d act / d g) in fp32 for the activations of mok_plugin/experts.py ("identity": g),
+    each transcendental (erf, sigmoid, exp) evaluated once for both (relu' = 0 at 0, as autograd).
+    The forward takes the first only; the compiler drops the unused derivative."""
     if ACT == "silu":
         s = tl.sigmoid(g)
-        out = s * (1.0 + g * (1.0 - s))
+        out = g * s
+        grad = s * (1.0 + g * (1.0 - s))
     elif ACT == "gelu":
-        out = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476)) + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+        cdf2 = 1.0 + tl.erf(g * 0.7071067811865476)  # 2 * Phi(g)
+        out = 0.5 * g * cdf2
+        grad = 0.5 * cdf2 + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
     elif ACT == "gelu_tanh":
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
         s = tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
-        out = s + g * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        out = g * s
+        grad = s + g * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
     elif ACT == "quick_gelu":
         s = tl.sigmoid(1.702 * g)
-        out = s + 1.702 * g * s * (1.0 - s)
+        out = g * s
+        grad = s + 1.702 * g * s * (1.0 - s)
     elif ACT == "relu":
-        out = tl.where(g > 0.0, 1.0, 0.0)
+        out = tl.maximum(g, 0.0)
+        grad = tl.where(g > 0.0, 1.0, 0.0)
     elif ACT == "squared_relu":
-        out = 2.0 * tl.maximum(g, 0.0)
+        out = tl.maximum(g, 0.0) * tl.maximum(g, 0.0)
+        grad = 2.0 * tl.maximum(g, 0.0)
     else:
-        out = tl.full(g.shape, 1.0, tl.float32)
-    return out
+        out = g
+        grad = tl.full(g.shape, 1.0, tl.float32)
+    return out, grad
 
 
 @triton.jit
 def expert_activation(gate, up, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr):
     """A in fp32 from the stored h (fp32 copies): glu act(min(gate, CLAMP)) * (clamp(up, +-CLAMP) + OFFSET),
-    or act(gate) when not GATED (up unused). CLAMP None: no clamp. The one formula the forward and the
-    backward's recomputation use."""
+    or act(gate) when not GATED (up unused). CLAMP None: no clamp. The forward's formula; the backward
+    recomputes A with `expert_activation_and_grad`, the same arithmetic."""
     if GATED:
         if CLAMP is not None:
             gate = tl.minimum(gate, CLAMP)
             up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
-        a = _act(gate, ACT) * (up + OFFSET)
+        a = _act_and_grad(gate, ACT)[0] * (up + OFFSET)
     else:
-        a = _act(gate, ACT)
+        a = _act_and_grad(gate, ACT)[0]
     return a
 
 
 @triton.jit
-def expert_activation_grad(
+def expert_activation_and_grad(
     gate, up, d_a, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr
 ):
-    """(d_gate, d_up) in fp32 of `expert_activation` given d_a; d_up is d_gate when not GATED. A clamp
-    passes the gradient where its input lies in the closed range, as torch.clamp."""
+    """(A, d_gate, d_up) in fp32: `expert_activation` and its gradient given d_a, from one
+    evaluation of the activation (the erf GELU's backward is as cheap as its tanh form's); d_up is
+    d_gate when not GATED. A clamp passes the gradient where its input lies in the closed range,
+    as torch.clamp. A caller that wants A only gets the gradients' arithmetic dropped by the compiler."""
     if GATED:
         gate_c = gate
         up_c = up
         if CLAMP is not None:
             gate_c = tl.minimum(gate, CLAMP)
             up_c = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
-        d_gate = d_a * _act_grad(gate_c, ACT) * (up_c + OFFSET)
-        d_up = d_a * _act(gate_c, ACT)
+        act, act_grad = _act_and_grad(gate_c, ACT)
+        a = act * (up_c + OFFSET)
+        d_gate = d_a * act_grad * (up_c + OFFSET)
+        d_up = d_a * act
         if CLAMP is not None:
             d_gate = tl.where(gate <= CLAMP, d_gate, 0.0)
             d_up = tl.where((up >= -CLAMP) & (up <= CLAMP), d_up, 0.0)
     else:
-        d_gate = d_a * _act_grad(gate, ACT)
+        a, act_grad = _act_and_grad(gate, ACT)
+        d_gate = d_a * act_grad
         d_up = d_gate
-    return d_gate, d_up
+    return a, d_gate, d_up
 
 
 @triton.jit
@@ -390,17 +385,17 @@ def down_dgrad_epilogue(
     up = gate
     if GATED:
         up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    d_a = d_a_prime * w[:, None]
+    a, d_gate, d_up = expert_activation_and_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
     # A exactly as the forward stored it
-    a = expert_activation(gate, up, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET).to(OUT_TY).to(tl.float32)
+    a = a.to(OUT_TY).to(tl.float32)
     partial = tl.sum(d_a_prime * a, axis=1)
     tl.store(d_w_partial_ptr + rows * stride_part_r + slot, partial, mask=row_ok)
-    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
     # Weighting A here keeps the weight-gradient GEMM a plain one (no register pass over its operand).
     a_w = (a * w[:, None]).to(OUT_TY)
     col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
     tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
-    d_a = d_a_prime * w[:, None]
-    d_gate, d_up = expert_activation_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
     d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
     tl.store(d_h_tile, d_gate.to(OUT_TY), mask=col_mask)
     if GATED:
