@@ -8,6 +8,11 @@ l_aux counts first choices only), MoK's two runs are bitwise equal, the memory c
 source, the output folder defaults to out/compare/<framework>, the frameworks' warnings go to
 compare.log and not the console; the report explains DeepSpeed's top-2 aux difference; configs for
 other machines are refused on the CPU; pretrain_gpt.py without CUDA stops in one line.
+The stock side: which stock path is chosen (Transformer Engine importable on a GPU or not, through
+monkeypatched checks, since TE is not installed here), that the TE path asks Megatron's own TE spec
+for grouped GEMM, that TEGroupedMLP's state-dict keys load into every variant, that the report
+states the stock path and why, and that the grouped_mm stand-in computes Megatron's experts and
+shows its row with numbers or with the reason it could not run.
 """
 
 import json
@@ -15,11 +20,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
+from torch import nn
 
+from mok_plugin.compare import stock_path as sp
 from mok_plugin.compare.data import SUCCESSORS, BigramLanguage, make_batches
 from mok_plugin.compare.report import agreement_note, format_table
 
@@ -82,6 +91,28 @@ def test_compare_tiny_config(tmp_path, framework):
     assert "peak bytes held by tensors" in (out / "comparison.md").read_text()
     assert (out / "comparison.md").read_text().startswith("# MoK vs stock")
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+    # The stock path that ran, and why; the grouped_mm stand-in's row with its numbers or its reason.
+    stock_line = run.stdout.split("stock: ", 1)[1].splitlines()[0]
+    assert stock_line == result["stock_path"]["description"]
+    assert f"- stock: {stock_line}" in (out / "comparison.md").read_text()
+    stand_in = result["stand_in"]
+    if framework == "deepspeed":
+        assert stock_line.startswith("DeepSpeed deepspeed.moe.layer.MoE") and not stand_in["ran"]
+        assert f"grouped_mm* not run: {stand_in['reason']}" in run.stdout
+        return
+    assert stock_line.startswith("Megatron SequentialMLP (local spec) — Transformer Engine ")
+    assert "so TEGroupedMLP/grouped GEMM cannot run" in stock_line
+    assert "* grouped_mm: stand-in for a grouped stock path" in run.stdout
+    if not stand_in["ran"]:  # a torch without a CPU grouped_mm: the row says why
+        assert f"grouped_mm* not run: {stand_in['reason']}" in run.stdout and "grouped_mm" in stand_in["reason"]
+        return
+    row = next(line for line in run.stdout.splitlines() if line.startswith("grouped_mm* "))
+    assert float(row.split()[2]) == pytest.approx(stand_in["summary"]["tokens_per_s"], rel=1e-3)
+    assert "| grouped_mm\\* |" in (out / "comparison.md").read_text()
+    assert [(r["variant"], r["repeat"]) for r in stand_in["runs"]] == [("grouped_mm", 1), ("grouped_mm", 2)]
+    assert stand_in["bitwise"] is True and "MoK / grouped_mm tokens/s" in run.stdout
+    for a, b in zip(result["runs"][0]["losses"], stand_in["runs"][0]["losses"], strict=True):
+        assert abs(a - b) < 1e-4  # the same model: only the expert GEMMs differ
 
 
 @pytest.mark.slow
@@ -102,6 +133,9 @@ def test_compare_trains_the_config_expert_family(tmp_path, framework):
     assert "glu(quick_gelu, clamp 0.1, offset 1.0) + fc1 and fc2 bias" in result["meta"]["model"]
     for a, b in zip(result["runs"][0]["losses"], result["runs"][2]["losses"], strict=True):
         assert abs(a - b) < 1e-4, (result["runs"][0]["losses"], result["runs"][2]["losses"])
+    if result["stand_in"]["ran"]:  # the grouped_mm stand-in computes the same family (clamps, offset, biases)
+        for a, b in zip(result["runs"][0]["losses"], result["stand_in"]["runs"][0]["losses"], strict=True):
+            assert abs(a - b) < 1e-4, (result["runs"][0]["losses"], result["stand_in"]["runs"][0]["losses"])
 
 
 def test_compare_refuses_a_family_megatron_cannot_express(tmp_path):
@@ -143,6 +177,226 @@ def test_report_says_when_losses_agree_and_when_training_diverged():
         run["losses"] = [6.23, 21955.9] if run["variant"] == "stock" else [6.23, 16507.4]
     note = agreement_note(result)
     assert "differ by up to 5.4e+03" in note and "training diverged at this learning rate" in note
+
+
+# ------------------------------------------------------------------------------------------------
+# The stock side: which stock path, said in the report; the grouped_mm stand-in
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_te(monkeypatch, version: str | None, grouped_linear: bool = True, permute_fusion: bool = True) -> None:
+    """Transformer Engine importable (`version`) or not (None), without importing it."""
+    status = (version, "") if version else (None, "No module named 'transformer_engine'")
+    monkeypatch.setattr(sp, "transformer_engine_status", lambda: status)
+    capabilities = {"grouped_linear": grouped_linear, "permute_fusion": permute_fusion}
+    monkeypatch.setattr(sp, "transformer_engine_capabilities", lambda: capabilities)
+
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+def test_stock_path_is_te_grouped_gemm_where_te_imports_on_a_gpu(monkeypatch):
+    _fake_te(monkeypatch, "2.8.0")
+    path = sp.select_stock_path("megatron", CUDA)
+    assert (path.experts, path.transformer_engine) == ("TEGroupedMLP", True)
+    assert path.config_options() == {"moe_grouped_gemm": True, "moe_permute_fusion": True}
+    assert path.describe() == (
+        "Megatron TEGroupedMLP (Transformer Engine spec: moe_grouped_gemm=True, moe_permute_fusion=True) — "
+        "Transformer Engine 2.8.0 imports and a GPU is present: Megatron's TE spec with TE's grouped GEMM and "
+        "fused permutation"
+    )
+    _fake_te(monkeypatch, "2.0.0", permute_fusion=False)  # grouped GEMM without fused permutation
+    path = sp.select_stock_path("megatron", CUDA)
+    assert path.config_options() == {"moe_grouped_gemm": True, "moe_permute_fusion": False}
+    assert "no fused permutation" in path.describe()
+
+
+def test_stock_path_is_sequential_mlp_without_te_and_says_why(monkeypatch):
+    _fake_te(monkeypatch, None)
+    path = sp.select_stock_path("megatron", CUDA)
+    assert (path.experts, path.transformer_engine) == ("SequentialMLP", False)
+    assert path.config_options() == {"moe_grouped_gemm": False, "moe_permute_fusion": False}
+    assert path.describe() == (
+        "Megatron SequentialMLP (local spec) — Transformer Engine not importable (No module named "
+        "'transformer_engine'), so TEGroupedMLP/grouped GEMM cannot run"
+    )
+    assert "and this run is on the CPU, so" in sp.select_stock_path("megatron", CPU).describe()
+    _fake_te(monkeypatch, "2.8.0")  # importable, but the run is on the CPU
+    path = sp.select_stock_path("megatron", CPU)
+    assert path.experts == "SequentialMLP" and "this run is on the CPU" in path.reason
+    _fake_te(monkeypatch, "1.6.0", grouped_linear=False)  # too old for Megatron's grouped linear
+    path = sp.select_stock_path("megatron", CUDA)
+    assert path.experts == "SequentialMLP" and "TEColumnParallelGroupedLinear" in path.reason
+    assert sp.select_stock_path("deepspeed", CUDA).describe().startswith("DeepSpeed deepspeed.moe.layer.MoE")
+
+
+def test_transformer_engine_status_without_te(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # an import that fails, installed or not
+    version, why = sp.transformer_engine_status()
+    assert version is None and "transformer_engine" in why
+
+
+def test_te_stock_path_builds_from_megatrons_te_spec(monkeypatch):
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from mok_plugin.megatron.layer import stock_experts_class
+
+    calls = []
+
+    def te_spec(**kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(submodules=SimpleNamespace(mlp="the TE spec's MoE builder"))
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    assert sp.stock_moe_spec(8, transformer_engine=True) == "the TE spec's MoE builder"
+    assert calls == [{"num_experts": 8, "moe_grouped_gemm": True}]
+    local = sp.stock_moe_spec(8, transformer_engine=False)
+    assert stock_experts_class(local.keywords["submodules"]) == "SequentialMLP"
+
+
+def test_stock_path_names_the_class_megatron_built():
+    path = sp.StockPath("megatron", "TEGroupedMLP", "Transformer Engine spec", True, True, "TE imports")
+    SequentialMLP = type("SequentialMLP", (nn.Module,), {})
+    built = sp.confirm_built(path, SequentialMLP())
+    assert built.experts == "SequentialMLP" and not built.grouped_gemm
+    assert built.describe().startswith("Megatron SequentialMLP (Transformer Engine spec")
+    assert "Megatron built SequentialMLP, not TEGroupedMLP" in built.reason
+    assert sp.confirm_built(path, type("TEGroupedMLP", (nn.Module,), {})()) is path
+
+
+class _GroupedLinear(nn.Module):
+    """TE's grouped linear as a state dict sees it: weight{i}, and an _extra_state."""
+
+    def __init__(self, n: int, rows: int, cols: int):
+        super().__init__()
+        for i in range(n):
+            self.register_parameter(f"weight{i}", nn.Parameter(torch.randn(rows, cols)))
+        self.extra = torch.tensor([7.0])
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def _moe_model(grouped: bool) -> nn.Module:
+    experts = nn.Module()
+    if grouped:
+        experts.linear_fc1, experts.linear_fc2 = _GroupedLinear(2, 6, 4), _GroupedLinear(2, 4, 3)
+    else:
+        experts.local_experts = nn.ModuleList(nn.Module() for _ in range(2))
+        for e in experts.local_experts:
+            e.linear_fc1, e.linear_fc2 = nn.Linear(4, 6, bias=False), nn.Linear(3, 4, bias=False)
+    layer = nn.Module()
+    layer.experts = experts
+    model = nn.Module()
+    model.moes = nn.ModuleList([layer])
+    return model
+
+
+def test_te_grouped_keys_load_into_every_variant():
+    from mok_plugin.compare.harness import _load_weights, _portable_state
+
+    te = _moe_model(grouped=True)
+    state = _portable_state(te.state_dict())
+    assert sorted(state) == [f"moes.0.experts.local_experts.{i}.linear_fc{n}.weight" for i in (0, 1) for n in (1, 2)]
+    sequential = _moe_model(grouped=False)
+    _load_weights(sequential, state)
+    moved = sequential.moes[0].experts.local_experts[1].linear_fc2.weight
+    assert torch.equal(moved, te.moes[0].experts.linear_fc2.weight1)
+    again = _moe_model(grouped=True)  # and back under TE's keys, its own _extra_state kept
+    again.moes[0].experts.linear_fc1.extra = torch.tensor([3.0])
+    _load_weights(again, _portable_state(sequential.state_dict()))
+    assert torch.equal(again.moes[0].experts.linear_fc1.weight0, te.moes[0].experts.linear_fc1.weight0)
+    assert torch.equal(again.moes[0].experts.linear_fc1.extra, torch.tensor([3.0]))
+
+
+def test_grouped_mm_stand_in_computes_megatrons_experts():
+    # Megatron's expert MLP: act(fc1(x) + b1) * prob -> fc2 -> + b2 * prob, one expert at a time.
+    try:
+        sp.grouped_mm_function()
+    except sp.GroupedMMUnavailable as error:
+        pytest.skip(str(error))
+    from mok_plugin.experts import MoKExpertFamily
+
+    family = MoKExpertFamily(kind="glu", activation="quick_gelu", clamp=0.5, linear_offset=1.0, fc1_bias=True,
+                             fc2_bias=True)  # fmt: skip
+    E, H, I, counts = 3, 8, 4, [2, 0, 3]
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.experts = nn.Module()
+    layer.experts.local_experts = nn.ModuleList(nn.Module() for _ in range(E))
+    for e in layer.experts.local_experts:
+        e.linear_fc1, e.linear_fc2 = nn.Linear(H, 2 * I), nn.Linear(I, H)
+    x, probs = torch.randn(sum(counts), H), torch.rand(sum(counts))
+    expected, start = [], 0
+    for e, n in zip(layer.experts.local_experts, counts, strict=True):
+        h = e.linear_fc1(x[start : start + n])
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=0.5), up.clamp(-0.5, 0.5)
+        a = gate * torch.sigmoid(1.702 * gate) * (up + 1.0) * probs[start : start + n, None]
+        expected.append(F.linear(a, e.linear_fc2.weight) + e.linear_fc2.bias * probs[start : start + n, None])
+        start += n
+    sp.use_grouped_mm_experts(layer, family)
+    try:
+        out, bias = layer.experts(x, torch.tensor(counts), probs)
+    except sp.GROUPED_MM_ERRORS as error:  # grouped_mm exists but not for fp32 on this CPU
+        pytest.skip(f"grouped_mm cannot run here: {error}")
+    assert bias is None
+    torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_missing_is_said(monkeypatch):
+    monkeypatch.delattr(F, "grouped_mm", raising=False)
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    with pytest.raises(sp.GroupedMMUnavailable, match="has no grouped_mm"):
+        sp.grouped_mm_function()
+
+
+def _with_stock_side(result: dict, train) -> dict:
+    """`result` with the stock path (no TE) and the stand-in block `train` makes."""
+    from mok_plugin.compare.harness import _stand_in
+
+    path = sp.StockPath("megatron", "SequentialMLP", "local spec", False, False,
+                        "Transformer Engine not importable (No module named 'transformer_engine'), "
+                        "so TEGroupedMLP/grouped GEMM cannot run")  # fmt: skip
+    return {**result, "stock_path": path.summary(), "stand_in": _stand_in(train, "megatron", path, 128)}
+
+
+def test_report_states_the_stock_path_and_the_stand_in_row(tmp_path):
+    from mok_plugin.compare.harness import RunResult
+    from mok_plugin.compare.report import write_reports
+
+    def train(variant, repeat):
+        return RunResult(variant, repeat, [6.2, 5.0], None, 0.5, 256000.0, 3.0), {"w": torch.ones(2)}
+
+    result = _with_stock_side(_result("megatron", 2, None, None), train)
+    result["meta"].update(config="tiny.yaml", device="cpu", steps=2, tokens_per_step=128, model="m", mode="x")
+    table = format_table(result).splitlines()
+    assert table[0] == ("stock: Megatron SequentialMLP (local spec) — Transformer Engine not importable (No module "
+                        "named 'transformer_engine'), so TEGroupedMLP/grouped GEMM cannot run")  # fmt: skip
+    row = next(line for line in table if line.startswith("grouped_mm*"))
+    assert row.split()[1:4] == ["0.50", "256000", "3.00"] and row.endswith("yes")
+    note = next(line for line in table if line.startswith("* grouped_mm: stand-in for a grouped stock path"))
+    assert "two torch grouped_mm calls" in note and "its losses and the stock layer's agree to 0.0e+00" in note
+    assert "MoK / grouped_mm tokens/s: 0.00x" in table
+    markdown = (write_reports(result, tmp_path)["markdown"]).read_text()
+    assert "- stock: Megatron SequentialMLP (local spec)" in markdown
+    assert "| grouped_mm\\* | 0.50 | 256000 |" in markdown
+    assert json.loads((tmp_path / "comparison.json").read_text())["stand_in"]["summary"]["tokens_per_s"] == 256000
+
+
+def test_report_says_why_the_stand_in_did_not_run():
+    def train(variant, repeat):
+        raise RuntimeError("grouped_mm: no CPU kernel for Float\nmore detail")
+
+    table = format_table(_with_stock_side(_result("megatron", 2, None, None), train))
+    line = next(line for line in table.splitlines() if line.startswith("grouped_mm*"))
+    reason = f"torch {torch.__version__} cannot run grouped_mm here (grouped_mm: no CPU kernel for Float)"
+    assert line == f"grouped_mm* not run: {reason}"
+    assert "* grouped_mm: stand-in" in table and "MoK / grouped_mm" not in table
 
 
 def test_learning_rate_shrinks_with_width():

@@ -11,6 +11,11 @@ overwrite each other. The console shows the progress bar and the table only: the
 warnings and log lines (Transformer Engine, Apex, absl, DeepSpeed's op build, ...) go to
 compare.log in the output folder, and the last lines say how many there were and where.
 
+The table's first line says which stock layer ran and why (Megatron: Transformer Engine's grouped
+GEMM, TEGroupedMLP, where TE imports on a GPU, else SequentialMLP; stock_path.py), and with Megatron
+a `grouped_mm*` row shows the PyTorch grouped_mm path on the same config, the stand-in for a
+grouped stock path (or why it could not run).
+
 On a CPU-only machine it runs configs for the `cpu` machine (the framework's MoE layers in a small
 model, fp32) and says so in the report. On a GPU it runs any config whose model fits one GPU.
 Megatron's full GPT training loop is scripts/pretrain_gpt.py (`mok bench multi-gpu` runs it, part 3).
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from mok_plugin.compare.harness import memory_source, run_comparison
+    from mok_plugin.compare.harness import memory_source, run_comparison, runs_planned
     from mok_plugin.compare.models import check_framework_family
     from mok_plugin.compare.report import format_table, write_reports
     from mok_plugin.config import MoKConfigError
@@ -131,20 +136,25 @@ def main(argv: list[str] | None = None) -> int:
     mode = (f"the config's {run.model.moe_layers} MoE layers ({args.framework}'s stock layer vs MoK) in a small "
             f"language model on one {'GPU' if on_gpu else 'CPU process'}; "
             + ("fp32, the CPU runs no attention or full training loop" if not on_gpu else "bf16"))  # fmt: skip
-    print(f"compare: {args.config} with {args.framework}, {args.steps} steps x {tokens} tokens, 4 runs "
-          f"(stock twice, MoK twice) on {device.type}")  # fmt: skip
+    runs = runs_planned(args.framework)
+    which = "stock, MoK and the PyTorch grouped_mm path, twice each" if runs > 4 else "stock twice, MoK twice"
+    print(f"compare: {args.config} with {args.framework}, {args.steps} steps x {tokens} tokens, {runs} runs "
+          f"({which}) on {device.type}")  # fmt: skip
     if args.framework == "deepspeed" and not on_gpu and not _deepspeed_op_is_built():
         print("DeepSpeed compiles its C++ communication op (deepspeed_shm_comm) first: about 30 s at 0 %, once "
               "(cached in ~/.cache/torch_extensions)")  # fmt: skip
     try:
         with _framework_output_to(log_path) as (console, warning_counts):
-            with tqdm(total=4 * args.steps, unit="step", dynamic_ncols=True, file=console) as bar:
+            with tqdm(total=runs * args.steps, unit="step", dynamic_ncols=True, file=console) as bar:
 
                 def progress(message: str) -> None:
                     bar.set_description(message)
                     bar.update(1)
 
                 result = run_comparison(run, args.framework, args.steps, device, progress)
+                if not result["stand_in"]["ran"]:  # its runs were skipped; the report says why
+                    bar.set_description(f"{result['stand_in']['name']}: not run")
+                bar.update(bar.total - bar.n)
     except BaseException:
         print(f"\nthe comparison failed; the frameworks' output is in {log_path}", file=sys.stderr)
         raise

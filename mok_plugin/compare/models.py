@@ -3,8 +3,12 @@ come from a framework, stock or MoK.
 
     tokens -> embedding -> L x [x + MoE(LayerNorm(x))] -> tied output head -> next-token loss
 
-`megatron`: Megatron-Core's MoELayer (stock, local spec, allgather dispatcher) or MoKMoELayer, built
-from one TransformerConfig. `deepspeed`: deepspeed.moe.layer.MoE (stock, dropless, no random
+`megatron`: Megatron-Core's MoELayer or MoKMoELayer, built from one TransformerConfig. The stock
+layer follows the `StockPath` (stock_path.py): Megatron's Transformer Engine spec (TEGroupedMLP,
+moe_grouped_gemm, moe_permute_fusion) where TE imports on a GPU, else the local spec
+(SequentialMLP); MoK replaces that spec's MoELayer; the "grouped_mm" variant is the local-spec
+stock layer with its experts run by torch grouped_mm (the stand-in). Dispatcher: allgather on the
+CPU, alltoall on a GPU. `deepspeed`: deepspeed.moe.layer.MoE (stock, dropless, no random
 routing, each expert drawn on its own rather than copied) or mok_plugin.deepspeed.MoE (which the
 harness loads with the stock model's weights). Both frameworks' experts compute the run config's
 expert family (`model.expert_*`): Megatron's through its own flags (`gated_linear_unit`,
@@ -27,12 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mok_plugin.compare.stock_path import StockPath, select_stock_path, stock_moe_spec, use_grouped_mm_experts
 from mok_plugin.experts import MoKExpertFamily, activation
 from mok_plugin.run.topology import RunConfig
 
-__all__ = ["FamilyExpert", "MoELanguageModel", "build_model", "check_framework_family"]
+__all__ = ["VARIANT_NAMES", "FamilyExpert", "MoELanguageModel", "build_model", "check_framework_family"]
 
 VOCAB = 512
+# "grouped_mm": the PyTorch grouped_mm stand-in (Megatron only; stock_path.use_grouped_mm_experts).
+VARIANT_NAMES = ("stock", "mok", "grouped_mm")
 
 
 class MoELanguageModel(nn.Module):
@@ -117,14 +124,16 @@ def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
                 glu_linear_offset=family.linear_offset, add_bias_linear=family.fc1_bias)  # fmt: skip
 
 
-def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+def _megatron_factory(run: RunConfig, variant: str, device: torch.device, stock_path: StockPath):
     from megatron.core.transformer import TransformerConfig
 
     from mok_plugin.compare.stock_cpu import let_stock_fc2_bias_train_at_ep1, make_stock_router_cpu_safe
     from mok_plugin.megatron import set_default_mok_overrides, use_mok
 
     m, cfg = run.model, run.mok_config()
+    options = stock_path.config_options()
+    if variant == "grouped_mm":  # the local spec's SequentialMLP, its experts run by grouped_mm
+        options["moe_grouped_gemm"] = False
     config = TransformerConfig(
         num_layers=m.moe_layers, hidden_size=m.hidden_size, num_attention_heads=1, ffn_hidden_size=m.ffn_hidden_size,
         moe_ffn_hidden_size=m.ffn_hidden_size, num_moe_experts=cfg.num_experts, moe_router_topk=cfg.top_k,
@@ -135,8 +144,9 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
         moe_token_dispatcher_type="allgather" if device.type == "cpu" else "alltoall",
         use_cpu_initialization=device.type == "cpu", gradient_accumulation_fusion=False,
         params_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, bf16=device.type != "cpu",
+        **options,
     )  # fmt: skip
-    spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False)
+    spec = stock_moe_spec(cfg.num_experts, stock_path.transformer_engine and variant != "grouped_mm")
     if variant == "mok":
         set_default_mok_overrides({"backend": cfg.backend})
         return functools.partial(use_mok(spec), config=config)
@@ -145,8 +155,10 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device):
         layer = spec(config=config)
         if device.type == "cpu":
             make_stock_router_cpu_safe(layer)
-        if config.add_bias_linear:
+        if config.add_bias_linear and hasattr(layer.experts, "local_experts"):  # SequentialMLP's fc2
             let_stock_fc2_bias_train_at_ep1(layer)
+        if variant == "grouped_mm":
+            use_grouped_mm_experts(layer, cfg.expert_family)
         return layer
 
     return stock
@@ -184,12 +196,23 @@ def _deepspeed_factory(run: RunConfig, variant: str):
     return stock
 
 
-def build_model(run: RunConfig, framework: str, variant: str, device: torch.device) -> MoELanguageModel:
-    """The comparison model with `framework`'s MoE layers, `variant` "stock" or "mok", seeded."""
+def build_model(run: RunConfig, framework: str, variant: str, device: torch.device,
+                stock_path: StockPath | None = None) -> MoELanguageModel:  # fmt: skip
+    """The comparison model with `framework`'s MoE layers, seeded.
+
+    Args:
+        variant: "stock", "mok", or "grouped_mm" (the PyTorch grouped_mm stand-in; Megatron only).
+        stock_path: the stock path (default: `select_stock_path(framework, device)`); MoK replaces
+            its spec's layer, the stand-in keeps its dispatcher settings.
+    """
+    if variant not in VARIANT_NAMES or (variant == "grouped_mm" and framework != "megatron"):
+        raise ValueError(f"variant={variant!r} with framework={framework!r}; allowed: stock, mok, and grouped_mm "
+                         "with megatron")  # fmt: skip
     torch.manual_seed(0)
     check_framework_family(run, framework)
     if framework == "megatron":
-        model = MoELanguageModel(run, _megatron_factory(run, variant, device), returns_aux=False)
+        path = stock_path if stock_path is not None else select_stock_path(framework, device)
+        model = MoELanguageModel(run, _megatron_factory(run, variant, device, path), returns_aux=False)
     elif framework == "deepspeed":
         aux_coeff = run.mok_config().aux_loss_coeff
         model = MoELanguageModel(run, _deepspeed_factory(run, variant), returns_aux=True, aux_coeff=aux_coeff)

@@ -2,6 +2,9 @@
 
 `result` is what `run_comparison` returns plus a "meta" block that the command adds (config,
 framework, device, steps, tokens per step, model, what ran, top_k, aux_loss_coeff, memory source).
+The table and the report open with the stock path that ran and why (`result["stock_path"]`), and
+carry a `grouped_mm*` row: the PyTorch grouped_mm path on the same config, the stand-in for a
+grouped stock path (`result["stand_in"]`), with its numbers or the reason it could not run.
 """
 
 from __future__ import annotations
@@ -9,27 +12,55 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["agreement_note", "format_table", "write_reports"]
+__all__ = ["agreement_note", "format_table", "stand_in_note", "stock_line", "write_reports"]
 
 
 def format_table(result: dict) -> str:
     """The table printed last: one row per variant, then the ratio, what each column measures, and
     whether the two layers' losses agree (and why not, where they cannot)."""
     s, b, meta = result["summary"], result["bitwise"], result["meta"]
-    lines = [
-        f"{'variant':<8} {'step ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'final loss':>11}"
-        "  two runs bitwise equal",
-    ]
-    for variant in ("stock", "mok"):
-        r = s[variant]
-        lines.append(f"{variant:<8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.0f} {r['peak_memory_mib']:>9.2f} "
-                     f"{r['first_loss']:>11.5f} {r['final_loss']:>11.5f}  {'yes' if b[variant] else 'NO'}")  # fmt: skip
+    stand_in = result.get("stand_in")
+    lines = [f"stock: {stock_line(result)}"] if result.get("stock_path") else []
+    lines.append(f"{'variant':<11} {'step ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} "
+                 f"{'final loss':>11}  two runs bitwise equal")  # fmt: skip
+    rows = [(v, s[v], b[v]) for v in ("stock", "mok")]
+    if stand_in and stand_in["ran"]:
+        rows.append((f"{stand_in['name']}*", stand_in["summary"], stand_in["bitwise"]))
+    for variant, r, equal in rows:
+        lines.append(f"{variant:<11} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.0f} {r['peak_memory_mib']:>9.2f} "
+                     f"{r['first_loss']:>11.5f} {r['final_loss']:>11.5f}  {'yes' if equal else 'NO'}")  # fmt: skip
+    if stand_in and not stand_in["ran"]:
+        lines.append(f"{stand_in['name'] + '*':<11} not run: {stand_in['reason']}")
+    if stand_in:
+        lines.append(f"* {stand_in_note(result)}")
     ratio = s["mok"]["tokens_per_s"] / s["stock"]["tokens_per_s"]
     lines.append(f"MoK / stock tokens/s: {ratio:.2f}x")
+    if stand_in and stand_in["ran"]:
+        lines.append(f"MoK / {stand_in['name']} tokens/s: "
+                     f"{s['mok']['tokens_per_s'] / stand_in['summary']['tokens_per_s']:.2f}x")  # fmt: skip
     lines.append(f"peak MiB: {meta['memory_kind']}")
     lines.append(f"loss: {_loss_meaning(result)}")
     lines.append(f"stock vs MoK: {agreement_note(result)}")
     return "\n".join(lines)
+
+
+def stock_line(result: dict) -> str:
+    """Which stock path ran and why (the `stock:` line), from `result["stock_path"]`."""
+    return result["stock_path"]["description"]
+
+
+def stand_in_note(result: dict) -> str:
+    """What the grouped_mm row is (the footnote of its `*`) and, where it ran, how close its losses
+    came to the stock layer's (the same model: only the expert GEMMs differ)."""
+    stand_in = result["stand_in"]
+    note = f"{stand_in['name']}: {stand_in['label']}: {stand_in['what']}"
+    if stand_in["ran"]:
+        stock = next(r for r in result["runs"] if r["variant"] == "stock")
+        gap = max(abs(a - b) for a, b in zip(stock["losses"], stand_in["runs"][0]["losses"], strict=True))
+        scale = max(1.0, *(abs(v) for v in stock["losses"]))
+        agree = "agree to" if gap <= AGREE_RELATIVE * scale else "differ by up to"
+        note += f"; its losses and the stock layer's {agree} {gap:.1e}"
+    return note
 
 
 def _loss_meaning(result: dict) -> str:
@@ -73,12 +104,18 @@ def agreement_note(result: dict) -> str:
     return note
 
 
+def _runs(result: dict) -> list[dict]:
+    """Every training run: stock and MoK, then the stand-in's where it ran."""
+    return result["runs"] + (result.get("stand_in") or {}).get("runs", [])
+
+
 def _markdown(result: dict) -> str:
-    meta = result["meta"]
+    meta, stand_in = result["meta"], result.get("stand_in")
+    stock = [f"- stock: {stock_line(result)}"] if result.get("stock_path") else []
     out = [f"# MoK vs stock: {meta['config']}", "",
            f"- framework: {meta['framework']}; device: {meta['device']}; steps: {meta['steps']}; "
            f"tokens per step: {meta['tokens_per_step']}",
-           f"- model: {meta['model']}", f"- what ran: {meta['mode']}",
+           *stock, f"- model: {meta['model']}", f"- what ran: {meta['mode']}",
            f"- data: {result['data']['kind']}, seeded (every run sees the same tokens); Adam, "
            f"learning rate {result['data']['learning_rate']:g}",
            f"- loss: {_loss_meaning(result)}", "",
@@ -89,15 +126,24 @@ def _markdown(result: dict) -> str:
         out.append(f"| {variant} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_memory_mib']:.2f} | "
                    f"{r['first_loss']:.5f} | {r['final_loss']:.5f} | "
                    f"{'yes' if result['bitwise'][variant] else 'no'} |")  # fmt: skip
+    if stand_in and stand_in["ran"]:
+        r = stand_in["summary"]
+        out.append(f"| {stand_in['name']}\\* | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
+                   f"{r['peak_memory_mib']:.2f} | {r['first_loss']:.5f} | {r['final_loss']:.5f} | "
+                   f"{'yes' if stand_in['bitwise'] else 'no'} |")  # fmt: skip
+    elif stand_in:
+        out.append(f"| {stand_in['name']}\\* | not run: {stand_in['reason']} | | | | | |")
+    if stand_in:
+        out += ["", f"\\* {stand_in_note(result)}."]
     out += ["", f"Peak memory: {meta['memory_kind']}.", "",
             "Step ms: the median over the steps after the first (on the CPU also without the step measured for "
             "memory), median of the two runs; tokens/s = tokens per step / step time.", "",
             f"Stock vs MoK: {agreement_note(result)}", "",
             "## Loss at each step", "",
-            "| step | " + " | ".join(f"{r['variant']} #{r['repeat']}" for r in result["runs"]) + " |",
-            "|---" * (len(result["runs"]) + 1) + "|"]  # fmt: skip
+            "| step | " + " | ".join(f"{r['variant']} #{r['repeat']}" for r in _runs(result)) + " |",
+            "|---" * (len(_runs(result)) + 1) + "|"]  # fmt: skip
     for i in range(meta["steps"]):
-        out.append(f"| {i + 1} | " + " | ".join(f"{r['losses'][i]:.6f}" for r in result["runs"]) + " |")
+        out.append(f"| {i + 1} | " + " | ".join(f"{r['losses'][i]:.6f}" for r in _runs(result)) + " |")
     if all(r["aux_losses"] for r in result["runs"]):
         out += ["", "## DeepSpeed's l_aux at each step (unscaled, summed over the MoE layers)", "",
                 "| step | " + " | ".join(f"{r['variant']} #{r['repeat']}" for r in result["runs"]) + " |",
@@ -115,15 +161,21 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    for r in result["runs"]:
+    for r in _runs(result):
         ax_loss.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", markersize=3,
                      linestyle="-" if r["repeat"] == 1 else "--", label=f"{r['variant']} #{r['repeat']}")  # fmt: skip
     data = result["data"]
     ax_loss.axhline(data["entropy"], color="tab:green", linewidth=0.8, linestyle=":", label="language's entropy")
     ax_loss.set(xlabel="step", ylabel="cross-entropy (nats)", title="loss")
     ax_loss.legend()
-    variants = ["stock", "mok"]
-    ax_speed.bar(variants, [result["summary"][v]["tokens_per_s"] for v in variants], color=["tab:gray", "tab:blue"])
+    names, colors = ["stock", "mok"], ["tab:gray", "tab:blue"]
+    speeds = [result["summary"][v]["tokens_per_s"] for v in names]
+    stand_in = result.get("stand_in")
+    if stand_in and stand_in["ran"]:
+        names.append(f"{stand_in['name']}*")
+        speeds.append(stand_in["summary"]["tokens_per_s"])
+        colors.append("tab:orange")
+    ax_speed.bar(names, speeds, color=colors)
     ax_speed.set(ylabel="tokens/s", title="throughput (median of two runs)")
     fig.suptitle(f"{result['meta']['config']} ({result['meta']['framework']}, {result['meta']['device']})")
     fig.tight_layout()
