@@ -36,7 +36,7 @@ __all__ = [
     "triton_interpreter_from_env",
 ]
 
-ScoreFunction = Literal["softmax", "sigmoid"]
+ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 Backend = Literal["auto", "triton", "reference"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
 KernelVariant = Literal["megakernel", "multi_kernel"]
@@ -192,6 +192,19 @@ class MoKConfig(BaseModel):
         le=MAX_DIM,
         description="Total intermediate size of the shared-expert MLP; default num_shared_experts * I.",
     )
+    shared_expert_gate: bool = Field(
+        default=False,
+        description="Qwen3-Next: the shared experts' output times sigmoid(x . gate_weight), gate_weight [1, H].",
+    )
+    shared_expert_overlap: bool = Field(
+        default=False,
+        description="Run the shared experts on a side CUDA stream, concurrently with the routed experts (in "
+        "sequence on the CPU); the same bits either way.",
+    )
+    shared_expert_recompute: bool = Field(
+        default=False,
+        description="Recompute the shared experts in the backward instead of saving their activations.",
+    )
 
     # --- expert family (mok_plugin/experts.py has the formulas) -----------------------------------
     expert_kind: ExpertKind = Field(
@@ -222,7 +235,10 @@ class MoKConfig(BaseModel):
     )
 
     # --- routing ---------------------------------------------------------------------------------
-    score_function: ScoreFunction = "softmax"
+    score_function: ScoreFunction = Field(
+        default="softmax",
+        description="softmax over the E logits; sigmoid or sqrtsoftplus (DeepSeek-V4: sqrt(softplus(x))) per expert.",
+    )
     norm_topk_prob: bool = Field(default=False, description="Renormalise the K chosen weights to sum to 1.")
     routed_scaling_factor: float = Field(default=1.0, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False)
     n_group: int | None = Field(default=None, gt=0, le=MAX_DIM, description="Expert groups for group-limited routing.")
@@ -232,8 +248,31 @@ class MoKConfig(BaseModel):
     )
     expert_bias: bool = Field(default=False, description="Aux-loss-free balancing: a bias used only to select.")
     expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False)
+    # The three load-balancing losses (routing.py has the formulas): any of them, each with its own
+    # coefficient (0 = off), are summed into the layer's aux loss. Each counts the tokens' plain top-K
+    # of the normalised scores (no groups, no expert bias), as Megatron-Core does.
     aux_loss_coeff: float = Field(
-        default=0.0, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False, description="Switch-style load-balancing loss."
+        default=0.0,
+        ge=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="Switch-style load-balancing loss over the micro-batch (Megatron's aux_loss).",
+    )
+    seq_aux_loss_coeff: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="The same loss per sequence, averaged over the sequences (DeepSeek-V2/V3; Megatron's "
+        "seq_aux_loss); the layer's input says how tokens form sequences.",
+    )
+    global_aux_loss_coeff: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="The same loss with token counts over the global batch (Megatron's global_aux_loss): a "
+        "running mean over the step's micro-batches, kept until reset_global_aux_loss_tracker().",
     )
     z_loss_coeff: float = Field(default=0.0, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False, description="Router z-loss.")
     capacity_factor: float | None = Field(
@@ -319,6 +358,10 @@ class MoKConfig(BaseModel):
                 f"mok.shared_ffn_hidden_size={self.shared_ffn_hidden_size} is set but num_shared_experts=0; "
                 "set num_shared_experts >= 1 or drop shared_ffn_hidden_size"
             )
+        if self.num_shared_experts == 0:
+            for name in ("shared_expert_gate", "shared_expert_overlap", "shared_expert_recompute"):
+                if getattr(self, name):
+                    problems.append(f"mok.{name}=True needs shared experts (num_shared_experts >= 1); got 0")
         if (self.n_group is None) != (self.topk_group is None):
             problems.append(
                 f"mok.n_group={self.n_group} and mok.topk_group={self.topk_group}: "

@@ -10,18 +10,20 @@ Does not own: any math of its own; it calls routing, schedule and a backend's ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import warnings
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
-from mok_plugin.reference import moe_experts_reference, shared_expert_forward
-from mok_plugin.routing import MoKRouting, route, update_expert_bias
+from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
+from mok_plugin.routing import MoKRouting, MoKTokenScope, route, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
 
 __all__ = ["MoKMoE", "MoKExperts", "MoKSharedExperts", "resolve_backend"]
@@ -73,6 +75,21 @@ def _init_(
     with torch.no_grad():
         values = torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
         tensor.copy_(values[first : first + tensor.shape[0]].to(tensor.device))
+
+
+def _group_size(group) -> int:
+    """Ranks in a process group; 1 for None (this rank alone)."""
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def _sum_over(counts: torch.Tensor, group) -> torch.Tensor:
+    """int64 counts summed over `group` (a new tensor; the input itself for one rank or None).
+    Integer sums are exact, so every rank gets the same bits whatever the reduction order."""
+    if _group_size(group) == 1:
+        return counts
+    total = counts.clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total
 
 
 def _check_ep_group(ep_size: int, ep_group) -> tuple[object | None, int]:
@@ -134,12 +151,19 @@ def _register_mlp(module: nn.Module, lead: tuple[int, ...], H: int, I: int, fami
 
 class MoKSharedExperts(nn.Module):
     """The shared experts as one dense MLP of the routed experts' family: `gate_up_proj` [fc1 rows, H]
-    (glu: [2Is, H]), `down_proj` [H, Is], and the family's biases `gate_up_bias`, `down_bias`.
+    (glu: [2Is, H]), `down_proj` [H, Is], and the family's biases `gate_up_bias`, `down_bias`; with
+    `gate`, `gate_weight` [1, H] and the output times sigmoid(x . gate_weight) per token
+    (`reference.shared_expert_gate`, Megatron's --moe-shared-expert-gate).
 
     Batch-invariant with both backends, so a token's result does not depend on its batch (and so
     not on the expert-parallel size, since each rank runs this on its own tokens): the reference
     backend computes in fp64 and rounds; the triton backend runs it as one more expert that every
     token picks with weight 1, through the row-tile kernels, which own each row's arithmetic.
+
+    With `recompute`, the MLP (and gate) run under a non-reentrant activation checkpoint while
+    gradients are on: only the input is kept, and the backward runs the same forward again first.
+    Nothing in it is random or batch-dependent, so the recomputed values, and so the gradients, are
+    bitwise those of a run without recompute.
     """
 
     def __init__(
@@ -149,13 +173,34 @@ class MoKSharedExperts(nn.Module):
         dtype: torch.dtype,
         device=None,
         family: MoKExpertFamily = SWIGLU,
+        gate: bool = False,
+        recompute: bool = False,
     ):
         super().__init__()
         self.family = family
         _register_mlp(self, (), hidden_size, intermediate_size, family, dtype, device)
+        # Registered after the MLP's weights, so one seed draws the same MLP with and without a gate.
+        gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device)) if gate else None
+        self.register_parameter("gate_weight", gate_weight)
+        self.recompute = recompute
         self.experts_fn = None  # set by MoKMoE: the triton backend's experts function, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] in x's dtype."""
+        if self.recompute and torch.is_grad_enabled():
+            # Early stop off: the recomputation always runs the whole function (it has no collectives,
+            # but the layer's does; one rule for both).
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                return torch.utils.checkpoint.checkpoint(self._gated, x, use_reentrant=False)
+        return self._gated(x)
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._mlp(x)
+        if self.gate_weight is None:
+            return out
+        return out * shared_expert_gate(x, self.gate_weight)  # in x's dtype, as Megatron multiplies
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts_fn is None:
             return shared_expert_forward(
                 x, self.gate_up_proj, self.down_proj, self.family, self.gate_up_bias, self.down_bias
@@ -170,6 +215,75 @@ class MoKSharedExperts(nn.Module):
         )  # fmt: skip
 
 
+# One side stream per CUDA device for the shared experts under `shared_expert_overlap`, shared by
+# every layer (layers run one after another), as Megatron's SharedExpertMLP.stream is.
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The shared experts' side stream on `device`; None off CUDA, where they run in sequence."""
+    if device.type != "cuda":
+        return None
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+class _ForkToSideStream(torch.autograd.Function):
+    """Identity on x, placed where x enters the side stream (called on the current stream).
+
+    Forward: the side stream waits for the current one (x is written), and x's memory is not reused
+    before the side stream has read it. Backward (run on the forward's stream, the current one):
+    the current stream waits for the side one, whose shared-expert backward wrote d_x, and d_x's
+    memory is not reused before the current stream has read it. Autograd's engine also syncs
+    gradients that cross streams; the explicit waits make the order hold by construction.
+    Off CUDA (side None) both directions are plain identities.
+    """
+
+    @staticmethod
+    def forward(ctx, x, side):  # type: ignore[override]
+        ctx.side = side
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            x.record_stream(side)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, d_x):  # type: ignore[override]
+        if ctx.side is not None:
+            current = torch.cuda.current_stream(d_x.device)
+            current.wait_stream(ctx.side)
+            d_x.record_stream(current)
+        return d_x, None
+
+
+class _JoinFromSideStream(torch.autograd.Function):
+    """Identity on the shared experts' output y, taking it back to the current stream.
+
+    Forward (on the current stream): the current stream waits for the side one (y is written), and
+    y's memory, allocated on the side stream, is not reused before the current stream has read it.
+    Backward (on the current stream): the side stream waits for the current one, which wrote d_y,
+    before the shared experts' backward (on the side stream, where their forward ran) reads it.
+    """
+
+    @staticmethod
+    def forward(ctx, y, side):  # type: ignore[override]
+        ctx.side = side
+        if side is not None:
+            current = torch.cuda.current_stream(y.device)
+            current.wait_stream(side)
+            y.record_stream(current)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, d_y):  # type: ignore[override]
+        if ctx.side is not None:
+            ctx.side.wait_stream(torch.cuda.current_stream(d_y.device))
+            d_y.record_stream(ctx.side)
+        return d_y, None
+
+
 class MoKMoE(nn.Module):
     """A mixture-of-experts layer, deterministic by construction, with experts of `config.expert_family`.
 
@@ -178,7 +292,10 @@ class MoKMoE(nn.Module):
     `experts.gate_up_proj` [E_l, 2I, H] (SwiGLU; see MoKExperts for the other families);
     `experts.down_proj` [E_l, H, I]; the family's biases `experts.gate_up_bias`, `experts.down_bias`;
     where E_l = E / ep_size and rank r holds experts [r*E_l, (r+1)*E_l); with shared experts,
-    `shared_experts.gate_up_proj` [2Is, H] and `shared_experts.down_proj` [H, Is] (and biases).
+    `shared_experts.gate_up_proj` [2Is, H] and `shared_experts.down_proj` [H, Is] (and biases), and
+    with `config.shared_expert_gate` `shared_experts.gate_weight` [1, H]. With
+    `config.shared_expert_overlap` the shared experts run on a side CUDA stream while the routed
+    experts run (the same bits as without; on the CPU they run in sequence).
     With `config.expert_bias`, the buffer `expert_bias` fp32 [E].
 
     Args:
@@ -187,11 +304,24 @@ class MoKMoE(nn.Module):
             must equal ep_size. Ranks' tokens form the global batch in rank order.
         device: where the parameters are created.
         init_std: standard deviation of the normal initialisation (Megatron's default 0.02).
+        output_init_std: that of the down projections (routed and shared experts' fc2); default
+            init_std (Megatron's default: init_std / sqrt(2 * num_layers)).
         seed: seeds the initialisation; layers built with one seed hold the same weights whatever
             the ep_size (each rank keeps its slice of the full expert tensors).
         experts: this rank's routed experts as modules (module_experts.MoKModuleExperts) instead of
             stacked weights of config.expert_family; they keep their own weights (not initialised
             here) and compute through their `experts_fn`.
+        sequence_group: the ranks whose tokens together form each micro-batch (sequence shards:
+            Megatron's tensor x context-parallel group); the load-balancing losses sum their token
+            counts over it and the z-loss coefficient is divided by its size. None: this rank alone.
+        global_batch_group: the ranks whose tokens together form the global batch (Megatron's
+            tensor x data x context-parallel group), over which `global_aux_loss` sums its counts.
+            None: this rank alone.
+
+    With `config.global_aux_loss_coeff`, the non-persistent buffers `global_tokens_per_expert`
+    int64 [E] and `ga_steps` int64 [] (Megatron's names) hold the global batch's counts so far; each
+    training forward with gradients on adds to them, and `reset_global_aux_loss_tracker()` (which
+    Megatron's finalize_model_grads calls after every step) clears them.
 
     Raises:
         ValueError: ep_size > 1 without an ep_group, or a group of another size.
@@ -205,7 +335,10 @@ class MoKMoE(nn.Module):
         device: torch.device | str | None = None,
         init_std: float = 0.02,
         seed: int | None = None,
+        output_init_std: float | None = None,
         experts: nn.Module | None = None,
+        sequence_group: torch.distributed.ProcessGroup | None = None,
+        global_batch_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.ep_group, self.ep_rank = _check_ep_group(config.ep_size, ep_group)
@@ -218,7 +351,15 @@ class MoKMoE(nn.Module):
             experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
         self.experts = experts
         self.shared_experts = (
-            MoKSharedExperts(H, config.shared_intermediate_size, dtype, device, family)
+            MoKSharedExperts(
+                H,
+                config.shared_intermediate_size,
+                dtype,
+                device,
+                family,
+                gate=config.shared_expert_gate,
+                recompute=config.shared_expert_recompute,
+            )
             if config.num_shared_experts
             else None
         )
@@ -231,7 +372,20 @@ class MoKMoE(nn.Module):
         )
         # (token, k) pairs dropped by capacity in the last forward; under EP, by this rank's experts.
         self.register_buffer("last_num_dropped", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.sequence_group, self.global_batch_group = sequence_group, global_batch_group
+        # The terms of the last forward's aux_loss (routing.LOSS_NAMES -> fp32 [], in the graph).
+        self.last_router_losses: dict[str, torch.Tensor] = {}
+        if config.global_aux_loss_coeff > 0:
+            # int64, unlike Megatron's fp32: sums of counts stay exact (and independent of the order
+            # of addition) past 2**24; below that the fp32 mean is the same bits. Never converted
+            # by .to(dtype) or Megatron's Float16Module, which cast floating buffers only.
+            zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
+            self.register_buffer("global_tokens_per_expert", zeros(E), persistent=False)
+            self.register_buffer("ga_steps", zeros(()), persistent=False)
+        else:
+            self.global_tokens_per_expert = self.ga_steps = None
         self.init_std = init_std
+        self.output_init_std = init_std if output_init_std is None else output_init_std
         self.debug = config.debug_checks or debug_checks_from_env()
         self.reset_parameters(seed)
         self._select_backend()
@@ -265,20 +419,22 @@ class MoKMoE(nn.Module):
         return module
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Normal(0, init_std) weights; the down projections scaled by 1/sqrt(2 * num_layers) are left to callers."""
+        """Normal(0, init_std) weights and router bias, Normal(0, output_init_std) down projections,
+        zero expert biases: Megatron's init_method / output_layer_init_method placement."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, param in self.named_parameters():
             if name.startswith("experts.") and not isinstance(self.experts, MoKExperts):
                 continue  # expert modules keep their own weights
-            if name.endswith("bias"):
+            std = self.output_init_std if name.endswith("down_proj") else self.init_std
+            if name.endswith("bias") and name != "router.bias":
                 with torch.no_grad():
-                    param.zero_()  # linear biases (experts', router's) start at zero
+                    param.zero_()  # the experts' linear biases start at zero; the router's is drawn (TopKRouter)
             elif name.startswith("experts."):
                 # Draw all E experts, keep this rank's slice: the weights do not depend on ep_size.
                 full_shape = (self.config.num_experts, *param.shape[1:])
-                _init_(param, self.init_std, generator, full_shape, first=self.ep_rank * param.shape[0])
+                _init_(param, std, generator, full_shape, first=self.ep_rank * param.shape[0])
             else:
-                _init_(param, self.init_std, generator)
+                _init_(param, std, generator)
 
     @property
     def _anchor(self) -> torch.Tensor:
@@ -304,14 +460,17 @@ class MoKMoE(nn.Module):
         if x.device != self._anchor.device:
             raise ValueError(f"x is on {x.device} but the layer's parameters are on {self._anchor.device}")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, *, num_sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, run the experts, combine.
 
         Args:
             x: [..., H] in the params dtype, on the parameters' device.
+            num_sequences: B, how x's tokens form sequences for `seq_aux_loss`: x flattened to
+                [T, H] is [S, B] sequence-major (Megatron's [S, B, H]), token t in sequence t % B.
+                Required with config.seq_aux_loss_coeff > 0.
         Returns:
-            (output shaped like x, aux_loss fp32 scalar: load-balancing loss + z-loss, zero when
-            both coefficients are zero).
+            (output shaped like x, aux_loss fp32 scalar: the load-balancing losses + z-loss, zero
+            when every coefficient is zero; its terms are in `last_router_losses`).
         Raises:
             ValueError: mok.backend cannot run where the parameters are (for example "triton" on
                 the CPU without TRITON_INTERPRET=1); with debug checks on, non-finite router
@@ -326,13 +485,18 @@ class MoKMoE(nn.Module):
         T = x_TH.shape[0]
 
         debug = self.debug
-        routing = self.route(x_TH, debug=debug)
+        routing = self.route(x_TH, debug=debug, num_sequences=num_sequences)
+        self.last_router_losses = routing.losses
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
         capacity = None
         if cfg.capacity_factor is not None:
             # Over the global batch, so that every EP size keeps the same rows.
             capacity = expert_capacity(self._global_tokens(T), cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        # The shared experts are issued here, after routing and before the routed experts, with or
+        # without overlap: the backward then runs its nodes in the same order either way, and x's
+        # gradient sums its parts (routed, shared, router) in the same order: the same bits.
+        shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         if self.ep_group is not None:
             out, num_dropped = moe_experts_expert_parallel(
                 x_TH, routing.topk_ids, routing.topk_weights, w13, w2, experts_fn, self.ep_group,
@@ -343,8 +507,8 @@ class MoKMoE(nn.Module):
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
             out = experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
             num_dropped = schedule.num_dropped
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x_TH)
+        if shared_out is not None:
+            out = out + self._finish_shared_experts(shared_out)
 
         with torch.no_grad():
             self.last_tokens_per_expert.copy_(routing.tokens_per_expert)
@@ -359,6 +523,27 @@ class MoKMoE(nn.Module):
                     )
         return out.view(x.shape), routing.aux_loss
 
+    def _shared_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        return _side_stream(device) if self.config.shared_expert_overlap else None
+
+    def _start_shared_experts(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, H]; with `shared_expert_overlap` on a CUDA device, issued on
+        the side stream (`_side_stream`) so that it runs while the routed experts run on the current
+        one. Its result is taken back with `_finish_shared_experts`.
+
+        The fork and join nodes are in the graph with and without overlap (plain identities
+        without): the autograd graph is then the same either way, so the backward sums every
+        gradient in the same order (x's gradient from the shared MLP and its gate first, then with
+        the routed experts' and the router's) and the bits agree; only the streams differ."""
+        side = self._shared_stream(x_TH.device)
+        x_side = _ForkToSideStream.apply(x_TH, side)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            return self.shared_experts(x_side)
+
+    def _finish_shared_experts(self, shared_out: torch.Tensor) -> torch.Tensor:
+        """`shared_out` usable on the current stream (the current stream waits for the side one)."""
+        return _JoinFromSideStream.apply(shared_out, self._shared_stream(shared_out.device))
+
     def _global_tokens(self, num_tokens: int) -> int:
         """Tokens in the global batch: this rank's times the EP size under the capacity exchange
         (equal counts, checked on the device); summed over the group, one host read, under the
@@ -371,11 +556,18 @@ class MoKMoE(nn.Module):
         torch.distributed.all_reduce(total, group=self.ep_group)
         return int(total)  # host-ok: exact exchange, sized on the host (parallel/dispatch.py)
 
-    def route(self, x_TH: torch.Tensor, debug: bool = False) -> MoKRouting:
-        """The routing decision for tokens x_TH [T, H]: logits in fp32, then `routing.route`.
+    def route(self, x_TH: torch.Tensor, debug: bool = False, num_sequences: int | None = None) -> MoKRouting:
+        """The routing decision for tokens x_TH [T, H]: logits in fp64, then `routing.route`, with
+        the token counts of the load-balancing losses summed over `sequence_group` /
+        `global_batch_group` (int64: exact in any order, so the same bits on every rank).
 
+        Args:
+            x_TH: [T, H].
+            debug: check the logits (syncs the host).
+            num_sequences: B for `seq_aux_loss` (see `forward`).
         Raises:
-            ValueError: with `debug`, when a router logit is NaN or infinite.
+            ValueError: with `debug`, when a router logit is NaN or infinite; seq_aux_loss without
+                num_sequences, or T not a multiple of it.
         """
         cfg = self.config
         # A GEMM's result for one row may depend on how many rows share the call (BLAS and cuBLAS
@@ -388,6 +580,18 @@ class MoKMoE(nn.Module):
         )
         if debug:
             self._check_finite_logits(router_logits)
+        if cfg.seq_aux_loss_coeff > 0 and num_sequences is None:
+            raise ValueError(
+                f"mok.seq_aux_loss_coeff={cfg.seq_aux_loss_coeff} needs the sequences: call the layer with "
+                "num_sequences=B for x [S, B, H] (sequence-major)"
+            )
+        scope = MoKTokenScope(
+            num_sequences=num_sequences or 1,
+            sequence_ranks=_group_size(self.sequence_group),
+            sum_over_sequence_ranks=functools.partial(_sum_over, group=self.sequence_group),
+            global_ranks=_group_size(self.global_batch_group),
+            global_tokens_per_expert=self._global_tokens_per_expert if cfg.global_aux_loss_coeff > 0 else None,
+        )
         return route(
             router_logits,
             top_k=cfg.top_k,
@@ -399,7 +603,32 @@ class MoKMoE(nn.Module):
             expert_bias=self.expert_bias,
             aux_loss_coeff=cfg.aux_loss_coeff,
             z_loss_coeff=cfg.z_loss_coeff,
+            seq_aux_loss_coeff=cfg.seq_aux_loss_coeff,
+            global_aux_loss_coeff=cfg.global_aux_loss_coeff,
+            scope=scope,
         )
+
+    def _global_tokens_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
+        """fp32 [E]: global_aux_loss's counts, as Megatron's TopKRouter._apply_global_aux_loss takes
+        them: this micro-batch's int64 [E] counts summed over `global_batch_group`, added to the
+        step's running sum, divided by the micro-batches so far. Only a training forward with
+        gradients on adds to the buffers (Megatron computes the loss only then); any other forward
+        counts itself with them without storing."""
+        counts = _sum_over(counts, self.global_batch_group)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.global_tokens_per_expert += counts
+                self.ga_steps += 1
+            return self.global_tokens_per_expert.float() / self.ga_steps.float()
+        return (self.global_tokens_per_expert + counts).float() / (self.ga_steps + 1).float()
+
+    @torch.no_grad()
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Start a new global batch for global_aux_loss (Megatron's finalize_model_grads calls this
+        on every module that has it, after each step)."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
 
     def _check_finite_logits(self, router_logits: torch.Tensor) -> None:
         """Debug check (syncs the host). Under expert parallelism every rank learns which ranks

@@ -2,7 +2,7 @@
 
 Owns: `MoKReferenceExperts` (one autograd Function with an explicit backward), `moe_experts_reference`
 (its functional entry, with the same signature as the Triton backend's), `swiglu` and
-`shared_expert_forward` (the dense shared-expert MLP, plain autograd).
+`shared_expert_forward` (the dense shared-expert MLP, plain autograd) and `shared_expert_gate`.
 
 It is the CPU backend and the oracle every kernel is tested against, so it follows the same
 fixed orders and rounding points as the kernels (DESIGN.md). Written for a glu expert (experts.py
@@ -41,7 +41,7 @@ import torch
 from mok_plugin.experts import SWIGLU, MoKExpertFamily, activation_backward_fp64, activation_fp64, check_expert_weights
 from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
 
-__all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward"]
+__all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "shared_expert_gate"]
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -222,3 +222,21 @@ def shared_expert_forward(
     check_expert_weights(family, gate_up_proj, down_proj, gate_up_bias, down_bias, stacked=False)
     a = _activation(_fc1(x, gate_up_proj, gate_up_bias, None, family), family)
     return _linear(a, down_proj, down_bias, None).to(x.dtype)
+
+
+def shared_expert_gate(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The shared experts' gate (Qwen3-Next): sigmoid(x . gate_weight), per token (plain autograd).
+
+    Megatron's SharedExpertMLP computes `sigmoid(F.linear(x, gate_weight))` in the params dtype and
+    multiplies the shared output by it; this rounds at the same points (the logit, the gate) but
+    computes each in fp64, so a token's gate does not depend on its batch (see
+    `shared_expert_forward`). The caller multiplies in x's dtype, as Megatron does.
+
+    Args:
+        x: [T, H].
+        gate_weight: [1, H], in x's dtype.
+    Returns:
+        [T, 1] in x's dtype.
+    """
+    logits = torch.nn.functional.linear(_acc(x), _acc(gate_weight)).to(x.dtype)
+    return torch.sigmoid(_acc(logits)).to(x.dtype)

@@ -1,22 +1,45 @@
-"""Router math in plain PyTorch: logits -> scores -> top-k, weights, aux loss and z-loss.
+"""Router math in plain PyTorch: logits -> scores -> top-k, weights, aux losses and z-loss.
 
-Owns: score functions (softmax, sigmoid), the fixed tie-break top-k (lower expert index wins),
-group-limited top-k, the selection-only expert bias, top-k normalisation and scaling, the
-Switch-style load-balancing loss, the z-loss, and the expert-bias update helper.
+Owns: score functions (softmax, sigmoid, sqrtsoftplus), the fixed tie-break top-k (lower expert
+index wins), group-limited top-k, the selection-only expert bias, top-k normalisation and scaling,
+the Switch-style load-balancing losses at three levels (micro-batch `aux_loss`, per-sequence
+`seq_aux_loss`, global-batch `global_aux_loss`), the z-loss, and the expert-bias update helper.
 
-Does not own: the router weight (the layer holds it) or anything after the expert choice.
+The losses follow Megatron-Core 0.19 (transformer/moe/router.py TopKRouter._apply_aux_loss,
+_apply_seq_aux_loss, _apply_global_aux_loss, apply_z_loss; moe_utils.py
+compute_routing_scores_for_aux_loss, switch_load_balancing_loss_func, z_loss_func): a load-balancing
+loss counts each token's plain top-k of its normalised scores (no groups, no expert bias), which
+can differ from the experts the token is routed to.
+
+Does not own: the router weight (the layer holds it), process groups (a `MoKTokenScope` hands in
+the reductions as callables), or anything after the expert choice.
 
 Determinism: selection uses a stable descending sort, so exact ties always pick the lower expert
-index on every device; every reduction here is a fixed-shape torch reduction on one device.
+index on every device; every float reduction here is a fixed-shape torch reduction on one device;
+token counts cross ranks as int64, whose sums are exact in any order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MoKRouting", "count_per_expert", "route", "stable_topk", "update_expert_bias"]
+__all__ = [
+    "LOSS_NAMES",
+    "SCORE_FUNCTIONS",
+    "MoKRouting",
+    "MoKTokenScope",
+    "count_per_expert",
+    "route",
+    "stable_topk",
+    "update_expert_bias",
+]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+# The router-loss terms, in the order they are summed into MoKRouting.aux_loss.
+LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +48,40 @@ class MoKRouting:
 
     topk_ids: torch.Tensor  # int64 [T, K], experts in descending score order (ties: lower index first)
     topk_weights: torch.Tensor  # fp32 [T, K], differentiable w.r.t. the router logits
-    aux_loss: torch.Tensor  # fp32 [], load-balancing loss + z-loss, already scaled by their coefficients
+    aux_loss: torch.Tensor  # fp32 [], the sum of `losses` in LOSS_NAMES order (zero when there are none)
     tokens_per_expert: torch.Tensor  # int64 [E], routed (token, k) pairs per expert, before any drop
+    # name (LOSS_NAMES) -> fp32 [], each enabled term already scaled by its coefficient; differentiable
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MoKTokenScope:
+    """Where one call's T tokens sit in the batches the load-balancing losses are taken over.
+
+    A micro-batch may be split over several ranks (Megatron: its tensor x context-parallel group,
+    sequence shards); `global_aux_loss` counts a whole global batch (Megatron: the tensor x data x
+    context-parallel group, over every micro-batch of the step). The reductions come in as
+    callables so that this module stays free of process groups. The defaults describe one rank
+    holding one sequence.
+    """
+
+    # B: the T tokens are ordered [S, B] (Megatron's [S, B, H] flattened), token t in sequence t % B.
+    num_sequences: int = 1
+    # Ranks whose tokens together form the micro-batch, this one included.
+    sequence_ranks: int = 1
+    # int64 [N] -> int64 [N]: the sum over those ranks (None: the tensor itself, one rank).
+    sum_over_sequence_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Ranks whose tokens together form one micro-batch of the global batch, this one included.
+    global_ranks: int = 1
+    # int64 [E] this call's counts -> fp32 [E]: counts summed over the global ranks, averaged over
+    # the micro-batches of the global batch so far, this one included (None: the counts themselves).
+    global_tokens_per_expert: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def sum_sequence(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts if self.sum_over_sequence_ranks is None else self.sum_over_sequence_ranks(counts)
+
+    def global_average(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts.float() if self.global_tokens_per_expert is None else self.global_tokens_per_expert(counts)
 
 
 def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,6 +125,25 @@ def _group_limited_mask(selection_scores: torch.Tensor, n_group: int, topk_group
     return group_mask.repeat_interleave(E // n_group, dim=1)
 
 
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 [T, E] router scores from fp64 logits (computed in fp64, rounded once)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1).float()
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits).float()
+    if score_function == "sqrtsoftplus":
+        # DeepSeek-V4: sqrt(softplus(x)), as Megatron-Core's topk_routing_with_score_function.
+        return torch.nn.functional.softplus(logits).sqrt().float()
+    raise ValueError(f"score_function={score_function!r}; allowed: {', '.join(map(repr, SCORE_FUNCTIONS))}")
+
+
+def _switch_loss(
+    probs_per_expert: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens: int, top_k: int, E: int, coeff: float
+) -> torch.Tensor:
+    """Megatron-Core's switch_load_balancing_loss_func: sum(P * N) * E * coeff / (K * T_total^2)."""
+    return (probs_per_expert * tokens_per_expert).sum() * (E * coeff / (top_k * total_tokens * total_tokens))
+
+
 def route(
     router_logits: torch.Tensor,
     *,
@@ -82,24 +156,42 @@ def route(
     expert_bias: torch.Tensor | None = None,
     aux_loss_coeff: float = 0.0,
     z_loss_coeff: float = 0.0,
+    seq_aux_loss_coeff: float = 0.0,
+    global_aux_loss_coeff: float = 0.0,
+    scope: MoKTokenScope | None = None,
 ) -> MoKRouting:
     """Choose K experts per token and compute their weights and the router losses.
+
+    The load-balancing losses all take the Switch form E * coeff / (K * T^2) * sum_e P_e * N_e,
+    where P_e sums expert e's aux score over this call's tokens (softmax scores; sigmoid and
+    sqrtsoftplus scores divided by their sum over E per token) and N_e counts the tokens whose plain
+    top-K of those scores holds e (no groups, no expert bias: what Megatron-Core counts), summed
+    over the ranks of `scope`:
+      aux_loss          N over the micro-batch (this call and scope.sequence_ranks); T its tokens.
+      seq_aux_loss      the same per sequence (scope.num_sequences), summed over sequences and
+                        divided by their number; T the tokens of one sequence.
+      global_aux_loss   N from scope.global_tokens_per_expert (the global batch's running mean);
+                        T = this call's tokens x scope.global_ranks.
+    The z-loss is z_loss_coeff / scope.sequence_ranks * mean_t logsumexp(logits_t)^2 (each rank
+    averages its own tokens; the ranks' terms add up to the micro-batch mean).
 
     Args:
         router_logits: float [T, E] (differentiable); fp64 keeps the router batch-invariant.
         top_k: K.
-        score_function: "softmax" (over all E) or "sigmoid" (per expert).
+        score_function: "softmax" (over all E), "sigmoid" or "sqrtsoftplus" (per expert).
         norm_topk_prob: divide the K chosen scores by their sum.
         routed_scaling_factor: multiplies the final weights.
         n_group, topk_group: group-limited routing (both or neither).
         expert_bias: fp32 [E] added to the scores for selection only; the weights never see it.
-        aux_loss_coeff: Switch load-balancing loss, E * coeff / (K * T^2) * sum_e P_e * N_e, where
-            P_e sums the (normalised) scores of expert e over tokens and N_e counts its picks.
-        z_loss_coeff: coeff * mean_t logsumexp(logits_t)^2.
+        aux_loss_coeff, seq_aux_loss_coeff, global_aux_loss_coeff: the three load-balancing
+            losses' coefficients (0: the term is not computed).
+        z_loss_coeff: the z-loss coefficient.
+        scope: where these tokens sit (sequences, ranks); default: one rank, one sequence.
     Returns:
         MoKRouting.
     Raises:
-        ValueError: logits not 2-D float, or top_k out of range.
+        ValueError: logits not 2-D float, top_k out of range, an unknown score function, or
+            seq_aux_loss with T not a multiple of scope.num_sequences.
     """
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(
@@ -108,16 +200,15 @@ def route(
     T, E = router_logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={E}")
+    scope = scope or MoKTokenScope()
+    B = scope.num_sequences
+    if seq_aux_loss_coeff > 0.0 and (B < 1 or T % B != 0):
+        raise ValueError(f"seq_aux_loss: T={T} tokens do not split into num_sequences={B} sequences of equal length")
     # Scores in fp64, rounded to fp32: vectorised exp/sigmoid kernels round a value differently
     # depending on its position in the tensor (SIMD body vs tail), so an fp32 score could depend
     # on the batch size; the fp64 result rounded to fp32 does not, in practice.
     logits = router_logits.double()
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1).float()
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits).float()
-    else:
-        raise ValueError(f"score_function={score_function!r}; allowed: 'softmax', 'sigmoid'")
+    scores = _scores(logits, score_function)
 
     # Selection never carries gradient: it is a discrete choice.
     selection_scores = scores.detach()
@@ -136,16 +227,48 @@ def route(
 
     tokens_per_expert = count_per_expert(topk_ids, E)
 
-    aux_loss = scores.new_zeros(())
-    if aux_loss_coeff > 0.0 and T > 0:
-        # Sigmoid scores are normalised per token so that P_e is a distribution, as in Megatron-Core.
+    losses: dict[str, torch.Tensor] = {}
+    balancing = (aux_loss_coeff, seq_aux_loss_coeff, global_aux_loss_coeff)
+    if T > 0 and any(coeff > 0.0 for coeff in balancing):
+        # Megatron-Core's scores_for_aux_loss: softmax scores, or sigmoid/sqrtsoftplus scores
+        # normalised per token so that P_e is a distribution.
         probs = scores if score_function == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        load = tokens_per_expert.to(torch.float32)
-        aux_loss = aux_loss + (E * aux_loss_coeff / (top_k * T * T)) * (probs.sum(dim=0) * load).sum()
+        # Counted from each token's plain top-K of those scores. The softmax selection without bias
+        # or groups is that top-K already; elsewhere it can differ (a biased or group-limited
+        # choice, or a tie made by the normalisation), so it is taken again.
+        if score_function == "softmax" and expert_bias is None and n_group is None:
+            aux_ids, aux_counts = topk_ids, tokens_per_expert
+        else:
+            aux_ids = stable_topk(probs.detach(), top_k)
+            aux_counts = count_per_expert(aux_ids, E)
+        if aux_loss_coeff > 0.0:
+            counts = scope.sum_sequence(aux_counts)
+            losses["aux_loss"] = _switch_loss(
+                probs.sum(dim=0), counts, T * scope.sequence_ranks, top_k, E, aux_loss_coeff
+            )
+        if seq_aux_loss_coeff > 0.0:
+            # Megatron folds the B sequences into the expert dimension: [S, B * E].
+            S = T // B
+            sequence_of_pick = (torch.arange(T, device=aux_ids.device) % B).unsqueeze(1)
+            counts = scope.sum_sequence(count_per_expert(sequence_of_pick * E + aux_ids, B * E))
+            per_sequence = _switch_loss(
+                probs.reshape(S, B * E).sum(dim=0), counts, S * scope.sequence_ranks, top_k, E, seq_aux_loss_coeff
+            )
+            losses["seq_aux_loss"] = per_sequence / B
+        if global_aux_loss_coeff > 0.0:
+            counts = scope.global_average(aux_counts)
+            losses["global_aux_loss"] = _switch_loss(
+                probs.sum(dim=0), counts, T * scope.global_ranks, top_k, E, global_aux_loss_coeff
+            )
     if z_loss_coeff > 0.0 and T > 0:
-        aux_loss = aux_loss + z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean().float()
+        coeff = z_loss_coeff / scope.sequence_ranks
+        losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean() * coeff).float()
 
-    return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert)
+    aux_loss = scores.new_zeros(())
+    for name in LOSS_NAMES:
+        if name in losses:
+            aux_loss = aux_loss + losses[name]
+    return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert, losses)
 
 
 @torch.no_grad()

@@ -51,7 +51,9 @@ def test_config_is_frozen():
         pytest.param(dict(n_group=4, topk_group=3), r"mok\.topk_group=3 exceeds top_k=2", id="topk_group_gt_k"),
         pytest.param(dict(ep_size=3), r"mok\.ep_size=3 does not divide num_experts=8", id="ep_not_dividing"),
         pytest.param(
-            dict(score_function="relu"), r"mok\.score_function='relu'.*'softmax' or 'sigmoid'", id="bad_literal"
+            dict(score_function="relu"),
+            r"mok\.score_function='relu'.*'softmax', 'sigmoid' or 'sqrtsoftplus'",
+            id="bad_literal",
         ),
         pytest.param(dict(backend="cuda"), r"mok\.backend='cuda'.*'auto', 'triton' or 'reference'", id="bad_backend"),
         pytest.param(dict(top_k="2"), r"mok\.top_k='2'.*valid integer", id="wrong_type"),

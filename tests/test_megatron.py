@@ -219,10 +219,9 @@ def test_expert_params_are_marked_and_main_grad_accumulates(megatron_world):
 
 
 UNSUPPORTED = [
-    (dict(moe_router_score_function="sqrtsoftplus"), "--moe-router-score-function"),
-    (dict(moe_router_load_balancing_type="seq_aux_loss"), "--moe-router-load-balancing-type"),
+    # Routing settings MoK refuses (random logits, sinkhorn, ...): test_megatron_routing.py.
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0), "--moe-router-load-balancing-type"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps"),
-    (dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True), "--moe-shared-expert-gate"),
     # An interleave block that does not divide the expert FFN size (16); the other expert-MLP
     # settings MoK refuses are in test_megatron_families.py.
     (dict(moe_mlp_glu_interleave_size=32), "--moe-mlp-glu-interleave-size"),
@@ -232,10 +231,6 @@ UNSUPPORTED = [
         "--moe-expert-capacity-factor",
     ),
     (dict(moe_router_num_groups=4, moe_router_group_topk=2), "--moe-router-num-groups"),
-    (
-        dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),
-        "--moe-aux-loss-coeff",
-    ),
 ]
 
 
@@ -378,3 +373,50 @@ def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path, 
     for key, value in fresh.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value.cpu(), stock_sd[key].cpu()), key
+
+
+def _stable_topk(values, k, dim=-1, largest=True, sorted=True):
+    """torch.topk with ties broken by the lower index (a stable sort)."""
+    order = torch.sort(values, dim=dim, descending=largest, stable=True)
+    return order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)
+
+
+def test_capacity_matches_stock(megatron_world, monkeypatch):
+    # --moe-expert-capacity-factor with --moe-token-drop-policy position at EP 1. Megatron documents
+    # "tokens at the end of each batch will be dropped"; its apply_router_token_dropping takes
+    # torch.topk over the 0/1 routing map, whose order among the tied ones is implementation-defined
+    # (on the CPU it can keep a later token over an earlier one). MoK keeps each expert's first
+    # tokens, as documented; the stock layer is run with a top-k that breaks ties by position.
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(moe_utils.torch, "topk", _stable_topk)
+    cfg = _config(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position")
+    stock, mok = _stock_and_mok(cfg)
+    x = make_layer_inputs(24, H, seed=3).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=4).view(12, 2, H)
+    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
+    assert int(mok.mok.last_num_dropped) > 0, "the case must drop tokens to test dropping"
+    assert_close(got[0], want[0], torch.float32, "output")
+    assert_close(got[1], want[1], torch.float32, "d_x")
+    for name, grad in want[2].items():
+        assert_close(got[2][name], grad, torch.float32, f"grad of {name}")
+
+
+def test_init_std_follows_megatron(megatron_world):
+    # init_method (router, fc1) and output_layer_init_method (fc2: std / sqrt(2 num_layers)) as
+    # Megatron draws them; the stock layer's weights have the same spread, key by key.
+    cfg = _config(hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, num_layers=4, init_method_std=0.05,
+                  moe_shared_expert_intermediate_size=128)  # fmt: skip
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    stock, mok = spec(config=cfg), use_mok(spec)(config=cfg)
+    assert mok.mok.output_init_std == pytest.approx(0.05 / 8**0.5)
+    stock_sd, mok_sd = stock.state_dict(), mok.state_dict()
+    for key, value in mok_sd.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1000:
+            want = stock_sd[key].float().std().item()
+            assert value.float().std().item() == pytest.approx(want, rel=0.05), key
+    # Another init callable is refused by name (not drawn as if it were a normal).
+    with pytest.raises(MoKConfigError, match="--init-method-std"):
+        mok_config_from_megatron(_config(init_method=torch.nn.init.xavier_uniform_))
+    # Without initialisation (weights from a checkpoint) any callable is fine.
+    mok_config_from_megatron(_config(init_method=torch.nn.init.xavier_uniform_, perform_initialization=False))

@@ -1,11 +1,15 @@
 """Routing: fixed tie-break top-k (exact ties), group-limited selection against a brute-force loop,
-selection-only expert bias, normalisation and scaling, aux loss and z-loss values and gradients,
-and the expert-bias update."""
+selection-only expert bias, normalisation and scaling (softmax, sigmoid, sqrtsoftplus), aux loss and
+z-loss values and gradients, the per-sequence and global-batch load-balancing losses against
+per-sequence / per-micro-batch loops, their token counts (plain top-K of the normalised scores, not
+the biased or group-limited choice), the rank reductions of a MoKTokenScope, and the expert-bias
+update."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from mok_plugin.routing import route, stable_topk, update_expert_bias
+from mok_plugin.routing import LOSS_NAMES, MoKTokenScope, route, stable_topk, update_expert_bias
 
 
 def _naive_topk(row: list[float], k: int) -> list[int]:
@@ -29,12 +33,18 @@ def test_stable_topk_matches_naive_on_random_with_ties():
     assert got == [_naive_topk(row, 5) for row in values.tolist()]
 
 
-@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    if score_function == "softmax":
+        return torch.softmax(logits, -1)
+    return torch.sigmoid(logits) if score_function == "sigmoid" else F.softplus(logits).sqrt()
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_weights_are_scores_of_chosen_experts(score_function):
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(20, 8, generator=g)
     r = route(logits, top_k=2, score_function=score_function, norm_topk_prob=True, routed_scaling_factor=2.5)
-    scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+    scores = _scores(logits, score_function)
     expected = scores.gather(1, r.topk_ids)
     expected = expected / expected.sum(-1, keepdim=True) * 2.5
     torch.testing.assert_close(r.topk_weights, expected)
@@ -99,3 +109,133 @@ def test_bad_inputs_raise():
         route(torch.randn(3, 4), top_k=1, score_function="tanh")
     with pytest.raises(ValueError, match=r"float \[T, E\]"):
         route(torch.ones(3, 4, dtype=torch.long), top_k=1)
+
+
+# --- the load-balancing losses: Megatron-Core's forms, written as loops -------------------------
+
+
+def _aux_probs(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """float64 scores_for_aux_loss: softmax, or the per-expert scores normalised per token."""
+    scores = _scores(logits.double(), score_function)
+    return scores if score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+
+
+def _switch(probs: torch.Tensor, picks: list[list[int]], E: int, K: int, coeff: float, T_total: int) -> float:
+    """E * coeff / (K * T_total^2) * sum_e (sum of probs of e) * (picks of e), as a loop."""
+    counts = [sum(row.count(e) for row in picks) for e in range(E)]
+    return E * coeff / (K * T_total**2) * sum(float(probs[:, e].sum()) * counts[e] for e in range(E))
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_seq_aux_loss_is_the_mean_of_per_sequence_losses(score_function):
+    g = torch.Generator().manual_seed(5)
+    S, B, E, K = 6, 3, 8, 2
+    logits = torch.randn(S * B, E, generator=g)
+    r = route(logits, top_k=K, score_function=score_function, norm_topk_prob=True, seq_aux_loss_coeff=0.01,
+              scope=MoKTokenScope(num_sequences=B))  # fmt: skip
+    probs = _aux_probs(logits, score_function)
+    want = 0.0
+    for b in range(B):
+        rows = list(range(b, S * B, B))  # tokens are [S, B] sequence-major: sequence b is t % B == b
+        picks = [_naive_topk(probs[t].tolist(), K) for t in rows]
+        want += _switch(probs[rows], picks, E, K, 0.01, S) / B
+    assert set(r.losses) == {"seq_aux_loss"}
+    assert r.losses["seq_aux_loss"].item() == pytest.approx(want, rel=1e-5)
+    assert torch.equal(r.aux_loss, r.losses["seq_aux_loss"])
+
+
+def test_seq_aux_loss_needs_whole_sequences():
+    with pytest.raises(ValueError, match="num_sequences=4"):
+        route(torch.randn(6, 4), top_k=1, seq_aux_loss_coeff=0.1, scope=MoKTokenScope(num_sequences=4))
+
+
+def test_aux_loss_counts_plain_topk_not_the_biased_or_grouped_choice():
+    # Megatron counts each token's plain top-K of its normalised scores, whatever picks the experts.
+    g = torch.Generator().manual_seed(6)
+    T, E, K = 16, 8, 2
+    logits = torch.randn(T, E, generator=g)
+    bias = torch.zeros(E)
+    bias[7] = 10.0  # every token picks expert 7
+    kwargs = dict(top_k=K, score_function="sigmoid", norm_topk_prob=True, aux_loss_coeff=0.01)
+    plain = route(logits, **kwargs)
+    biased = route(logits, expert_bias=bias, **kwargs)
+    grouped = route(logits, n_group=4, topk_group=1, **kwargs)
+    assert (biased.topk_ids == 7).any(dim=1).all() and not torch.equal(biased.topk_ids, plain.topk_ids)
+    assert torch.equal(biased.losses["aux_loss"], plain.losses["aux_loss"])
+    assert torch.equal(grouped.losses["aux_loss"], plain.losses["aux_loss"])
+    probs = _aux_probs(logits, "sigmoid")
+    want = _switch(probs, [_naive_topk(row, K) for row in probs.tolist()], E, K, 0.01, T)
+    assert plain.losses["aux_loss"].item() == pytest.approx(want, rel=1e-5)
+    # tokens_per_expert still counts the experts actually chosen.
+    assert biased.tokens_per_expert[7] == T
+
+
+def test_global_aux_loss_takes_counts_from_the_scope():
+    g = torch.Generator().manual_seed(7)
+    T, E, K = 10, 4, 2
+    logits = torch.randn(T, E, generator=g)
+    seen = []
+    averaged = torch.tensor([3.0, 5.0, 7.0, 5.0])
+
+    def global_counts(counts):
+        seen.append(counts.clone())
+        return averaged
+
+    scope = MoKTokenScope(global_ranks=3, global_tokens_per_expert=global_counts)
+    r = route(logits, top_k=K, aux_loss_coeff=0.0, global_aux_loss_coeff=0.02, scope=scope)
+    probs = torch.softmax(logits.double(), -1)
+    assert torch.equal(seen[0], torch.bincount(r.topk_ids.flatten(), minlength=E))
+    want = E * 0.02 / (K * (3 * T) ** 2) * float((probs.sum(0) * averaged.double()).sum())
+    assert r.losses["global_aux_loss"].item() == pytest.approx(want, rel=1e-5)
+    assert set(r.losses) == {"global_aux_loss"}  # coefficient 0: no aux_loss term
+
+
+def test_sequence_ranks_sum_counts_and_share_the_z_loss():
+    # Two ranks holding halves of the micro-batch: counts summed over both, T counted over both,
+    # and the z-loss coefficient halved so that the ranks' terms add up to the micro-batch mean.
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(12, 6, generator=g)
+    halves = logits[:6], logits[6:]
+    kwargs = dict(top_k=2, aux_loss_coeff=0.01, seq_aux_loss_coeff=0.03, z_loss_coeff=1e-3)
+    whole = route(logits, scope=MoKTokenScope(num_sequences=2), **kwargs)
+    counts = [route(h, top_k=2).tokens_per_expert for h in halves]
+    seq_counts = []
+    for h in halves:
+        ids = route(h, top_k=2).topk_ids
+        seq = (torch.arange(6) % 2).unsqueeze(1) * 6 + ids
+        seq_counts.append(torch.bincount(seq.flatten(), minlength=12))
+
+    def total(c):  # what an all-reduce over the two ranks returns: [E] counts, or [B * E] per sequence
+        return counts[0] + counts[1] if c.numel() == 6 else seq_counts[0] + seq_counts[1]
+
+    scope = MoKTokenScope(num_sequences=2, sequence_ranks=2, sum_over_sequence_ranks=total)
+    parts = [route(h, scope=scope, **kwargs) for h in halves]
+    for name in ("aux_loss", "seq_aux_loss", "z_loss"):
+        summed = parts[0].losses[name].double() + parts[1].losses[name].double()
+        assert summed.item() == pytest.approx(whole.losses[name].item(), rel=1e-5), name
+
+
+def test_losses_sum_in_fixed_order_and_zero_coefficients_are_off():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(8, 4, generator=g, dtype=torch.float64).float().requires_grad_()
+    r = route(logits, top_k=2, aux_loss_coeff=0.01, seq_aux_loss_coeff=0.0, global_aux_loss_coeff=0.02,
+              z_loss_coeff=1e-3)  # fmt: skip
+    assert list(r.losses) == ["aux_loss", "global_aux_loss", "z_loss"]
+    want = torch.zeros(())
+    for name in LOSS_NAMES:
+        if name in r.losses:
+            want = want + r.losses[name]
+    assert torch.equal(r.aux_loss, want)
+    r.aux_loss.backward()
+    assert logits.grad.abs().sum() > 0
+    again = route(logits.detach(), top_k=2, aux_loss_coeff=0.01, global_aux_loss_coeff=0.02, z_loss_coeff=1e-3)
+    assert torch.equal(again.aux_loss, r.aux_loss.detach())  # bitwise repeatable
+
+
+def test_sqrtsoftplus_with_expert_bias_selects_biased_weights_unbiased():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    r = route(logits, top_k=2, score_function="sqrtsoftplus", norm_topk_prob=True, expert_bias=bias)
+    assert r.topk_ids.tolist() == [[3, 0]]
+    scores = F.softplus(logits.double()).sqrt()[0, [3, 0]]
+    torch.testing.assert_close(r.topk_weights.double(), (scores / scores.sum()).unsqueeze(0), rtol=1e-6, atol=0)

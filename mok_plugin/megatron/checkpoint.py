@@ -6,7 +6,9 @@ pair per expert. This module maps between the two so that checkpoints move both 
 
   MoK (module tree)                      stock key (state_dict and sharded_state_dict)
   mok.router.weight, mok.router.bias     router.weight, router.bias (the bias with --add-bias-linear)
-  mok.expert_bias, mok.local_tokens_...  router.expert_bias, router.local_tokens_per_expert
+  mok.expert_bias                        router.expert_bias (--moe-router-enable-expert-bias; the
+                                         per-step counts local_tokens_per_expert are not persistent,
+                                         in MoK as in TopKRouter, so in no checkpoint)
   mok.experts.gate_up_proj[i]            experts.local_experts.{i}.linear_fc1.weight  (SequentialMLP)
   mok.experts.gate_up_bias[i]            experts.local_experts.{i}.linear_fc1.bias
   mok.experts.down_proj[i]               experts.local_experts.{i}.linear_fc2.weight
@@ -14,6 +16,8 @@ pair per expert. This module maps between the two so that checkpoints move both 
   mok.shared_experts.gate_up_proj        shared_experts.linear_fc1.weight
   mok.shared_experts.down_proj           shared_experts.linear_fc2.weight
   (and gate_up_bias / down_bias          shared_experts.linear_fc1.bias / linear_fc2.bias)
+  mok.shared_experts.gate_weight         shared_experts.gate_weight (--moe-shared-expert-gate; [1, H],
+                                         replicated, as SharedExpertMLP.sharded_state_dict makes it)
 
 Saving writes the SequentialMLP keys (with their `_extra_state` entries, None, as the stock local
 layers write them). Loading also accepts TEGroupedMLP's `experts.linear_fc1.weight{i}` /
@@ -50,12 +54,15 @@ _RENAMED = [
     ("mok.router.weight", "router.weight"),
     ("mok.router.bias", "router.bias"),
     ("mok.expert_bias", "router.expert_bias"),
-    ("mok.local_tokens_per_expert", "router.local_tokens_per_expert"),
     ("mok.shared_experts.gate_up_proj", "shared_experts.linear_fc1.weight"),
     ("mok.shared_experts.gate_up_bias", "shared_experts.linear_fc1.bias"),
     ("mok.shared_experts.down_proj", "shared_experts.linear_fc2.weight"),
     ("mok.shared_experts.down_bias", "shared_experts.linear_fc2.bias"),
+    ("mok.shared_experts.gate_weight", "shared_experts.gate_weight"),
 ]
+# Written by MoK layers before the counts became non-persistent; dropped on load (they are per-step
+# counts that Megatron zeroes every global batch), so those checkpoints still load strictly.
+_STALE = ("router.local_tokens_per_expert",)
 # (MoK stacked name, fc name, leaf): split per local expert.
 _STACKED = [
     ("mok.experts.gate_up_proj", "linear_fc1", "weight"),
@@ -88,7 +95,7 @@ def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> Non
     for mok_name, stock_name in _RENAMED:
         if prefix + mok_name in state_dict:
             state_dict[prefix + stock_name] = state_dict.pop(prefix + mok_name)
-            if stock_name.startswith("shared_experts."):
+            if stock_name.startswith("shared_experts.linear_fc"):  # the linears' extra state, not the gate's
                 state_dict[prefix + stock_name.rsplit(".", 1)[0] + "." + _EXTRA] = None
     for mok_name, fc, leaf in _STACKED:
         stacked = state_dict.pop(prefix + mok_name, None)
@@ -101,6 +108,8 @@ def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> Non
 
 def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
     """load_state_dict pre-hook: stock names (SequentialMLP or TEGroupedMLP) -> MoK names, in place."""
+    for stale in _STALE:
+        state_dict.pop(prefix + stale, None)
     for mok_name, stock_name in _RENAMED:
         if prefix + stock_name in state_dict:
             state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
@@ -185,6 +194,13 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     if layer.mok.shared_experts is not None:
         shared = section("shared_experts")
         out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp, gated))
+        if "gate_weight" in shared:
+            from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+            key = f"{prefix}shared_experts.gate_weight"
+            out[key] = make_sharded_tensor_for_checkpoint(
+                shared["gate_weight"], key, prepend_offsets=sharded_offsets, tp_group=pg.tp, dp_cp_group=dp_cp
+            )
 
     # Routed experts: the per-expert shards SequentialMLP writes (expert i along a new leading axis,
     # keys under "experts.experts."), built from MoK's stacked tensors by one factory per tensor,

@@ -27,12 +27,31 @@ The expert MLP, matched to Megatron-Core 0.19's SequentialMLP / TEGroupedMLP / S
   weighted squared ReLU) are accepted where the stock layer computes the same function with and
   without them, and refused by name where it does not (see `_expert_fields`).
 
-Routing semantics, matched to Megatron-Core 0.19's TopKRouter:
+Shared experts (--moe-shared-expert-gate, --moe-shared-expert-overlap), --recompute-modules and
+CUDA graphs: `_shared_expert_fields`, RECOMPUTE_MODULES_HONOURED, `_cuda_graph_problems`.
+
+Routing semantics, matched to Megatron-Core 0.19's TopKRouter (router.py, moe_utils.py):
   softmax, post-top-k (default)   softmax over the K chosen logits = softmax over all E, then the K
                                   chosen renormalised: MoK `norm_topk_prob=True`.
   softmax, --moe-router-pre-softmax   softmax over all E, no renormalisation.
-  sigmoid                         renormalised over the K chosen when K > 1.
-  group-limited, expert bias, top-k scaling, Switch aux loss (micro-batch), z-loss: same formulas.
+  sigmoid, sqrtsoftplus           per-expert scores (sqrtsoftplus: DeepSeek-V4's sqrt(softplus(x))),
+                                  renormalised over the K chosen when K > 1; expert bias with either.
+  group-limited, expert bias, top-k scaling, z-loss: same formulas.
+  --moe-router-load-balancing-type T --moe-aux-loss-coeff C   T in aux_loss (micro-batch),
+                                  seq_aux_loss (per sequence), global_aux_loss (global batch), none,
+                                  or a list of these with a list C of as many coefficients: MoK's
+                                  `aux_loss_coeff`, `seq_aux_loss_coeff`, `global_aux_loss_coeff`
+                                  (0 = off; a type repeated in a list keeps its first coefficient,
+                                  as TopKRouter.get_aux_loss_coeff reads it). Every one counts the
+                                  plain top-K of the normalised scores, beside groups and expert
+                                  bias too. MoKMoELayer sums the counts over the TP x CP group
+                                  (aux_loss, seq_aux_loss; --context-parallel-size) or the
+                                  TP x DP x CP group with a running mean over the global batch
+                                  (global_aux_loss), divides the z-loss coefficient by the TP x CP
+                                  size, logs each loss under the stock name, and scales the losses
+                                  for --calculate-per-token-loss as the stock router does.
+  --moe-router-force-load-balancing, --moe-router-force-biased   refused: random logits drawn from
+                                  the CUDA RNG tracker (see `_routing_fields`).
 """
 
 from __future__ import annotations
@@ -60,6 +79,9 @@ MEGATRON_SET = {
     "top_k": "--moe-router-topk",
     "num_shared_experts": "--moe-shared-expert-intermediate-size",
     "shared_ffn_hidden_size": "--moe-shared-expert-intermediate-size",
+    "shared_expert_gate": "--moe-shared-expert-gate",
+    "shared_expert_overlap": "--moe-shared-expert-overlap",
+    "shared_expert_recompute": "--recompute-granularity selective --recompute-modules shared_experts",
     "score_function": "--moe-router-score-function",
     "norm_topk_prob": "--moe-router-pre-softmax",
     "routed_scaling_factor": "--moe-router-topk-scaling-factor",
@@ -67,7 +89,10 @@ MEGATRON_SET = {
     "topk_group": "--moe-router-group-topk",
     "expert_bias": "--moe-router-enable-expert-bias",
     "expert_bias_update_rate": "--moe-router-bias-update-rate",
+    # each the coefficient of its --moe-router-load-balancing-type (aux_loss, seq_aux_loss, global_aux_loss)
     "aux_loss_coeff": "--moe-aux-loss-coeff",
+    "seq_aux_loss_coeff": "--moe-aux-loss-coeff, for seq_aux_loss",
+    "global_aux_loss_coeff": "--moe-aux-loss-coeff, for global_aux_loss",
     "z_loss_coeff": "--moe-z-loss-coeff",
     "capacity_factor": "--moe-expert-capacity-factor",
     "ep_size": "--expert-model-parallel-size",
@@ -95,6 +120,13 @@ REPLACED = (
     "use_fused_weighted_squared_relu",
     # Read only by the TE fused shared expert (--use-grouped-gemm-for-shared-expert), refused below.
     "moe_shared_expert_glu_interleave_size",
+    # The dispatcher adds zero-weight (token, expert) rows so that each expert's row count is a
+    # multiple of the fp8/fp4 GEMM alignment (pad_routing_map); the padded rows' probs are 0, so they
+    # add exact zeros to the output and to every gradient, and routing, the counts for the expert
+    # bias and the aux loss are all taken before the padding. MoK pads its own tiles. Megatron's
+    # config accepts the flag only with --fp8-format / --fp4-format, which MoK refuses (below).
+    "moe_router_padding_for_quantization",
+    "moe_router_padding_for_fp8",  # Megatron's alias of moe_router_padding_for_quantization
 )
 # Expert-MLP implementation switches: replaced where the stock layer computes the same function with
 # them as without, refused by name where it does not (`_expert_fields` says which is which).
@@ -110,8 +142,6 @@ REPLACED_WHERE_SAME = (
 # field -> (is it set in a way MoK cannot honour?, why)
 _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_input_jitter_eps": (lambda v: v not in (None, 0, 0.0), "input jitter is random noise (not deterministic)"),
-    "moe_shared_expert_gate": (bool, "a gated shared expert is not implemented"),
-    "moe_shared_expert_overlap": (bool, "MoK runs the shared expert itself; there is no dispatcher to overlap"),
     "moe_apply_probs_on_input": (
         bool,
         "it scales the expert's input by the routing weight, not its output (a different function through the "
@@ -122,10 +152,33 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
     "overlap_moe_expert_parallel_comm": (bool, "the EP-overlap schedule calls the stock dispatcher's stages"),
     "delay_wgrad_compute": (bool, "MoK computes weight gradients in its own backward"),
-    "moe_router_padding_for_quantization": (bool, "fp8/fp4 padding is not implemented"),
     "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
+    "moe_expert_rank_capacity_factor": (
+        lambda v: v is not None,
+        "a per-rank token budget of the hybridep/ncclep dispatchers (they drop or trap beyond it); MoK is dropless "
+        "unless --moe-expert-capacity-factor is set",
+    ),
+    "moe_pad_experts_for_cuda_graph_inference": (bool, "inference-time capacity padding for CUDA graphs"),
+    "moe_router_topk_limited_devices": (
+        lambda v: v not in (None, 0),
+        "deprecated in Megatron; use --moe-router-num-groups and --moe-router-group-topk",
+    ),
+    "moe_single_grouped_weight": (bool, "TE's single grouped expert weight: its checkpoint keys are not converted"),
+    "moe_single_grouped_bias": (bool, "TE's single grouped expert bias: its checkpoint keys are not converted"),
+    "overlap_dispatch_backward_with_experts_wgrad": (
+        bool,
+        "it overlaps the stock dispatcher's backward with TE's deferred expert weight gradients; MoK computes "
+        "them in its own backward",
+    ),
+    "transformer_impl": (
+        lambda v: v == "inference_optimized",
+        "the inference-optimised MoE layer (its own dispatcher and grouped GEMM backend)",
+    ),
 }
+# --offload-modules names of MoE submodules whose activations Megatron's fine-grained offloading moves
+# to the host (experts.py); MoK has no such submodules, so it would keep them on the device: refused.
+MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 
 
 _FLAGS = {
@@ -134,6 +187,8 @@ _FLAGS = {
     "activation_func": "--swiglu / --quick-geglu / --squared-relu",
     "add_bias_linear": "--disable-bias-linear",
     "bias_activation_fusion": "--no-bias-swiglu-fusion / --no-bias-gelu-fusion",
+    "init_method": "--init-method-std",
+    "output_layer_init_method": "--init-method-std",
 }
 
 
@@ -146,12 +201,48 @@ def _refuse(field: str, value: Any, why: str) -> str:
     return f"{megatron_flag(field)} ({field}={value!r}): not supported by MoK: {why}"
 
 
+# Megatron's load-balancing loss types -> the MoKConfig coefficient that computes each.
+_BALANCING_FIELDS = {
+    "aux_loss": "aux_loss_coeff",
+    "seq_aux_loss": "seq_aux_loss_coeff",
+    "global_aux_loss": "global_aux_loss_coeff",
+}
+_BALANCING_ALLOWED = "allowed: aux_loss, seq_aux_loss, global_aux_loss, none, or a list of these"
+
+
+def _balancing_fields(tc: Any, problems: list[str]) -> dict[str, float]:
+    """MoK's three load-balancing coefficients, read as TopKRouter.get_aux_loss_coeff reads them: a
+    single type takes the single --moe-aux-loss-coeff; in a list each type takes the coefficient at
+    its first position (Megatron never reads a repeated type's later ones); "none" and 0 switch
+    nothing on."""
+    kinds, coeffs = tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff
+    fields = dict.fromkeys(_BALANCING_FIELDS.values(), 0.0)
+    in_list = isinstance(kinds, (list, tuple))
+    if in_list != isinstance(coeffs, (list, tuple)) or (in_list and len(coeffs) != len(kinds)):
+        why = "a list of load-balancing types takes a list of as many coefficients, a single type one coefficient"
+        problems.append(_refuse("moe_aux_loss_coeff", coeffs, why))
+        return fields
+    seen: set[str] = set()
+    for kind, coeff in zip(kinds, coeffs, strict=True) if in_list else [(kinds, coeffs)]:
+        if kind in _BALANCING_FIELDS:
+            if kind not in seen:
+                fields[_BALANCING_FIELDS[kind]] = float(coeff or 0.0)
+            seen.add(kind)
+        elif in_list and kind in ("sinkhorn", "quantile_balancing"):
+            # TopKRouter compares the whole setting with these names, so inside a list they do nothing.
+            why = f"{kind!r} inside a list is ignored by Megatron's router (plain top-k); drop it from the list"
+            problems.append(_refuse("moe_router_load_balancing_type", list(kinds), why))
+        elif kind != "none":
+            problems.append(_refuse("moe_router_load_balancing_type", kind, _BALANCING_ALLOWED))
+    return fields
+
+
 def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
     """MoK routing fields from Megatron's router settings; unsupported choices go to problems."""
     K = tc.moe_router_topk
     score = tc.moe_router_score_function
-    if score not in ("softmax", "sigmoid"):
-        problems.append(_refuse("moe_router_score_function", score, "allowed: softmax, sigmoid"))
+    if score not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        problems.append(_refuse("moe_router_score_function", score, "allowed: softmax, sigmoid, sqrtsoftplus"))
     norm = (not tc.moe_router_pre_softmax) if score == "softmax" else K > 1
     if score == "softmax" and K == 1 and not tc.moe_router_pre_softmax:
         # Megatron refuses this too: a softmax over one logit is always 1.
@@ -163,30 +254,23 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
             _refuse(
                 "moe_router_num_groups",
                 tc.moe_router_num_groups,
-                "group-limited routing needs --moe-router-score-function sigmoid or --moe-router-pre-softmax",
+                "group-limited routing needs --moe-router-score-function sigmoid/sqrtsoftplus or "
+                "--moe-router-pre-softmax",
             )
         )
-    balancing = tc.moe_router_load_balancing_type
-    balancing = list(balancing) if isinstance(balancing, (list, tuple)) else [balancing]
-    coeffs = tc.moe_aux_loss_coeff
-    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(balancing)
-    aux_coeff = 0.0
-    for kind, coeff in zip(balancing, coeffs, strict=False):
-        if kind == "aux_loss":
-            aux_coeff += float(coeff)
-        elif kind != "none":
-            problems.append(_refuse("moe_router_load_balancing_type", kind, "allowed: aux_loss (micro-batch), none"))
-    if aux_coeff > 0 and (tc.moe_router_num_groups or tc.moe_router_enable_expert_bias):
-        # Megatron counts each token's plain top-k for the aux loss (no groups, no bias); MoK counts
-        # the experts actually chosen. Refused rather than silently different.
-        problems.append(
-            _refuse(
-                "moe_aux_loss_coeff",
-                tc.moe_aux_loss_coeff,
-                "the aux loss with group-limited routing or expert bias counts experts differently "
-                "in Megatron; use --moe-router-load-balancing-type none with these",
-            )
-        )
+    # Megatron's RandomSTE draws the logits as N(0, 1) from the CUDA RNG tracker's expert-parallel
+    # stream (seed + 1024 + 100 * EP rank, advancing with every draw; --moe-router-force-biased adds
+    # a bias from the data-parallel stream on top). A token's logits thus depend on the EP rank and
+    # the call order, and ranks of one expert-data-parallel group draw the same noise for different
+    # tokens. A counter-based stream keyed by (seed, step, token, expert) would give each token the
+    # same N(0, 1) marginal but not that joint distribution (shared noise across replicas), so it
+    # would not be the same distribution; the switch is refused. It is a benchmark-only setting.
+    random_logits = "random router logits from the CUDA RNG tracker (per-EP-rank seed, call-order dependent): "
+    random_logits += "not reproducible across topologies; a benchmark-only setting"
+    if getattr(tc, "moe_router_force_load_balancing", False):
+        problems.append(_refuse("moe_router_force_load_balancing", True, random_logits))
+    if getattr(tc, "moe_router_force_biased", None) is not None:
+        problems.append(_refuse("moe_router_force_biased", tc.moe_router_force_biased, random_logits))
     fields: dict[str, Any] = {
         "top_k": K,
         "score_function": score,
@@ -196,13 +280,23 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
         "topk_group": tc.moe_router_group_topk,
         "expert_bias": bool(tc.moe_router_enable_expert_bias),
         "expert_bias_update_rate": float(tc.moe_router_bias_update_rate),
-        "aux_loss_coeff": aux_coeff,
         "z_loss_coeff": float(tc.moe_z_loss_coeff or 0.0),
     }
+    fields.update(_balancing_fields(tc, problems))
+    # With --recompute-modules moe the stock layer's reentrant checkpoint runs the forward without
+    # gradients (no loss, no counts) and takes global_aux_loss in the backward's recomputation. Each
+    # stage runs its micro-batches' backwards in their forward order, so the running counts then hold
+    # the same micro-batches as at MoK's forward (which counts, and restores them in its recomputation).
     return fields
 
 
 def _capacity_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
+    """Token dropping at EP 1 with --moe-token-drop-policy position: each expert keeps its first
+    ceil(T * K / E * factor) tokens in token order, "tokens at the end of each batch dropped" as
+    Megatron documents it. (Megatron's apply_router_token_dropping picks them with torch.topk over
+    the 0/1 routing map, whose order among ties is implementation-defined: on the CPU it can keep a
+    later token over an earlier one; tests/test_megatron.py::test_capacity_matches_stock compares
+    with the stock layer under a position-ordered top-k.) The probs policy is refused."""
     factor = tc.moe_expert_capacity_factor
     if factor is None or factor < 0:
         return {}
@@ -386,6 +480,136 @@ def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> d
     return fields
 
 
+# --- shared experts, recompute, CUDA graphs ---------------------------------------------------------
+
+
+def _recompute_modules(tc: Any) -> set[str]:
+    """--recompute-modules when --recompute-granularity is selective, else empty."""
+    if getattr(tc, "recompute_granularity", None) != "selective":
+        return set()
+    return set(getattr(tc, "recompute_modules", None) or ())
+
+
+def _shared_expert_fields(tc: Any) -> dict[str, Any]:
+    """MoK's shared-expert switches from Megatron's (called only when the layer has shared experts).
+
+    --moe-shared-expert-gate       gate_weight [1, H]; output times sigmoid(x . gate_weight)
+                                   (SharedExpertMLP.forward): `shared_expert_gate`.
+    --moe-shared-expert-overlap    stock: the shared expert runs on a side stream inside the
+                                   dispatcher, a schedule with no effect on the values. MoK: its
+                                   shared experts run on a side stream while the routed experts run,
+                                   bitwise the same as without: `shared_expert_overlap`.
+    --recompute-modules shared_experts   (selective) the shared expert under an activation
+                                   checkpoint: `shared_expert_recompute`. Megatron refuses it with
+                                   the overlap.
+    """
+    return {
+        "shared_expert_gate": bool(tc.moe_shared_expert_gate),
+        "shared_expert_overlap": bool(tc.moe_shared_expert_overlap),
+        "shared_expert_recompute": "shared_experts" in _recompute_modules(tc),
+    }
+
+
+# How each --recompute-modules value that touches the MoE layer is honoured (selective granularity):
+#   moe             the whole MoKMoELayer forward runs under a non-reentrant activation checkpoint
+#                   (megatron/layer.py), as MoELayer does, and not with --cuda-graph-impl local,
+#                   where stock MoELayer does not either.
+#   moe_act         stock: the expert activation is recomputed in the backward instead of saved.
+#                   MoK always does this: both backends save the pre-activation h only and recompute
+#                   A = act(h) in the backward (reference.py; ops.py, in the dgrad epilogue), so
+#                   there is nothing to switch.
+#   shared_experts  `_shared_expert_fields`.
+# --recompute-granularity full recomputes whole transformer layers in Megatron's block, around the
+# layer; MoK's forward is deterministic, so the recomputation gives the same values.
+RECOMPUTE_MODULES_HONOURED = ("moe", "moe_act", "shared_experts")
+
+
+def _module_names(modules: Any) -> set[str]:
+    modules = modules if isinstance(modules, (list, tuple)) else [modules] if modules else []
+    return {str(getattr(module, "name", module)) for module in modules}
+
+
+def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
+    """Why Megatron's CUDA-graph settings cannot run this MoK layer (empty when they can).
+
+    --cuda-graph-modules (--cuda-graph-scope, its deprecated name) moe_router / moe_preprocess,
+    with --cuda-graph-impl local or transformer_engine, capture part of the MoE layer: Megatron
+    calls MoELayer in stages (`intermediate_tensors`, `fwd_execution_map`: route and preprocess
+    in the graph, dispatch and experts eagerly, postprocess) and reads the stock router and token
+    dispatcher (`mlp.router`, the dispatcher's cudagraph_attrs). MoK fuses routing, dispatch,
+    experts and combine and has neither: refused. The other values call the layer as usual:
+    it is captured whole (an empty module list, `moe` (only with pad-to-capacity, which MoK
+    refuses), or --cuda-graph-impl full_iteration) or runs eagerly. A captured layer must not read
+    anything on the host: refused, naming the setting, where MoK would (the exact EP exchange,
+    the reference backend, debug checks).
+    """
+    impl = getattr(tc, "cuda_graph_impl", "none") or "none"
+    if impl == "none":
+        return []
+    modules = _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(
+        getattr(tc, "cuda_graph_scope", None)
+    )
+    problems = []
+    per_layer = impl in ("local", "transformer_engine")
+    partial = sorted(modules & {"moe_router", "moe_preprocess"})
+    if per_layer and partial:
+        problems.append(
+            f"--cuda-graph-modules / --cuda-graph-scope ({', '.join(partial)} with --cuda-graph-impl {impl}): not "
+            "supported by MoK: the partial MoE capture calls the layer in stages (route and preprocess in the graph, "
+            "dispatch and experts outside, through intermediate_tensors) and reads the stock router and token "
+            "dispatcher; MoK runs routing, dispatch, experts and combine as one; capture the whole layer (no "
+            "--cuda-graph-modules) or attn only"
+        )
+    captured = impl == "full_iteration" or (per_layer and (not modules or "moe" in modules))
+    if captured:
+        host_reads = []
+        if derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact":
+            host_reads.append("the exact expert-parallel exchange sizes its buffers on the host (set mok ep_exchange: "
+                              "capacity)")  # fmt: skip
+        if derived.get("backend") == "reference":
+            host_reads.append("the reference backend loops over experts on the host (use backend auto or triton)")
+        if derived.get("debug_checks"):
+            host_reads.append("mok debug_checks read the router logits on the host")
+        if host_reads:
+            problems.append(
+                f"--cuda-graph-impl ({impl}, capturing the MoE layer): not supported by MoK with these settings: "
+                + "; ".join(host_reads)
+            )
+    return problems
+
+
+def normal_init_std(init_method: Any) -> float | None:
+    """The std of a Megatron init callable that draws N(0, std) (init_method_normal,
+    scaled_init_method_normal: partial(torch.nn.init.normal_, mean=0.0, std=...)), else None."""
+    if not (isinstance(init_method, functools.partial) and init_method.func is torch.nn.init.normal_):
+        return None
+    if init_method.args or init_method.keywords.get("mean", 0.0) != 0.0 or set(init_method.keywords) - {"mean", "std"}:
+        return None
+    return float(init_method.keywords.get("std", 1.0))
+
+
+def init_stds(tc: Any) -> tuple[float, float]:
+    """(std of init_method, std of output_layer_init_method): what MoKMoE draws its weights with
+    (router, fc1, shared gate: the first; fc2 of routed and shared experts: the second)."""
+    std = normal_init_std(tc.init_method)
+    out_std = normal_init_std(tc.output_layer_init_method)
+    return (tc.init_method_std if std is None else std), (tc.init_method_std if out_std is None else out_std)
+
+
+def _init_problems(tc: Any) -> list[str]:
+    """MoK draws every weight from N(0, std) (deterministically, the same for any EP size); an init
+    callable of another kind (MuP-scaled ones are normals too) is refused by name."""
+    if not getattr(tc, "perform_initialization", True):
+        return []  # Megatron skips initialisation (the weights come from a checkpoint)
+    problems = []
+    for field in ("init_method", "output_layer_init_method"):
+        if normal_init_std(getattr(tc, field)) is None:
+            why = "MoK draws its weights from N(0, std); this init callable is not one (Megatron's "
+            why += "init_method_normal / scaled_init_method_normal are)"
+            problems.append(_refuse(field, _callable_name(getattr(tc, field)), why))
+    return problems
+
+
 def mok_config_from_megatron(
     tc: Any, overrides: dict[str, Any] | None = None, stock_experts: str | None = None
 ) -> MoKConfig:
@@ -413,6 +637,10 @@ def mok_config_from_megatron(
         value = getattr(tc, field, None)
         if value is not None and is_refused(value):
             problems.append(_refuse(field, value, why))
+    offloaded = sorted(set(getattr(tc, "offload_modules", None) or ()) & set(MOE_OFFLOAD_MODULES))
+    if getattr(tc, "fine_grained_activation_offloading", False) and offloaded:
+        why = "MoK's experts have no such submodules; their activations would stay on the device; drop them"
+        problems.append(_refuse("offload_modules", offloaded, why))
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
     if etp != 1:
         problems.append(_refuse("expert_tensor_parallel_size", etp, "expert tensor parallelism is not implemented"))
@@ -424,6 +652,7 @@ def mok_config_from_megatron(
                 "the MoK layer takes the full hidden state on each rank (TP = 1)",
             )
         )
+    problems += _init_problems(tc)
     if tc.params_dtype not in _DTYPE_NAMES:
         problems.append(_refuse("params_dtype", tc.params_dtype, "allowed: float32, bfloat16, float16"))
 
@@ -442,6 +671,7 @@ def mok_config_from_megatron(
     derived.update(_expert_fields(tc, problems, stock_experts))
     if tc.moe_shared_expert_intermediate_size:
         derived.update(num_shared_experts=1, shared_ffn_hidden_size=tc.moe_shared_expert_intermediate_size)
+        derived.update(_shared_expert_fields(tc))
 
     # What Megatron sets for every MEGATRON_SET field; those it leaves unset keep MoK's defaults
     # (dropless, no shared experts), which an override must not change either.
@@ -462,6 +692,7 @@ def mok_config_from_megatron(
             problems.append(
                 f"mok.{str(key)[:80]}: unknown MoK field; allowed: {', '.join(sorted((*MOK_KNOBS, *MEGATRON_SET)))}"
             )
+    problems.extend(_cuda_graph_problems(tc, derived))
     if problems:
         raise MoKConfigError("cannot run this Megatron MoE layer with MoK:\n  " + "\n  ".join(problems))
     try:

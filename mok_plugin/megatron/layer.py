@@ -7,11 +7,19 @@ over Megatron's expert-parallel group and has no math of its own.
 
 Megatron contracts it keeps:
   - forward(hidden_states [S, B, H], ...) -> (output [S, B, H], None);
-  - the load-balancing loss and z-loss reach the router through `MoEAuxLossAutoScaler` on the
-    output (scaled by Megatron's main-loss backward scale), and are logged like the stock router's;
+  - the load-balancing losses (aux_loss, seq_aux_loss, global_aux_loss) and the z-loss reach the
+    router through `MoEAuxLossAutoScaler` on the output (scaled by Megatron's main-loss backward
+    scale), only in training with gradients on, each logged under the stock router's name and
+    groups; their token counts are summed over the TP x CP group (global_aux_loss: TP x DP x CP,
+    with `reset_global_aux_loss_tracker` for finalize_model_grads), and --calculate-per-token-loss
+    scales them as TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
   - expert parameters carry `allreduce=False` (reduced over expert-data-parallel ranks);
   - with --moe-router-enable-expert-bias, `expert_bias` / `local_tokens_per_expert` sit where
-    Megatron's finalize_model_grads looks for them (it updates the bias once per global batch);
+    Megatron's finalize_model_grads looks for them (it updates the bias once per global batch); the
+    counts are taken when gradients are on and are not persistent, as TopKRouter's;
+  - --recompute-granularity selective --recompute-modules moe recomputes the whole layer in the
+    backward (non-reentrant checkpoint, `_run_mok`), as MoELayer does; moe_act is what MoK's
+    experts always do, shared_experts MoK's `shared_expert_recompute` (config_map.py);
   - state_dict / sharded_state_dict use the stock keys (checkpoint.py);
   - with gradient-accumulation fusion, expert weight gradients are added into `main_grad` (fp32)
     by the backward itself, in expert order, and `grad_added_to_main_grad` is set, as Megatron's
@@ -25,20 +33,19 @@ import functools
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from mok_plugin.config import MoKConfig
-from mok_plugin.layer import MoKMoE
+from mok_plugin.layer import MoKMoE, _group_size
 from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sharded_state_dict
-from mok_plugin.megatron.config_map import mok_config_from_megatron
+from mok_plugin.megatron.config_map import init_stds, mok_config_from_megatron
+from mok_plugin.routing import LOSS_NAMES
 
 try:
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.moe_utils import (
-        MoEAuxLossAutoScaler,
-        get_default_pg_collection,
-        save_to_aux_losses_tracker,
-    )
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
     raise ImportError("mok_plugin.megatron needs megatron-core 0.19 (pip install 'mok_plugin[megatron]')") from error
 
@@ -129,12 +136,30 @@ class MoKMoELayer(MoELayer):
         self.name = name
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         ep_group = pg_collection.ep if self.mok_config.ep_size > 1 else None
-        self.mok = MoKMoE(self.mok_config, ep_group=ep_group, device=device, init_std=config.init_method_std)
+        # The router losses' groups, as TopKRouter's: its tp_cp_group and tp_dp_cp_group.
+        std, output_std = init_stds(config)  # Megatron's init_method, output_layer_init_method
+        self.mok = MoKMoE(
+            self.mok_config, ep_group=ep_group, device=device, init_std=std, output_init_std=output_std,
+            sequence_group=getattr(pg_collection, "tp_cp", None),
+            global_batch_group=getattr(pg_collection, "tp_dp_cp", None),
+        )  # fmt: skip
         if self.mok_config.expert_bias:
             # Megatron's finalize_model_grads updates expert_bias from these counts once per global batch.
+            # Not persistent, as in TopKRouter: checkpoints hold `router.expert_bias` only, so they
+            # load strictly both ways between this layer and the stock one.
             self.mok.register_buffer(
-                "local_tokens_per_expert", torch.zeros(config.num_moe_experts, dtype=torch.float32, device=device)
+                "local_tokens_per_expert",
+                torch.zeros(config.num_moe_experts, dtype=torch.float32, device=device),
+                persistent=False,
             )
+        # --recompute-granularity selective --recompute-modules moe: as MoELayer decides it (with
+        # --cuda-graph-impl local the stock layer leaves it to the transformer layer's partial
+        # graphs, which MoK refuses; so neither recomputes there).
+        self.moe_layer_recompute = (
+            config.recompute_granularity == "selective"
+            and "moe" in (config.recompute_modules or ())
+            and config.cuda_graph_impl != "local"
+        )
         for param in self.mok.experts.parameters():
             param.allreduce = False
         install_state_dict_hooks(self)
@@ -142,6 +167,26 @@ class MoKMoELayer(MoELayer):
     @property
     def expert_bias(self) -> torch.Tensor | None:
         return self.mok.expert_bias
+
+    @property
+    def local_tokens_per_expert(self) -> torch.Tensor | None:
+        """`self.mok`'s counts: finalize_model_grads (`_update_router_expert_bias`,
+        `reset_model_temporary_tensors`) reads them from every module that has `expert_bias`, this
+        layer included. It then also meets `self.mok`, which holds the same two tensors: the
+        bias gets the same update twice over (copied, not added) and the counts are zeroed twice."""
+        return getattr(self.mok, "local_tokens_per_expert", None)
+
+    def _apply(self, fn, recurse=True):
+        # Megatron's Float16Module casts the whole model (.bfloat16() / .half()), floating buffers
+        # included. TopKRouter keeps its expert_bias in fp32 (_maintain_float32_expert_bias, before
+        # every forward, save and load); so does this layer, and its counts too: stock's counter
+        # then holds bf16 and rounds counts above 256, where MoK's fp32 counter stays exact.
+        module = super()._apply(fn, recurse)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buffer = self.mok._buffers.get(name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                self.mok._buffers[name] = buffer.float()
+        return module
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -154,19 +199,67 @@ class MoKMoELayer(MoELayer):
             )
         if intermediate_tensors is not None:
             raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (fine-grained EP overlap)")
-        output, aux_loss = self._run_mok(hidden_states)
-        if self.mok_config.aux_loss_coeff > 0 or self.mok_config.z_loss_coeff > 0:
-            self._log_aux_loss(aux_loss)
-            output = MoEAuxLossAutoScaler.apply(output, aux_loss)
-        if self.mok_config.expert_bias and self.training:
+        output, _ = self._run_mok(hidden_states)
+        if self.training and torch.is_grad_enabled() and self.mok.last_router_losses:
+            # TopKRouter computes and attaches its losses only when training with gradients on.
+            output = self._attach_router_losses(output, hidden_states.shape[0] * hidden_states.shape[1])
+        if self.mok_config.expert_bias and torch.is_grad_enabled():
+            # Counted when gradients are on, as TopKRouter._apply_expert_bias does: not in evaluation,
+            # and once under full recompute (Megatron's reentrant checkpoint runs the first forward
+            # without gradients and the recomputation with). The moe recompute here runs the layer
+            # inside `_run_mok` and this line outside it, so once there too.
             with torch.no_grad():
                 self.mok.local_tokens_per_expert += self.mok.last_tokens_per_expert
         return output, None
 
     def _run_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, aux_loss) of the MoK layer; under --recompute-modules moe while training, through
+        a non-reentrant activation checkpoint: the forward keeps only its input, and the backward
+        runs it again (MoK's forward is deterministic, so bitwise the same values) before its own.
+
+        The recomputation starts from the layer's state as the forward found it (every buffer of
+        `self.mok`: the per-step statistics, the global aux loss's running counts, which later
+        micro-batches may have changed since, and `last_router_losses`) and puts the state back
+        afterwards: it computes the same values, and nothing is counted twice. The expert-bias
+        counts and the router losses are taken in `forward`, outside the checkpoint, once. Early
+        stop is off, so the recomputation always runs the whole forward: under expert parallelism
+        every rank makes the same collective calls in the same order."""
+        if not (self.moe_layer_recompute and self.training and torch.is_grad_enabled()):
+            return self._call_mok(hidden_states)
+        mok = self.mok
+        seen = []  # the state the forward started from: (buffers, last_router_losses)
+
+        def state() -> tuple[dict[str, torch.Tensor], dict | None]:
+            buffers = {name: buffer.clone() for name, buffer in mok.named_buffers()}
+            return buffers, getattr(mok, "last_router_losses", None)
+
+        def put(saved: tuple[dict[str, torch.Tensor], dict | None]) -> None:
+            buffers = dict(mok.named_buffers())
+            with torch.no_grad():
+                for name, value in saved[0].items():
+                    buffers[name].copy_(value)
+            if saved[1] is not None:
+                mok.last_router_losses = saved[1]
+
+        def run(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if not seen:  # the forward
+                seen.append(state())
+                return self._call_mok(hidden_states)
+            now = state()  # the recomputation, in the backward
+            put(seen[0])
+            try:
+                return self._call_mok(hidden_states)
+            finally:
+                put(now)
+
+        # (The context manager, not checkpoint's early_stop argument: torch 2.8 has only the former.)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False)
+
+    def _call_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         experts = self.mok.experts
         if not (self.config.gradient_accumulation_fusion and hasattr(experts.down_proj, "main_grad")):
-            return self.mok(hidden_states)
+            return self.mok(hidden_states, num_sequences=hidden_states.shape[1])
         # Route the expert weights through _MainGradAccumulation for this call only. Biases keep
         # ordinary gradients, as in Megatron's fused linear layers (only the weight's goes to main_grad).
         originals = {name: experts._parameters[name] for name in ("gate_up_proj", "down_proj")}
@@ -175,24 +268,62 @@ class MoKMoELayer(MoELayer):
             for name, param in originals.items():
                 del experts._parameters[name]
                 setattr(experts, name, _MainGradAccumulation.apply(param))
-            return self.mok(hidden_states)
+            return self.mok(hidden_states, num_sequences=hidden_states.shape[1])
         finally:
             for name, param in originals.items():
                 delattr(experts, name)
                 experts._parameters[name] = param
 
-    def _log_aux_loss(self, aux_loss: torch.Tensor) -> None:
-        """Log like the stock router: the load-balancing loss before its coefficient. With a z-loss
-        too, MoK's single router loss (both terms, scaled) is logged as `mok_router_loss`."""
+    def _attach_router_losses(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """`output` carrying MoK's router losses into the backward, scaled and logged as TopKRouter's
+        attach_and_log_load_balancing_loss (each load-balancing loss) and apply_z_loss do.
+
+        With --calculate-per-token-loss Megatron divides every gradient by the global token count,
+        so the router multiplies each loss by its rank's tokens x the TP x CP size (num_tokens: the
+        micro-batch's tokens on this rank, S x B, for every loss, seq_aux_loss included); repeated
+        MTP layers divide the load-balancing losses (not the z-loss) by mtp_num_layers. One
+        `MoEAuxLossAutoScaler` on their sum gives each loss the same gradient as one per loss.
+        """
+        cfg = self.config
+        losses = self.mok.last_router_losses
+        repeats = 1
+        if self.is_mtp_layer and cfg.mtp_use_repeated_layer and cfg.mtp_num_layers is not None:
+            repeats = cfg.mtp_num_layers
+        attached = None
+        for name in LOSS_NAMES:
+            if name in losses:
+                loss = losses[name] if name == "z_loss" or repeats == 1 else losses[name] / repeats
+                attached = loss if attached is None else attached + loss
+        self._log_router_losses(losses, repeats)
+        if cfg.calculate_per_token_loss:
+            attached = attached * (num_tokens * _group_size(self.mok.sequence_group))
+        return MoEAuxLossAutoScaler.apply(output, attached)
+
+    def _log_router_losses(self, losses: dict[str, torch.Tensor], repeats: int) -> None:
+        """Record each loss in Megatron's MoE metrics tracker as the stock router does: the value
+        before its coefficient (and per MTP repeat), under the stock name, with the stock groups."""
         if self.layer_number is None:
             return
-        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
-        cfg = self.mok_config
-        if cfg.z_loss_coeff == 0:
-            name, value = "load_balancing_loss", aux_loss.detach() / cfg.aux_loss_coeff
-        else:
-            name, value = "mok_router_loss", aux_loss.detach()
-        save_to_aux_losses_tracker(name, value, self.layer_number, num_layers)
+        cfg, mok_cfg, pg = self.config, self.mok_config, self.pg_collection
+        num_layers = cfg.num_layers + (cfg.mtp_num_layers or 0)
+        layer_number = self.layer_number + cfg.num_layers if self.is_mtp_layer else self.layer_number
+        tracker = get_moe_metrics_tracker()
+        tp_cp, tp_dp_cp = getattr(pg, "tp_cp", None), getattr(pg, "tp_dp_cp", None)
+        # MoK loss -> (stock name, coefficient, reduce_group, needs_dp_avg)
+        balancing = {
+            "aux_loss": ("load_balancing_loss", mok_cfg.aux_loss_coeff, tp_cp, True),
+            "seq_aux_loss": ("seq_load_balancing_loss", mok_cfg.seq_aux_loss_coeff, tp_cp, True),
+            "global_aux_loss": ("global_load_balancing_loss", mok_cfg.global_aux_loss_coeff, tp_dp_cp, False),
+        }
+        for key, (name, coeff, group, dp_avg) in balancing.items():
+            if key in losses:
+                value = losses[key].detach() / repeats / coeff
+                tracker.record(name, value, layer_number, num_layers, reduce_group=group, needs_dp_avg=dp_avg)
+        if "z_loss" in losses:
+            # The z-loss coefficient the loss was taken with: divided by the TP x CP size.
+            coeff = mok_cfg.z_loss_coeff / _group_size(self.mok.sequence_group)
+            value = losses["z_loss"].detach() / repeats / coeff
+            tracker.record("z_loss", value, layer_number, num_layers, avg_group=tp_dp_cp)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return megatron_sharded_state_dict(self, prefix, sharded_offsets, metadata)

@@ -1,0 +1,324 @@
+"""Every Megatron-Core 0.19 setting the MoE layer reads, and what MoK does with it: one table.
+
+Each TransformerConfig field that Megatron's MoE layer (router, dispatcher, experts, shared
+experts, the aux-loss plumbing) reads has exactly one verdict here:
+
+  honoured  MoK computes what the stock layer computes with it (tested against the stock layer:
+            `tests` names the tests).
+  replaced  a choice of how the stock layer computes (kernels, fusions, dispatch backends, memory
+            placement) with no effect on its values: MoK's own kernels run instead, and the MoKConfig
+            built with and without the setting is the same (tests/test_megatron_verdicts.py checks it).
+  refused   set to anything but its default, building the layer is an error naming the flag
+            (tests/test_megatron_verdicts.py sets `example` and checks the error names the flag).
+  depends   honoured or replaced in some combinations and refused by name in the others, as the
+            adapter's code says (config_map.py); `tests` names the tests of each side.
+
+tests/test_megatron_verdicts.py fails when the installed Megatron has a `moe_*` field this table
+does not classify, so a new Megatron field cannot be accepted and ignored unnoticed. The table is
+the index; config_map.py holds the mapping and refusals themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["SHARED_FIELDS", "VERDICTS", "Verdict"]
+
+Kind = Literal["honoured", "replaced", "refused", "depends"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    why: str
+    # A non-default value of the field (refused and replaced fields: the checks set it).
+    example: Any = None
+    # "tests/<file>.py::<test>" of the tests against the stock layer (honoured and depends).
+    tests: tuple[str, ...] = ()
+
+
+_ROUTING = "tests/test_megatron_routing.py"
+_OPTIONS = "tests/test_megatron_layer_options.py"
+_FAMILIES = "tests/test_megatron_families.py"
+_LAYER = "tests/test_megatron.py"
+_RECIPES = "tests/test_megatron_recipes.py"
+
+
+def _honoured(why: str, *tests: str) -> Verdict:
+    return Verdict("honoured", why, tests=tests)
+
+
+def _replaced(why: str, example: Any = True) -> Verdict:
+    return Verdict("replaced", why, example=example)
+
+
+def _refused(why: str, example: Any = True) -> Verdict:
+    return Verdict("refused", why, example=example)
+
+
+def _depends(why: str, *tests: str) -> Verdict:
+    return Verdict("depends", why, tests=tests)
+
+
+_DISPATCH = "a stock token-dispatcher choice; MoK's own exchange runs instead, with the same values"
+
+VERDICTS: dict[str, Verdict] = {
+    # --- shape and experts ------------------------------------------------------------------------
+    "num_moe_experts": _honoured("E", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_ffn_hidden_size": _honoured("I of each routed expert", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_layer_freq": _honoured(
+        "which layers are MoE: Megatron's own block spec places MoK's layer where it would place MoELayer",
+        f"{_LAYER}::test_spec_builds_gpt_model_with_mok_layers",
+    ),
+    "moe_shared_expert_intermediate_size": _honoured("the shared expert's size", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_shared_expert_gate": _honoured(
+        "sigmoid(x . gate_weight) times the shared expert's output",
+        f"{_OPTIONS}::test_shared_expert_gate_matches_stock",
+    ),
+    "moe_shared_expert_overlap": _honoured(
+        "a schedule in stock; MoK runs its shared expert on a side stream, bitwise the same as without",
+        f"{_OPTIONS}::test_shared_expert_overlap_is_bitwise_the_same",
+    ),
+    "moe_shared_expert_glu_interleave_size": _replaced(
+        "read only by the TE fused shared expert (--use-grouped-gemm-for-shared-expert, refused)", example=32
+    ),
+    "moe_mlp_glu_interleave_size": _depends(
+        "TEGroupedMLP's fc1 row blocks: reordered in checkpoints; refused where the blocks do not divide I",
+        f"{_FAMILIES}::test_te_grouped_mlp_interleaved_glu_rows_load_and_round_trip",
+    ),
+    "moe_grouped_gemm": _replaced("TEGroupedMLP instead of SequentialMLP: the same function"),
+    "moe_single_grouped_weight": _refused(
+        "TE >= 2.14 stores all experts' fc1/fc2 as one grouped tensor; its checkpoint keys are not converted"
+    ),
+    "moe_single_grouped_bias": _refused("TE >= 2.14's single grouped bias: checkpoint keys not converted"),
+    "moe_apply_probs_on_input": _refused(
+        "the routing weight scales the expert's input (a different function through the activation)"
+    ),
+    "moe_latent_size": _refused("latent projections around the experts are not implemented", example=16),
+    "moe_paged_stash": _replaced("where the stock experts keep activations for the backward (memory only)"),
+    "moe_paged_stash_page_size": _replaced("paged stash memory layout", example=128),
+    "moe_paged_stash_buffer_size_factor_cuda": _replaced("paged stash memory layout", example=1.5),
+    "moe_paged_stash_buffer_size_factor_cpu": _replaced("paged stash memory layout", example=0.5),
+    # --- routing ----------------------------------------------------------------------------------
+    "moe_router_topk": _honoured("K", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_router_score_function": _honoured(
+        "softmax, sigmoid, sqrtsoftplus", f"{_ROUTING}::test_score_functions_match_stock"
+    ),
+    "moe_router_pre_softmax": _honoured("softmax before top-k", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_router_topk_scaling_factor": _honoured("scales the routing weights", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_router_num_groups": _depends(
+        "group-limited routing; refused with post-top-k softmax (Megatron ranks groups by logits there)",
+        f"{_LAYER}::test_matches_stock_layer",
+    ),
+    "moe_router_group_topk": _honoured(
+        "groups per token (with moe_router_num_groups)", f"{_LAYER}::test_matches_stock_layer"
+    ),
+    "moe_router_enable_expert_bias": _honoured(
+        "selection-only bias, updated by finalize_model_grads", f"{_LAYER}::test_matches_stock_layer"
+    ),
+    "moe_router_bias_update_rate": _honoured(
+        "the expert-bias step (Megatron's finalize_model_grads applies it)",
+        f"{_ROUTING}::test_finalize_updates_the_expert_bias_as_stock",
+    ),
+    "moe_router_dtype": _replaced(
+        "stock routes in this dtype; MoK always routes in fp64 rounded to fp32 (batch-invariant)", example="fp64"
+    ),
+    "moe_router_fusion": _replaced("TE's fused top-k: the same routing"),
+    "moe_router_load_balancing_type": _depends(
+        "aux_loss, seq_aux_loss, global_aux_loss, none and lists of these honoured; sinkhorn, quantile_balancing "
+        "refused",
+        f"{_ROUTING}::test_balancing_losses_match_stock",
+    ),
+    "moe_aux_loss_coeff": _honoured(
+        "each load-balancing loss's coefficient", f"{_ROUTING}::test_balancing_losses_match_stock"
+    ),
+    "moe_z_loss_coeff": _honoured("the router z-loss", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_router_quantile_balancing_ema": _replaced(
+        "read only by the quantile_balancing load-balancing type, which is refused", example=0.5
+    ),
+    "moe_router_force_load_balancing": _honoured(
+        "random N(0, 1) logits with a straight-through gradient, drawn from MoK's counter-based stream",
+        f"{_ROUTING}::test_force_load_balancing",
+    ),
+    "moe_router_force_biased": _refused("a random logit bias from the CUDA RNG tracker (benchmark only)", example=0.1),
+    "moe_router_topk_limited_devices": _refused(
+        "deprecated in Megatron for moe_router_num_groups / moe_router_group_topk", example=2
+    ),
+    "moe_input_jitter_eps": _refused("multiplicative input noise from the CUDA RNG (not reproducible)", example=0.01),
+    "moe_enable_routing_replay": _refused("routing replay (recorded expert choices) is not implemented"),
+    "moe_router_padding_for_quantization": _replaced(
+        "zero-weight rows padding each expert to the fp8/fp4 GEMM alignment: no effect on the values"
+    ),
+    "moe_router_padding_for_fp8": _replaced("the alias of moe_router_padding_for_quantization"),
+    "moe_per_layer_logging": _honoured(
+        "per-layer aux/z-loss logging: MoK logs through the same tracker",
+        f"{_ROUTING}::test_losses_are_logged_as_stock",
+    ),
+    "moe_grad_scale_func": _honoured(
+        "the schedule's aux-loss gradient scale: MoK attaches its losses through MoEAuxLossAutoScaler, which it sets",
+        f"{_ROUTING}::test_balancing_losses_match_stock",
+    ),
+    # --- capacity and dropping ----------------------------------------------------------------------
+    "moe_expert_capacity_factor": _depends(
+        "token dropping per expert; refused with expert parallelism (MoK counts the global batch)",
+        f"{_LAYER}::test_capacity_matches_stock",
+    ),
+    "moe_token_drop_policy": _depends(
+        "position honoured as documented (each expert keeps its first tokens); probs refused",
+        f"{_LAYER}::test_capacity_matches_stock",
+    ),
+    "moe_pad_expert_input_to_capacity": _refused("capacity padding of the expert input is not implemented"),
+    "moe_token_dropping": _replaced("unused by Megatron 0.19 ('should remain False')"),
+    "moe_expert_rank_capacity_factor": _refused(
+        "a per-rank token budget of the hybridep/ncclep dispatchers (drops or traps): not implemented", example=1.5
+    ),
+    "moe_pad_experts_for_cuda_graph_inference": _refused("inference-time padding for CUDA graphs is not implemented"),
+    # --- dispatch backends -------------------------------------------------------------------------------
+    "moe_token_dispatcher_type": _replaced(_DISPATCH, example="alltoall"),
+    "moe_enable_deepep": _replaced(_DISPATCH),
+    "moe_flex_dispatcher_backend": _replaced(_DISPATCH, example="hybridep"),
+    "moe_permute_fusion": _replaced("TE's fused permutation: the same rows"),
+    "moe_permute_fusion_into_hybridep": _replaced(_DISPATCH),
+    "moe_hybridep_pad_uneven_dispatch_inputs": _replaced(_DISPATCH),
+    "moe_flex_dispatcher_num_sms": _replaced(_DISPATCH, example=16),
+    "moe_deepep_num_sms": _replaced(_DISPATCH, example=16),
+    "moe_hybridep_num_sms": _replaced(_DISPATCH, example=16),
+    "moe_hybridep_num_blocks_permute": _replaced(_DISPATCH, example=4),
+    "moe_hybridep_num_blocks_unpermute": _replaced(_DISPATCH, example=4),
+    "moe_hybridep_num_sms_preprocessing": _replaced(_DISPATCH, example=16),
+    "moe_ncclep_static_shape": _replaced(_DISPATCH),
+    "moe_ncclep_zero_copy": _replaced(_DISPATCH),
+    # --- memory, recompute -------------------------------------------------------------------------
+    "moe_layer_recompute": _honoured(
+        "the whole layer recomputed in the backward (as --recompute-modules moe)",
+        f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
+    ),
+}
+
+# The fields outside the moe_* prefix that the MoE layer reads: the test requires a verdict for each.
+SHARED_VERDICTS: dict[str, Verdict] = {
+    "hidden_size": _honoured("H", f"{_LAYER}::test_matches_stock_layer"),
+    "ffn_hidden_size": _honoured("I when moe_ffn_hidden_size is unset", f"{_LAYER}::test_matches_stock_layer"),
+    "params_dtype": _depends("fp32, bf16, fp16 honoured; others refused", f"{_LAYER}::test_matches_stock_layer"),
+    "init_method_std": _honoured("the init of MoK's parameters", f"{_LAYER}::test_init_std_follows_megatron"),
+    "use_cpu_initialization": _honoured("parameters built on the CPU", f"{_LAYER}::test_matches_stock_layer"),
+    "gated_linear_unit": _honoured("glu or mlp experts", f"{_FAMILIES}::test_family_matches_stock_layer"),
+    "activation_func": _depends(
+        "silu, gelu, relu, quick-gelu, squared relu, tanh gelu; others refused",
+        f"{_FAMILIES}::test_family_matches_stock_layer",
+    ),
+    "add_bias_linear": _honoured("fc1, fc2 and router biases", f"{_FAMILIES}::test_family_matches_stock_layer"),
+    "activation_func_clamp_value": _honoured("GPT-OSS's clamp", f"{_FAMILIES}::test_family_matches_stock_layer"),
+    "glu_linear_offset": _honoured("GPT-OSS's linear offset", f"{_FAMILIES}::test_family_matches_stock_layer"),
+    "bias_activation_fusion": _depends(
+        "replaced where the fused path is the same function, refused where not",
+        f"{_FAMILIES}::test_fusions_with_the_same_function_are_accepted",
+    ),
+    "use_te_activation_func": _depends(
+        "replaced for plain SwiGLU, refused otherwise", f"{_FAMILIES}::test_fusions_with_the_same_function_are_accepted"
+    ),
+    "use_transformer_engine_op_fuser": _depends(
+        "replaced where TE's fused MLP is the same function",
+        f"{_FAMILIES}::test_fusions_with_the_same_function_are_accepted",
+    ),
+    "activation_func_fp8_input_store": _depends(
+        "refused with the fused SwiGLU (fp8 input kept for the backward)",
+        f"{_FAMILIES}::test_fusions_with_the_same_function_are_accepted",
+    ),
+    "use_fused_weighted_squared_relu": _replaced("TEGroupedMLP's fused relu(h)^2 * probs: the same function"),
+    "use_grouped_gemm_for_shared_expert": _depends(
+        "refused with a shared expert (TE's fused shared expert)",
+        f"{_FAMILIES}::test_fusions_with_the_same_function_are_accepted",
+    ),
+    "gradient_accumulation_fusion": _honoured(
+        "weight gradients added into main_grad in fp32",
+        f"{_LAYER}::test_expert_params_are_marked_and_main_grad_accumulates",
+    ),
+    "calculate_per_token_loss": _honoured(
+        "aux and z-loss scaling", f"{_ROUTING}::test_per_token_loss_scaling_matches_stock"
+    ),
+    "recompute_granularity": _depends(
+        "selective: see recompute_modules; full: Megatron recomputes around the layer",
+        f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
+    ),
+    "recompute_modules": _honoured(
+        "moe (the layer), moe_act (MoK's default: A is always recomputed), shared_experts; the others are "
+        "outside the MoE layer",
+        f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
+    ),
+    "cuda_graph_impl": _depends(
+        "whole-layer capture honoured; partial MoE scopes refused",
+        f"{_OPTIONS}::test_cuda_graph_settings_refused_by_name",
+    ),
+    "cuda_graph_modules": _depends(
+        "moe_router / moe_preprocess refused", f"{_OPTIONS}::test_cuda_graph_settings_refused_by_name"
+    ),
+    "fp8": _refused("MoK's kernels are bf16/fp16/fp32", example="e4m3"),
+    "fp4": _refused("MoK's kernels are bf16/fp16/fp32", example="e2m1"),
+    "overlap_moe_expert_parallel_comm": _refused("the EP-overlap schedule (issue 23)"),
+    "delay_wgrad_compute": _refused("MoK computes weight gradients in its own backward (issue 23)"),
+    "tensor_model_parallel_size": _refused("the MoK layer takes the full hidden state (TP 1; issue 23)", example=2),
+    "expert_tensor_parallel_size": _refused("expert tensor parallelism is not implemented", example=2),
+    "expert_model_parallel_size": _honoured(
+        "MoK's EP size over Megatron's EP group", f"{_LAYER}::test_expert_parallel_two_processes_matches_one"
+    ),
+    "context_parallel_size": _honoured(
+        "aux-loss statistics reduced over TP x CP", f"{_ROUTING}::test_context_parallel_reduces_aux_statistics"
+    ),
+    "pipeline_model_parallel_size": _honoured(
+        "each stage builds its own layers; the layer is unchanged", f"{_RECIPES}::test_recipe_layout_verdict"
+    ),
+    "sequence_parallel": _depends(
+        "no effect at TP 1; TP > 1 is refused (issue 23)", f"{_RECIPES}::test_recipe_layout_verdict"
+    ),
+    "num_layers": _honoured("the aux-loss tracker's layer count", f"{_ROUTING}::test_losses_are_logged_as_stock"),
+    "mtp_num_layers": _honoured(
+        "MTP layers in the aux-loss tracker's layer count", f"{_ROUTING}::test_losses_are_logged_as_stock"
+    ),
+    "mtp_use_repeated_layer": _depends("the aux loss of a repeated MTP layer", f"{_ROUTING}::test_repeated_mtp_layer"),
+    "init_method": _depends(
+        "MoK draws N(0, init_method_std) (Megatron's default init_method_normal); another init_method is refused",
+        f"{_LAYER}::test_init_std_follows_megatron",
+    ),
+    "output_layer_init_method": _depends(
+        "fc2 drawn with N(0, init_method_std / sqrt(2 num_layers)) (Megatron's default); another is refused",
+        f"{_LAYER}::test_init_std_follows_megatron",
+    ),
+    "perform_initialization": _honoured(
+        "MoK initialises its parameters (it has no lazy init)", f"{_LAYER}::test_init_std_follows_megatron"
+    ),
+    "bias_dropout_fusion": _replaced(
+        "the transformer layer's bias-dropout-add after the MLP: the MoE layer returns no bias"
+    ),
+    "fp8_recipe": _replaced("read only with fp8, which is refused", example="mxfp8"),
+    "fp4_recipe": _replaced("read only with fp4, which is refused", example="custom"),
+    "transformer_impl": _depends(
+        "transformer_engine and local honoured; inference_optimized refused",
+        "tests/test_megatron_verdicts.py::test_inference_optimized_layer_is_refused",
+    ),
+    "inference_moe_token_dispatcher_type": _replaced(
+        "read only with transformer_impl inference_optimized (refused)", example="nccl"
+    ),
+    "inference_grouped_gemm_backend": _replaced(
+        "read only with transformer_impl inference_optimized (refused)", example="torch"
+    ),
+    "inference_moe_disable_fused_quant_kernels": _replaced(
+        "read only with transformer_impl inference_optimized (refused)"
+    ),
+    "fine_grained_activation_offloading": _depends(
+        "refused when offload_modules names an MoE module (expert_fc1, moe_act, fused_group_mlp)",
+        "tests/test_megatron_verdicts.py::test_moe_activation_offloading_is_refused",
+    ),
+    "offload_modules": _depends(
+        "MoE modules refused (with fine_grained_activation_offloading)",
+        "tests/test_megatron_verdicts.py::test_moe_activation_offloading_is_refused",
+    ),
+    "delay_offload_until_cuda_graph": _replaced("read only by the experts' activation offloading (refused)"),
+    "overlap_dispatch_backward_with_experts_wgrad": _refused(
+        "the stock dispatcher's backward overlap with TE's deferred weight gradients (issue 23)"
+    ),
+}
+
+SHARED_FIELDS = tuple(SHARED_VERDICTS)
+VERDICTS.update(SHARED_VERDICTS)

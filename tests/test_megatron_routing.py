@@ -1,0 +1,360 @@
+"""Megatron-Core 0.19 routing semantics in MoKMoELayer against the stock MoELayer on the CPU (fp32,
+the same weights): the per-sequence and global-batch load-balancing losses, lists of loss types with
+their coefficients (0 included), the aux loss beside expert bias and group-limited routing (counted
+from the plain top-K), the sqrtsoftplus score function (with expert bias), --calculate-per-token-loss,
+each logged loss (name, value, groups), over two micro-batches (the global loss's running counts),
+their reset by finalize_model_grads and its expert-bias update; evaluation attaches nothing.
+Context parallelism 2 and data parallelism 2 in two gloo processes (the TP x CP and TP x DP x CP
+reductions). The flags that map to these fields, and those still refused. Helpers come from
+test_megatron.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import (  # noqa: E402
+    _update_router_expert_bias,
+    reset_model_temporary_tensors,
+)
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
+from megatron.core.transformer.moe import moe_logging  # noqa: E402
+from test_megatron import E, H, _config, _fwd_bwd, _init, megatron_world  # noqa: E402, F401
+
+from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe  # noqa: E402
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.megatron import mok_config_from_megatron, use_mok  # noqa: E402
+from mok_plugin.testing import free_port, make_layer_inputs  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+S, B = 6, 2  # the [S, B, H] micro-batches: 12 tokens
+MICRO_BATCHES = 2  # the global loss averages its counts over the micro-batches of a step
+
+
+@pytest.fixture()
+def cpu_buffers(monkeypatch):
+    """The stock TopKRouter creates its expert-bias and global-loss buffers on
+    torch.cuda.current_device(); on a CPU-only machine they go to the CPU."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """fp32 agreement to about 1e-6 of the tensor's scale (MoK's router runs in fp64, the stock one
+    in fp32: the last bits differ)."""
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(scale, 1e-30), msg=lambda m: f"{name}: {m}")
+
+
+def _build(cfg, expert_bias: torch.Tensor | None = None):
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    stock = spec(config=cfg)
+    make_stock_router_cpu_safe(stock)
+    if expert_bias is not None:
+        stock.router.expert_bias.copy_(expert_bias)
+    mok = use_mok(spec)(config=cfg)
+    mok.load_state_dict(stock.state_dict())
+    for layer in (stock, mok):
+        layer.set_layer_number(1)
+    return stock, mok
+
+
+def _run(layer, steps: int = MICRO_BATCHES, seed: int = 0, s: int = S, b: int = B):
+    """Forward + backward over `steps` micro-batches (gradients accumulate, as in one training step).
+    Returns (outputs, input gradients, parameter gradients under the stock names, the logged
+    metrics {name: (values, reduce_group, avg_group, needs_dp_avg)})."""
+    moe_logging.destroy_moe_metrics_tracker()
+    outs, d_xs = [], []
+    for step in range(steps):
+        x = make_layer_inputs(s * b, H, seed=seed + 10 * step).view(s, b, H)
+        probe = make_layer_inputs(s * b, H, seed=seed + 10 * step + 1).view(s, b, H)
+        out, d_x, grads = _fwd_bwd(layer, x, probe)
+        outs.append(out)
+        d_xs.append(d_x)
+    logged = {
+        name: (entry.values.clone(), entry.reduce_group, entry.avg_group, entry.needs_dp_avg)
+        for name, entry in moe_logging.get_moe_metrics_tracker().metrics.items()
+    }
+    return outs, d_xs, grads, logged
+
+
+def _assert_same(stock, mok, **run) -> dict:
+    want, got = _run(stock, **run), _run(mok, **run)
+    for step in range(len(want[0])):
+        _close(got[0][step], want[0][step], f"output of micro-batch {step}")
+        _close(got[1][step], want[1][step], f"d_x of micro-batch {step}")
+    assert set(got[2]) == set(want[2])
+    for name in want[2]:  # the router weight's gradient holds every loss's
+        _close(got[2][name], want[2][name], f"grad of {name}")
+    assert set(got[3]) == set(want[3]), "logged metrics"
+    for name, (values, reduce_group, avg_group, needs_dp_avg) in want[3].items():
+        _close(got[3][name][0], values, f"logged {name}")
+        assert got[3][name][1:] == (reduce_group, avg_group, needs_dp_avg), f"groups of logged {name}"
+    return want[3]
+
+
+LB = "moe_router_load_balancing_type"
+SIGMOID_GROUPS = dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
+                      moe_router_topk=4)  # fmt: skip
+BALANCING = {
+    # DeepSeek-V2/V3's per-sequence loss: B sequences of S tokens in Megatron's [S, B, H] layout.
+    "seq_aux_loss": {LB: "seq_aux_loss", "moe_aux_loss_coeff": 0.01},
+    # Counts over the global batch: a running mean over the step's two micro-batches.
+    "global_aux_loss": {LB: "global_aux_loss", "moe_aux_loss_coeff": 0.01},
+    "list_of_three_with_z_loss": {LB: ["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                                  "moe_aux_loss_coeff": [0.01, 0.02, 0.005], "moe_z_loss_coeff": 1e-3},
+    # A coefficient of 0 switches its loss off (Megatron then neither computes nor logs it).
+    "list_with_zero_coeff": {LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.0, 0.01]},
+    # Megatron reads a repeated type's first coefficient only.
+    "list_repeated_type": {LB: ["aux_loss", "aux_loss"], "moe_aux_loss_coeff": [0.01, 0.5]},
+    # The aux loss beside group-limited routing counts each token's plain top-K.
+    "sigmoid_groups_aux": {**SIGMOID_GROUPS, LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.01]},
+}  # fmt: skip
+SCORE_FUNCTIONS = {
+    # DeepSeek-V4's sqrt(softplus(x)): normalised over the K chosen, its own aux-loss scores.
+    "sqrtsoftplus": {"moe_router_score_function": "sqrtsoftplus", "moe_router_topk_scaling_factor": 2.0,
+                     "moe_z_loss_coeff": 1e-3},
+    "sqrtsoftplus_top1": {"moe_router_score_function": "sqrtsoftplus", "moe_router_topk": 1},  # not normalised
+}  # fmt: skip
+PER_TOKEN_LOSS = {LB: ["aux_loss", "seq_aux_loss", "global_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.02, 0.005],
+                  "moe_z_loss_coeff": 1e-3, "calculate_per_token_loss": True}  # fmt: skip
+CASES = {**BALANCING, **SCORE_FUNCTIONS, "per_token_loss": PER_TOKEN_LOSS}
+
+
+@pytest.mark.parametrize("case", list(BALANCING))
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_balancing_losses_match_stock(case):
+    stock, mok = _build(_config(**BALANCING[case]))
+    _assert_same(stock, mok)
+
+
+@pytest.mark.parametrize("case", list(SCORE_FUNCTIONS))
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_score_functions_match_stock(case):
+    stock, mok = _build(_config(**SCORE_FUNCTIONS[case]))
+    _assert_same(stock, mok)
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_per_token_loss_scaling_matches_stock():
+    # Every loss times this rank's tokens x the TP x CP size: the router's gradient changes, the
+    # logged values do not.
+    cfg = _config(**PER_TOKEN_LOSS)
+    stock, mok = _build(cfg)
+    _assert_same(stock, mok)
+    _, plain = _build(_config(**{**PER_TOKEN_LOSS, "calculate_per_token_loss": False}))
+    plain.load_state_dict(mok.state_dict())
+    for layer in (plain, mok):
+        layer.zero_grad(set_to_none=True)
+    reset_model_temporary_tensors(cfg, [mok])
+    plain_run, scaled_run = _run(plain), _run(mok)
+    for name, entry in plain_run[3].items():
+        assert torch.equal(entry[0], scaled_run[3][name][0]), name
+    assert torch.equal(plain_run[0][0], scaled_run[0][0])
+    assert not torch.equal(plain_run[2]["router.weight"], scaled_run[2]["router.weight"])
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_losses_are_logged_as_stock():
+    stock, mok = _build(_config(**CASES["list_of_three_with_z_loss"]))
+    logged = _assert_same(stock, mok)  # values and groups as stock's
+    tp_cp = parallel_state.get_tensor_and_context_parallel_group()
+    tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    assert {name: entry[1:] for name, entry in logged.items()} == {
+        "load_balancing_loss": (tp_cp, None, True),
+        "seq_load_balancing_loss": (tp_cp, None, True),
+        "global_load_balancing_loss": (tp_dp_cp, None, False),
+        "z_loss": (None, tp_dp_cp, True),
+    }
+    assert all(entry[0][0] > 0 and entry[0][1] == 0 for entry in logged.values())  # layer 1 of 2
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_repeated_mtp_layer():
+    # A repeated MTP layer runs mtp_num_layers times: its load-balancing losses are divided by that
+    # (in the gradient and the log), its z-loss in the log only; logged after the decoder's layers.
+    cfg = _config(mtp_num_layers=2, mtp_use_repeated_layer=True, moe_z_loss_coeff=1e-3,
+                  **{LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.02]})  # fmt: skip
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    stock = spec(config=cfg, is_mtp_layer=True)
+    make_stock_router_cpu_safe(stock)
+    mok = use_mok(spec)(config=cfg, is_mtp_layer=True)
+    mok.load_state_dict(stock.state_dict())
+    for layer in (stock, mok):
+        layer.set_layer_number(1)
+    logged = _assert_same(stock, mok)
+    assert all(entry[0].nonzero().flatten().tolist() == [cfg.num_layers] for entry in logged.values())
+
+
+# The expert bias changes which experts tokens go to, never the aux loss's counts.
+BIASED = {
+    "sigmoid_bias_aux": dict(moe_router_score_function="sigmoid"),
+    "sqrtsoftplus_bias_groups_seq_global": dict(
+        moe_router_score_function="sqrtsoftplus", moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4,
+        **{LB: ["seq_aux_loss", "global_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.01]},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BIASED))
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_aux_loss_beside_expert_bias_matches_stock(case):
+    cfg = _config(moe_router_enable_expert_bias=True, **BIASED[case])
+    bias = 0.3 * make_layer_inputs(1, E, seed=5)[0]  # large enough to change choices
+    stock, mok = _build(cfg, expert_bias=bias)
+    _assert_same(stock, mok)
+    # Megatron's finalize_model_grads updates the bias from these: the same counts.
+    assert torch.equal(mok.mok.local_tokens_per_expert, stock.router.local_tokens_per_expert)
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_finalize_updates_the_expert_bias_as_stock():
+    # Megatron's finalize_model_grads updates the bias of every module with `expert_bias` from its
+    # `local_tokens_per_expert`, then zeroes the counts.
+    cfg = _config(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    stock, mok = _build(cfg)
+    _assert_same(stock, mok)
+    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    for layer in (stock, mok):
+        _update_router_expert_bias([layer], cfg, tp_dp_cp_group=group)
+        reset_model_temporary_tensors(cfg, [layer])
+    assert stock.router.expert_bias.abs().sum() > 0
+    assert torch.equal(mok.mok.expert_bias, stock.router.expert_bias)
+    assert not mok.mok.local_tokens_per_expert.any()
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_global_counts_reset_by_finalize_and_stay_out_of_checkpoints():
+    cfg = _config(**CASES["global_aux_loss"])
+    stock, mok = _build(cfg)
+    assert set(mok.state_dict()) == set(stock.state_dict())  # the running counts are not persistent
+    _assert_same(stock, mok)
+    assert int(mok.mok.ga_steps) == MICRO_BATCHES
+    assert torch.equal(mok.mok.global_tokens_per_expert.float(), stock.router.global_tokens_per_expert)
+    reset_model_temporary_tensors(cfg, [stock, mok])  # what finalize_model_grads calls after each step
+    assert int(mok.mok.ga_steps) == 0 and not mok.mok.global_tokens_per_expert.any()
+    _assert_same(stock, mok, seed=100)  # the next step starts its own mean
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_evaluation_attaches_and_logs_nothing():
+    cfg = _config(**CASES["list_of_three_with_z_loss"])
+    stock, mok = _build(cfg)
+    for layer in (stock, mok):
+        layer.eval()
+    x = make_layer_inputs(S * B, H, seed=1).view(S, B, H)
+    for layer in (stock, mok):
+        moe_logging.destroy_moe_metrics_tracker()
+        with torch.no_grad():
+            layer(x)
+        assert not moe_logging.get_moe_metrics_tracker().metrics
+    assert int(mok.mok.ga_steps) == 0  # and counted nothing into the global batch
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_bitwise_repeatable_with_every_loss():
+    cfg = _config(**CASES["per_token_loss"])
+    _, mok = _build(cfg)
+    first = _run(mok)
+    reset_model_temporary_tensors(cfg, [mok])
+    second = _run(mok)
+    for a, b in zip(first[0] + first[1], second[0] + second[1], strict=True):
+        assert torch.equal(a, b)
+    for name in first[3]:
+        assert torch.equal(first[3][name][0], second[3][name][0]), name
+
+
+# --- the flags ------------------------------------------------------------------------------------
+
+
+def test_flags_map_to_the_loss_coefficients():
+    mok = mok_config_from_megatron(_config(**CASES["list_of_three_with_z_loss"]))
+    assert (mok.aux_loss_coeff, mok.seq_aux_loss_coeff, mok.global_aux_loss_coeff) == (0.01, 0.02, 0.005)
+    assert mok_config_from_megatron(_config(**CASES["list_repeated_type"])).aux_loss_coeff == 0.01
+    zero = mok_config_from_megatron(_config(**CASES["list_with_zero_coeff"]))
+    assert (zero.aux_loss_coeff, zero.seq_aux_loss_coeff) == (0.0, 0.01)
+    sqrt = mok_config_from_megatron(_config(moe_router_score_function="sqrtsoftplus", moe_router_topk=1))
+    assert sqrt.score_function == "sqrtsoftplus" and not sqrt.norm_topk_prob  # Megatron normalises K > 1 only
+    out_of_bounds = r"mok\.seq_aux_loss_coeff \(--moe-aux-loss-coeff, for seq_aux_loss\)=2000\.0"
+    with pytest.raises(MoKConfigError, match=out_of_bounds):
+        mok_config_from_megatron(_config(**{LB: "seq_aux_loss", "moe_aux_loss_coeff": 2000.0}))
+
+
+def _mismatched_coeffs():
+    cfg = _config(**{LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.01]})
+    cfg.moe_aux_loss_coeff = 0.01  # TransformerConfig checks this at construction only
+    return cfg
+
+
+REFUSED = {
+    "force_biased": (lambda: _config(moe_router_force_biased=0.1), "--moe-router-force-biased"),
+    "sinkhorn": (lambda: _config(**{LB: "sinkhorn", "moe_aux_loss_coeff": 0.0}), "--moe-router-load-balancing-type"),
+    "sinkhorn_in_list": (lambda: _config(**{LB: ["aux_loss", "sinkhorn"], "moe_aux_loss_coeff": [0.01, 0.0]}),
+                         "ignored by Megatron's router"),
+    "mismatched_coeffs": (_mismatched_coeffs, "--moe-aux-loss-coeff"),
+    "softmax_groups_by_logits": (
+        lambda: _config(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4), "--moe-router-num-groups"
+    ),
+}  # fmt: skip
+
+
+def test_force_load_balancing():
+    # Refused, not honoured: Megatron draws N(0, 1) logits from the CUDA RNG tracker's expert-parallel
+    # stream (seeded per EP rank, advancing per draw, shared by expert-data-parallel replicas); a
+    # counter-keyed stream would match each token's marginal, not that joint distribution
+    # (config_map._routing_fields says more).
+    with pytest.raises(MoKConfigError, match="--moe-router-force-load-balancing.*CUDA RNG tracker"):
+        mok_config_from_megatron(_config(moe_router_force_load_balancing=True))
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_routing_settings_name_their_flag(case):
+    make, flag = REFUSED[case]
+    with pytest.raises(MoKConfigError, match=flag):
+        mok_config_from_megatron(make())
+
+
+# --- context parallelism 2 and data parallelism 2, in two gloo processes ------------------------
+
+
+def _parallel_worker(rank: int, world: int, port: int) -> None:
+    """Each layout in turn: every rank checks MoK against the stock layer on its own tokens (the
+    losses' token counts summed over the TP x CP group, or TP x DP x CP for the global loss)."""
+    _init(rank, world, port)  # TP = CP = EP = 1 first, for the process group
+    parallel_state.destroy_model_parallel()
+    try:
+        torch.cuda.current_device = lambda: "cpu"  # the stock router's buffers (see cpu_buffers)
+        losses = {LB: ["aux_loss", "seq_aux_loss", "global_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.02, 0.005],
+                  "moe_z_loss_coeff": 1e-3}  # fmt: skip
+        for cp, per_token in ((2, True), (1, False)):  # CP 2 (DP 1), then DP 2 (CP 1)
+            parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
+            cfg = _config(**losses, context_parallel_size=cp, calculate_per_token_loss=per_token)
+            stock, mok = _build(cfg)
+            assert dist.get_world_size(mok.mok.sequence_group) == cp
+            assert dist.get_world_size(mok.mok.global_batch_group) == world
+            _assert_same(stock, mok, seed=1000 * rank)  # each rank its own tokens (sequence shards)
+            parallel_state.destroy_model_parallel()
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_context_parallel_reduces_aux_statistics():
+    # CP 2, then DP 2 (where TP x CP is one rank and TP x DP x CP two).
+    mp.spawn(_parallel_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+def test_sequence_layout_is_required_for_seq_aux_loss():
+    from mok_plugin import MoKConfig, MoKMoE
+
+    layer = MoKMoE(MoKConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, seq_aux_loss_coeff=0.01))
+    with pytest.raises(ValueError, match="num_sequences"):
+        layer(torch.randn(3, 2, 8))
+    out, aux = layer(torch.randn(3, 2, 8), num_sequences=2)
+    assert set(layer.last_router_losses) == {"seq_aux_loss"} and aux > 0
