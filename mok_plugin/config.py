@@ -67,7 +67,15 @@ REPR_LIMIT = 80
 
 # MoKConfig fields that only MoK has: an adapter's MoK settings (Megatron's --mok-config, DeepSpeed's
 # mok_config or "mok" block) may set them freely; every other field follows the framework's options.
-MOK_KNOBS = ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport", "debug_checks")
+MOK_KNOBS = (
+    "backend",
+    "kernel_variant",
+    "ep_exchange",
+    "ep_capacity_factor",
+    "ep_transport",
+    "debug_checks",
+    "random_seed",
+)
 
 
 def dtype_name(value: Any) -> Any:
@@ -248,6 +256,12 @@ class MoKConfig(BaseModel):
     )
     expert_bias: bool = Field(default=False, description="Aux-loss-free balancing: a bias used only to select.")
     expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=MAX_FACTOR, allow_inf_nan=False)
+    force_load_balancing: bool = Field(
+        default=False,
+        description="Benchmarks (Megatron --moe-router-force-load-balancing): route by random N(0, 1) logits, "
+        "the router's own logits getting their gradient straight through; drawn from MoK's counter-based "
+        "stream (random_seed, layer, call, global token, expert), so a run is bitwise repeatable.",
+    )
     # The three load-balancing losses (routing.py has the formulas): any of them, each with its own
     # coefficient (0 = off), are summed into the layer's aux loss. Each counts the tokens' plain top-K
     # of the normalised scores (no groups, no expert bias), as Megatron-Core does.
@@ -317,6 +331,13 @@ class MoKConfig(BaseModel):
         default="float32", description="The parameters' dtype, by name; a torch.dtype is accepted and stored by name."
     )
     debug_checks: bool = Field(default=False, description="Check router logits for NaN/inf (syncs the host).")
+    random_seed: int = Field(
+        default=0,
+        ge=0,
+        lt=2**63,
+        description="Seed of MoK's counter-based random streams (mok_plugin/random_stream.py), used by the "
+        "random routing options only.",
+    )
 
     def __init__(self, **data: Any) -> None:
         try:

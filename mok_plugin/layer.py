@@ -22,8 +22,9 @@ from torch import nn
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
+from mok_plugin.random_stream import global_token_index, normal
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
-from mok_plugin.routing import MoKRouting, MoKTokenScope, route, update_expert_bias
+from mok_plugin.routing import MoKRouting, MoKTokenScope, route, straight_through, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
 
 __all__ = ["MoKMoE", "MoKExperts", "MoKSharedExperts", "resolve_backend"]
@@ -384,6 +385,10 @@ class MoKMoE(nn.Module):
             self.register_buffer("ga_steps", zeros(()), persistent=False)
         else:
             self.global_tokens_per_expert = self.ga_steps = None
+        # The counter-based random stream of --moe-router-force-load-balancing: this layer's name in
+        # it (MoKMoELayer sets Megatron's layer number) and its calls so far (the stream's step).
+        self.random_stream_layer = 0
+        self.random_calls = 0
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
         self.debug = config.debug_checks or debug_checks_from_env()
@@ -580,6 +585,8 @@ class MoKMoE(nn.Module):
         )
         if debug:
             self._check_finite_logits(router_logits)
+        if cfg.force_load_balancing:
+            router_logits = straight_through(router_logits, self._random_logits(x_TH.shape[0]))
         if cfg.seq_aux_loss_coeff > 0 and num_sequences is None:
             raise ValueError(
                 f"mok.seq_aux_loss_coeff={cfg.seq_aux_loss_coeff} needs the sequences: call the layer with "
@@ -629,6 +636,26 @@ class MoKMoE(nn.Module):
         if self.global_tokens_per_expert is not None:
             self.global_tokens_per_expert.zero_()
             self.ga_steps.zero_()
+
+    def _random_logits(self, num_tokens: int) -> torch.Tensor:
+        """fp64 [T, E] N(0, 1) logits for force_load_balancing: each token's draw keyed by (random_seed,
+        this layer, this call, its index in the global batch, expert), so a run repeats bitwise and
+        every EP size draws the same logits for the same token (Megatron's RandomSTE draws them from
+        the CUDA RNG, per EP rank and call order)."""
+        offset = 0
+        if self.ep_group is not None:
+            if self.config.ep_exchange == "capacity":
+                offset = self.ep_rank * num_tokens  # equal token counts on every rank
+            else:
+                counts = torch.zeros(self.config.ep_size, dtype=torch.int64, device=self._anchor.device)
+                mine = torch.tensor([num_tokens], dtype=torch.int64, device=self._anchor.device)
+                torch.distributed.all_gather_into_tensor(counts, mine, group=self.ep_group)
+                offset = counts[: self.ep_rank].sum()  # stays on the device
+        tokens = global_token_index(num_tokens, offset, device=self._anchor.device)
+        stream = f"force_balance/layer={self.random_stream_layer}"
+        noise = normal(self.config.random_seed, self.random_calls, stream, tokens, self.config.num_experts)
+        self.random_calls += 1
+        return noise.double()
 
     def _check_finite_logits(self, router_logits: torch.Tensor) -> None:
         """Debug check (syncs the host). Under expert parallelism every rank learns which ranks

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
+    "straight_through",
     "LOSS_NAMES",
     "SCORE_FUNCTIONS",
     "MoKRouting",
@@ -82,6 +83,24 @@ class MoKTokenScope:
 
     def global_average(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.float() if self.global_tokens_per_expert is None else self.global_tokens_per_expert(counts)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `replacement`; backward: the gradient goes to `logits` unchanged (Megatron's RandomSTE)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return replacement.to(logits.dtype).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def straight_through(logits: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+    """`replacement`'s values with `logits`' gradient: routing on random logits for benchmarks
+    (--moe-router-force-load-balancing) while the router weight still receives its gradient."""
+    return _StraightThrough.apply(logits, replacement)
 
 
 def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:

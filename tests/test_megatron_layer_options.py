@@ -497,3 +497,26 @@ def test_moe_recompute_under_expert_parallelism_matches_one_process(tmp_path):
             head, rest = key.split(".local_experts.")
             local, tail = rest.split(".", 1)
             assert torch.equal(grad, want[2][f"{head}.local_experts.{rank * E_l + int(local)}.{tail}"]), (rank, key)
+
+
+@pytest.mark.usefixtures("megatron_world")
+@pytest.mark.parametrize("modules", [["expert_fc1"], ["moe_act", "core_attn"], ["core_attn"]])
+def test_moe_activation_offloading_keeps_saved_tensors_in_host_memory(monkeypatch, modules):
+    # --fine-grained-activation-offloading --offload-modules expert_fc1 / moe_act (Kimi-K2's recipe):
+    # every tensor the MoK layer saves for its backward goes through torch's save_on_cpu hooks (host
+    # memory, pinned on a GPU); the same values. Modules outside the MoE layer leave it alone.
+    entered = []
+    original = torch.autograd.graph.save_on_cpu
+
+    def counting(*args, **kwargs):
+        entered.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", counting)
+    base = _mok(_config(**SHARED))
+    offloaded = _mok(_config(**SHARED, fine_grained_activation_offloading=True, offload_modules=modules), base)
+    x, probe = _inputs()
+    _assert_bitwise(_fwd_bwd(offloaded, x, probe), _fwd_bwd(base, x, probe))
+    moe_modules = {"expert_fc1", "moe_act"} & set(modules)
+    assert offloaded.offload_activations == bool(moe_modules)
+    assert entered == ([{"pin_memory": False}] if moe_modules else [])

@@ -24,6 +24,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noq
 from megatron.core.transformer.moe import moe_logging  # noqa: E402
 from test_megatron import E, H, _config, _fwd_bwd, _init, megatron_world  # noqa: E402, F401
 
+from mok_plugin import random_stream  # noqa: E402
 from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import mok_config_from_megatron, use_mok  # noqa: E402
@@ -301,13 +302,46 @@ REFUSED = {
 }  # fmt: skip
 
 
-def test_force_load_balancing():
-    # Refused, not honoured: Megatron draws N(0, 1) logits from the CUDA RNG tracker's expert-parallel
-    # stream (seeded per EP rank, advancing per draw, shared by expert-data-parallel replicas); a
-    # counter-keyed stream would match each token's marginal, not that joint distribution
-    # (config_map._routing_fields says more).
-    with pytest.raises(MoKConfigError, match="--moe-router-force-load-balancing.*CUDA RNG tracker"):
-        mok_config_from_megatron(_config(moe_router_force_load_balancing=True))
+def _mok_random_logits(layer_number: int, call: int, num_tokens: int) -> torch.Tensor:
+    """The N(0, 1) logits MoK's layer `layer_number` routes by in its `call`-th forward (seed 0)."""
+    tokens = random_stream.global_token_index(num_tokens, 0)
+    return random_stream.normal(0, call, f"force_balance/layer={layer_number}", tokens, E)
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_force_load_balancing(monkeypatch):
+    # Megatron's RandomSTE routes by N(0, 1) logits from the CUDA RNG with the gradient straight
+    # through; MoK draws them from its counter-based stream. With the stock layer given MoK's draws,
+    # everything else (routing on them, the straight-through router gradient, the losses) matches.
+    from megatron.core.transformer.moe import moe_utils
+
+    calls = []
+
+    def mok_draws(ctx, logits):
+        calls.append(1)
+        rows = logits.reshape(-1, E).shape[0]  # [S, B, E]: token s * B + b, as MoK flattens [S, B, H]
+        return _mok_random_logits(1, len(calls) - 1, rows).to(logits.dtype).view(logits.shape)
+
+    monkeypatch.setattr(moe_utils.RandomSTE, "forward", staticmethod(mok_draws))
+    cfg = _config(moe_router_force_load_balancing=True, moe_z_loss_coeff=1e-3)
+    stock, mok = _build(cfg)
+    _assert_same(stock, mok)
+    assert len(calls) == MICRO_BATCHES and mok.mok.random_calls == MICRO_BATCHES
+    # Repeatable: a second layer from the same weights routes its first calls by the same logits.
+    again = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
+    again.load_state_dict(mok.state_dict())
+    again.set_layer_number(1)
+    x = make_layer_inputs(S * B, H, seed=0).view(S, B, H)
+    first = _fwd_bwd(again, x, x)
+    again.mok.random_calls = 0
+    assert all(torch.equal(a, b) for a, b in zip(first[:2], _fwd_bwd(again, x, x)[:2], strict=True))
+    # Balanced: over many tokens every expert gets about T * K / E of them.
+    counts = torch.zeros(E)
+    for token_block in range(4):
+        noise = _mok_random_logits(1, token_block, 4096)
+        counts += torch.bincount(noise.topk(2, dim=-1).indices.flatten(), minlength=E)
+    expected = 4 * 4096 * 2 / E
+    assert ((counts - expected).abs() / expected).max() < 0.05, counts
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

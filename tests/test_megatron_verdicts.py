@@ -91,15 +91,6 @@ def test_honoured_settings_name_existing_tests(field):
         assert name in _test_names(REPO / file), f"{field}: {ref} does not exist"
 
 
-def test_moe_activation_offloading_is_refused():
-    tc = _with("fine_grained_activation_offloading", True)
-    object.__setattr__(tc, "offload_modules", ["core_attn", "moe_act", "expert_fc1"])
-    with pytest.raises(MoKConfigError, match=r"--offload-modules \(offload_modules=\['expert_fc1', 'moe_act'\]\)"):
-        mok_config_from_megatron(tc)
-    object.__setattr__(tc, "offload_modules", ["core_attn", "attn_proj"])  # outside the MoE layer
-    assert mok_config_from_megatron(tc) == mok_config_from_megatron(_config())
-
-
 def test_inference_optimized_layer_is_refused():
     with pytest.raises(MoKConfigError, match="--transformer-impl"):
         mok_config_from_megatron(_with("transformer_impl", "inference_optimized"))

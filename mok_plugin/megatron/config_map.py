@@ -50,8 +50,9 @@ Routing semantics, matched to Megatron-Core 0.19's TopKRouter (router.py, moe_ut
                                   (global_aux_loss), divides the z-loss coefficient by the TP x CP
                                   size, logs each loss under the stock name, and scales the losses
                                   for --calculate-per-token-loss as the stock router does.
-  --moe-router-force-load-balancing, --moe-router-force-biased   refused: random logits drawn from
-                                  the CUDA RNG tracker (see `_routing_fields`).
+  --moe-router-force-load-balancing   routing by N(0, 1) logits with the gradient straight through,
+                                  from MoK's counter-based stream (`_routing_fields` says how it
+                                  differs); --moe-router-force-biased refused.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ MEGATRON_SET = {
     "topk_group": "--moe-router-group-topk",
     "expert_bias": "--moe-router-enable-expert-bias",
     "expert_bias_update_rate": "--moe-router-bias-update-rate",
+    "force_load_balancing": "--moe-router-force-load-balancing",
     # each the coefficient of its --moe-router-load-balancing-type (aux_loss, seq_aux_loss, global_aux_loss)
     "aux_loss_coeff": "--moe-aux-loss-coeff",
     "seq_aux_loss_coeff": "--moe-aux-loss-coeff, for seq_aux_loss",
@@ -177,7 +179,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     ),
 }
 # --offload-modules names of MoE submodules whose activations Megatron's fine-grained offloading moves
-# to the host (experts.py); MoK has no such submodules, so it would keep them on the device: refused.
+# to the host (experts.py). MoK has no such submodules: MoKMoELayer keeps every tensor its layer saves
+# for the backward in host memory instead (torch.autograd.graph.save_on_cpu), the same values.
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 
 
@@ -258,19 +261,17 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
                 "--moe-router-pre-softmax",
             )
         )
-    # Megatron's RandomSTE draws the logits as N(0, 1) from the CUDA RNG tracker's expert-parallel
-    # stream (seed + 1024 + 100 * EP rank, advancing with every draw; --moe-router-force-biased adds
-    # a bias from the data-parallel stream on top). A token's logits thus depend on the EP rank and
-    # the call order, and ranks of one expert-data-parallel group draw the same noise for different
-    # tokens. A counter-based stream keyed by (seed, step, token, expert) would give each token the
-    # same N(0, 1) marginal but not that joint distribution (shared noise across replicas), so it
-    # would not be the same distribution; the switch is refused. It is a benchmark-only setting.
-    random_logits = "random router logits from the CUDA RNG tracker (per-EP-rank seed, call-order dependent): "
-    random_logits += "not reproducible across topologies; a benchmark-only setting"
-    if getattr(tc, "moe_router_force_load_balancing", False):
-        problems.append(_refuse("moe_router_force_load_balancing", True, random_logits))
+    # --moe-router-force-load-balancing: Megatron's RandomSTE routes by N(0, 1) logits from the CUDA
+    # RNG tracker's expert-parallel stream (seed + 1024 + 100 * EP rank, advancing per draw) with the
+    # gradient passed straight through to the real logits. MoK draws the same N(0, 1), i.i.d. per
+    # token and expert, from its counter-based stream keyed by (mok.random_seed, layer, call, global
+    # token, expert), so a run is bitwise repeatable and the same for every EP size; the values are
+    # not Megatron's (the CUDA RNG's), and replicas outside the EP group draw alike (as in Megatron,
+    # where expert-data-parallel replicas share the tracker's stream). --moe-router-force-biased
+    # adds a bias from the data-parallel stream on top: refused.
     if getattr(tc, "moe_router_force_biased", None) is not None:
-        problems.append(_refuse("moe_router_force_biased", tc.moe_router_force_biased, random_logits))
+        why = "a random logit bias from the CUDA RNG tracker (benchmarks only)"
+        problems.append(_refuse("moe_router_force_biased", tc.moe_router_force_biased, why))
     fields: dict[str, Any] = {
         "top_k": K,
         "score_function": score,
@@ -281,6 +282,7 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
         "expert_bias": bool(tc.moe_router_enable_expert_bias),
         "expert_bias_update_rate": float(tc.moe_router_bias_update_rate),
         "z_loss_coeff": float(tc.moe_z_loss_coeff or 0.0),
+        "force_load_balancing": bool(getattr(tc, "moe_router_force_load_balancing", False)),
     }
     fields.update(_balancing_fields(tc, problems))
     # With --recompute-modules moe the stock layer's reentrant checkpoint runs the forward without
@@ -637,10 +639,6 @@ def mok_config_from_megatron(
         value = getattr(tc, field, None)
         if value is not None and is_refused(value):
             problems.append(_refuse(field, value, why))
-    offloaded = sorted(set(getattr(tc, "offload_modules", None) or ()) & set(MOE_OFFLOAD_MODULES))
-    if getattr(tc, "fine_grained_activation_offloading", False) and offloaded:
-        why = "MoK's experts have no such submodules; their activations would stay on the device; drop them"
-        problems.append(_refuse("offload_modules", offloaded, why))
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
     if etp != 1:
         problems.append(_refuse("expert_tensor_parallel_size", etp, "expert tensor parallelism is not implemented"))

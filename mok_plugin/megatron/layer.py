@@ -38,7 +38,7 @@ import torch.utils.checkpoint
 from mok_plugin.config import MoKConfig
 from mok_plugin.layer import MoKMoE, _group_size
 from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sharded_state_dict
-from mok_plugin.megatron.config_map import init_stds, mok_config_from_megatron
+from mok_plugin.megatron.config_map import MOE_OFFLOAD_MODULES, init_stds, mok_config_from_megatron
 from mok_plugin.routing import LOSS_NAMES
 
 try:
@@ -143,6 +143,11 @@ class MoKMoELayer(MoELayer):
             sequence_group=getattr(pg_collection, "tp_cp", None),
             global_batch_group=getattr(pg_collection, "tp_dp_cp", None),
         )  # fmt: skip
+        self.mok.random_stream_layer = layer_number or 0
+        # --fine-grained-activation-offloading with --offload-modules expert_fc1 / moe_act /
+        # fused_group_mlp: what the layer saves for the backward waits in host memory.
+        offloaded = set(getattr(config, "offload_modules", None) or ()) & set(MOE_OFFLOAD_MODULES)
+        self.offload_activations = bool(getattr(config, "fine_grained_activation_offloading", False) and offloaded)
         if self.mok_config.expert_bias:
             # Megatron's finalize_model_grads updates expert_bias from these counts once per global batch.
             # Not persistent, as in TopKRouter: checkpoints hold `router.expert_bias` only, so they
@@ -190,6 +195,7 @@ class MoKMoELayer(MoELayer):
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
+        self.mok.random_stream_layer = layer_number
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         """(output [S, B, H], None). Raises NotImplementedError for padding masks (packed sequences)."""
@@ -229,17 +235,18 @@ class MoKMoELayer(MoELayer):
         mok = self.mok
         seen = []  # the state the forward started from: (buffers, last_router_losses)
 
-        def state() -> tuple[dict[str, torch.Tensor], dict | None]:
+        def state() -> tuple[dict[str, torch.Tensor], dict | None, int]:
             buffers = {name: buffer.clone() for name, buffer in mok.named_buffers()}
-            return buffers, getattr(mok, "last_router_losses", None)
+            return buffers, getattr(mok, "last_router_losses", None), mok.random_calls
 
-        def put(saved: tuple[dict[str, torch.Tensor], dict | None]) -> None:
+        def put(saved: tuple[dict[str, torch.Tensor], dict | None, int]) -> None:
             buffers = dict(mok.named_buffers())
             with torch.no_grad():
                 for name, value in saved[0].items():
                     buffers[name].copy_(value)
             if saved[1] is not None:
                 mok.last_router_losses = saved[1]
+            mok.random_calls = saved[2]  # the same random logits in the recomputation
 
         def run(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if not seen:  # the forward
@@ -257,6 +264,12 @@ class MoKMoELayer(MoELayer):
             return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False)
 
     def _call_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.offload_activations:
+            return self._call_mok_on_device(hidden_states)
+        with torch.autograd.graph.save_on_cpu(pin_memory=hidden_states.is_cuda):
+            return self._call_mok_on_device(hidden_states)
+
+    def _call_mok_on_device(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         experts = self.mok.experts
         if not (self.config.gradient_accumulation_fusion and hasattr(experts.down_proj, "main_grad")):
             return self.mok(hidden_states, num_sequences=hidden_states.shape[1])

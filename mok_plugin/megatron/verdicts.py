@@ -138,7 +138,8 @@ VERDICTS: dict[str, Verdict] = {
         "read only by the quantile_balancing load-balancing type, which is refused", example=0.5
     ),
     "moe_router_force_load_balancing": _honoured(
-        "random N(0, 1) logits with a straight-through gradient, drawn from MoK's counter-based stream",
+        "random N(0, 1) logits with a straight-through gradient, drawn from MoK's counter-based stream (the "
+        "distribution, not the CUDA RNG's values)",
         f"{_ROUTING}::test_force_load_balancing",
     ),
     "moe_router_force_biased": _refused("a random logit bias from the CUDA RNG tracker (benchmark only)", example=0.1),
@@ -306,15 +307,16 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     "inference_moe_disable_fused_quant_kernels": _replaced(
         "read only with transformer_impl inference_optimized (refused)"
     ),
-    "fine_grained_activation_offloading": _depends(
-        "refused when offload_modules names an MoE module (expert_fc1, moe_act, fused_group_mlp)",
-        "tests/test_megatron_verdicts.py::test_moe_activation_offloading_is_refused",
+    "fine_grained_activation_offloading": _honoured(
+        "with offload_modules naming an MoE module (expert_fc1, moe_act, fused_group_mlp): what MoK's layer saves "
+        "for the backward waits in host memory (torch's save_on_cpu)",
+        f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
     ),
-    "offload_modules": _depends(
-        "MoE modules refused (with fine_grained_activation_offloading)",
-        "tests/test_megatron_verdicts.py::test_moe_activation_offloading_is_refused",
+    "offload_modules": _honoured(
+        "expert_fc1, moe_act, fused_group_mlp: see fine_grained_activation_offloading; others are outside the layer",
+        f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
     ),
-    "delay_offload_until_cuda_graph": _replaced("read only by the experts' activation offloading (refused)"),
+    "delay_offload_until_cuda_graph": _replaced("when the stock experts' offloading starts (a schedule choice)"),
     "overlap_dispatch_backward_with_experts_wgrad": _refused(
         "the stock dispatcher's backward overlap with TE's deferred weight gradients (issue 23)"
     ),
