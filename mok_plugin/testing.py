@@ -319,8 +319,11 @@ def oracle_moe(
         logits_all = x @ router_weight.t()
         probs = torch.softmax(logits_all, dim=-1) if score_function == "softmax" else torch.sigmoid(logits_all)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+        # The loss counts each token's plain top-K of these scores (no expert bias, no groups), as
+        # Megatron-Core does: not the experts `topk_ids` chose. Ties: the lower index.
+        plain = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :K].tolist()  # host-ok
         for e in range(E):
-            picked = sum(row.count(e) for row in ids)
+            picked = sum(row.count(e) for row in plain)
             aux = aux + aux_loss_coeff * E * (picked / (T * K)) * probs[:, e].mean()
     if z_loss_coeff > 0:
         aux = aux + z_loss_coeff * torch.stack(lse).square().mean()

@@ -295,3 +295,21 @@ def test_bf16_rank_whose_experts_receive_nothing(rows, variant):
     assert not out.any(), "rows routed nowhere produced output"
     for name, t in (("d_x", x), ("d_w", w), ("d_w13", w13), ("d_w2", w2)):
         assert t.grad is not None and not t.grad.any(), f"{name} is not exactly zero"
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["plain", "gated"])
+def test_shared_expert_overlap_on_a_side_stream_is_bitwise_the_same(gate):
+    # mok.shared_expert_overlap runs the shared expert on a side CUDA stream while the routed experts
+    # run: the same bits as in sequence, forward and backward, and repeatably.
+    T, H, I, E, K = 4096, 2048, 768, 64, 8
+    base = dict(hidden_size=H, ffn_hidden_size=I, num_experts=E, top_k=K, num_shared_experts=1,
+                shared_ffn_hidden_size=2048, shared_expert_gate=gate, params_dtype="bfloat16")  # fmt: skip
+    plain = MoKMoE(MoKConfig(**base), device="cuda", seed=3)
+    overlapped = MoKMoE(MoKConfig(**base, shared_expert_overlap=True), device="cuda", seed=3)
+    x = make_layer_inputs(T, H, dtype=torch.bfloat16, device="cuda", seed=1)
+    probe = make_layer_inputs(T, H, dtype=torch.bfloat16, device="cuda", seed=2)
+    want = _fwd_bwd(plain, x, probe)
+    for _ in range(2):
+        got = _fwd_bwd(overlapped, x, probe)
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
