@@ -104,19 +104,25 @@ def _spec():
     return get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
 
 
-def _stock(cfg: TransformerConfig, seed: int = 0):
-    """The stock layer on the CPU with every parameter random (biases too: MoK's start at zero).
-    Its router's gating is the same GEMM (with the router's bias) on the weight's own device, since
-    Megatron's moves the router to CUDA."""
-    stock = _spec()(config=cfg)
+def make_stock_cpu_and_random(stock, seed: int = 0) -> torch.Generator:
+    """A stock layer made to run on the CPU (its router's gating on the weight's own device, since
+    Megatron's moves the router to CUDA; its fc2 bias trained at EP 1) with every parameter random
+    (biases too: MoK's start at zero). Returns the generator, for more draws in the same stream."""
     make_stock_router_cpu_safe(stock)
-    if cfg.add_bias_linear:
+    if stock.config.add_bias_linear:
         let_stock_fc2_bias_train_at_ep1(stock)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(stock.named_parameters()):
             scale = 0.5 if param.dim() == 1 else param.shape[-1] ** -0.5
             param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return generator
+
+
+def _stock(cfg: TransformerConfig, seed: int = 0):
+    """The stock layer on the CPU with every parameter random (make_stock_cpu_and_random)."""
+    stock = _spec()(config=cfg)
+    make_stock_cpu_and_random(stock, seed)
     return stock
 
 

@@ -47,8 +47,8 @@ from megatron.core.transformer import transformer_config as megatron_transformer
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron_recipes import FFN, LAYOUT_FLAGS, RECIPES, H, Recipe  # noqa: E402
 from test_megatron import _fwd_bwd, assert_same_sharded_layout, megatron_world  # noqa: E402, F401
+from test_megatron_families import make_stock_cpu_and_random  # noqa: E402
 
-from mok_plugin.compare.stock_cpu import let_stock_fc2_bias_train_at_ep1, make_stock_router_cpu_safe  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import MoKMoELayer, mok_config_from_megatron, use_mok  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
@@ -250,14 +250,8 @@ def _stock_layer(recipe: Recipe, seed: int = 0):
     cfg = _stock_twin(recipe)
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):  # the router's expert-bias buffers
         stock = _stock_spec(cfg)(config=cfg)
-    make_stock_router_cpu_safe(stock)
-    if cfg.add_bias_linear:
-        let_stock_fc2_bias_train_at_ep1(stock)
-    generator = torch.Generator().manual_seed(seed)
+    generator = make_stock_cpu_and_random(stock, seed)
     with torch.no_grad():
-        for _, param in sorted(stock.named_parameters()):
-            scale = 0.5 if param.dim() == 1 else param.shape[-1] ** -0.5
-            param.copy_(torch.randn(param.shape, generator=generator) * scale)
         if getattr(stock.router, "expert_bias", None) is not None:
             stock.router.expert_bias.copy_(torch.randn(cfg.num_moe_experts, generator=generator) * 0.1)
     return stock
