@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
-    "straight_through",
     "LOSS_NAMES",
     "SCORE_FUNCTIONS",
     "MoKRouting",
@@ -35,6 +34,7 @@ __all__ = [
     "count_per_expert",
     "route",
     "stable_topk",
+    "straight_through",
     "update_expert_bias",
 ]
 
