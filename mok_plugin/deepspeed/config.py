@@ -7,13 +7,25 @@
         "kernel_variant": "multi_kernel",
         "ep_exchange": "exact",          # exact | capacity
         "ep_capacity_factor": 2.0,
-        "ep_transport": "nccl"
+        "ep_transport": "nccl",
+        "debug_checks": false,
+        "random_seed": 0
     }
 
-DeepSpeed keeps unknown top-level keys without checking them, so this module checks the block
-itself: unknown keys and bad values are errors naming `mok.<key>`. There is no `deterministic` key
-(MoK is always deterministic): passing it, in the block or in the YAML file, is an error that says
-so. The YAML file is checked the same way (its keys must be MoKConfig fields), naming the file.
+The knob keys are exactly MoKConfig's MOK_KNOBS, each with MoKConfig's own type and bounds (the block's
+fields are derived from MoKConfig's field definitions, not repeated here), and the block is as strict
+as MoKConfig: booleans are only true/false (not 1, "yes", "on" or "true"), numbers are not read from
+strings ("2.0"), integers are not floats or booleans, and a knob given as null is an error (leave it
+out to keep the layer's value). DeepSpeed keeps unknown top-level keys without checking them, so this
+module checks the block itself: unknown keys and bad values are errors naming `mok.<key>`. There is
+no `deterministic` key (MoK is always deterministic): passing it, in the block or in the YAML file, is
+an error that says so.
+
+The YAML file is read and checked when the block is (enabled or not), not later when a layer is
+built: a missing or unreadable file, a key that is not a MoKConfig field, or a value of the wrong type
+or out of bounds is an error naming `mok.config` and the file. Checks across fields (for example
+ep_transport='symmetric_memory' needs ep_exchange='capacity') need the layer's other fields and run
+when the layer is built.
 """
 
 from __future__ import annotations
@@ -21,12 +33,13 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from mok_plugin.config import (
-    MAX_FACTOR,
+    MOK_KNOBS,
     REMOVED_FIELDS,
     MoKConfig,
     MoKConfigError,
@@ -38,47 +51,107 @@ from mok_plugin.config import (
 __all__ = ["DeepSpeedMoKSettings", "read_mok_settings"]
 
 
-class DeepSpeedMoKSettings(BaseModel):
-    """The validated `"mok"` block; `knobs()` are the MoKConfig fields it sets."""
+def _unset_by_default(name: str) -> tuple[Any, FieldInfo]:
+    """MoKConfig's field `name` (type, bounds, description) with the default None, meaning "not set":
+    the default is not validated, so an explicit null is checked against the field's type (and refused
+    where MoKConfig refuses it)."""
+    info = MoKConfig.model_fields[name]
+    return info.annotation, FieldInfo.merge_field_infos(info, default=None)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+# Every MoKConfig field, none required, as strict as MoKConfig: checks the values of a YAML file of
+# knobs one by one (MoKConfig's checks across fields need the layer's shape and run at build time).
+_MoKFields = create_model(
+    "_MoKFields",
+    __config__=ConfigDict(extra="forbid", strict=True),
+    **{name: _unset_by_default(name) for name in MoKConfig.model_fields},
+)
+
+
+class _MoKBlock(BaseModel):
+    """`enabled` and `config`; DeepSpeedMoKSettings adds the knobs (MOK_KNOBS) from MoKConfig."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = False
-    config: Path | None = Field(default=None, description="YAML file of MoK knobs (MoKConfig fields).")
-    backend: Literal["auto", "triton", "reference"] | None = None
-    kernel_variant: Literal["megakernel", "multi_kernel"] | None = None
-    ep_exchange: Literal["capacity", "exact"] | None = None
-    ep_capacity_factor: float | None = Field(default=None, gt=0, le=MAX_FACTOR, allow_inf_nan=False)
-    ep_transport: Literal["nccl", "symmetric_memory"] | None = None
+    # Not strict: JSON gives the path as a string (a Path is accepted from Python too).
+    config: Path | None = Field(default=None, strict=False, description="YAML file of MoK knobs (MoKConfig fields).")
+    _file_knobs: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            message = format_validation_error(
+                error, 'invalid "mok" block in the DeepSpeed config', "mok", type(self).model_fields
+            )
+            raise MoKConfigError(message) from None
+
+    @model_validator(mode="after")
+    def _read_the_file(self) -> _MoKBlock:
+        if self.config is not None:
+            try:
+                self._file_knobs = _read_knobs_file(self.config)
+            except MoKConfigError as error:  # one line of the block's report: its own lines indented
+                raise ValueError(str(error).replace("\n", "\n  ")) from None
+        return self
 
     def knobs(self) -> dict[str, Any]:
-        """MoKConfig fields: those of the YAML file, then those set in the block.
-
-        Raises:
-            MoKConfigError: the file cannot be read or parsed, is not a mapping, or holds a key that
-                is not a MoKConfig field (or a removed one); each names `mok.config` and the file.
-        """
-        knobs: dict[str, Any] = {}
-        if self.config is not None:
-            where = f"mok.config={short_repr(str(self.config))}:"
-            if not _exists(self.config):
-                raise MoKConfigError(f"{where} no such file")
-            data = read_yaml(self.config, "mok.config") or {}
-            data = data.get("mok", data) if isinstance(data, dict) else data
-            if not isinstance(data, dict):
-                raise MoKConfigError(f"{where} expected a mapping of MoK knobs, got {type(data).__name__}")
-            problems = [f"mok.{key}: {REMOVED_FIELDS[key]}" for key in data if key in REMOVED_FIELDS]
-            unknown = sorted(str(k) for k in data if k not in MoKConfig.model_fields and k not in REMOVED_FIELDS)
-            if unknown:
-                problems.append(f"unknown MoK fields {short_repr(unknown)}; allowed: {sorted(MoKConfig.model_fields)}")
-            if problems:
-                raise MoKConfigError(f"{where} " + "; ".join(problems))
-            knobs.update(data)
-        for key in ("backend", "kernel_variant", "ep_exchange", "ep_capacity_factor", "ep_transport"):
+        """MoKConfig fields: those of the YAML file (read and checked with the block), then the knobs
+        set in the block."""
+        knobs = dict(self._file_knobs)
+        for key in MOK_KNOBS:
             value = getattr(self, key)
             if value is not None:
                 knobs[key] = value
         return knobs
+
+
+DeepSpeedMoKSettings = create_model(
+    "DeepSpeedMoKSettings",
+    __base__=_MoKBlock,
+    __module__=__name__,
+    __doc__="""The validated `"mok"` block; `knobs()` are the MoKConfig fields it sets.
+
+    Fields: `enabled`, `config` and the knobs MOK_KNOBS, each a MoKConfig field (same type, bounds and
+    strictness) whose default None means "not set".
+
+    Raises:
+        MoKConfigError: an unknown key, a removed one, a value of the wrong type or out of bounds,
+            naming `mok.<key>`; a YAML file that cannot be read or holds a bad knob, naming
+            `mok.config` and the file.
+    """,
+    **{name: _unset_by_default(name) for name in MOK_KNOBS},
+)
+
+
+def _read_knobs_file(path: Path) -> dict[str, Any]:
+    """The MoK knobs of the YAML file `path` (at the top level or under `mok:`), each value checked
+    against its MoKConfig field.
+
+    Raises:
+        MoKConfigError: naming `mok.config` and the file: it is missing or cannot be read or parsed,
+            is not a mapping, holds a key that is not a MoKConfig field (or a removed one), or a value
+            that MoKConfig's field refuses.
+    """
+    where = f"mok.config={short_repr(str(path))}:"
+    if not _exists(path):
+        raise MoKConfigError(f"{where} no such file")
+    data = read_yaml(path, "mok.config") or {}
+    data = data.get("mok", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise MoKConfigError(f"{where} expected a mapping of MoK knobs, got {type(data).__name__}")
+    problems = [f"mok.{key}: {REMOVED_FIELDS[key]}" for key in data if key in REMOVED_FIELDS]
+    unknown = sorted(str(k) for k in data if k not in MoKConfig.model_fields and k not in REMOVED_FIELDS)
+    if unknown:
+        problems.append(f"unknown MoK fields {short_repr(unknown)}; allowed: {sorted(MoKConfig.model_fields)}")
+    if problems:
+        raise MoKConfigError(f"{where} " + "; ".join(problems))
+    try:
+        _MoKFields(**data)
+    except ValidationError as error:
+        raise MoKConfigError(format_validation_error(error, f"{where} invalid MoK knobs", "mok")) from None
+    return dict(data)
 
 
 def _exists(path: Path) -> bool:
@@ -109,10 +182,11 @@ def _as_dict(ds_config: dict | str | Path) -> dict:
 
 
 def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettings:
-    """The `"mok"` block of a DeepSpeed config (disabled when absent).
+    """The `"mok"` block of a DeepSpeed config (disabled when absent), its YAML file read and checked.
 
     Raises:
-        MoKConfigError: an unknown key or a bad value in the block, naming `mok.<key>`.
+        MoKConfigError: an unknown key or a bad value in the block, naming `mok.<key>`; a YAML file
+            that is missing, unreadable or holds a bad knob, naming `mok.config` and the file.
     """
     if ds_config is None:
         return DeepSpeedMoKSettings()
@@ -122,10 +196,4 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     block = config.get("mok", {})
     if not isinstance(block, dict):
         raise MoKConfigError(f"mok: expected an object, got {type(block).__name__}")
-    try:
-        return DeepSpeedMoKSettings(**block)
-    except ValidationError as error:
-        message = format_validation_error(
-            error, 'invalid "mok" block in the DeepSpeed config', "mok", DeepSpeedMoKSettings.model_fields
-        )
-        raise MoKConfigError(message) from None
+    return DeepSpeedMoKSettings(**{str(key): value for key, value in block.items()})
