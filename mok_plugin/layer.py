@@ -389,6 +389,11 @@ class MoKMoE(nn.Module):
         # it (MoKMoELayer sets Megatron's layer number) and its calls so far (the stream's step).
         self.random_stream_layer = 0
         self.random_calls = 0
+        # Extension point: when set, `route` calls routing_fn(x_TH, router.weight, router.bias,
+        # training=self.training) -> MoKRouting instead of routing.route (a framework's own gate, e.g.
+        # mok_plugin.deepspeed.gating.DeepSpeedGate). Its topk_ids may hold -1 (an empty slot, no row)
+        # for pairs it drops on one rank; its topk_weights are 0 for dropped pairs.
+        self.routing_fn = None
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
         self.debug = config.debug_checks or debug_checks_from_env()
@@ -564,7 +569,8 @@ class MoKMoE(nn.Module):
     def route(self, x_TH: torch.Tensor, debug: bool = False, num_sequences: int | None = None) -> MoKRouting:
         """The routing decision for tokens x_TH [T, H]: logits in fp64, then `routing.route`, with
         the token counts of the load-balancing losses summed over `sequence_group` /
-        `global_batch_group` (int64: exact in any order, so the same bits on every rank).
+        `global_batch_group` (int64: exact in any order, so the same bits on every rank); or
+        `self.routing_fn`'s decision when it is set (see __init__; `debug` does not apply then).
 
         Args:
             x_TH: [T, H].
@@ -575,6 +581,8 @@ class MoKMoE(nn.Module):
                 num_sequences, or T not a multiple of it.
         """
         cfg = self.config
+        if self.routing_fn is not None:
+            return self.routing_fn(x_TH, self.router.weight, self.router.bias, training=self.training)
         # A GEMM's result for one row may depend on how many rows share the call (BLAS and cuBLAS
         # pick kernels by shape), which would make routing depend on the batch and on ep_size.
         # Computing in fp64 (and the scores too, in `route`) hides those last-bit differences; a

@@ -12,25 +12,43 @@ fused, its weights placed in MoK's layout; any other runs as itself, one call pe
 expert's rows in order (module_experts.py), around MoK's routing, schedule and combine:
 deterministic and the same for every ep_size, unfused, with a warning (once per layer) naming why.
 
-Routing as DeepSpeed's gates define it: softmax over the experts, top-k; the k weights
-renormalised for k >= 2; `l_aux` unscaled (the caller multiplies by its coefficient):
-E * sum_e mean_t(p_te) * count_e / (k T) — DeepSpeed's top-1 and top-k (k >= 3) formula; for k = 2
-DeepSpeed counts first choices only, MoK counts both (a warning says so).
+Routing is DeepSpeed's gate (TopKGate with top1gating, top2gating, topkgating), computed by
+gating.py's `DeepSpeedGate` as `self.mok.routing_fn`: the experts chosen, the capacity
+(capacity_factor in training, eval_capacity_factor in eval, min_capacity, drop_tokens=False
+dropless) and which tokens each expert keeps, per rank as DeepSpeed (so also with ep_size > 1),
+the weights, `l_aux` (unscaled; k = 2 counts first choices only, as DeepSpeed) and `exp_counts`,
+and `used_token` (top-1 only, as DeepSpeed). Ties that DeepSpeed leaves to torch.topk go to the
+lower token (expert) index. The router logits are fp64 (MoK's batch-invariant router), DeepSpeed's
+fp32.
 
-Settings that are random in DeepSpeed: `noisy_gate_policy` (RSample, Jitter) and `use_tutel` are
-errors; `use_rts=True` (random choice of the dropped tokens) and `top2_2nd_expert_sampling=True`
-(Gumbel sampling of the 2nd expert) get their deterministic equivalents, with a warning: tokens
-are kept in (token, k) order, and the 2nd expert is the 2nd-highest score.
+Settings that are random in DeepSpeed (`noisy_gate_policy` 'RSample' and 'Jitter', `use_rts`,
+`top2_2nd_expert_sampling`) draw DeepSpeed's distributions from MoK's counter-based stream, keyed
+by (mok random_seed, the layer's training-forward count, the layer's number, global token index,
+expert or hidden column): bitwise repeatable, the same for every ep_size. The layer's number is
+the order in which this process built its mok_plugin.deepspeed.MoE layers (0, 1, ...), in
+`layer.mok.routing_fn.layer`; the count is `layer.mok.routing_fn.step` (set both to resume a run
+elsewhere). Dropped pairs compute nothing on one rank; under EP they run with weight 0 (gating.py).
+
+`use_tutel=True` is accepted and changes nothing: in DeepSpeed it only picks Tutel's kernels for
+the same dispatch (fast_cumsum_sub_one is cumsum - 1, fast_dispatcher's encode/decode the same
+scatter and weighted gather), and MoK replaces the dispatcher. `use_residual=True` (Residual-MoE,
+PR-MoE) is DeepSpeed's: `mlp` is the given expert module itself, run as itself beside MoK's
+experts, and `coefficient = Linear(H, 2)` mixes the two outputs per token with a softmax.
+
+`layer.deepspeed_moe.gate.wg` and `layer.deepspeed_moe.experts.deepspeed_experts[i]` exist as in
+the stock layer, as views of MoK's weights (structure.py).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as StockMoE
 from deepspeed.utils import groups
 from torch import nn
@@ -38,6 +56,8 @@ from torch import nn
 from mok_plugin.config import MOK_KNOBS, MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
 from mok_plugin.deepspeed.checkpoint import install_state_dict_hooks
 from mok_plugin.deepspeed.experts import ExpertLayout, ExpertNotRecognised, expert_layout
+from mok_plugin.deepspeed.gating import NOISY_GATE_POLICIES, DeepSpeedGate
+from mok_plugin.deepspeed.structure import build_stock_structure
 from mok_plugin.layer import MoKMoE
 from mok_plugin.module_experts import MoKModuleExperts
 
@@ -47,6 +67,9 @@ __all__ = ["MoE", "set_default_knobs"]
 # default where DeepSpeed has no such option, e.g. shared experts), so a mok_config may only repeat
 # those values: it cannot add shared experts or change routing behind DeepSpeed's back.
 
+
+# The random streams' layer numbers: the order in which this process builds its layers.
+_LAYER_NUMBERS = itertools.count()
 
 # Knobs for layers built without a mok_config (through apply(ds_config) or the source patch).
 _DEFAULT_KNOBS: dict[str, Any] = {}
@@ -79,34 +102,12 @@ def _check_deterministic_options(
     enable_expert_tensor_parallelism: bool,
 ) -> None:
     problems = []
-    if noisy_gate_policy not in (None, "None"):
-        problems.append(f"noisy_gate_policy={noisy_gate_policy!r} adds random noise to routing; use None")
-    if use_tutel:
-        problems.append("use_tutel=True: MoK replaces the dispatcher; Tutel's kernels are not deterministic")
-    if use_residual:
-        problems.append("use_residual=True (Residual-MoE) is not implemented")
+    if noisy_gate_policy not in NOISY_GATE_POLICIES:
+        problems.append(f"noisy_gate_policy={noisy_gate_policy!r}: DeepSpeed allows {NOISY_GATE_POLICIES}")
     if enable_expert_tensor_parallelism:
         problems.append("enable_expert_tensor_parallelism=True is not implemented")
     if problems:
         raise MoKConfigError("mok_plugin.deepspeed.MoE:\n  " + "\n  ".join(problems))
-    if use_rts and drop_tokens and k == 1:
-        warnings.warn(
-            "MoK: use_rts=True (random token selection) runs as its deterministic equivalent: "
-            "over-capacity tokens are dropped in token order",
-            stacklevel=3,
-        )
-    if top2_2nd_expert_sampling and k == 2:
-        warnings.warn(
-            "MoK: top2_2nd_expert_sampling=True runs as its deterministic equivalent: the 2nd expert "
-            "is the 2nd-highest score (pass top2_2nd_expert_sampling=False to silence this)",
-            stacklevel=3,
-        )
-    if k == 2:
-        warnings.warn(
-            "MoK: with k=2 the aux loss counts both choices of each token (DeepSpeed's top-2 gate "
-            "counts first choices only; its top-k gate, k >= 3, counts all, as MoK does)",
-            stacklevel=3,
-        )
 
 
 class MoE(StockMoE):
@@ -118,9 +119,7 @@ class MoE(StockMoE):
         enable_expert_tensor_parallelism, top2_2nd_expert_sampling: as for deepspeed.moe.layer.MoE.
             `expert` is any module taking and returning [..., H]; every local expert starts as
             a copy of it. A MoK family runs fused, anything else as itself (module docstring).
-            `drop_tokens=True` drops over-capacity (token, k) pairs in token order at
-            capacity ceil(T * k / E * capacity_factor) (single EP rank only; `min_capacity` is not
-            applied); `drop_tokens=False` is dropless.
+            Routing, capacity, dropping and the random options are DeepSpeed's (module docstring).
         mok_config: MoK knobs (a MoKConfig, a dict of its fields, or a YAML path); its shape and
             routing fields must agree with the arguments.
     Raises:
@@ -174,16 +173,6 @@ class MoE(StockMoE):
         device = layout.device if layout else first.device if first is not None else None
         if num_experts % ep_size:
             raise MoKConfigError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
-        if drop_tokens and capacity_factor != eval_capacity_factor:
-            raise MoKConfigError(
-                f"capacity_factor={capacity_factor} and eval_capacity_factor={eval_capacity_factor}: "
-                "MoK uses one capacity factor; set them equal or drop_tokens=False"
-            )
-        if drop_tokens and ep_size > 1:
-            raise MoKConfigError(
-                "drop_tokens=True with ep_size > 1: MoK's capacity counts the global batch at each expert, "
-                "DeepSpeed's each rank's own tokens; pass drop_tokens=False (dropless)"
-            )
         derived = dict(
             hidden_size=hidden_size,
             # Expert modules have no ffn_hidden_size; the config's family fields are unused then.
@@ -192,7 +181,7 @@ class MoE(StockMoE):
             num_experts=num_experts,
             top_k=k,
             ep_size=ep_size,
-            capacity_factor=float(capacity_factor) if drop_tokens else None,
+            capacity_factor=None,  # DeepSpeed's gate (routing_fn) drops; MoK's schedule keeps what it gets
             score_function="softmax",
             norm_topk_prob=k >= 2,
             aux_loss_coeff=1.0,
@@ -220,7 +209,7 @@ class MoE(StockMoE):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.enable_expert_tensor_parallelism = False
-        self.use_residual = False
+        self.use_residual = use_residual
         ep_group = self._expert_parallel_group() if ep_size > 1 else None
         self.expert_layout = layout  # what the experts compute; None: the expert module itself
         # Every local expert starts as the given expert, as in DeepSpeed.
@@ -235,10 +224,23 @@ class MoE(StockMoE):
                     for name, tensor in weights.items():
                         stacked = getattr(self.mok.experts, name)
                         stacked.copy_(tensor.expand_as(stacked))
+        self.mok.random_stream_layer = next(_LAYER_NUMBERS)
+        self.mok.routing_fn = DeepSpeedGate(
+            k=k, num_experts=num_experts, capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+            min_capacity=min_capacity, noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,
+            top2_2nd_expert_sampling=top2_2nd_expert_sampling, seed=self.mok_config.random_seed,
+            layer=self.mok.random_stream_layer, ep_group=ep_group,
+        )  # fmt: skip
         for param in self.mok.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
         install_state_dict_hooks(self, layout)
+        # The stock structure (deepspeed_moe.gate.wg, .experts.deepspeed_experts[i]) as views of MoK's
+        # weights, not a submodule: no parameter or state-dict key of its own (structure.py).
+        object.__setattr__(self, "deepspeed_moe", build_stock_structure(self, expert, layout, k))
+        if use_residual:  # Residual-MoE, as DeepSpeed builds it: the given module itself is the dense MLP
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
 
     def _expert_parallel_group(self, use_data_before_expert_parallel_: bool = False):
         """DeepSpeed's EP group for this ep_size, created as DeepSpeed's MoE does when missing."""
@@ -261,8 +263,19 @@ class MoE(StockMoE):
             )
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
-        """(output like hidden_states, l_aux scalar, exp_counts int64 [E] before any drop)."""
-        if used_token is not None:
-            raise NotImplementedError("MoK routes every token; used_token masks are not supported")
-        output, l_aux = self.mok(hidden_states)
-        return output, l_aux, self.mok.last_tokens_per_expert.clone()
+        """(output like hidden_states, l_aux scalar, exp_counts [E] before any drop: DeepSpeed's, int64,
+        or used_token's dtype for k = 1). used_token: [...] 0/1 per token, like hidden_states' leading
+        dims (top-1 only; ignored for k >= 2, as DeepSpeed)."""
+        gate = self.mok.routing_fn
+        gate.used_token = None if used_token is None else used_token.reshape(-1)
+        try:
+            output, l_aux = self.mok(hidden_states)
+        finally:
+            gate.used_token = None
+        if self.use_residual:  # Residual-MoE, DeepSpeed's MoE.forward term for term
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]  # DeepSpeed ignores a returned bias too
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, l_aux, gate.last.exp_counts
