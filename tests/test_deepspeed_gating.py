@@ -15,6 +15,7 @@ deepspeed.moe.layer.MoE with the same weights, k = 1 and 2, dropping at capacity
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from test_deepspeed import one_rank_world  # noqa: E402
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.deepspeed import gating  # noqa: E402
 from mok_plugin.deepspeed.gating import DeepSpeedGate, deepspeed_capacity, deepspeed_gating, draw_noise  # noqa: E402
-from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 T, E, H, I = 64, 8, 16, 24
@@ -184,7 +185,9 @@ def test_topk_gate_train_eval_factors_and_jitter(ds_world, monkeypatch, k, train
     _check(mine.last, ds, k)
     torch.testing.assert_close(routing.aux_loss, ds[0], atol=1e-6, rtol=1e-6)
     ids, kept, *_ = _ds_routes(ds, k)
-    assert torch.equal(routing.topk_ids, ids)  # one rank: dropped pairs are empty slots (-1)
+    # Dropped pairs keep their expert, at weight 0 (computed, adding exact zeros), on any EP size.
+    assert torch.equal(torch.where(mine.last.kept, routing.topk_ids, -1), ids)
+    assert torch.equal(routing.topk_weights == 0, ~mine.last.kept | (routing.topk_weights == 0))
     # The capacity factor in use.
     assert mine.last.capacity == deepspeed_capacity(T, E, (0.5 if training else 2.0) * k, 4) == ds[1]
 
@@ -337,3 +340,71 @@ def test_layer_used_token_top1(ds_world):
     want = stock(x, used.view(-1))
     assert_close(l_aux, want[1], torch.float32, "l_aux")
     assert torch.equal(counts, want[2])
+
+
+# --- EP 1, 2, 4 agree bitwise, with dropping and every random option -------------------------------
+
+RANDOM_CASES = {
+    "top1_rsample_rts": dict(k=1, noisy_gate_policy="RSample", use_rts=True),
+    "top1_jitter": dict(k=1, noisy_gate_policy="Jitter", use_rts=True),
+    "top2_sampling": dict(k=2, top2_2nd_expert_sampling=True),
+}
+
+
+def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Every case at ep_size 1, 2, 4 in one world of 4 ranks, each with its own tokens (as in
+    DeepSpeed: data parallel over the world, experts over the EP group): each rank saves its outputs
+    and gradients of two training steps and one eval step per ep_size."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for case, options in RANDOM_CASES.items():
+        for ep_size in (1, 2, 4):
+            torch.manual_seed(0)
+            expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+            layer = mds.MoE(H, expert, num_experts=E, ep_size=ep_size, capacity_factor=1.0, eval_capacity_factor=1.5,
+                            min_capacity=2, drop_tokens=True, **options)  # fmt: skip
+            layer.mok.routing_fn.layer = 0  # each layout's layer is the first of its model (its random stream)
+            # The same full set of weights on every layout: this rank's slice of the experts.
+            generator = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for name, param in sorted(layer.mok.named_parameters()):
+                    full = torch.randn((E, *param.shape[1:]) if name.startswith("experts.") else param.shape,
+                                       generator=generator) * 0.3  # fmt: skip
+                    local = E // ep_size
+                    param.copy_(
+                        full[(rank % ep_size) * local : (rank % ep_size + 1) * local]
+                        if name.startswith("experts.")
+                        else full
+                    )
+            got = []
+            for step in range(3):
+                layer.train(step < 2)
+                x = make_layer_inputs(24, H, seed=1000 * step + rank).requires_grad_()
+                out, l_aux, counts = layer(x)
+                (out.square().sum() + l_aux).backward()
+                got += [out.detach(), x.grad, l_aux.detach(), counts]
+            got.append(layer.mok.router.weight.grad)
+            results[(case, ep_size)] = got
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_random_gating_with_dropping_is_the_same_on_every_ep_size(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ep_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for case in RANDOM_CASES:
+            want = results[(case, 1)]
+            for ep_size in (2, 4):
+                got = results[(case, ep_size)]
+                differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not torch.equal(a, b)]
+                # items: (output, d_x, l_aux, counts) per step (two training steps, one eval), router grad
+                assert not differ, f"{case} at ep_size {ep_size}, rank {rank}: items {differ} differ from ep_size 1"

@@ -382,13 +382,11 @@ class DeepSpeedGate:
     """TopKGate.forward as a MoKMoE.routing_fn: logits from the gate input and the router weight,
     then `deepspeed_gating` with MoK's draws; returns a MoKRouting.
 
-    MoKRouting: `topk_ids` the chosen experts, except that on one rank (no `ep_group`) pairs that
-    are not kept get expert -1, an empty slot that the schedule gives no row (nothing computed:
-    output and gradients are those of a dropped pair by construction); under EP the exchange needs
-    real experts, so such pairs keep theirs with weight 0 and are computed: they add exact zeros
-    to the output and to every gradient (the router's included: the weight is a constant 0), but
-    the extra rows may regroup the additions of an expert's weight gradient (a last-bit
-    difference from skipping them), and a non-finite expert output would turn 0 * y into NaN.
+    MoKRouting: `topk_ids` the chosen experts, dropped pairs included with weight 0: they are
+    computed and add exact zeros to the output and to every gradient (the router's too: the weight
+    is a constant 0), and every EP size computes the same rows, so that EP 1, 2, 4 agree bitwise.
+    (Against a run that skips them, an expert's weight-gradient sum may round differently in the
+    last bit; a non-finite expert output would turn 0 * y into NaN.)
     `topk_weights` fp32 (0 for dropped pairs), `aux_loss` DeepSpeed's l_aux (also as
     losses["aux_loss"]), `tokens_per_expert` exp_counts as int64.
 
@@ -417,7 +415,7 @@ class DeepSpeedGate:
         top2_2nd_expert_sampling: bool = True,
         seed: int = 0,
         layer: int = 0,
-        ep_group=None,
+        token_group=None,
         logits_dtype: torch.dtype = torch.float64,
     ) -> None:
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
@@ -428,7 +426,10 @@ class DeepSpeedGate:
         self.noisy_gate_policy = noisy_gate_policy
         self.drop_tokens, self.use_rts = drop_tokens, use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
-        self.seed, self.layer, self.ep_group = seed, layer, ep_group
+        # () -> the process group whose ranks' tokens are numbered one after another (the
+        # data-parallel group: EP groups lie inside it, so the numbering does not depend on the EP
+        # size; tensor-parallel replicas share their data-parallel rank), or None: this rank alone.
+        self.seed, self.layer, self.token_group = seed, layer, token_group
         self.logits_dtype = logits_dtype
         self.step = 0
         self.used_token: torch.Tensor | None = None
@@ -458,7 +459,8 @@ class DeepSpeedGate:
         purposes = self._purposes(training)
         noise: dict[str, torch.Tensor] = {}
         if purposes:
-            tokens = global_token_index(T, token_offset(T, self.ep_group, x_TH.device), device=x_TH.device)
+            group = self.token_group() if self.token_group is not None else None
+            tokens = global_token_index(T, token_offset(T, group, x_TH.device), device=x_TH.device)
             for purpose in purposes:
                 columns = H if purpose == "jitter" else E
                 noise[purpose] = draw_noise(purpose, self.seed, step, self.layer, tokens, columns, training=training)
@@ -481,8 +483,6 @@ class DeepSpeedGate:
         )
         self.last = result
         ids = result.topk_ids
-        if self.ep_group is None:
-            ids = torch.where(result.kept, ids, -1)
         l_aux = result.l_aux.float()
         return MoKRouting(
             ids, result.combine_weights.float(), l_aux, result.exp_counts.to(torch.int64), {"aux_loss": l_aux}

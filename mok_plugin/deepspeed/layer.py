@@ -110,6 +110,13 @@ def _check_deterministic_options(
         raise MoKConfigError("mok_plugin.deepspeed.MoE:\n  " + "\n  ".join(problems))
 
 
+def _data_parallel_group():
+    """DeepSpeed's data-parallel group (the random streams number tokens over it), or None on one rank."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return None
+    return groups._get_data_parallel_group()
+
+
 class MoE(StockMoE):
     """DeepSpeed's MoE layer running MoK; the stock constructor plus `mok_config`.
 
@@ -229,7 +236,7 @@ class MoE(StockMoE):
             k=k, num_experts=num_experts, capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
             min_capacity=min_capacity, noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,
             top2_2nd_expert_sampling=top2_2nd_expert_sampling, seed=self.mok_config.random_seed,
-            layer=self.mok.random_stream_layer, ep_group=ep_group,
+            layer=self.mok.random_stream_layer, token_group=_data_parallel_group,
         )  # fmt: skip
         for param in self.mok.experts.parameters():
             param.allreduce = False
