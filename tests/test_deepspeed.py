@@ -199,7 +199,7 @@ class TinyMoEModel(nn.Module):
     def __init__(self, moe_cls, ep_size: int, expert: str = "swiglu"):
         super().__init__()
         self.proj = nn.Linear(H, H)
-        # k = 3: DeepSpeed's top-k gate, whose aux loss counts every choice as MoK's does (not so for k = 2).
+        # k = 3: DeepSpeed's top-k gate (test_deepspeed_models.py trains the top-2 gate with dropping).
         self.moe = moe_cls(H, ENGINE_EXPERTS[expert](), num_experts=E, ep_size=ep_size, k=3, drop_tokens=False,
                            use_rts=False, top2_2nd_expert_sampling=False)  # fmt: skip
         self.head = nn.Linear(H, 1)
