@@ -287,7 +287,7 @@ def _layers(make, k: int = 3):
 def _mok_expert_grads(mok) -> dict[str, torch.Tensor]:
     """MoK's expert gradients under the stock names, deepspeed_experts.{i}.<name>."""
     grads = {}
-    for i in range(E):
+    for i in range(mok.num_local_experts):
         if mok.expert_layout is None:
             named = {n: p.grad for n, p in mok.mok.experts.local_experts[i].named_parameters()}
         else:

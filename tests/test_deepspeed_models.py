@@ -31,7 +31,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="needs deepspeed (pip instal
 
 from deepspeed.moe.layer import MoE as StockMoE  # noqa: E402
 from test_deepspeed import _ds_config, one_rank_world  # noqa: E402
-from test_deepspeed_experts import MegatronLinear, ParallelMLP  # noqa: E402
+from test_deepspeed_experts import MegatronLinear, ParallelMLP, _forward_backward, _mok_expert_grads  # noqa: E402
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.deepspeed.gating import deepspeed_capacity  # noqa: E402
@@ -160,19 +160,8 @@ def _mok_grads_under_stock_names(mok) -> dict[str, torch.Tensor]:
             grads["deepspeed_moe.gate.wg.weight"] = param.grad
         elif not name.startswith("mok."):  # use_residual's mlp and coefficient
             grads[name] = param.grad
-    for i in range(mok.num_local_experts):
-        stock = mok.expert_layout.to_stock(
-            {n: getattr(mok.mok.experts, n).grad[i] for n in mok.expert_layout.mok_names}
-        )
-        grads.update({f"deepspeed_moe.experts.deepspeed_experts.{i}.{n}": g for n, g in stock.items()})
+    grads.update(_mok_expert_grads(mok))
     return grads
-
-
-def _forward_backward(layer, x, probe):
-    xi = x.clone().requires_grad_()
-    out, l_aux, counts = layer(xi)
-    ((out * probe).sum() + l_aux).backward()
-    return out.detach(), l_aux.detach(), counts, xi.grad
 
 
 def _coefficient_bias_scale(stock, x, probe) -> float:
