@@ -35,6 +35,11 @@ SOURCES = {
     "; MLP: https://github.com/openai/gpt-oss/blob/main/gpt_oss/torch/model.py (swiglu, swiglu_limit 7.0)",
     "qwen3-30b-a3b": f"{_HF}Qwen/Qwen3-30B-A3B (config.json, model card); Qwen3 Technical Report, arXiv:2505.09388",
     "qwen3-30b-a3b-4-layers": f"{_HF}Qwen/Qwen3-30B-A3B (config.json), four of its 48 layers",
+    "megatron-deepspeed-gpt-moe": "Megatron-DeepSpeed's GPT-MoE (https://github.com/deepspeedai/Megatron-DeepSpeed, "
+    "examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_MoE128.sh: hidden 2048, FFN 4 x 2048, GeLU MLP with biases, MoE "
+    "every other layer, top-1, capacity factor 1.0 train and eval, min capacity 4, token dropping; "
+    "megatron/model/transformer.py leaves use_rts at DeepSpeed's default, True); 8 layers (4 MoE) and 16 experts "
+    "so that one H200 trains it whole",
 }
 
 # dense_params_b: attention, embeddings and dense FFN layers, from the shapes in each config.json
@@ -56,6 +61,12 @@ MODELS = {
     # Four of Qwen3-30B-A3B's layers (its embeddings included): what one H200 trains whole.
     "qwen3-30b-a3b-4-layers": dict(num_layers=4, moe_layers=4, hidden_size=2048, ffn_hidden_size=768,
                                    num_experts=128, top_k=8, dense_params_b=0.7),
+    # Megatron-DeepSpeed's 1.3B GPT-MoE layer shape, 8 layers with MoE on every other (4 MoE layers,
+    # as many as the qwen3 4-layer config) and 16 experts: 2.1B expert parameters (qwen3's 2.4B).
+    # dense: 8 x attention 4H^2, 4 dense MLPs 8H^2, embeddings 50,257 x H.
+    "megatron-deepspeed-gpt-moe": dict(num_layers=8, moe_layers=4, hidden_size=2048, ffn_hidden_size=8192,
+                                       num_experts=16, top_k=1, dense_params_b=0.44, expert_kind="mlp",
+                                       expert_activation="gelu", expert_fc1_bias=True, expert_fc2_bias=True),
 }  # fmt: skip
 NOTES = {
     "gpt-oss-120b": "experts: GPT-OSS's gated quick-GeLU x*sigmoid(1.702x), clamped at 7.0 (swiglu_limit), linear "
@@ -109,7 +120,9 @@ def _command(run: RunConfig, stem: str) -> str:
 
 
 def write(run: RunConfig, stem: str, description: str) -> None:
-    data = {"description": description, **run.model_dump(mode="json", exclude={"description"})}
+    # The deepspeed section only where a config has one (no `deepspeed: null` in the others).
+    exclude = {"description"} | ({"deepspeed"} if run.deepspeed is None else set())
+    data = {"description": description, **run.model_dump(mode="json", exclude=exclude)}
     machine = MACHINES[run.machine]
     lines = [
         f"# {description}",
@@ -149,6 +162,19 @@ def main() -> int:
     single = _run("qwen3-30b-a3b-4-layers", "h200-measured", ep=1, pp=1, dp=1, transport="nccl", seq=2048)
     write(single, "qwen3-30b-a3b-4-layers_h200_single",
           "Four Qwen3-30B-A3B layers on one H200 (this project's device), sequence 2048")  # fmt: skip
+    gpt_moe = "megatron-deepspeed-gpt-moe"
+    gpt = RunConfig(
+        machine="h200-measured", model=dict(name=gpt_moe, source=SOURCES[gpt_moe], **MODELS[gpt_moe]),
+        parallel=dict(seq_length=2048, micro_batch=1),
+        # top-1 (no normalisation), Megatron-DeepSpeed's --moe-loss-coeff 0.01 (its MoE scripts' MLC)
+        mok=dict(ep_exchange="capacity", ep_capacity_factor=2.0, ep_transport="nccl", norm_topk_prob=False,
+                 aux_loss_coeff=0.01),
+        deepspeed=dict(capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True, use_rts=True,
+                       noisy_gate_policy=None),
+    )  # fmt: skip
+    write(gpt, f"{gpt_moe}_h200_single", "A Megatron-DeepSpeed GPT-MoE-like model on one H200: 4 MoE layers of 16 GeLU "
+          "experts, top-1, capacity 1.0, min capacity 4, token dropping, random token selection "
+          "(mok compare --framework deepspeed)")  # fmt: skip
     tiny = RunConfig(
         machine="cpu",
         model=dict(name="tiny", num_layers=2, moe_layers=2, hidden_size=64, ffn_hidden_size=32, num_experts=8,

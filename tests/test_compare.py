@@ -3,10 +3,10 @@ CPU config, and scripts/pretrain_gpt.py's CUDA check.
 
 Covers: the synthetic language is seeded and has the structure it claims; end to end through
 Megatron's and DeepSpeed's MoE layers, the JSON holds every field the report promises, the loss falls
-over a few steps, the stock and MoK losses agree (DeepSpeed: with the aux loss off, since its top-2
-l_aux counts first choices only), MoK's two runs are bitwise equal, the memory column names its
+over a few steps, the stock and MoK losses agree (DeepSpeed's top-2 l_aux included: MoK computes
+DeepSpeed's gate), MoK's two runs are bitwise equal, the memory column names its
 source, the output folder defaults to out/compare/<framework>, the frameworks' warnings go to
-compare.log and not the console; the report explains DeepSpeed's top-2 aux difference; configs for
+compare.log and not the console; the report says how far apart the losses are; configs for
 other machines are refused on the CPU; pretrain_gpt.py without CUDA stops in one line.
 The stock side: which stock path is chosen (Transformer Engine importable on a GPU or not, through
 monkeypatched checks, since TE is not installed here), that the TE path asks Megatron's own TE spec
@@ -63,13 +63,7 @@ def _compare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("framework", ["megatron", "deepspeed"])
 def test_compare_tiny_config(tmp_path, framework):
     pytest.importorskip({"megatron": "megatron.core", "deepspeed": "deepspeed"}[framework])
-    config = TINY
-    if framework == "deepspeed":  # DeepSpeed's top-2 l_aux counts first choices only, MoK's both: off here
-        data = yaml.safe_load(TINY.read_text())
-        data["mok"]["aux_loss_coeff"] = 0.0
-        config = tmp_path / "tiny_no_aux.yaml"
-        config.write_text(yaml.safe_dump(data))
-    run = _compare(tmp_path, "--config", str(config), "--framework", framework, "--steps", "4")
+    run = _compare(tmp_path, "--config", str(TINY), "--framework", framework, "--steps", "4")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = tmp_path / "out" / "compare" / framework  # the default folder, one per framework
     assert "MoK / stock tokens/s" in run.stdout and str(Path("out/compare") / framework / "comparison.md") in run.stdout
@@ -124,7 +118,6 @@ def test_compare_trains_the_config_expert_family(tmp_path, framework):
     data = yaml.safe_load(TINY.read_text())
     data["model"].update(expert_activation="quick_gelu", activation_clamp=0.1, glu_linear_offset=1.0,
                          expert_fc1_bias=True, expert_fc2_bias=True)  # fmt: skip
-    data["mok"]["aux_loss_coeff"] = 0.0  # DeepSpeed's top-2 l_aux counts first choices only
     config = tmp_path / "tiny_gpt_oss.yaml"
     config.write_text(yaml.safe_dump(data))
     run = _compare(tmp_path, "--config", str(config), "--framework", framework, "--steps", "3")
@@ -136,6 +129,78 @@ def test_compare_trains_the_config_expert_family(tmp_path, framework):
     if result["stand_in"]["ran"]:  # the grouped_mm stand-in computes the same family (clamps, offset, biases)
         for a, b in zip(result["runs"][0]["losses"], result["stand_in"]["runs"][0]["losses"], strict=True):
             assert abs(a - b) < 1e-4, (result["runs"][0]["losses"], result["stand_in"]["runs"][0]["losses"])
+
+
+def _tiny_gpt_moe(tmp_path: Path, random: bool, top_k: int = 1) -> Path:
+    """The tiny config with the Megatron-DeepSpeed GPT-MoE gating (configs/topologies/megatron-deepspeed-
+    gpt-moe_h200_single.yaml's): GeLU MLP experts with biases, capacity 1.0, min_capacity 4, dropping;
+    use_rts and Jitter on, or every random option off."""
+    data = yaml.safe_load(TINY.read_text())
+    data["model"].update(top_k=top_k, expert_kind="mlp", expert_activation="gelu", expert_fc1_bias=True,
+                         expert_fc2_bias=True)  # fmt: skip
+    data["mok"].update(norm_topk_prob=top_k > 1, aux_loss_coeff=0.01 if random else 0.0)
+    data["deepspeed"] = dict(capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True,
+                             use_rts=random, noisy_gate_policy="Jitter" if random else None,
+                             top2_2nd_expert_sampling=random)  # fmt: skip
+    config = tmp_path / f"tiny_gpt_moe_{'random' if random else 'fixed'}_top{top_k}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+@pytest.mark.slow
+def test_compare_deepspeed_gating_from_the_config(tmp_path):
+    # DeepSpeed's gating from the run config's deepspeed section, given to both layers. With dropping
+    # and nothing random they route, drop and train alike: top-2, whose keep order DeepSpeed fixes (first
+    # choices, then token order); top-1 without RTS keeps an implementation-defined set of tied tokens
+    # in DeepSpeed (torch.topk over a 0/1 mask; tests/test_deepspeed_models.py). With use_rts and Jitter
+    # each layer draws its own noise (the stock layer torch's, MoK its stream), so only MoK's two runs
+    # must be equal.
+    pytest.importorskip("deepspeed")
+    run = _compare(tmp_path, "--config", str(_tiny_gpt_moe(tmp_path, random=False, top_k=2)), "--framework",
+                   "deepspeed", "--steps", "4", "--out", "fixed")  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "fixed" / "comparison.json").read_text())
+    assert result["meta"]["deepspeed"]["drop_tokens"] is True and result["meta"]["random_routing"] == []
+    assert "capacity factor 1 (eval 1), min_capacity 4, drop_tokens; random routing: none" in result["meta"]["model"]
+    assert result["bitwise"]["mok"] is True
+    for a, b in zip(result["runs"][0]["losses"], result["runs"][2]["losses"], strict=True):
+        assert abs(a - b) < 1e-4, (result["runs"][0]["losses"], result["runs"][2]["losses"])
+    assert "the losses agree" in run.stdout
+    run = _compare(tmp_path, "--config", str(_tiny_gpt_moe(tmp_path, random=True)), "--framework", "deepspeed",
+                   "--steps", "4", "--out", "random")  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "random" / "comparison.json").read_text())
+    assert result["meta"]["random_routing"] == ["noisy_gate_policy=Jitter", "use_rts"]
+    assert result["bitwise"]["mok"] is True  # MoK's runs repeat bitwise with random routing (the stock's need not)
+    mok = [r for r in result["runs"] if r["variant"] == "mok"]
+    assert mok[0]["losses"] == mok[1]["losses"] and mok[0]["aux_losses"] == mok[1]["aux_losses"]
+    assert "the losses differ by design" in run.stdout
+
+
+def test_compare_megatron_refuses_the_deepspeed_section(tmp_path):
+    # The section states DeepSpeed's gating; Megatron's layer has none of it: an error naming the section.
+    run = _compare(tmp_path, "--config", str(_tiny_gpt_moe(tmp_path, random=False)), "--framework", "megatron",
+                   "--steps", "2")  # fmt: skip
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "deepspeed: this section states DeepSpeed's MoE gating" in run.stderr
+    assert "applies to --framework deepspeed only" in run.stderr
+
+
+def test_harness_deepspeed_gating_without_the_section():
+    # No deepspeed section: the harness's dropless, noise-free gating, as before the section existed;
+    # with one, DeepSpeed's defaults for the keys it leaves out.
+    from mok_plugin.compare.models import HARNESS_DEEPSPEED, deepspeed_gating, describe_gating, random_options
+    from mok_plugin.run.topology import load_topology
+
+    run = load_topology(TINY)
+    assert run.deepspeed is None and deepspeed_gating(run) is HARNESS_DEEPSPEED
+    assert HARNESS_DEEPSPEED.moe_kwargs() == dict(capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+                                                  drop_tokens=False, use_rts=False, noisy_gate_policy=None,
+                                                  top2_2nd_expert_sampling=False)  # fmt: skip
+    assert describe_gating(HARNESS_DEEPSPEED, 2) == "dropless; random routing: none"
+    gpt = load_topology(ROOT / "configs/topologies/megatron-deepspeed-gpt-moe_h200_single.yaml")
+    assert deepspeed_gating(gpt) is gpt.deepspeed and random_options(gpt.deepspeed, 1) == ["use_rts"]
+    assert random_options(gpt.deepspeed, 2) == ["top2_2nd_expert_sampling"]  # DeepSpeed's default at k = 2
 
 
 def test_compare_refuses_a_family_megatron_cannot_express(tmp_path):
@@ -159,11 +224,11 @@ def _result(framework: str, top_k: int, stock_aux: list[float] | None, mok_aux: 
     return {"runs": runs, "summary": summary, "bitwise": {"stock": True, "mok": True}, "meta": meta, "data": data}
 
 
-def test_report_explains_deepspeed_top2_aux_difference():
-    note = agreement_note(_result("deepspeed", 2, [2.0, 1.9], [2.1, 1.95]))
-    assert "first choice only" in note and "1.0e-01" in note and "aux_loss_coeff: 0" in note
-    # 5.0 vs 5.1 is a real difference, not rounding: said so, with the step
-    assert "differ by up to 1.0e-01 (step 2" in agreement_note(_result("megatron", 2, None, None))
+def test_report_says_how_far_apart_the_losses_are():
+    # 5.0 vs 5.1 is a real difference, not rounding: said so, with the step, under either framework
+    # (DeepSpeed's top-2 l_aux is computed by MoK as DeepSpeed does: no difference to explain away).
+    for framework, aux in (("deepspeed", [2.0, 1.9]), ("megatron", None)):
+        assert "differ by up to 1.0e-01 (step 2" in agreement_note(_result(framework, 2, aux, aux)), framework
     table = format_table(_result("megatron", 2, None, None))
     assert "peak MiB: SOURCE" in table and "first loss" in table
 

@@ -4,7 +4,9 @@ stages than layers, TP or expert TP, a mok block contradicting the model or para
 exchange over a 0 GB/s link, non-finite values); a file that cannot be read is an error naming it;
 `load_config` refuses each of them and points to `load_topology`; the model section's expert MLP
 (GPT-OSS's in its configs, SwiGLU without biases in every other, as the models publish them) reaches
-the MoKConfig, and its invalid values and combinations are errors naming the `model.` field; the run
+the MoKConfig, and its invalid values and combinations are errors naming the `model.` field; the
+optional `deepspeed:` section (DeepSpeed's gating) takes DeepSpeed's defaults, is absent from the
+configs that do not state it, and its bad values are errors naming `deepspeed.<key>`; the run
 package's imports point one way (config <- sections <- planner <- topology <- plan) with no deferred
 import."""
 
@@ -50,12 +52,20 @@ def test_every_config_loads_and_fits(path):
 # GPT-OSS's MLP (openai/gpt-oss gpt_oss/torch/model.py: swiglu with alpha 1.702, limit 7.0, (x_linear + 1),
 # biases on both MLP linears); every other model in configs/ is bias-free SwiGLU (their config.json files).
 GPT_OSS = MoKExpertFamily("glu", "quick_gelu", clamp=7.0, linear_offset=1.0, fc1_bias=True, fc2_bias=True)
+# Megatron-DeepSpeed's GPT-MoE: the GPT MLP (ParallelMLP, GeLU, --add-bias-linear's biases on both linears).
+GPT_MOE = MoKExpertFamily("mlp", "gelu", fc1_bias=True, fc2_bias=True)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_config_states_its_models_expert_mlp(path):
     run = load_topology(path)
-    want = GPT_OSS if run.model.name.startswith("gpt-oss") else SWIGLU
+    want = (
+        GPT_OSS
+        if run.model.name.startswith("gpt-oss")
+        else GPT_MOE
+        if run.model.name.startswith("megatron-")
+        else SWIGLU
+    )
     assert run.model.expert_family == want
     assert run.mok_config().expert_family == want
     assert "expert_kind" in yaml.safe_load(path.read_text())["model"]  # stated, not left to the default
@@ -291,3 +301,72 @@ def test_a_run_config_built_in_code_validates_the_same_way():
     data["parallel"].update(pp=1, ep=8, dp=8)
     with pytest.raises(ValueError, match=r"parallel: the layout does not fit GB300 memory"):
         RunConfig(**data)
+
+
+def test_deepspeed_section_is_optional_with_deepspeeds_defaults(tmp_path):
+    data = _tiny()
+    assert "deepspeed" not in data and RunConfig(**data).deepspeed is None  # the harness keeps its own gating
+    data["deepspeed"] = {}
+    assert RunConfig(**data).deepspeed.moe_kwargs() == dict(
+        capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True, use_rts=True,
+        noisy_gate_policy=None, top2_2nd_expert_sampling=True,
+    )  # deepspeed.moe.layer.MoE's defaults  # fmt: skip
+    data["deepspeed"] = dict(capacity_factor=2, noisy_gate_policy="RSample", drop_tokens=False)
+    gating = RunConfig(**data).deepspeed
+    assert (gating.capacity_factor, gating.noisy_gate_policy, gating.drop_tokens) == (2.0, "RSample", False)
+    # Only the configs that state it have one (no `deepspeed: null` written into the others).
+    stated = {path.stem for path in CONFIGS if "deepspeed" in yaml.safe_load(path.read_text())}
+    assert stated == {"megatron-deepspeed-gpt-moe_h200_single"}
+
+
+def test_megatron_deepspeed_gpt_moe_config():
+    run = load_topology(ROOT / "configs" / "topologies" / "megatron-deepspeed-gpt-moe_h200_single.yaml")
+    assert (run.machine, run.parallel.world_size, run.model.top_k, run.model.hidden_size) == (
+        "h200-measured",
+        1,
+        1,
+        2048,
+    )
+    assert run.model.ffn_hidden_size == 4 * run.model.hidden_size and run.model.expert_family == GPT_MOE
+    assert run.deepspeed.moe_kwargs() == dict(capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+                                              drop_tokens=True, use_rts=True, noisy_gate_policy=None,
+                                              top2_2nd_expert_sampling=True)  # fmt: skip
+    assert memory_per_gpu(run).fits
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (dict(capacity_factor=0.0), r"deepspeed\.capacity_factor=0\.0: Input should be greater than 0"),
+        (dict(capacity_factor="1.0"), r"deepspeed\.capacity_factor='1\.0': Input should be a valid number"),
+        (dict(eval_capacity_factor=math.inf), r"deepspeed\.eval_capacity_factor=inf"),
+        (dict(min_capacity=-1), r"deepspeed\.min_capacity=-1: Input should be greater than or equal to 0"),
+        (dict(min_capacity=4.0), r"deepspeed\.min_capacity=4\.0: Input should be a valid integer"),
+        (dict(drop_tokens="yes"), r"deepspeed\.drop_tokens='yes': Input should be a valid boolean"),
+        (dict(use_rts=1), r"deepspeed\.use_rts=1: Input should be a valid boolean"),
+        (dict(noisy_gate_policy="Gumbel"), r"deepspeed\.noisy_gate_policy='Gumbel': Input should be 'RSample' or "
+                                           r"'Jitter'"),
+        (dict(noisy_gate_policy="None"), r"deepspeed\.noisy_gate_policy='None'"),
+        (dict(top2_2nd_expert_sampling="false"), r"deepspeed\.top2_2nd_expert_sampling='false'"),
+        (dict(drop_token=True), r"deepspeed\.drop_token: unknown key"),
+    ],
+)  # fmt: skip
+def test_invalid_deepspeed_section_names_the_key(tmp_path, section, message):
+    data = _tiny()
+    data["deepspeed"] = section
+    _reject(tmp_path, data, message)
+
+
+def test_deepspeed_min_capacity_above_the_micro_batch_at_top1(tmp_path):
+    # DeepSpeed's top-1 gate refuses fewer tokens than min_capacity; the tiny config has 2 x 64 tokens.
+    data = _tiny()
+    data["model"]["top_k"] = 1
+    data["mok"]["norm_topk_prob"] = False
+    data["deepspeed"] = dict(min_capacity=129)
+    _reject(tmp_path, data, r"deepspeed\.min_capacity=129 exceeds the 128 tokens of a micro-batch "
+                            r"\(parallel\.seq_length=64 x micro_batch=2\)")  # fmt: skip
+    data["deepspeed"] = dict(min_capacity=128)
+    assert RunConfig(**data).deepspeed.min_capacity == 128
+    data["model"]["top_k"] = 2  # top-2 and top-k gates have no such check
+    data["deepspeed"] = dict(min_capacity=129)
+    assert RunConfig(**data).deepspeed.min_capacity == 129

@@ -109,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from mok_plugin.compare.harness import memory_source, run_comparison, runs_planned
-    from mok_plugin.compare.models import check_framework_family
+    from mok_plugin.compare.models import check_framework, deepspeed_gating, describe_gating, random_options
     from mok_plugin.compare.report import format_table, write_reports
     from mok_plugin.config import MoKConfigError
     from mok_plugin.run.topology import load_topology
 
     try:
         run = load_topology(args.config)
-        check_framework_family(run, args.framework)
+        check_framework(run, args.framework)
     except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -165,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"{m.name}: {m.moe_layers} MoE layers, H={m.hidden_size}, I={m.ffn_hidden_size}, "
                  f"E={m.num_experts}, top-{m.top_k}, experts {cfg.expert_family.describe()}",
         "top_k": m.top_k, "aux_loss_coeff": cfg.aux_loss_coeff, "memory_kind": memory_source(device),
-        "log": str(log_path),
+        "log": str(log_path), "random_routing": [],
     }  # fmt: skip
+    if args.framework == "deepspeed":  # the gating both layers ran: the config's deepspeed section or the harness's
+        gating = deepspeed_gating(run)
+        result["meta"]["model"] += f"; DeepSpeed gating: {describe_gating(gating, m.top_k)}"
+        result["meta"].update(deepspeed=gating.model_dump(), random_routing=random_options(gating, m.top_k))
     print("\n" + format_table(result))
     paths = write_reports(result, out_dir)
     lines = sum(1 for _ in log_path.open(errors="replace"))

@@ -8,12 +8,18 @@ layer follows the `StockPath` (stock_path.py): Megatron's Transformer Engine spe
 moe_grouped_gemm, moe_permute_fusion) where TE imports on a GPU, else the local spec
 (SequentialMLP); MoK replaces that spec's MoELayer; the "grouped_mm" variant is the local-spec
 stock layer with its experts run by torch grouped_mm (the stand-in). Dispatcher: allgather on the
-CPU, alltoall on a GPU. `deepspeed`: deepspeed.moe.layer.MoE (stock, dropless, no random
-routing, each expert drawn on its own rather than copied) or mok_plugin.deepspeed.MoE (which the
-harness loads with the stock model's weights). Both frameworks' experts compute the run config's
-expert family (`model.expert_*`): Megatron's through its own flags (`gated_linear_unit`,
-`activation_func`, the clamp and offset, `add_bias_linear`), DeepSpeed's as `FamilyExpert`, a plain
-module that MoK recognises or, for a clamped GLU, runs through its generic path.
+CPU, alltoall on a GPU. `deepspeed`: deepspeed.moe.layer.MoE (stock, each expert drawn on its own
+rather than copied) or mok_plugin.deepspeed.MoE (which the harness loads with the stock model's
+weights), both with the run config's `deepspeed:` gating arguments (capacity factors, min_capacity,
+drop_tokens, use_rts, noisy_gate_policy, top2_2nd_expert_sampling), or without that section the
+harness's own: dropless, no random routing (`HARNESS_DEEPSPEED`). The section is DeepSpeed's only:
+`check_framework` refuses it with Megatron. MoK's random routing draws from a stream keyed by the
+layer's number, which mok_plugin.deepspeed.MoE takes from a process-wide count; the harness numbers
+each model's layers 0, 1, ... so that two runs in one process draw the same noise. Both
+frameworks' experts compute the run config's expert family (`model.expert_*`): Megatron's through
+its own flags (`gated_linear_unit`, `activation_func`, the clamp and offset, `add_bias_linear`),
+DeepSpeed's as `FamilyExpert`, a plain module that MoK recognises or, for a clamped GLU, runs
+through its generic path.
 
 The loss adds the MoE aux losses the way each framework wants them (Megatron: through
 MoEAuxLossAutoScaler inside the layer, so the returned loss is the cross-entropy alone; DeepSpeed:
@@ -33,13 +39,17 @@ from torch import nn
 
 from mok_plugin.compare.stock_path import StockPath, select_stock_path, stock_moe_spec, use_grouped_mm_experts
 from mok_plugin.experts import MoKExpertFamily, activation
-from mok_plugin.run.topology import RunConfig
+from mok_plugin.run.topology import DeepSpeedGating, RunConfig
 
-__all__ = ["VARIANT_NAMES", "FamilyExpert", "MoELanguageModel", "build_model", "check_framework_family"]
+__all__ = ["HARNESS_DEEPSPEED", "VARIANT_NAMES", "FamilyExpert", "MoELanguageModel", "build_model", "check_framework",
+           "check_framework_family", "deepspeed_gating", "describe_gating", "random_options"]  # fmt: skip
 
 VOCAB = 512
 # "grouped_mm": the PyTorch grouped_mm stand-in (Megatron only; stock_path.use_grouped_mm_experts).
 VARIANT_NAMES = ("stock", "mok", "grouped_mm")
+# DeepSpeed's gating when the run config has no `deepspeed:` section: dropless and nothing random,
+# so that the stock and MoK layers train the same model step by step (what the harness always did).
+HARNESS_DEEPSPEED = DeepSpeedGating(drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
 
 
 class MoELanguageModel(nn.Module):
@@ -114,6 +124,44 @@ def check_framework_family(run: RunConfig, framework: str) -> None:
         )
 
 
+def check_framework(run: RunConfig, framework: str) -> None:
+    """Raise ValueError (naming the run-config section or fields) when `framework` cannot run `run`:
+    `check_framework_family`, and a `deepspeed:` section with Megatron (it states DeepSpeed's gating,
+    which Megatron's layer does not have; ignoring it would compare something else than it says)."""
+    check_framework_family(run, framework)
+    if framework == "megatron" and run.deepspeed is not None:
+        raise ValueError(
+            "deepspeed: this section states DeepSpeed's MoE gating (capacity_factor, drop_tokens, use_rts, ...) and "
+            "applies to --framework deepspeed only; run it with --framework deepspeed, or remove the section to "
+            "compare Megatron's dropless layers"
+        )
+
+
+def deepspeed_gating(run: RunConfig) -> DeepSpeedGating:
+    """The DeepSpeed gating arguments of `run`: its `deepspeed:` section, else `HARNESS_DEEPSPEED`."""
+    return run.deepspeed if run.deepspeed is not None else HARNESS_DEEPSPEED
+
+
+def random_options(gating: DeepSpeedGating, top_k: int) -> list[str]:
+    """The options of `gating` that draw random numbers in training at `top_k`, as DeepSpeed's gate
+    does: Jitter at any k, RSample at k = 1, use_rts at k = 1 with dropping (DeepSpeed draws it
+    dropless too, where it changes nothing), top2_2nd_expert_sampling at k = 2."""
+    policy = gating.noisy_gate_policy
+    return [name for name, on in (
+        (f"noisy_gate_policy={policy}", policy == "Jitter" or (policy == "RSample" and top_k == 1)),
+        ("use_rts", gating.use_rts and gating.drop_tokens and top_k == 1),
+        ("top2_2nd_expert_sampling", gating.top2_2nd_expert_sampling and top_k == 2),
+    ) if on]  # fmt: skip
+
+
+def describe_gating(gating: DeepSpeedGating, top_k: int) -> str:
+    """DeepSpeed's gating in a few words, for the report."""
+    drops = (f"capacity factor {gating.capacity_factor:g} (eval {gating.eval_capacity_factor:g}), min_capacity "
+             f"{gating.min_capacity}, drop_tokens" if gating.drop_tokens else "dropless")  # fmt: skip
+    random = random_options(gating, top_k)
+    return f"{drops}; random routing: {', '.join(random) if random else 'none'}"
+
+
 def _megatron_expert_fields(family: MoKExpertFamily) -> dict:
     """The TransformerConfig fields that make Megatron's experts compute `family` (one that
     `check_framework_family` accepts)."""
@@ -170,8 +218,7 @@ def _deepspeed_factory(run: RunConfig, variant: str):
     import mok_plugin.deepspeed as mds
 
     m, cfg = run.model, run.mok_config()
-    kwargs = dict(num_experts=cfg.num_experts, k=cfg.top_k, drop_tokens=False, use_rts=False,
-                  top2_2nd_expert_sampling=False)  # fmt: skip
+    kwargs = dict(num_experts=cfg.num_experts, k=cfg.top_k, **deepspeed_gating(run).moe_kwargs())
 
     def expert() -> nn.Module:
         return FamilyExpert(m.hidden_size, m.ffn_hidden_size, cfg.expert_family)
@@ -209,13 +256,16 @@ def build_model(run: RunConfig, framework: str, variant: str, device: torch.devi
         raise ValueError(f"variant={variant!r} with framework={framework!r}; allowed: stock, mok, and grouped_mm "
                          "with megatron")  # fmt: skip
     torch.manual_seed(0)
-    check_framework_family(run, framework)
+    check_framework(run, framework)
     if framework == "megatron":
         path = stock_path if stock_path is not None else select_stock_path(framework, device)
         model = MoELanguageModel(run, _megatron_factory(run, variant, device, path), returns_aux=False)
     elif framework == "deepspeed":
         aux_coeff = run.mok_config().aux_loss_coeff
         model = MoELanguageModel(run, _deepspeed_factory(run, variant), returns_aux=True, aux_coeff=aux_coeff)
+        if variant == "mok":  # this model's random streams: layers 0, 1, ..., whatever was built before
+            for number, layer in enumerate(model.moes):
+                layer.mok.random_stream_layer = layer.mok.routing_fn.layer = number
     else:
         raise ValueError(f"framework={framework!r}; allowed: megatron, deepspeed")
     if device.type == "cuda" and framework == "megatron":

@@ -1,6 +1,7 @@
 """The parts of a run config that the planner and `RunConfig` both read: the machine table
 (`Machine`, `MACHINES`), the model's MoE shape and expert MLP (`ModelShape`) and the parallel
-layout (`ParallelLayout`).
+layout (`ParallelLayout`); and DeepSpeed's MoE gating arguments (`DeepSpeedGating`, the optional
+`deepspeed:` section, which `mok compare --framework deepspeed` reads and the planner does not).
 
 Each part validates its own fields only. What holds across parts (EP divides the expert slots, the
 layout fits the GPU, ...) is `RunConfig`'s job (topology.py), and the arithmetic is the planner's
@@ -22,7 +23,15 @@ from mok_plugin.config import MAX_DIM, MAX_FACTOR
 from mok_plugin.experts import FAMILY_FIELDS, ExpertKind, MoKExpertFamily, family_field_problems
 from mok_plugin.experts import Activation as ExpertActivation
 
-__all__ = ["FAMILY_FIELDS", "MACHINES", "Machine", "ModelShape", "ParallelLayout"]
+__all__ = [
+    "DEEPSPEED_DEFAULTS",
+    "FAMILY_FIELDS",
+    "MACHINES",
+    "DeepSpeedGating",
+    "Machine",
+    "ModelShape",
+    "ParallelLayout",
+]
 
 
 class Machine(BaseModel):
@@ -191,3 +200,49 @@ class ParallelLayout(BaseModel):
     def world_size(self) -> int:
         """GPUs in the run: tp x pp x dp (expert parallelism splits the data-parallel ranks)."""
         return self.tp * self.pp * self.dp
+
+
+class DeepSpeedGating(BaseModel):
+    """The optional `deepspeed:` section: the gating arguments of DeepSpeed's `MoE(...)`
+    (deepspeed.moe.layer.MoE), with DeepSpeed's defaults for the keys it leaves out.
+
+    `mok compare --framework deepspeed` gives them to the stock layer and to
+    mok_plugin.deepspeed.MoE alike. Without the section the harness keeps its own setting
+    (dropless, no random routing; mok_plugin/compare/models.py), so that existing configs train as before.
+    They are DeepSpeed constructor arguments, not MoKConfig knobs (MoK's `capacity_factor` is
+    another rule, ceil(T*K/E*f), and None is dropless), hence their own section; and they are not the
+    model's shape, which Megatron and the planner read too. Strict: a number for a factor (no
+    "1.0"), a bool for a switch (no "yes"), `null`, RSample or Jitter for the noisy gate.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capacity_factor: float = Field(
+        default=1.0, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False, strict=True,
+        description="Training: per expert max(ceil(T / E * factor * (1, 2, k at k = 1, 2, >= 3)), min_capacity).",
+    )  # fmt: skip
+    eval_capacity_factor: float = Field(
+        default=1.0, gt=0.0, le=MAX_FACTOR, allow_inf_nan=False, strict=True,
+        description="The same in eval mode.",
+    )  # fmt: skip
+    min_capacity: int = Field(
+        default=4, ge=0, le=MAX_DIM, strict=True,
+        description="The least capacity per expert (top-1: at most the tokens per micro-batch, DeepSpeed asserts).",
+    )  # fmt: skip
+    drop_tokens: bool = Field(default=True, strict=True, description="False: dropless (no capacity limit).")
+    use_rts: bool = Field(
+        default=True, strict=True, description="Top-1: random token selection, which tokens an expert keeps."
+    )
+    noisy_gate_policy: Literal["RSample", "Jitter"] | None = Field(
+        default=None, description="RSample (top-1: Gumbel noise on the choice) or Jitter (multiplicative input noise)."
+    )
+    top2_2nd_expert_sampling: bool = Field(
+        default=True, strict=True, description="Top-2: the second expert drawn with Gumbel noise on the logits."
+    )
+
+    def moe_kwargs(self) -> dict[str, Any]:
+        """The arguments of deepspeed.moe.layer.MoE (and mok_plugin.deepspeed.MoE) this section sets."""
+        return self.model_dump()
+
+
+DEEPSPEED_DEFAULTS = DeepSpeedGating()  # DeepSpeed's own defaults (deepspeed.moe.layer.MoE's signature)

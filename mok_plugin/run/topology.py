@@ -8,6 +8,9 @@ A file in configs/topologies/ holds one run:
                                     # without biases unless stated)
     parallel: {tp: 1, pp: 4, ep: 64, expert_tp: 1, dp: 64, seq_length: 4096, micro_batch: 1}
     mok: {ep_exchange: capacity, ep_transport: symmetric_memory, ...}   # MoKConfig knobs
+    deepspeed: {capacity_factor: 1.0, min_capacity: 4, drop_tokens: true, ...}
+                                    # optional: DeepSpeed's MoE(...) gating arguments, for
+                                    # `mok compare --framework deepspeed` (sections.DeepSpeedGating)
 
 `load_topology(path)` validates it and rejects what cannot run, each error naming its field:
 experts not divisible by EP (unless `redundant_experts` makes them so), a world size the layout
@@ -18,7 +21,10 @@ NVLink domain, an expert exchange over a link the machine does not have (0 GB/s)
 whose memory does not fit the GPU (estimated by `mok_plugin.run.planner`). A file that cannot be
 read or parsed is an error naming the file. The model section states the expert MLP with
 MoKConfig's field names (run/sections.py, `ModelShape`); like the shape, it reaches the MoKConfig
-from there, and a `mok:` block that says otherwise is a contradiction.
+from there, and a `mok:` block that says otherwise is a contradiction. The optional `deepspeed:`
+section holds DeepSpeed's gating arguments (DeepSpeed's defaults for the keys it leaves out); a
+top-1 run whose `deepspeed.min_capacity` exceeds the tokens of a micro-batch is refused (DeepSpeed's
+top-1 gate asserts on it). The planner does not read it (it models MoK's dropless exchange).
 
 The parts of a run (`Machine` and the `MACHINES` table with each figure's public source,
 `ModelShape`, `ParallelLayout`) live in sections.py, which the planner reads too; they are
@@ -35,9 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mok_plugin.config import MoKConfig, MoKConfigError, format_validation_error, read_yaml, short_repr
 from mok_plugin.run.planner import exchange_link, memory_per_gpu
-from mok_plugin.run.sections import MACHINES, Machine, ModelShape, ParallelLayout
+from mok_plugin.run.sections import MACHINES, DeepSpeedGating, Machine, ModelShape, ParallelLayout
 
-__all__ = ["MACHINES", "Machine", "ModelShape", "ParallelLayout", "RunConfig", "load_topology"]
+__all__ = ["MACHINES", "DeepSpeedGating", "Machine", "ModelShape", "ParallelLayout", "RunConfig", "load_topology"]
 
 
 class RunConfig(BaseModel):
@@ -49,6 +55,7 @@ class RunConfig(BaseModel):
     model: ModelShape
     parallel: ParallelLayout
     mok: dict[str, Any] = Field(default_factory=dict)
+    deepspeed: DeepSpeedGating | None = None  # None: no section (the harness keeps its own setting)
     description: str = ""
 
     @property
@@ -144,6 +151,13 @@ class RunConfig(BaseModel):
                 f"parallel.ep={p.ep}: the expert exchange goes over {link}, but machine {hw.name!r} has "
                 f"{rate_field}={rate:g} GB/s (no such link); use ep: 1 on this machine, or a machine with {link}"
             )
+        tokens = p.seq_length * p.micro_batch
+        if self.deepspeed is not None and m.top_k == 1 and self.deepspeed.min_capacity > tokens:
+            problems.append(
+                f"deepspeed.min_capacity={self.deepspeed.min_capacity} exceeds the {tokens} tokens of a micro-batch "
+                f"(parallel.seq_length={p.seq_length} x micro_batch={p.micro_batch}): DeepSpeed's top-1 gate refuses "
+                "it; lower min_capacity (0 is allowed) or raise the batch"
+            )
         problems += self._contradictions()
         if not problems:
             try:
@@ -175,7 +189,7 @@ def load_topology(path: str | Path) -> RunConfig:
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict):
-        raise MoKConfigError(f"{path}: expected a mapping with machine, model, parallel, mok")
+        raise MoKConfigError(f"{path}: expected a mapping with machine, model, parallel, mok (and deepspeed)")
     try:
         return RunConfig(**{str(key): value for key, value in data.items()})
     except ValidationError as error:
