@@ -14,6 +14,7 @@ import datetime
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -346,6 +347,17 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _run_then_exit(rank: int, fn: Callable[..., None], *args) -> None:
+    """fn(rank, *args), then leave the process without its C++ teardown: a gloo rank whose process
+    group is destroyed at interpreter exit can abort ("terminate called without an active
+    exception") while another rank is still closing, failing a test that passed. What the rank
+    writes is flushed first; an exception in fn propagates as before (the spawn reports it)."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0) -> None:
     """Run fn(rank, world, port, *args) in `world` spawned processes (port: free, for init_gloo).
 
@@ -356,7 +368,9 @@ def run_ranks(fn: Callable[..., None], world: int, args: tuple = (), timeout_s: 
     """
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _run_then_exit, args=(fn, world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
