@@ -22,7 +22,7 @@ from torch import nn
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
-from mok_plugin.random_stream import global_token_index, normal
+from mok_plugin.random_stream import global_token_index, normal, token_offset
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
 from mok_plugin.routing import MoKRouting, MoKTokenScope, route, straight_through, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
@@ -391,8 +391,8 @@ class MoKMoE(nn.Module):
         self.random_calls = 0
         # Extension point: when set, `route` calls routing_fn(x_TH, router.weight, router.bias,
         # training=self.training) -> MoKRouting instead of routing.route (a framework's own gate, e.g.
-        # mok_plugin.deepspeed.gating.DeepSpeedGate). Its topk_ids may hold -1 (an empty slot, no row)
-        # for pairs it drops on one rank; its topk_weights are 0 for dropped pairs.
+        # mok_plugin.deepspeed.gating.DeepSpeedGate). Pairs it drops keep their expert at weight 0
+        # (without expert parallelism, topk_ids may also hold -1: an empty slot, no row).
         self.routing_fn = None
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
@@ -637,6 +637,23 @@ class MoKMoE(nn.Module):
             return self.global_tokens_per_expert.float() / self.ga_steps.float()
         return (self.global_tokens_per_expert + counts).float() / (self.ga_steps + 1).float()
 
+    def forward_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+        """What a forward reads and advances besides its input: every buffer (the per-step
+        statistics, the global aux loss's running counts, the expert-bias counts), the last router
+        losses and the random stream's call count. An activation recomputation restores the state
+        its forward started from (`restore_forward_state`), so it computes the same values and
+        counts nothing twice."""
+        buffers = {name: buffer.clone() for name, buffer in self.named_buffers()}
+        return buffers, self.last_router_losses, self.random_calls
+
+    @torch.no_grad()
+    def restore_forward_state(self, state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]) -> None:
+        """Put back a `forward_state()`."""
+        buffers = dict(self.named_buffers())
+        for name, value in state[0].items():
+            buffers[name].copy_(value)
+        self.last_router_losses, self.random_calls = state[1], state[2]
+
     @torch.no_grad()
     def reset_global_aux_loss_tracker(self) -> None:
         """Start a new global batch for global_aux_loss (Megatron's finalize_model_grads calls this
@@ -650,15 +667,10 @@ class MoKMoE(nn.Module):
         this layer, this call, its index in the global batch, expert), so a run repeats bitwise and
         every EP size draws the same logits for the same token (Megatron's RandomSTE draws them from
         the CUDA RNG, per EP rank and call order)."""
-        offset = 0
-        if self.ep_group is not None:
-            if self.config.ep_exchange == "capacity":
-                offset = self.ep_rank * num_tokens  # equal token counts on every rank
-            else:
-                counts = torch.zeros(self.config.ep_size, dtype=torch.int64, device=self._anchor.device)
-                mine = torch.tensor([num_tokens], dtype=torch.int64, device=self._anchor.device)
-                torch.distributed.all_gather_into_tensor(counts, mine, group=self.ep_group)
-                offset = counts[: self.ep_rank].sum()  # stays on the device
+        if self.ep_group is not None and self.config.ep_exchange == "capacity":
+            offset = self.ep_rank * num_tokens  # equal token counts on every rank: no exchange needed
+        else:
+            offset = token_offset(num_tokens, self.ep_group, self._anchor.device)
         tokens = global_token_index(num_tokens, offset, device=self._anchor.device)
         stream = f"force_balance/layer={self.random_stream_layer}"
         noise = normal(self.config.random_seed, self.random_calls, stream, tokens, self.config.num_experts)

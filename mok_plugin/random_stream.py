@@ -68,6 +68,7 @@ __all__ = [
     "philox4x32",
     "philox_words",
     "stream_id",
+    "token_offset",
     "uniform",
 ]
 
@@ -388,3 +389,16 @@ def global_token_index(
     if rank_offset < 0:
         raise ValueError(f"rank_offset={rank_offset} must be >= 0")
     return torch.arange(rank_offset, rank_offset + local_tokens, dtype=torch.int64, device=device)
+
+
+def token_offset(num_tokens: int, group, device: torch.device | str | None = None) -> int | torch.Tensor:
+    """This rank's first global token index: the token counts of the lower ranks of `group` (one
+    all-gather of int64 counts; the result stays on the device). 0 without a group or on one rank."""
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return 0
+    world = torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank(group)
+    counts = torch.zeros(world, dtype=torch.int64, device=device)
+    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    torch.distributed.all_gather_into_tensor(counts, mine, group=group)
+    return counts[:rank].sum()

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
+
+from mok_plugin.config import ScoreFunction
 
 __all__ = [
     "LOSS_NAMES",
@@ -38,7 +41,7 @@ __all__ = [
     "update_expert_bias",
 ]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+SCORE_FUNCTIONS: tuple[str, ...] = get_args(ScoreFunction)
 # The router-loss terms, in the order they are summed into MoKRouting.aux_loss.
 LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
 

@@ -36,6 +36,7 @@ __all__ = [
     "DTYPE",
     "PROVIDERS",
     "ProviderUnavailable",
+    "grouped_mm_function",
     "build_megatron_moe",
     "check",
     "check_provider",
@@ -223,10 +224,17 @@ def provider_mok(variant: str) -> Callable:
     return provider
 
 
-def _grouped_mm() -> Callable:
+def grouped_mm_function() -> Callable:
+    """torch's grouped GEMM: `torch.nn.functional.grouped_mm`, or `torch._grouped_mm` before it was public.
+
+    Raises:
+        ProviderUnavailable: this torch has neither.
+    """
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if fn is None:
-        raise ProviderUnavailable("this torch has no grouped_mm")
+        raise ProviderUnavailable(
+            f"torch {torch.__version__} has no grouped_mm (torch.nn.functional.grouped_mm or torch._grouped_mm)"
+        )
     return fn
 
 
@@ -264,7 +272,7 @@ def torch_activation(h: torch.Tensor, family: MoKExpertFamily) -> torch.Tensor:
 def provider_torch(inputs: dict, shape: MoEShape, family: MoKExpertFamily = SWIGLU) -> Callable:
     """The PyTorch path: index gather, grouped_mm fc1 (+ its bias), the family's activation,
     grouped_mm fc2 (+ its bias), times the routing weight, summed over k in order."""
-    grouped_mm = _grouped_mm()
+    grouped_mm = grouped_mm_function()
     T, H, I, E, K = shape.as_tuple()
     ids = inputs["topk_ids"]
 

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mok_plugin.experts import MoKExpertFamily
 
@@ -188,11 +187,13 @@ def grouped_mm_function() -> Callable:
     Raises:
         GroupedMMUnavailable: this torch has neither.
     """
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is None:
-        raise GroupedMMUnavailable(f"torch {torch.__version__} has no grouped_mm "
-                                   "(torch.nn.functional.grouped_mm or torch._grouped_mm)")  # fmt: skip
-    return fn
+    from mok_plugin.bench.providers import ProviderUnavailable
+    from mok_plugin.bench.providers import grouped_mm_function as lookup
+
+    try:
+        return lookup()
+    except ProviderUnavailable as error:
+        raise GroupedMMUnavailable(str(error)) from None
 
 
 def use_grouped_mm_experts(layer, family: MoKExpertFamily) -> None:

@@ -57,7 +57,7 @@ count, then advances it); eval forwards draw at the current count from their own
 a training forward advances the count again (see DeepSpeedGate).
 
 Does not own: the router weight (MoKMoE holds it), the experts, process groups (an EP group is
-passed in only to number the tokens globally: `token_offset`).
+passed in only to number the tokens globally: random_stream.token_offset).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mok_plugin.random_stream import global_token_index, gumbel, uniform
+from mok_plugin.random_stream import global_token_index, gumbel, token_offset, uniform
 from mok_plugin.routing import MoKRouting, count_per_expert
 
 __all__ = [
@@ -81,7 +81,6 @@ __all__ = [
     "deepspeed_gating",
     "draw_noise",
     "jitter_factor",
-    "token_offset",
     "top1_gating",
     "top2_gating",
     "topk_gating",
@@ -348,7 +347,7 @@ def draw_noise(
             H), "rts" (U(0, 1), columns E) or "top2_sampling" (Gumbel, columns E).
         seed: MoKConfig.random_seed.
         step: the gate's training-forward count.
-        layer: the layer's number in the stream (MoKMoE.random_stream_layer).
+        layer: the layer's number in the stream (DeepSpeedGate.layer).
         token_index: int64 [T] global token indices (`token_offset` + local index).
         columns: E or H.
         training: eval draws come from separate streams.
@@ -363,19 +362,6 @@ def draw_noise(
     if purpose == "jitter":
         return jitter_factor(uniform(seed, step, stream, token_index, columns))
     raise ValueError(f"purpose={purpose!r}; allowed: 'rsample', 'jitter', 'rts', 'top2_sampling'")
-
-
-def token_offset(num_tokens: int, group, device: torch.device | str | None = None) -> int | torch.Tensor:
-    """This rank's first global token index: the token counts of the lower ranks of `group` (one
-    all-gather of int64 counts; the result stays on the device). 0 without a group or on one rank."""
-    if group is None or torch.distributed.get_world_size(group) == 1:
-        return 0
-    world = torch.distributed.get_world_size(group)
-    rank = torch.distributed.get_rank(group)
-    counts = torch.zeros(world, dtype=torch.int64, device=device)
-    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    torch.distributed.all_gather_into_tensor(counts, mine, group=group)
-    return counts[:rank].sum()
 
 
 class DeepSpeedGate:

@@ -27,7 +27,8 @@ by (mok random_seed, the layer's training-forward count, the layer's number, glo
 expert or hidden column): bitwise repeatable, the same for every ep_size. The layer's number is
 the order in which this process built its mok_plugin.deepspeed.MoE layers (0, 1, ...), in
 `layer.mok.routing_fn.layer`; the count is `layer.mok.routing_fn.step` (set both to resume a run
-elsewhere). Dropped pairs compute nothing on one rank; under EP they run with weight 0 (gating.py).
+elsewhere). Dropped pairs run with weight 0 (exact zeros), so every ep_size computes the same rows
+(gating.py).
 
 `use_tutel=True` is accepted and changes nothing: in DeepSpeed it only picks Tutel's kernels for
 the same dispatch (fast_cumsum_sub_one is cumsum - 1, fast_dispatcher's encode/decode the same
@@ -91,16 +92,8 @@ def _knobs(mok_config: MoKConfig | dict | str | Path | None) -> dict[str, Any]:
     return load_config(mok_config).model_dump(exclude_unset=True)
 
 
-def _check_deterministic_options(
-    k: int,
-    noisy_gate_policy,
-    use_tutel: bool,
-    use_rts: bool,
-    drop_tokens: bool,
-    top2_2nd_expert_sampling: bool,
-    use_residual: bool,
-    enable_expert_tensor_parallelism: bool,
-) -> None:
+def _check_options(noisy_gate_policy, enable_expert_tensor_parallelism: bool) -> None:
+    """The constructor arguments MoK refuses (every other one is DeepSpeed's, honoured)."""
     problems = []
     if noisy_gate_policy not in NOISY_GATE_POLICIES:
         problems.append(f"noisy_gate_policy={noisy_gate_policy!r}: DeepSpeed allows {NOISY_GATE_POLICIES}")
@@ -155,16 +148,7 @@ class MoE(StockMoE):
         top2_2nd_expert_sampling: bool = True,
         mok_config: MoKConfig | dict | str | Path | None = None,
     ) -> None:
-        _check_deterministic_options(
-            k,
-            noisy_gate_policy,
-            use_tutel,
-            use_rts,
-            drop_tokens,
-            top2_2nd_expert_sampling,
-            use_residual,
-            enable_expert_tensor_parallelism,
-        )
+        _check_options(noisy_gate_policy, enable_expert_tensor_parallelism)
         try:
             layout: ExpertLayout | None = expert_layout(expert, hidden_size)
         except ExpertNotRecognised as why:
@@ -231,7 +215,7 @@ class MoE(StockMoE):
                     for name, tensor in weights.items():
                         stacked = getattr(self.mok.experts, name)
                         stacked.copy_(tensor.expand_as(stacked))
-        self.mok.random_stream_layer = next(_LAYER_NUMBERS)
+        self.mok.random_stream_layer = next(_LAYER_NUMBERS)  # the gate's stream number, also kept here
         self.mok.routing_fn = DeepSpeedGate(
             k=k, num_experts=num_experts, capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
             min_capacity=min_capacity, noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,

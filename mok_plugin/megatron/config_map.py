@@ -28,7 +28,7 @@ The expert MLP, matched to Megatron-Core 0.19's SequentialMLP / TEGroupedMLP / S
   without them, and refused by name where it does not (see `_expert_fields`).
 
 Shared experts (--moe-shared-expert-gate, --moe-shared-expert-overlap), --recompute-modules and
-CUDA graphs: `_shared_expert_fields`, RECOMPUTE_MODULES_HONOURED, `_cuda_graph_problems`.
+CUDA graphs: `_shared_expert_fields`, `selective_recompute_modules`, `_cuda_graph_problems`.
 
 Routing semantics, matched to Megatron-Core 0.19's TopKRouter (router.py, moe_utils.py):
   softmax, post-top-k (default)   softmax over the K chosen logits = softmax over all E, then the K
@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from mok_plugin.config import MOK_KNOBS, REMOVED_FIELDS, MoKConfig, MoKConfigError, dtype_name, short_repr
+from mok_plugin.routing import SCORE_FUNCTIONS
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
 
@@ -244,8 +245,8 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
     """MoK routing fields from Megatron's router settings; unsupported choices go to problems."""
     K = tc.moe_router_topk
     score = tc.moe_router_score_function
-    if score not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        problems.append(_refuse("moe_router_score_function", score, "allowed: softmax, sigmoid, sqrtsoftplus"))
+    if score not in SCORE_FUNCTIONS:
+        problems.append(_refuse("moe_router_score_function", score, f"allowed: {', '.join(SCORE_FUNCTIONS)}"))
     norm = (not tc.moe_router_pre_softmax) if score == "softmax" else K > 1
     if score == "softmax" and K == 1 and not tc.moe_router_pre_softmax:
         # Megatron refuses this too: a softmax over one logit is always 1.
@@ -485,7 +486,7 @@ def _expert_fields(tc: Any, problems: list[str], stock_experts: str | None) -> d
 # --- shared experts, recompute, CUDA graphs ---------------------------------------------------------
 
 
-def _recompute_modules(tc: Any) -> set[str]:
+def selective_recompute_modules(tc: Any) -> set[str]:
     """--recompute-modules when --recompute-granularity is selective, else empty."""
     if getattr(tc, "recompute_granularity", None) != "selective":
         return set()
@@ -508,7 +509,7 @@ def _shared_expert_fields(tc: Any) -> dict[str, Any]:
     return {
         "shared_expert_gate": bool(tc.moe_shared_expert_gate),
         "shared_expert_overlap": bool(tc.moe_shared_expert_overlap),
-        "shared_expert_recompute": "shared_experts" in _recompute_modules(tc),
+        "shared_expert_recompute": "shared_experts" in selective_recompute_modules(tc),
     }
 
 
@@ -523,7 +524,6 @@ def _shared_expert_fields(tc: Any) -> dict[str, Any]:
 #   shared_experts  `_shared_expert_fields`.
 # --recompute-granularity full recomputes whole transformer layers in Megatron's block, around the
 # layer; MoK's forward is deterministic, so the recomputation gives the same values.
-RECOMPUTE_MODULES_HONOURED = ("moe", "moe_act", "shared_experts")
 
 
 def _module_names(modules: Any) -> set[str]:

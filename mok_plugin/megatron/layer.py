@@ -38,7 +38,12 @@ import torch.utils.checkpoint
 from mok_plugin.config import MoKConfig
 from mok_plugin.layer import MoKMoE, _group_size
 from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sharded_state_dict
-from mok_plugin.megatron.config_map import MOE_OFFLOAD_MODULES, init_stds, mok_config_from_megatron
+from mok_plugin.megatron.config_map import (
+    MOE_OFFLOAD_MODULES,
+    init_stds,
+    mok_config_from_megatron,
+    selective_recompute_modules,
+)
 from mok_plugin.routing import LOSS_NAMES
 
 try:
@@ -160,11 +165,7 @@ class MoKMoELayer(MoELayer):
         # --recompute-granularity selective --recompute-modules moe: as MoELayer decides it (with
         # --cuda-graph-impl local the stock layer leaves it to the transformer layer's partial
         # graphs, which MoK refuses; so neither recomputes there).
-        self.moe_layer_recompute = (
-            config.recompute_granularity == "selective"
-            and "moe" in (config.recompute_modules or ())
-            and config.cuda_graph_impl != "local"
-        )
+        self.moe_layer_recompute = "moe" in selective_recompute_modules(config) and config.cuda_graph_impl != "local"
         for param in self.mok.experts.parameters():
             param.allreduce = False
         install_state_dict_hooks(self)
@@ -233,31 +234,18 @@ class MoKMoELayer(MoELayer):
         if not (self.moe_layer_recompute and self.training and torch.is_grad_enabled()):
             return self._call_mok(hidden_states)
         mok = self.mok
-        seen = []  # the state the forward started from: (buffers, last_router_losses)
-
-        def state() -> tuple[dict[str, torch.Tensor], dict | None, int]:
-            buffers = {name: buffer.clone() for name, buffer in mok.named_buffers()}
-            return buffers, getattr(mok, "last_router_losses", None), mok.random_calls
-
-        def put(saved: tuple[dict[str, torch.Tensor], dict | None, int]) -> None:
-            buffers = dict(mok.named_buffers())
-            with torch.no_grad():
-                for name, value in saved[0].items():
-                    buffers[name].copy_(value)
-            if saved[1] is not None:
-                mok.last_router_losses = saved[1]
-            mok.random_calls = saved[2]  # the same random logits in the recomputation
+        seen = []  # the state the forward started from (MoKMoE.forward_state)
 
         def run(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if not seen:  # the forward
-                seen.append(state())
+                seen.append(mok.forward_state())
                 return self._call_mok(hidden_states)
-            now = state()  # the recomputation, in the backward
-            put(seen[0])
+            now = mok.forward_state()  # the recomputation, in the backward
+            mok.restore_forward_state(seen[0])
             try:
                 return self._call_mok(hidden_states)
             finally:
-                put(now)
+                mok.restore_forward_state(now)
 
         # (The context manager, not checkpoint's early_stop argument: torch 2.8 has only the former.)
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
