@@ -1,7 +1,7 @@
 """Every Megatron-Core 0.19 setting the MoE layer reads, and what MoK does with it: one table.
 
 Each TransformerConfig field that Megatron's MoE layer (router, dispatcher, experts, shared
-experts, the aux-loss plumbing) reads has exactly one verdict here:
+experts, the aux-loss plumbing) reads has exactly one verdict here (mok_plugin/verdicts.py):
 
   honoured  MoK computes what the stock layer computes with it (tested against the stock layer:
             `tests` names the tests).
@@ -20,45 +20,19 @@ the index; config_map.py holds the mapping and refusals themselves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from mok_plugin.verdicts import Verdict
+from mok_plugin.verdicts import depends as _depends
+from mok_plugin.verdicts import honoured as _honoured
+from mok_plugin.verdicts import refused as _refused
+from mok_plugin.verdicts import replaced as _replaced
 
 __all__ = ["SHARED_FIELDS", "VERDICTS", "Verdict"]
-
-Kind = Literal["honoured", "replaced", "refused", "depends"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    kind: Kind
-    why: str
-    # A non-default value of the field (refused and replaced fields: the checks set it).
-    example: Any = None
-    # "tests/<file>.py::<test>" of the tests against the stock layer (honoured and depends).
-    tests: tuple[str, ...] = ()
-
 
 _ROUTING = "tests/test_megatron_routing.py"
 _OPTIONS = "tests/test_megatron_layer_options.py"
 _FAMILIES = "tests/test_megatron_families.py"
 _LAYER = "tests/test_megatron.py"
 _RECIPES = "tests/test_megatron_recipes.py"
-
-
-def _honoured(why: str, *tests: str) -> Verdict:
-    return Verdict("honoured", why, tests=tests)
-
-
-def _replaced(why: str, example: Any = True) -> Verdict:
-    return Verdict("replaced", why, example=example)
-
-
-def _refused(why: str, example: Any = True) -> Verdict:
-    return Verdict("refused", why, example=example)
-
-
-def _depends(why: str, *tests: str) -> Verdict:
-    return Verdict("depends", why, tests=tests)
 
 
 _DISPATCH = "a stock token-dispatcher choice; MoK's own exchange runs instead, with the same values"
