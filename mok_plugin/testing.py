@@ -26,6 +26,7 @@ from mok_plugin.experts import SWIGLU, MoKExpertFamily
 __all__ = [
     "free_port",
     "init_gloo",
+    "exit_without_teardown",
     "run_ranks",
     "NAMED_SHAPES",
     "parse_shape",
@@ -347,15 +348,21 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _run_then_exit(rank: int, fn: Callable[..., None], *args) -> None:
-    """fn(rank, *args), then leave the process without its C++ teardown: a gloo rank whose process
-    group is destroyed at interpreter exit can abort ("terminate called without an active
-    exception") while another rank is still closing, failing a test that passed. What the rank
-    writes is flushed first; an exception in fn propagates as before (the spawn reports it)."""
-    fn(rank, *args)
+def exit_without_teardown() -> None:
+    """Leave a spawned rank's process once everything it reports is written (flushed here) and its
+    work is done, skipping C++ teardown: a gloo rank whose process group is destroyed at interpreter
+    exit can abort ("terminate called without an active exception") while another rank is still
+    closing, failing a run that passed."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _run_then_exit(rank: int, fn: Callable[..., None], *args) -> None:
+    """fn(rank, *args), then `exit_without_teardown`; an exception in fn propagates as before (the
+    spawn reports it)."""
+    fn(rank, *args)
+    exit_without_teardown()
 
 
 def run_ranks(fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0) -> None:

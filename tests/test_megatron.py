@@ -413,8 +413,12 @@ def test_init_std_follows_megatron(megatron_world):
     stock_sd, mok_sd = stock.state_dict(), mok.state_dict()
     for key, value in mok_sd.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1000:
-            want = stock_sd[key].float().std().item()
-            assert value.float().std().item() == pytest.approx(want, rel=0.05), key
+            std = 0.05 / 8**0.5 if "linear_fc2" in key else 0.05
+            # A sample std of n normal draws is within 5 standard errors (std / sqrt(2n)) of std;
+            # the stock layer's draws (from torch's global generator) are held to the same bound.
+            bound = 5 * std / (2 * value.numel()) ** 0.5
+            assert abs(value.float().std().item() - std) <= bound, key
+            assert abs(stock_sd[key].float().std().item() - std) <= bound, f"stock {key}"
     # Another init callable is refused by name (not drawn as if it were a normal).
     with pytest.raises(MoKConfigError, match="--init-method-std"):
         mok_config_from_megatron(_config(init_method=torch.nn.init.xavier_uniform_))

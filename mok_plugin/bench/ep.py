@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from mok_plugin.bench.breakdown import range_times
 from mok_plugin.bench.timing import slowest_rank_median
 from mok_plugin.parallel import keep_multicast_off
 from mok_plugin.parallel.dispatch import PROFILER_RANGES
-from mok_plugin.testing import NAMED_SHAPES, MoEShape, free_port, make_layer_inputs, parse_shape
+from mok_plugin.testing import NAMED_SHAPES, MoEShape, exit_without_teardown, free_port, make_layer_inputs, parse_shape
 
 __all__ = ["STAGE_RANGES", "PassTimer", "main", "stage_times_per_iteration"]
 
@@ -230,9 +229,10 @@ def print_table(summary: dict, args: argparse.Namespace, world: int, backend: st
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """A gloo process of the CPU run: join the group, then run main_rank."""
+    """A gloo process of the CPU run: join the group, run main_rank, leave without teardown."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     main_rank(args, rank, world, "gloo", torch.device("cpu"))
+    exit_without_teardown()
 
 
 def main_rank(args, rank: int, world: int, backend: str, device: torch.device) -> None:
@@ -297,12 +297,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             torch.cuda.set_device(local)
         device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
         main_rank(args, rank, world, "nccl" if on_gpu else "gloo", device)
-        # Everything is written and the group is gone. On the CPU a rank sometimes aborted in C++
-        # static teardown after this point ("terminate called without an active exception", 2 of
-        # 12 runs, also with a barrier before the group's teardown), failing torchrun; skip teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_teardown()
     args.dtype = args.dtype or "float32"
     mp.spawn(worker, args=(args.nprocs, free_port(), args), nprocs=args.nprocs, join=True)
     return 0
