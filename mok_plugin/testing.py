@@ -360,7 +360,12 @@ def exit_without_teardown() -> None:
 
 def _run_then_exit(rank: int, fn: Callable[..., None], *args) -> None:
     """fn(rank, *args), then `exit_without_teardown`; an exception in fn propagates as before (the
-    spawn reports it)."""
+    spawn reports it). When fn's module brought DeepSpeed in, its CPU shared-memory all-reduce is
+    switched off first (see mok_plugin.deepspeed.cpu_comm: it leaks /dev/shm)."""
+    if "deepspeed" in sys.modules:
+        from mok_plugin.deepspeed.cpu_comm import skip_shared_memory_allreduce
+
+        skip_shared_memory_allreduce()
     fn(rank, *args)
     exit_without_teardown()
 

@@ -9,6 +9,8 @@
 #              both MoK variants, the PyTorch path and Megatron's stock layer; on all but deepseek-v3 also
 #              Liger's fused MoE, with its autotuning off (LIGER_FUSED_MOE_AUTOTUNE=0 unless set: tuned, it
 #              takes ~4 minutes per shape); deepseek-v3 with 6 iterations instead of 10
+#   deepspeed  DeepSpeed's own MoE tests (tests/test_deepspeed_upstream.py: the fp16 cases need CUDA) and
+#              scripts/compare.py --framework deepspeed on the Megatron-DeepSpeed GPT-MoE-like config
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
@@ -57,6 +59,12 @@ for part in "${parts[@]}"; do
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
         run_part compare-deepspeed python3 scripts/compare.py --config "$cfg" --framework deepspeed \
             --out "$out/compare-deepspeed" ;;
+    deepspeed)
+        # DeepSpeed's own MoE tests with MoK substituted, the fp16 cases included (they need CUDA), and the
+        # harness on a Megatron-DeepSpeed GPT-MoE-like model (GeLU experts with biases, top-1, dropping, RTS).
+        run_part deepspeed-upstream python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_upstream.py
+        run_part compare-ds-gpt-moe python3 scripts/compare.py --framework deepspeed \
+            --config configs/topologies/megatron-deepspeed-gpt-moe_h200_single.yaml --out "$out/compare-ds-gpt-moe" ;;
     layer)
         # One process per shape: no allocator state or clock history carries over from the shape before.
         for shape in qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3; do

@@ -1,9 +1,25 @@
 """Without a GPU, Triton kernels run in Triton's CPU interpreter: the switch must be set before
-any kernel module is imported, so it is set here, first."""
+any kernel module is imported, so it is set here, first.
+
+DeepSpeed worlds started in the test process itself use gloo's all-reduce, not DeepSpeed's CPU
+shared-memory op (mok_plugin.deepspeed.cpu_comm says why: it leaked /dev/shm until the machine ran
+out of memory); spawned ranks get the same through mok_plugin.testing.run_ranks."""
 
 import os
+import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _deepspeed_without_shared_memory_allreduce():
+    # After collection: the test modules that use DeepSpeed have imported it by now.
+    if "deepspeed" in sys.modules:
+        from mok_plugin.deepspeed.cpu_comm import skip_shared_memory_allreduce
+
+        skip_shared_memory_allreduce()
+    yield

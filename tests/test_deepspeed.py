@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e .[deepspeed])")
@@ -18,7 +17,7 @@ from deepspeed.moe.layer import MoE as StockMoE  # noqa: E402
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
-from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import assert_close, free_port, make_layer_inputs, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 H, I, E = 16, 24, 4
@@ -266,7 +265,7 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, e
     [(1, 1, "swiglu"), (2, 2, "swiglu"), (2, 2, "gelu_mlp_biases"), (2, 2, "residual_block")],
 )
 def test_engine_zero_stages_and_expert_parallel(tmp_path, stage, ep_size, expert):
-    mp.spawn(_engine_worker, args=(2, free_port(), stage, ep_size, expert, str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_engine_worker, 2, args=(stage, ep_size, expert, str(tmp_path)))
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         # Same weights, same data, no drop, no noise: the losses agree with the stock layer.
@@ -310,3 +309,14 @@ def test_source_patch_on_a_copy_of_the_installed_package(tmp_path):
     assert built({}) == "deepspeed.moe.layer.MoE"  # no active ds_config: stock
     assert subprocess.run([*patches, "revert", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 0
     assert subprocess.run([*patches, "check", "deepspeed", "--target", str(tmp_path)], cwd=root).returncode == 1
+
+
+def test_tools_keep_deepspeed_off_its_cpu_shared_memory_allreduce():
+    """MoK's tools and tests start DeepSpeed worlds with gloo's all-reduce: DeepSpeed's CPU op compiles
+    C++ and leaves a 69 MB /dev/shm buffer per rank and world (cpu_comm.py)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from mok_plugin.deepspeed.cpu_comm import skip_shared_memory_allreduce
+
+    skip_shared_memory_allreduce()
+    assert build_shm_op() is None

@@ -29,7 +29,7 @@ from test_deepspeed import one_rank_world  # noqa: E402
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.deepspeed import gating  # noqa: E402
 from mok_plugin.deepspeed.gating import DeepSpeedGate, deepspeed_capacity, deepspeed_gating, draw_noise  # noqa: E402
-from mok_plugin.testing import assert_close, free_port, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 T, E, H, I = 64, 8, 16, 24
@@ -396,9 +396,7 @@ def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_random_gating_with_dropping_is_the_same_on_every_ep_size(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_ep_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    run_ranks(_ep_worker, 4, args=(str(tmp_path),))
     for rank in range(4):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for case in RANDOM_CASES:

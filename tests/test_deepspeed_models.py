@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e .[deepspeed])")
@@ -35,7 +34,7 @@ from test_deepspeed_experts import MegatronLinear, ParallelMLP, _forward_backwar
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.deepspeed.gating import deepspeed_capacity  # noqa: E402
-from mok_plugin.testing import free_port, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import make_layer_inputs, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 
@@ -284,7 +283,7 @@ def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_recipes_with_randomness_are_the_same_on_every_ep_size(tmp_path):
-    mp.spawn(_ep_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    run_ranks(_ep_worker, 4, args=(str(tmp_path),))
     for rank in range(4):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name, recipe in RECIPES.items():
@@ -361,7 +360,7 @@ def _engine_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_engine_trains_the_gpt_moe_layer_like_stock(tmp_path):
-    mp.spawn(_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_engine_worker, 2, args=(str(tmp_path),))
     dropped = 0
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")

@@ -108,6 +108,8 @@ def one_rank_world(device: torch.device) -> Iterator[None]:
     import deepspeed
     import torch.distributed as dist
 
+    from mok_plugin.deepspeed.cpu_comm import skip_shared_memory_allreduce
+
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise RuntimeError(f"mok bench generic runs on one rank; this world has {dist.get_world_size()}")
@@ -117,6 +119,7 @@ def one_rank_world(device: torch.device) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
+        skip_shared_memory_allreduce()  # its CPU op compiles C++ and leaks /dev/shm
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         yield
     finally:

@@ -91,6 +91,9 @@ def _init_distributed(framework: str, device: torch.device) -> None:
         if framework == "deepspeed":
             import deepspeed
 
+            from mok_plugin.deepspeed.cpu_comm import skip_shared_memory_allreduce
+
+            skip_shared_memory_allreduce()  # its CPU op compiles C++ and leaks /dev/shm
             deepspeed.init_distributed(dist_backend=backend)
         else:
             torch.distributed.init_process_group(backend, rank=0, world_size=1)
