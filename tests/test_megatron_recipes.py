@@ -4,9 +4,9 @@ size, against the Megatron adapter.
 For each recipe, its TransformerConfig (the recipe's own settings and layout, bf16 as published)
 must build, and MoK's verdict on it follows from the recipe's own settings (LATER_OR_REFUSED):
   - the recipe as published is accepted, or refused naming exactly the flags of the settings later
-    issues take (TP and expert TP > 1, the EP overlap: issue 23; fp8: issue 25) or MoK refuses by
-    design (partial CUDA-graph capture of the MoE layer; DeepSeek-V4's noaux_tc, a newer
-    Megatron's), and nothing else: pipeline and context parallelism and any EP size are accepted;
+    issues take (the EP overlap: issue 23; fp8: issue 25) or MoK refuses by design (expert TP > 1;
+    partial CUDA-graph capture of the MoE layer; DeepSeek-V4's noaux_tc, a newer Megatron's), and
+    nothing else: tensor (with sequence), pipeline and context parallelism and any EP size are accepted;
   - the same recipe at TP = CP = PP = ETP = 1 (its EP kept): the same, less the layout flags;
   - at that layout with EP = 1 on the CPU in fp32, the MoK layer built through the spec (with the
     refused settings switched off) matches the stock MoELayer (outputs, input gradients, router and
@@ -179,8 +179,11 @@ def test_recipe_config_builds(recipe):
 # accepted otherwise; pipeline and context parallelism (and EP, any size) are accepted by the layer.
 LATER_OR_REFUSED = [
     # (does the config set it?, the flag MoK names, why)
-    (lambda tc: tc.tensor_model_parallel_size > 1, "--tensor-model-parallel-size", "issue 23 (TP with SP)"),
-    (lambda tc: (tc.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size", "issue 23"),
+    (
+        lambda tc: (tc.expert_tensor_parallel_size or 1) > 1,
+        "--expert-tensor-parallel-size",
+        "refused by design: MoK keeps each expert whole on one rank (the TP > 1 recipes pass ETP 1)",
+    ),
     (lambda tc: tc.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm", "issue 23 (EP overlap)"),
     (lambda tc: tc.delay_wgrad_compute, "--delay-wgrad-compute", "issue 23 (EP overlap)"),
     (lambda tc: tc.fp8 not in (None, False), "--fp8", "issue 25 (FP8)"),

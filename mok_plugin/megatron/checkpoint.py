@@ -193,7 +193,11 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     gated = layer.mok_config.expert_kind == "glu"
     if layer.mok.shared_experts is not None:
         shared = section("shared_experts")
-        out.update(_mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp, gated))
+        # Stock splits its shared expert over TP; MoK holds it whole on every TP rank: the same global
+        # tensors, saved as TP replicas (torch_dist reshards between the two layouts on load).
+        out.update(
+            _mlp_sharded(shared, f"{prefix}shared_experts.", sharded_offsets, pg.tp, dp_cp, gated, split_over_tp=False)
+        )
         if "gate_weight" in shared:
             from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
@@ -276,15 +280,19 @@ def _stacked_factory(param: torch.Tensor, shards: dict, interleave: int | None =
     return ShardedTensorFactory(per_expert[0].key, param, build, merge, per_expert[0].replica_id)
 
 
-def _mlp_sharded(state: dict, prefix: str, offsets: tuple, tp_group, dp_cp, gated: bool) -> dict:
+def _mlp_sharded(
+    state: dict, prefix: str, offsets: tuple, tp_group, dp_cp, gated: bool, split_over_tp: bool = True
+) -> dict:
     """One MLP's sharded tensors, as Megatron's MLP and its linears build them: fc1 (column
     parallel) weight and bias along axis 0, fc2 (row parallel) weight along axis 1 and its bias
-    replicated; a GLU's fc1 weight and bias through the SwiGLU factory."""
+    replicated; a GLU's fc1 weight and bias through the SwiGLU factory. split_over_tp=False: the
+    tensors are whole on every rank of tp_group (replicas of the same global tensors)."""
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory as swiglu
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint as make
 
     out = {}
     for fc, axes in (("linear_fc1", {"weight": 0, "bias": 0}), ("linear_fc2", {"weight": 1})):
+        axes = axes if split_over_tp else {}
         sub = {k[len(fc) + 1 :]: v for k, v in state.items() if k.startswith(fc + ".")}
         sharded = make(sub, f"{prefix}{fc}.", axes, offsets, tp_group=tp_group, dp_cp_group=dp_cp)
         if fc == "linear_fc1" and gated:

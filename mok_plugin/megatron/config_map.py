@@ -639,15 +639,18 @@ def mok_config_from_megatron(
         value = getattr(tc, field, None)
         if value is not None and is_refused(value):
             problems.append(_refuse(field, value, why))
+    # TP > 1 is honoured (each rank routes its own sequence shard; MoKMoELayer marks the replicated
+    # parameters sequence-parallel). Megatron sets ETP to TP when it is not given: the recipes that
+    # run TP > 1 all pass --expert-tensor-parallel-size 1, which MoK needs (each expert whole on one
+    # rank: split experts would add a reduction per expert and shrink its GEMMs by the TP size).
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
     if etp != 1:
-        problems.append(_refuse("expert_tensor_parallel_size", etp, "expert tensor parallelism is not implemented"))
-    if tc.tensor_model_parallel_size != 1:
         problems.append(
             _refuse(
-                "tensor_model_parallel_size",
-                tc.tensor_model_parallel_size,
-                "the MoK layer takes the full hidden state on each rank (TP = 1)",
+                "expert_tensor_parallel_size",
+                etp,
+                "MoK keeps each expert whole on one rank; with --tensor-model-parallel-size > 1 pass "
+                "--expert-tensor-parallel-size 1 (what the public recipes run)",
             )
         )
     problems += _init_problems(tc)

@@ -166,8 +166,14 @@ class MoKMoELayer(MoELayer):
         # --cuda-graph-impl local the stock layer leaves it to the transformer layer's partial
         # graphs, which MoK refuses; so neither recomputes there).
         self.moe_layer_recompute = "moe" in selective_recompute_modules(config) and config.cuda_graph_impl != "local"
-        for param in self.mok.experts.parameters():
-            param.allreduce = False
+        for name, param in self.mok.named_parameters():
+            if name.startswith("experts."):
+                param.allreduce = False  # Megatron's DDP reduces it over the expert-data-parallel group
+            else:
+                # Replicated over TP (router, shared experts, their gate): under sequence parallelism
+                # each TP rank's gradient covers its sequence shard, and finalize_model_grads sums
+                # them over TP, as for TopKRouter's weight.
+                param.sequence_parallel = config.sequence_parallel
         install_state_dict_hooks(self)
 
     @property
@@ -206,6 +212,12 @@ class MoKMoELayer(MoELayer):
             )
         if intermediate_tensors is not None:
             raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (fine-grained EP overlap)")
+        if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+            # MoELayer.forward's own check, word for word.
+            raise ValueError(
+                "During training, performance may degrade if MoE and tensor parallelism"
+                "are enabled without also enabling sequence parallelism."
+            )
         output, _ = self._run_mok(hidden_states)
         if self.training and torch.is_grad_enabled() and self.mok.last_router_losses:
             # TopKRouter computes and attaches its losses only when training with gradients on.

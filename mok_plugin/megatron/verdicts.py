@@ -33,6 +33,7 @@ _OPTIONS = "tests/test_megatron_layer_options.py"
 _FAMILIES = "tests/test_megatron_families.py"
 _LAYER = "tests/test_megatron.py"
 _RECIPES = "tests/test_megatron_recipes.py"
+_TP = "tests/test_megatron_tensor_parallel.py"
 
 
 _DISPATCH = "a stock token-dispatcher choice; MoK's own exchange runs instead, with the same values"
@@ -233,8 +234,14 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     "fp4": _refused("MoK's kernels are bf16/fp16/fp32", example="e2m1"),
     "overlap_moe_expert_parallel_comm": _refused("the EP-overlap schedule (issue 23)"),
     "delay_wgrad_compute": _refused("MoK computes weight gradients in its own backward (issue 23)"),
-    "tensor_model_parallel_size": _refused("the MoK layer takes the full hidden state (TP 1; issue 23)", example=2),
-    "expert_tensor_parallel_size": _refused("expert tensor parallelism is not implemented", example=2),
+    "tensor_model_parallel_size": _honoured(
+        "each rank routes its sequence shard; replicated parameters marked sequence-parallel (grads summed over TP)",
+        f"{_TP}::test_tensor_parallel_with_sequence_parallel_matches_stock",
+    ),
+    "expert_tensor_parallel_size": _refused(
+        "MoK keeps each expert whole on one rank; the TP > 1 recipes pass --expert-tensor-parallel-size 1",
+        example=2,
+    ),
     "expert_model_parallel_size": _honoured(
         "MoK's EP size over Megatron's EP group", f"{_LAYER}::test_expert_parallel_two_processes_matches_one"
     ),
@@ -245,7 +252,8 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "each stage builds its own layers; the layer is unchanged", f"{_RECIPES}::test_recipe_layout_verdict"
     ),
     "sequence_parallel": _depends(
-        "no effect at TP 1; TP > 1 is refused (issue 23)", f"{_RECIPES}::test_recipe_layout_verdict"
+        "the layer takes the sequence shard; training at TP > 1 without it raises stock's error",
+        f"{_TP}::test_training_without_sequence_parallelism_raises_stocks_error",
     ),
     "num_layers": _honoured("the aux-loss tracker's layer count", f"{_ROUTING}::test_losses_are_logged_as_stock"),
     "mtp_num_layers": _honoured(
