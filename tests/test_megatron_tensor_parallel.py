@@ -131,13 +131,23 @@ def _global_tensors(sharded: dict) -> dict[str, torch.Tensor]:
 
 
 def _check_shared_expert(rank: int, losses: dict) -> None:
-    """TP 2 with a SwiGLU shared expert (stock splits it over TP; MoK holds it whole): the same
-    outputs and input gradients, and distributed checkpoints that hold the same global tensors."""
+    """TP 2 with a SwiGLU shared expert (stock splits it over TP; MoK holds it whole): state dicts
+    both ways, the same outputs and input gradients, and distributed checkpoints that hold the same
+    global tensors."""
     cfg = _layout_config(2, 1, moe_shared_expert_intermediate_size=SHARED, **losses)
     stock = _spec()(config=cfg)
     make_stock_router_cpu_safe(stock)
     mok = use_mok(_spec())(config=cfg)
-    mok.load_state_dict(_whole_over_tp(stock.state_dict(), mok.pg_collection.tp))
+    mok.load_state_dict(stock.state_dict())  # stock's TP parts, gathered whole by MoK's load hook
+    whole = _whole_over_tp(stock.state_dict(), mok.pg_collection.tp)
+    assert torch.equal(mok.mok.shared_experts.gate_up_proj, whole["shared_experts.linear_fc1.weight"])
+    assert torch.equal(mok.mok.shared_experts.down_proj, whole["shared_experts.linear_fc2.weight"])
+    # ... and written back as stock's parts: a stock layer loads MoK's state dict.
+    again = _spec()(config=cfg)
+    again.load_state_dict(mok.state_dict())
+    for key, value in stock.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(again.state_dict()[key], value), f"state dict {key} back in stock"
     x, probe = _rank_tokens(rank)
     want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
     assert_close(got[0], want[0], torch.float32, "output with a shared expert at TP 2")

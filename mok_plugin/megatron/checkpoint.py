@@ -30,6 +30,12 @@ optimizer finds its states' layout by parameter identity; the factory builds the
 and stacks them back on load. The shared expert has no biases in Megatron (SharedExpertMLP refuses
 them), so config_map refuses that combination; the names are mapped all the same.
 
+Under tensor parallelism (TP > 1, expert TP 1) stock splits its shared expert over TP (fc1 rows, a
+GLU's gate and linear halves each; fc2 columns) and MoK holds it whole on every TP rank: state_dict()
+writes this rank's part as stock's does, and load_state_dict gathers the parts over TP (a collective:
+every TP rank loads together, as Megatron's checkpoint loading does). The sharded checkpoint saves the
+whole tensors as TP replicas of the same global tensors.
+
 With --moe-mlp-glu-interleave-size S on a GLU, TEGroupedMLP stores each expert's fc1 rows (weight
 and bias) in blocks of S rows, gate and linear alternating, and reorders them before its GLU;
 SequentialMLP ignores the setting. So TEGroupedMLP's `weight{i}`/`bias{i}` keys are de-interleaved
@@ -71,6 +77,37 @@ _STACKED = [
     ("mok.experts.down_bias", "linear_fc2", "bias"),
 ]
 _EXTRA = "_extra_state"
+# Stock's TP split of the shared expert (ColumnParallelLinear fc1, RowParallelLinear fc2): the axis.
+_SHARED_SPLIT_OVER_TP = {
+    "shared_experts.linear_fc1.weight": 0,
+    "shared_experts.linear_fc1.bias": 0,
+    "shared_experts.linear_fc2.weight": 1,
+}
+
+
+def _tp_group(module):
+    """The layer's tensor-parallel group when it has more than one rank, else None."""
+    group = getattr(getattr(module, "pg_collection", None), "tp", None)
+    return group if group is not None and group.size() > 1 else None
+
+
+def _tp_part(whole: torch.Tensor, axis: int, rank: int, size: int, glu: bool) -> torch.Tensor:
+    """Stock's TP part `rank` of a whole shared-expert tensor (a GLU fc1: the rank's gate rows, then
+    its linear rows). A copy: a view would save the whole storage."""
+    halves = whole.detach().chunk(2, dim=0) if glu else (whole.detach(),)
+    return torch.cat([half.chunk(size, dim=axis)[rank] for half in halves], dim=axis).clone()
+
+
+def _gather_tp_parts(part: torch.Tensor, axis: int, group, glu: bool) -> torch.Tensor:
+    """The inverse of `_tp_part` over every rank of `group`."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(part) for _ in range(group.size())]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    if not glu:
+        return torch.cat(parts, dim=axis)
+    gates, linears = zip(*(p.chunk(2, dim=0) for p in parts), strict=True)
+    return torch.cat([*gates, *linears], dim=0)
 
 
 def glu_deinterleave(rows: torch.Tensor, size: int) -> torch.Tensor:
@@ -92,11 +129,18 @@ def _glu_interleave_size(layer) -> int | None:
 
 def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict post-hook: MoK names -> stock names, in place."""
+    tp = _tp_group(module)
     for mok_name, stock_name in _RENAMED:
         if prefix + mok_name in state_dict:
             state_dict[prefix + stock_name] = state_dict.pop(prefix + mok_name)
             if stock_name.startswith("shared_experts.linear_fc"):  # the linears' extra state, not the gate's
                 state_dict[prefix + stock_name.rsplit(".", 1)[0] + "." + _EXTRA] = None
+            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP:
+                glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
+                whole = state_dict[prefix + stock_name]
+                state_dict[prefix + stock_name] = _tp_part(
+                    whole, _SHARED_SPLIT_OVER_TP[stock_name], tp.rank(), tp.size(), glu
+                )
     for mok_name, fc, leaf in _STACKED:
         stacked = state_dict.pop(prefix + mok_name, None)
         if stacked is None:
@@ -110,9 +154,14 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
     """load_state_dict pre-hook: stock names (SequentialMLP or TEGroupedMLP) -> MoK names, in place."""
     for stale in _STALE:
         state_dict.pop(prefix + stale, None)
+    tp = _tp_group(module)
     for mok_name, stock_name in _RENAMED:
         if prefix + stock_name in state_dict:
-            state_dict[prefix + mok_name] = state_dict.pop(prefix + stock_name)
+            value = state_dict.pop(prefix + stock_name)
+            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP:
+                glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
+                value = _gather_tp_parts(value, _SHARED_SPLIT_OVER_TP[stock_name], tp, glu)
+            state_dict[prefix + mok_name] = value
     num_local = module.mok.experts.down_proj.shape[0]
     interleave = _glu_interleave_size(module)
     for mok_name, fc, leaf in _STACKED:
@@ -193,6 +242,11 @@ def megatron_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, meta
     gated = layer.mok_config.expert_kind == "glu"
     if layer.mok.shared_experts is not None:
         shared = section("shared_experts")
+        # The parameters themselves: under TP, state_dict() holds copies of this rank's parts.
+        for mok_name, stock_name in _RENAMED:
+            param = getattr(layer.mok.shared_experts, mok_name.rsplit(".", 1)[1], None)
+            if mok_name.startswith("mok.shared_experts.") and param is not None:
+                shared[stock_name[len("shared_experts.") :]] = param
         # Stock splits its shared expert over TP; MoK holds it whole on every TP rank: the same global
         # tensors, saved as TP replicas (torch_dist reshards between the two layouts on load).
         out.update(
