@@ -344,35 +344,51 @@ _DIST_CKPT_FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's torch_dist checkpoint format needs CUDA")
-@pytest.mark.parametrize("fields", list(_DIST_CKPT_FAMILIES.values()), ids=list(_DIST_CKPT_FAMILIES))
-def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path, fields):
-    # Megatron's own dist_checkpointing (torch_dist format) saves the stock layer; MoK loads it,
-    # saves its own; a fresh stock layer loads that: every weight (and bias) comes back.
+def torch_dist_on_the_cpu(set_attribute=setattr) -> None:
+    """Megatron's torch_dist format on a machine without CUDA: its writer calls torch.cuda.synchronize()
+    before copying tensors (nothing to wait for on the CPU) and the stock router puts buffers on
+    torch.cuda.current_device(). Both become CPU stand-ins (set through set_attribute, e.g. a
+    monkeypatch's setattr); with CUDA nothing changes."""
+    if not torch.cuda.is_available():
+        set_attribute(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+        set_attribute(torch.cuda, "current_device", lambda: "cpu")
+
+
+def stock_to_mok_to_stock(cfg: TransformerConfig, directory) -> None:
+    """Megatron's own dist_checkpointing (torch_dist format) saves a stock layer with every tensor
+    random; MoK loads it, saves its own; a fresh stock layer loads that: every weight (and bias)
+    comes back. Collective: every rank of the world calls it with the same directory."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(123)  # Megatron's GPU initialisation draws from it
-    cfg = _config(**fields, use_cpu_initialization=False)
+    if not cfg.use_cpu_initialization:
+        tensor_parallel.model_parallel_cuda_manual_seed(123)  # Megatron's GPU initialisation draws from it
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     stock, mok, fresh = spec(config=cfg), use_mok(spec)(config=cfg), spec(config=cfg)
+    torch.manual_seed(123)  # the same draws on every rank: replicated tensors are equal across ranks
     with torch.no_grad():  # every tensor random (Megatron starts biases at zero)
         for param in stock.parameters():
             param.normal_()
-    for name in ("stock", "mok"):
-        (tmp_path / name).mkdir()
-    dist_checkpointing.save(stock.sharded_state_dict(), str(tmp_path / "stock"))
-    mok.load_state_dict(dist_checkpointing.load(mok.sharded_state_dict(), str(tmp_path / "stock")))
+    saved = {name: os.path.join(str(directory), name) for name in ("stock", "mok")}
+    for path in saved.values():
+        os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(stock.sharded_state_dict(), saved["stock"])
+    mok.load_state_dict(dist_checkpointing.load(mok.sharded_state_dict(), saved["stock"]))
     stock_sd = stock.state_dict()
     for key, value in mok.state_dict().items():
         if isinstance(value, torch.Tensor):
             # .cpu(): the stock router weight stays on the CPU until used
             assert torch.equal(value.cpu(), stock_sd[key].cpu()), key
-    dist_checkpointing.save(mok.sharded_state_dict(), str(tmp_path / "mok"))
-    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "mok")))
+    dist_checkpointing.save(mok.sharded_state_dict(), saved["mok"])
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), saved["mok"]))
     for key, value in fresh.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value.cpu(), stock_sd[key].cpu()), key
+
+
+@pytest.mark.parametrize("fields", list(_DIST_CKPT_FAMILIES.values()), ids=list(_DIST_CKPT_FAMILIES))
+def test_distributed_checkpoint_stock_to_mok_to_stock(megatron_world, tmp_path, fields, monkeypatch):
+    torch_dist_on_the_cpu(monkeypatch.setattr)
+    stock_to_mok_to_stock(_config(**fields, use_cpu_initialization=not torch.cuda.is_available()), tmp_path)
 
 
 def _stable_topk(values, k, dim=-1, largest=True, sorted=True):

@@ -4,6 +4,8 @@
   outputs, input gradients, every parameter's gradient and the logged losses (aux loss and z-loss,
   whose token statistics Megatron reduces over TP x CP) match stock's; the replicated parameters are
   marked sequence-parallel, so finalize_model_grads sums their gradients over TP as it does stock's.
+  With a shared expert (stock splits it over TP, MoK holds it whole): the same outputs, state dicts
+  both ways, and Megatron's torch_dist checkpoints stock -> MoK -> stock.
 - Topology invariance (4 processes): for each (TP, EP) layout with Megatron's own groups, every rank's
   output and input gradient, and its experts' weight gradients, are bitwise those of one process
   running its expert-parallel group's tokens (the sequence shards in group order), shared expert
@@ -19,7 +21,16 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
-from test_megatron import E, H, _config, _fwd_bwd, _init, megatron_world  # noqa: E402, F401
+from test_megatron import (  # noqa: E402, F401
+    E,
+    H,
+    _config,
+    _fwd_bwd,
+    _init,
+    megatron_world,
+    stock_to_mok_to_stock,
+    torch_dist_on_the_cpu,
+)
 from test_megatron_routing import _assert_same, _build  # noqa: E402
 
 from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe  # noqa: E402
@@ -66,10 +77,10 @@ def _replicated_grads(layer) -> dict[str, torch.Tensor]:
 # --- against the stock layer: TP 2 with SP, two processes ------------------------------------------
 
 
-def _stock_worker(rank: int, world: int, port: int) -> None:
+def _stock_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     parallel_state.destroy_model_parallel()
-    torch.cuda.current_device = lambda: "cpu"  # the stock router's buffers (test_megatron_routing.cpu_buffers)
+    torch_dist_on_the_cpu()  # also puts the stock router's buffers on the CPU
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
         losses = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
@@ -85,6 +96,8 @@ def _stock_worker(rank: int, world: int, port: int) -> None:
             assert all(getattr(p, "sequence_parallel", False) for p in _replicated_params(mok).values())
             assert not any(getattr(p, "sequence_parallel", False) for p in mok.mok.experts.parameters())
         _check_shared_expert(rank, losses)
+        # Megatron's torch_dist checkpoints at TP 2, shared expert included: stock -> MoK -> stock.
+        stock_to_mok_to_stock(_layout_config(2, 1, moe_shared_expert_intermediate_size=SHARED), out_dir)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -161,8 +174,8 @@ def _check_shared_expert(rank: int, losses: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tensor_parallel_with_sequence_parallel_matches_stock():
-    run_ranks(_stock_worker, 2, timeout_s=240)
+def test_tensor_parallel_with_sequence_parallel_matches_stock(tmp_path):
+    run_ranks(_stock_worker, 2, args=(str(tmp_path),), timeout_s=240)
 
 
 # --- topology invariance: every (TP, EP) layout against one process ---------------------------------

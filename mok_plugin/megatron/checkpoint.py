@@ -98,6 +98,12 @@ def _tp_part(whole: torch.Tensor, axis: int, rank: int, size: int, glu: bool) ->
     return torch.cat([half.chunk(size, dim=axis)[rank] for half in halves], dim=axis).clone()
 
 
+def _is_whole(module, mok_name: str, value: torch.Tensor) -> bool:
+    """Whether `value` has the shape of the layer's whole tensor `mok_name` (not a TP part of it)."""
+    whole = getattr(module.mok.shared_experts, mok_name.rsplit(".", 1)[1])
+    return tuple(value.shape) == tuple(whole.shape)
+
+
 def _gather_tp_parts(part: torch.Tensor, axis: int, group, glu: bool) -> torch.Tensor:
     """The inverse of `_tp_part` over every rank of `group`."""
     import torch.distributed as dist
@@ -158,7 +164,9 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
     for mok_name, stock_name in _RENAMED:
         if prefix + stock_name in state_dict:
             value = state_dict.pop(prefix + stock_name)
-            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP:
+            # Under TP, a plain state dict holds stock's TP parts; a distributed checkpoint, loaded
+            # through megatron_sharded_state_dict, holds the whole tensors already.
+            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP and not _is_whole(module, mok_name, value):
                 glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
                 value = _gather_tp_parts(value, _SHARED_SPLIT_OVER_TP[stock_name], tp, glu)
             state_dict[prefix + mok_name] = value
