@@ -1,0 +1,148 @@
+"""--use-distributed-optimizer with MoKMoELayer (CUDA: Megatron's optimizer and its reduce-scatter
+need a GPU and NCCL): training steps under Megatron's DistributedDataParallel and DistributedOptimizer,
+and their distributed checkpoints (torch_dist, fully parallel save and load, the optimizer state in
+model space: --dist-ckpt-optim-fully-reshardable) from the stock layer into MoK and back. After the
+load, one more step of each gives the same parameters: the optimizer's moments moved with the
+weights, under the stock keys.
+
+The default optimizer format (dp_reshardable) stores each data-parallel rank's flat buffers as they
+lie in memory, which depend on the module's parameter layout; it reloads into the same layer kind
+only, stock or MoK, and a test checks MoK's own round trip."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
+from test_megatron import E, H, _config  # noqa: E402
+
+from mok_plugin.megatron import use_mok  # noqa: E402
+from mok_plugin.testing import free_port, make_layer_inputs  # noqa: E402
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's distributed optimizer needs CUDA and NCCL"),
+]
+
+
+@pytest.fixture()
+def nccl_world():
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _trainer(build, cfg):
+    """(DDP-wrapped layer, its DistributedOptimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    layer = build(config=cfg).cuda()
+    ddp = DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), layer
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, params_dtype=torch.float32), [ddp]
+    )
+    return ddp, optimizer
+
+
+def _step(ddp, optimizer, step: int) -> None:
+    x = make_layer_inputs(24, H, seed=step).view(12, 2, H).cuda()
+    probe = make_layer_inputs(24, H, seed=100 + step).view(12, 2, H).cuda()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    out, _ = ddp(x)
+    (out * probe).sum().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0], "the optimizer skipped its step"
+
+
+def _save(ddp, optimizer, path: str, sharding: str) -> None:
+    model = ddp.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": sharding}
+    state = {"model": model, "optimizer": optimizer.sharded_state_dict(model, metadata=metadata)}
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(state, path, FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy()))
+
+
+def _load(ddp, optimizer, path: str, sharding: str) -> None:
+    model = ddp.module.sharded_state_dict()
+    template = {"model": model, "optimizer": optimizer.sharded_state_dict(
+        model, is_loading=True, metadata={"distrib_optim_sharding_type": sharding})}  # fmt: skip
+    loaded = dist_checkpointing.load(
+        template, path, FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path))
+    )
+    ddp.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _weights(ddp) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_weights_close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{what}, {k}: {m}")
+
+
+FIELDS = {"swiglu_shared": dict(moe_shared_expert_intermediate_size=24), "no_shared": {}}
+
+
+@pytest.mark.usefixtures("nccl_world")
+@pytest.mark.parametrize("fields", list(FIELDS.values()), ids=list(FIELDS))
+def test_stock_to_mok_to_stock_with_the_optimizer_state(tmp_path, fields):
+    cfg = _config(**fields, use_cpu_initialization=False)
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    stock, stock_opt = _trainer(spec, cfg)
+    for step in range(2):
+        _step(stock, stock_opt, step)
+    _save(stock, stock_opt, str(tmp_path / "stock"), "fully_reshardable")
+    mok, mok_opt = _trainer(use_mok(spec), cfg)
+    _load(mok, mok_opt, str(tmp_path / "stock"), "fully_reshardable")
+    _assert_weights_close(_weights(mok), _weights(stock), "MoK after loading stock's checkpoint")
+    # One more step each: the same update only if Adam's moments came across with the weights.
+    _step(stock, stock_opt, 2)
+    _step(mok, mok_opt, 2)
+    _assert_weights_close(_weights(mok), _weights(stock), "after a step from stock's optimizer state")
+    # ... and back: a fresh stock layer from MoK's checkpoint steps as MoK does.
+    _save(mok, mok_opt, str(tmp_path / "mok"), "fully_reshardable")
+    fresh, fresh_opt = _trainer(spec, cfg)
+    _load(fresh, fresh_opt, str(tmp_path / "mok"), "fully_reshardable")
+    _step(fresh, fresh_opt, 3)
+    _step(mok, mok_opt, 3)
+    _assert_weights_close(_weights(fresh), _weights(mok), "stock after a step from MoK's optimizer state")
+
+
+@pytest.mark.usefixtures("nccl_world")
+def test_mok_round_trip_in_the_default_optimizer_format(tmp_path):
+    cfg = _config(moe_shared_expert_intermediate_size=24, use_cpu_initialization=False)
+    build = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))
+    mok, mok_opt = _trainer(build, cfg)
+    _step(mok, mok_opt, 0)
+    _save(mok, mok_opt, str(tmp_path / "mok"), "dp_reshardable")
+    again, again_opt = _trainer(build, cfg)
+    _load(again, again_opt, str(tmp_path / "mok"), "dp_reshardable")
+    _step(mok, mok_opt, 1)
+    _step(again, again_opt, 1)
+    _assert_weights_close(_weights(again), _weights(mok), "MoK after its own dp_reshardable round trip")
