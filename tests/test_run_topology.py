@@ -220,7 +220,7 @@ def test_more_pipeline_stages_than_layers(tmp_path):
 def test_tensor_parallelism_the_adapters_refuse(tmp_path):
     data = _base()
     data["parallel"].update(tp=2)
-    _reject(tmp_path, data, r"parallel\.tp=2: the adapters refuse tensor parallelism")
+    _reject(tmp_path, data, r"parallel\.tp=2: the comparison runs and the DeepSpeed adapter are TP 1")
     data = _base()
     data["parallel"].update(expert_tp=2, ep=32)
     _reject(tmp_path, data, r"parallel\.expert_tp=2: the adapters refuse expert tensor parallelism")

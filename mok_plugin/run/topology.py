@@ -127,8 +127,8 @@ class RunConfig(BaseModel):
             )
         if p.tp > 1:
             problems.append(
-                f"parallel.tp={p.tp}: the adapters refuse tensor parallelism (the MoK layer takes the full hidden "
-                "state on each rank; Megatron --tensor-model-parallel-size must be 1); use tp: 1"
+                f"parallel.tp={p.tp}: the comparison runs and the DeepSpeed adapter are TP 1 (Megatron's adapter "
+                "takes --tensor-model-parallel-size > 1 with sequence parallelism through its own flags); use tp: 1"
             )
         if p.expert_tp > 1:
             problems.append(
