@@ -11,17 +11,28 @@ Does not own: any math of its own; it calls routing, schedule and a backend's ex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.profiler import record_function
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
-from mok_plugin.parallel.dispatch import moe_experts_expert_parallel
+from mok_plugin.parallel.dispatch import (
+    PROFILER_RANGES,
+    DispatchPlan,
+    exchange_pairs,
+    prepare_dispatch,
+    return_pairs,
+    run_received_pairs,
+    sum_returned_pairs,
+)
 from mok_plugin.random_stream import global_token_index, normal, token_offset
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
 from mok_plugin.routing import MoKRouting, MoKTokenScope, route, straight_through, update_expert_bias
@@ -148,6 +159,18 @@ def _register_mlp(module: nn.Module, lead: tuple[int, ...], H: int, I: int, fami
     module.register_parameter("down_proj", param(H, inner))
     module.register_parameter("gate_up_bias", param(fc1, wanted=family.fc1_bias))
     module.register_parameter("down_bias", param(H, wanted=family.fc2_bias))
+
+
+@dataclasses.dataclass
+class MoKForwardStep:
+    """One forward's state between its stages (MoKMoE.begin ... finish)."""
+
+    x_shape: tuple[int, ...]
+    x_TH: torch.Tensor
+    routing: MoKRouting
+    capacity: int | None  # rows one expert keeps; None: dropless
+    shared_out: torch.Tensor | None  # the shared experts' output, issued in `begin`
+    num_dropped: torch.Tensor | None = None
 
 
 class MoKSharedExperts(nn.Module):
@@ -470,7 +493,13 @@ class MoKMoE(nn.Module):
         if x.device != self._anchor.device:
             raise ValueError(f"x is on {x.device} but the layer's parameters are on {self._anchor.device}")
 
-    def forward(self, x: torch.Tensor, *, num_sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        num_sequences: int | None = None,
+        attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, run the experts, combine.
 
         Args:
@@ -478,6 +507,9 @@ class MoKMoE(nn.Module):
             num_sequences: B, how x's tokens form sequences for `seq_aux_loss`: x flattened to
                 [T, H] is [S, B] sequence-major (Megatron's [S, B, H]), token t in sequence t % B.
                 Required with config.seq_aux_loss_coeff > 0.
+            attach_losses: f(routing weights [T, K], router losses) -> the weights to route with
+                (for example the weights carrying the losses into the backward, as Megatron's
+                MoEAuxLossAutoScaler does); see `begin`.
         Returns:
             (output shaped like x, aux_loss fp32 scalar: the load-balancing losses + z-loss, zero
             when every coefficient is zero; its terms are in `last_router_losses`).
@@ -487,51 +519,91 @@ class MoKMoE(nn.Module):
                 logits (under expert parallelism on every rank alike).
             ValueError / TypeError: wrong last dimension, dtype or device.
         """
+        step = self.begin(x, num_sequences=num_sequences, attach_losses=attach_losses)
+        routing, cfg = step.routing, self.config
+        if self.ep_group is not None:
+            dispatch_range, experts_range, combine_range = PROFILER_RANGES
+            with record_function(dispatch_range):
+                plan, x_send, w_send = self.prepare_dispatch(step)
+                x_recv, w_recv = exchange_pairs(plan, x_send, w_send)
+            with record_function(experts_range):
+                y_recv, step.num_dropped = self.run_received_pairs(step, plan, x_recv, w_recv)
+            with record_function(combine_range):
+                out = sum_returned_pairs(plan, return_pairs(plan, y_recv), step.x_TH.dtype)
+        else:
+            schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=step.capacity)
+            experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
+            out = experts_fn(
+                step.x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule
+            )
+            step.num_dropped = schedule.num_dropped
+        return self.finish(step, out, step.shared_out)
+
+    # --- the forward's stages: `forward` runs them in order; so does Megatron's EP-overlap schedule
+    # (MoKMoELayer's stage methods), one at a time, under expert parallelism.
+
+    def begin(
+        self,
+        x: torch.Tensor,
+        num_sequences: int | None = None,
+        attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+    ) -> MoKForwardStep:
+        """The first stage: check x, route (`last_router_losses` set), size the expert capacity and
+        issue the shared experts. The shared experts are issued after routing and before the routed
+        experts, with or without overlap: the backward then runs its nodes in the same order either
+        way, and x's gradient sums its parts (routed, shared, router) in the same order: the same
+        bits. attach_losses(weights, losses) runs on the routing weights before anything uses them."""
         if self._backend_error is not None:
             raise ValueError(self._backend_error)
         self._check_input(x)
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size)
-        T = x_TH.shape[0]
-
-        debug = self.debug
-        routing = self.route(x_TH, debug=debug, num_sequences=num_sequences)
+        routing = self.route(x_TH, debug=self.debug, num_sequences=num_sequences)
         self.last_router_losses = routing.losses
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
+        if attach_losses is not None:
+            routing = dataclasses.replace(routing, topk_weights=attach_losses(routing.topk_weights, routing.losses))
         capacity = None
         if cfg.capacity_factor is not None:
             # Over the global batch, so that every EP size keeps the same rows.
-            capacity = expert_capacity(self._global_tokens(T), cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-        # The shared experts are issued here, after routing and before the routed experts, with or
-        # without overlap: the backward then runs its nodes in the same order either way, and x's
-        # gradient sums its parts (routed, shared, router) in the same order: the same bits.
+            capacity = expert_capacity(self._global_tokens(x_TH.shape[0]), cfg.top_k, cfg.num_experts,
+                                       cfg.capacity_factor)  # fmt: skip
         shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
-        if self.ep_group is not None:
-            out, num_dropped = moe_experts_expert_parallel(
-                x_TH, routing.topk_ids, routing.topk_weights, w13, w2, experts_fn, self.ep_group,
-                cfg.num_experts, DEFAULT_TILE_M, None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor,
-                transport=cfg.ep_transport, expert_capacity=capacity,
-            )  # fmt: skip
-        else:
-            schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=capacity)
-            out = experts_fn(x_TH, routing.topk_weights, w13, w2, schedule)
-            num_dropped = schedule.num_dropped
+        return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
+
+    def prepare_dispatch(self, step: MoKForwardStep) -> tuple[DispatchPlan, torch.Tensor, torch.Tensor]:
+        """Expert parallelism: (plan, rows, weights) in the exchange's send layout."""
+        cfg = self.config
+        return prepare_dispatch(
+            step.x_TH, step.routing.topk_ids, step.routing.topk_weights, self.ep_group, cfg.num_experts,
+            None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor, cfg.ep_transport,
+        )  # fmt: skip
+
+    def run_received_pairs(self, step: MoKForwardStep, plan: DispatchPlan, x_recv, w_recv):
+        """Expert parallelism: (this rank's experts' result rows, pairs dropped)."""
+        experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
+        return run_received_pairs(plan, x_recv, w_recv, self.experts.gate_up_proj, self.experts.down_proj,
+                                  experts_fn, DEFAULT_TILE_M, step.capacity)  # fmt: skip
+
+    def finish(
+        self, step: MoKForwardStep, routed_out: torch.Tensor, shared_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage: (routed + shared output shaped like x, aux_loss); the step's statistics."""
+        cfg, routing = self.config, step.routing
+        out = routed_out
         if shared_out is not None:
             out = out + self._finish_shared_experts(shared_out)
-
         with torch.no_grad():
             self.last_tokens_per_expert.copy_(routing.tokens_per_expert)
-            self.last_num_dropped.copy_(num_dropped)
-            if debug and capacity is not None:
-                dropped = int(num_dropped)  # host-ok: opt-in debug report
+            self.last_num_dropped.copy_(step.num_dropped)
+            if self.debug and step.capacity is not None:
+                dropped = int(step.num_dropped)  # host-ok: opt-in debug report
                 if dropped:
                     warnings.warn(
                         f"MoK dropped {dropped} routed (token, k) pairs{' at this rank' if self.ep_group else ''} at "
                         f"mok.capacity_factor={cfg.capacity_factor}; raise it or set it to null (dropless)",
                         stacklevel=2,
                     )
-        return out.view(x.shape), routing.aux_loss
+        return out.view(step.x_shape), routing.aux_loss
 
     def _shared_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         return _side_stream(device) if self.config.shared_expert_overlap else None

@@ -99,6 +99,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     config = get_attr_wrapped_model(model, "config")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, config, vp_stage)
+    if return_schedule_plan:
+        # --overlap-moe-expert-parallel-comm: the combined 1F1B schedule runs the model's layers in
+        # stages from this plan (MoK's layer through its stage methods) instead of calling it.
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

@@ -153,8 +153,10 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
     "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
-    "overlap_moe_expert_parallel_comm": (bool, "the EP-overlap schedule calls the stock dispatcher's stages"),
-    "delay_wgrad_compute": (bool, "MoK computes weight gradients in its own backward"),
+    "delay_wgrad_compute": (
+        bool,
+        "MoK computes its weight gradients in its own backward; deferring them to backward_dw is not implemented",
+    ),
     "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "moe_expert_rank_capacity_factor": (
@@ -598,6 +600,20 @@ def init_stds(tc: Any) -> tuple[float, float]:
     return (tc.init_method_std if std is None else std), (tc.init_method_std if out_std is None else out_std)
 
 
+def _ep_overlap_problems(tc: Any) -> list[str]:
+    """--overlap-moe-expert-parallel-comm drives MoKMoELayer through its stage methods (layer.py):
+    Megatron checks the rest (EP > 1, bf16/fp16, no moe recompute, alltoall or flex); this is
+    MoK's own limit there."""
+    if not getattr(tc, "overlap_moe_expert_parallel_comm", False):
+        return []
+    problems = []
+    offloaded = set(tc.offload_modules or ()) & set(MOE_OFFLOAD_MODULES)
+    if getattr(tc, "fine_grained_activation_offloading", False) and offloaded:
+        why = "MoK offloads the whole layer's saved tensors, which the EP overlap's separate stages do not allow"
+        problems.append(_refuse("offload_modules", sorted(offloaded), why))
+    return problems
+
+
 def _init_problems(tc: Any) -> list[str]:
     """MoK draws every weight from N(0, std) (deterministically, the same for any EP size); an init
     callable of another kind (MuP-scaled ones are normals too) is refused by name."""
@@ -654,6 +670,7 @@ def mok_config_from_megatron(
             )
         )
     problems += _init_problems(tc)
+    problems += _ep_overlap_problems(tc)
     if tc.params_dtype not in _DTYPE_NAMES:
         problems.append(_refuse("params_dtype", tc.params_dtype, "allowed: float32, bfloat16, float16"))
 

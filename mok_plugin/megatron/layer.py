@@ -8,8 +8,8 @@ over Megatron's expert-parallel group and has no math of its own.
 Megatron contracts it keeps:
   - forward(hidden_states [S, B, H], ...) -> (output [S, B, H], None);
   - the load-balancing losses (aux_loss, seq_aux_loss, global_aux_loss) and the z-loss reach the
-    router through `MoEAuxLossAutoScaler` on the output (scaled by Megatron's main-loss backward
-    scale), only in training with gradients on, each logged under the stock router's name and
+    router through `MoEAuxLossAutoScaler` on the routing weights, as TopKRouter attaches them to its
+    probabilities (scaled by Megatron's main-loss backward scale), only in training with gradients on, each logged under the stock router's name and
     groups; their token counts are summed over the TP x CP group (global_aux_loss: TP x DP x CP,
     with `reset_global_aux_loss_tracker` for finalize_model_grads), and --calculate-per-token-loss
     scales them as TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
@@ -21,6 +21,11 @@ Megatron contracts it keeps:
     backward (non-reentrant checkpoint, `_run_mok`), as MoELayer does; moe_act is what MoK's
     experts always do, shared_experts MoK's `shared_expert_recompute` (config_map.py);
   - state_dict / sharded_state_dict use the stock keys (checkpoint.py);
+  - tensor parallelism with sequence parallelism (expert TP 1): each rank routes its sequence
+    shard; the replicated parameters are marked `sequence_parallel` (their gradients summed over TP);
+  - the EP-overlap schedule (--overlap-moe-expert-parallel-comm) calls the stage methods
+    (shared_experts_compute ... postprocess) instead of forward: the same MoK stages in the same
+    order, so bitwise the same results;
   - with gradient-accumulation fusion, expert weight gradients are added into `main_grad` (fp32)
     by the backward itself, in expert order, and `grad_added_to_main_grad` is set, as Megatron's
     fused linear layers do.
@@ -29,7 +34,9 @@ Not supported (an error at build time, naming the flag): see config_map.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from typing import Any
 
 import torch
@@ -44,6 +51,7 @@ from mok_plugin.megatron.config_map import (
     mok_config_from_megatron,
     selective_recompute_modules,
 )
+from mok_plugin.parallel.dispatch import exchange_pairs, return_pairs, sum_returned_pairs
 from mok_plugin.routing import LOSS_NAMES
 
 try:
@@ -99,6 +107,22 @@ class _MainGradAccumulation(torch.autograd.Function):
         # hooks run on the main thread (as in Megatron's fused linear layers).
         weight.grad_added_to_main_grad = True
         return torch.zeros_like(grad) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(grad)
+
+
+def _used_on_this_stream(*tensors: torch.Tensor | None) -> None:
+    """The EP-overlap schedule runs the stages on two CUDA streams: a tensor made on one and used on
+    the other must not go back to the allocator before the other's work on it is done."""
+    for tensor in tensors:
+        if tensor is not None and tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream())
+
+
+class _ScheduleDispatcherStandIn:
+    """What Megatron's EP-overlap schedule touches of a flex token dispatcher (fine_grained_callables:
+    `_comm_manager.token_probs`, `.dispatched_probs`, `.get_number_of_tokens_per_expert()`)."""
+
+    def __init__(self) -> None:
+        self._comm_manager = types.SimpleNamespace(get_number_of_tokens_per_expert=lambda: None)
 
 
 class MoKMoELayer(MoELayer):
@@ -175,6 +199,12 @@ class MoKMoELayer(MoELayer):
                 # them over TP, as for TopKRouter's weight.
                 param.sequence_parallel = config.sequence_parallel
         install_state_dict_hooks(self)
+        self._overlap_step: dict | None = None  # one forward's state between the EP-overlap stages
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            # With the flex dispatcher the schedule hands the stage's detached probabilities to the
+            # dispatcher's communication manager; MoK's exchange replaces the dispatcher (as without
+            # the overlap), so they go to a stand-in that nothing reads.
+            self.token_dispatcher = _ScheduleDispatcherStandIn()
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
@@ -206,22 +236,31 @@ class MoKMoELayer(MoELayer):
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         """(output [S, B, H], None). Raises NotImplementedError for padding masks (packed sequences)."""
+        if intermediate_tensors is not None:
+            # Only the partial CUDA-graph scopes moe_router / moe_preprocess pass them (refused at build time).
+            raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (partial CUDA-graph scopes)")
+        self._check_forward(hidden_states, padding_mask)
+        output, _ = self._run_mok(hidden_states)
+        self._after_forward(hidden_states)
+        return output, None
+
+    def _check_forward(self, hidden_states: torch.Tensor, padding_mask) -> None:
         if padding_mask is not None:
             raise NotImplementedError(
                 "MoKMoELayer does not take a padding_mask yet (packed/THD sequences route every token)"
             )
-        if intermediate_tensors is not None:
-            raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (fine-grained EP overlap)")
         if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
             # MoELayer.forward's own check, word for word.
             raise ValueError(
                 "During training, performance may degrade if MoE and tensor parallelism"
                 "are enabled without also enabling sequence parallelism."
             )
-        output, _ = self._run_mok(hidden_states)
-        if self.training and torch.is_grad_enabled() and self.mok.last_router_losses:
-            # TopKRouter computes and attaches its losses only when training with gradients on.
-            output = self._attach_router_losses(output, hidden_states.shape[0] * hidden_states.shape[1])
+
+    def _after_forward(self, hidden_states: torch.Tensor) -> None:
+        """The bookkeeping after the layer ran (once, outside any recompute): the router losses
+        logged, the expert-bias counts."""
+        if self._attaching_losses() and self.mok.last_router_losses:
+            self._log_router_losses(self.mok.last_router_losses, self._mtp_repeats())
         if self.mok_config.expert_bias and torch.is_grad_enabled():
             # Counted when gradients are on, as TopKRouter._apply_expert_bias does: not in evaluation,
             # and once under full recompute (Megatron's reentrant checkpoint runs the first forward
@@ -229,7 +268,10 @@ class MoKMoELayer(MoELayer):
             # inside `_run_mok` and this line outside it, so once there too.
             with torch.no_grad():
                 self.mok.local_tokens_per_expert += self.mok.last_tokens_per_expert
-        return output, None
+
+    def _attaching_losses(self) -> bool:
+        # TopKRouter computes and attaches its losses only when training with gradients on.
+        return self.training and torch.is_grad_enabled()
 
     def _run_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, aux_loss) of the MoK layer; under --recompute-modules moe while training, through
@@ -270,47 +312,68 @@ class MoKMoELayer(MoELayer):
             return self._call_mok_on_device(hidden_states)
 
     def _call_mok_on_device(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._expert_weights_into_main_grad():
+            return self.mok(
+                hidden_states, num_sequences=hidden_states.shape[1], attach_losses=self._loss_attacher(hidden_states)
+            )
+
+    @contextlib.contextmanager
+    def _expert_weights_into_main_grad(self):
+        """With --gradient-accumulation-fusion (and DDP's main_grad), route the expert weights through
+        _MainGradAccumulation while the block runs. Biases keep ordinary gradients, as in Megatron's
+        fused linear layers (only the weight's goes to main_grad)."""
         experts = self.mok.experts
         if not (self.config.gradient_accumulation_fusion and hasattr(experts.down_proj, "main_grad")):
-            return self.mok(hidden_states, num_sequences=hidden_states.shape[1])
-        # Route the expert weights through _MainGradAccumulation for this call only. Biases keep
-        # ordinary gradients, as in Megatron's fused linear layers (only the weight's goes to main_grad).
+            yield
+            return
         originals = {name: experts._parameters[name] for name in ("gate_up_proj", "down_proj")}
         originals = {name: param for name, param in originals.items() if param is not None}
         try:
             for name, param in originals.items():
                 del experts._parameters[name]
                 setattr(experts, name, _MainGradAccumulation.apply(param))
-            return self.mok(hidden_states, num_sequences=hidden_states.shape[1])
+            yield
         finally:
             for name, param in originals.items():
                 delattr(experts, name)
                 experts._parameters[name] = param
 
-    def _attach_router_losses(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """`output` carrying MoK's router losses into the backward, scaled and logged as TopKRouter's
-        attach_and_log_load_balancing_loss (each load-balancing loss) and apply_z_loss do.
+    def _mtp_repeats(self) -> int:
+        cfg = self.config
+        if self.is_mtp_layer and cfg.mtp_use_repeated_layer and cfg.mtp_num_layers is not None:
+            return cfg.mtp_num_layers
+        return 1
+
+    def _loss_attacher(self, hidden_states: torch.Tensor):
+        """f(routing weights, router losses) for MoKMoE.begin: the weights carrying the losses into
+        the backward, scaled as TopKRouter's attach_and_log_load_balancing_loss (each load-balancing
+        loss) and apply_z_loss do, on the routing weights as TopKRouter attaches them to its probs
+        (so that Megatron's EP-overlap schedule, which splits the layer into stages, keeps the
+        losses' backward in the routing stage); None when no loss is attached (evaluation).
 
         With --calculate-per-token-loss Megatron divides every gradient by the global token count,
-        so the router multiplies each loss by its rank's tokens x the TP x CP size (num_tokens: the
+        so the router multiplies each loss by its rank's tokens x the TP x CP size (the
         micro-batch's tokens on this rank, S x B, for every loss, seq_aux_loss included); repeated
         MTP layers divide the load-balancing losses (not the z-loss) by mtp_num_layers. One
-        `MoEAuxLossAutoScaler` on their sum gives each loss the same gradient as one per loss.
-        """
-        cfg = self.config
-        losses = self.mok.last_router_losses
-        repeats = 1
-        if self.is_mtp_layer and cfg.mtp_use_repeated_layer and cfg.mtp_num_layers is not None:
-            repeats = cfg.mtp_num_layers
-        attached = None
-        for name in LOSS_NAMES:
-            if name in losses:
-                loss = losses[name] if name == "z_loss" or repeats == 1 else losses[name] / repeats
-                attached = loss if attached is None else attached + loss
-        self._log_router_losses(losses, repeats)
-        if cfg.calculate_per_token_loss:
-            attached = attached * (num_tokens * _group_size(self.mok.sequence_group))
-        return MoEAuxLossAutoScaler.apply(output, attached)
+        `MoEAuxLossAutoScaler` on their sum gives each loss the same gradient as one per loss."""
+        if not self._attaching_losses():
+            return None
+        cfg, repeats = self.config, self._mtp_repeats()
+        num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
+
+        def attach(weights: torch.Tensor, losses: dict[str, torch.Tensor]) -> torch.Tensor:
+            attached = None
+            for name in LOSS_NAMES:
+                if name in losses:
+                    loss = losses[name] if name == "z_loss" or repeats == 1 else losses[name] / repeats
+                    attached = loss if attached is None else attached + loss
+            if attached is None:
+                return weights
+            if cfg.calculate_per_token_loss:
+                attached = attached * (num_tokens * _group_size(self.mok.sequence_group))
+            return MoEAuxLossAutoScaler.apply(weights, attached)
+
+        return attach
 
     def _log_router_losses(self, losses: dict[str, torch.Tensor], repeats: int) -> None:
         """Record each loss in Megatron's MoE metrics tracker as the stock router does: the value
@@ -337,6 +400,90 @@ class MoKMoELayer(MoELayer):
             coeff = mok_cfg.z_loss_coeff / _group_size(self.mok.sequence_group)
             value = losses["z_loss"].detach() / repeats / coeff
             tracker.record("z_loss", value, layer_number, num_layers, avg_group=tp_dp_cp)
+
+    # --- Megatron's EP-overlap schedule (--overlap-moe-expert-parallel-comm) -----------------------
+    # models/gpt/fine_grained_callables.py calls these instead of forward, one at a time, on a compute
+    # and a communication stream, with each stage's inputs detached (and some freed after use), while
+    # another micro-batch runs its own stages: route and preprocess, dispatch, the routed experts,
+    # combine and postprocess. They run MoKMoE's forward stages (begin, prepare_dispatch,
+    # exchange_pairs, run_received_pairs, return_pairs, sum_returned_pairs, finish) in forward's
+    # order, so the results are bitwise forward's. One forward of this layer runs at a time (the
+    # schedule interleaves another micro-batch's backward, which reads only what autograd saved).
+
+    @property
+    def shared_experts(self):
+        """MoK's shared experts (the schedule's backward_dw wrapper iterates their parameters)."""
+        return self.mok.shared_experts if "mok" in self._modules else None
+
+    @shared_experts.setter
+    def shared_experts(self, value) -> None:
+        if value is not None:  # BaseMoELayer sets None; MoK's own are self.mok.shared_experts
+            raise AttributeError("MoKMoELayer.shared_experts is MoK's own (self.mok.shared_experts)")
+
+    def _stage(self):
+        if self._overlap_step is None:
+            raise RuntimeError("MoKMoELayer: an EP-overlap stage ran before shared_experts_compute began the forward")
+        return self._overlap_step
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        """The first stage (Megatron calls it before route): route, then issue the shared experts.
+        Returns their output [S x B, H] (None without shared experts)."""
+        self._check_forward(hidden_states, None)
+        if self.mok.ep_group is None:
+            raise RuntimeError(
+                "MoKMoELayer's EP-overlap stages need expert parallelism (--expert-model-parallel-size > 1)"
+            )
+        step = self.mok.begin(hidden_states, hidden_states.shape[1], self._loss_attacher(hidden_states))
+        self._overlap_step = {"hidden_states": hidden_states, "step": step}
+        return step.shared_out
+
+    def route(self, hidden_states: torch.Tensor, padding_mask=None):
+        """(routing weights [T, K], expert ids [T, K]) as shared_experts_compute routed."""
+        routing = self._stage()["step"].routing
+        return routing.topk_weights, routing.topk_ids
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """(rows, weights) in the exchange's send layout."""
+        stage = self._stage()
+        stage["plan"], x_send, w_send = self.mok.prepare_dispatch(stage["step"])
+        return x_send, w_send
+
+    def dispatch(self, x_send: torch.Tensor, w_send: torch.Tensor):
+        """(rows, weights) received from every rank of the expert-parallel group."""
+        plan = self._stage()["plan"]
+        _used_on_this_stream(plan.order, plan.local_expert, plan.slot, plan.send_counts)
+        return exchange_pairs(plan, x_send, w_send)
+
+    def routed_experts_compute(self, x_recv: torch.Tensor, w_recv: torch.Tensor):
+        """(this rank's experts' result rows, None). The schedule frees x_recv after this stage when
+        should_free_input says so; MoK's experts keep their input for the backward, so they get a copy."""
+        from megatron.core.models.common.utils import should_free_input
+
+        stage = self._stage()
+        _used_on_this_stream(stage["plan"].expert_recv)
+        if should_free_input("mlp", True, self.config, self.num_local_experts):
+            x_recv = x_recv.clone()
+        with self._expert_weights_into_main_grad():
+            y_recv, stage["step"].num_dropped = self.mok.run_received_pairs(
+                stage["step"], stage["plan"], x_recv, w_recv
+            )
+        return y_recv, None
+
+    def combine(self, y_recv: torch.Tensor) -> torch.Tensor:
+        """The result rows back at their senders."""
+        plan = self._stage()["plan"]
+        _used_on_this_stream(plan.slot)
+        return return_pairs(plan, y_recv)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output [S, B, H]: each token's rows summed, plus the shared experts'."""
+        stage, self._overlap_step = self._stage(), None
+        step = stage["step"]
+        _used_on_this_stream(stage["plan"].order, step.routing.tokens_per_expert, step.num_dropped)
+        routed = sum_returned_pairs(stage["plan"], output, stage["step"].x_TH.dtype)
+        out, _ = self.mok.finish(stage["step"], routed, shared_expert_output)
+        self._after_forward(stage["hidden_states"])
+        return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return megatron_sharded_state_dict(self, prefix, sharded_offsets, metadata)

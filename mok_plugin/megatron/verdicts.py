@@ -232,8 +232,12 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     ),
     "fp8": _refused("MoK's kernels are bf16/fp16/fp32", example="e4m3"),
     "fp4": _refused("MoK's kernels are bf16/fp16/fp32", example="e2m1"),
-    "overlap_moe_expert_parallel_comm": _refused("the EP-overlap schedule (issue 23)"),
-    "delay_wgrad_compute": _refused("MoK computes weight gradients in its own backward (issue 23)"),
+    "overlap_moe_expert_parallel_comm": _honoured(
+        "the schedule drives MoKMoELayer's stage methods: bitwise the plain layer (MoE activation offload "
+        "refused with it)",
+        "tests/test_megatron_ep_overlap.py::test_overlap_schedule_plan_is_bitwise_the_plain_layer",
+    ),
+    "delay_wgrad_compute": _refused("MoK computes weight gradients in its own backward (deferral not implemented)"),
     "tensor_model_parallel_size": _honoured(
         "each rank routes its sequence shard; replicated parameters marked sequence-parallel (grads summed over TP)",
         f"{_TP}::test_tensor_parallel_with_sequence_parallel_matches_stock",

@@ -61,6 +61,7 @@ the same order; `topk_ids` hold global expert ids.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -213,25 +214,41 @@ def moe_experts_expert_parallel(
     """
     dispatch_range, experts_range, combine_range = PROFILER_RANGES
     with record_function(dispatch_range):
-        x_recv, w_recv, expert_recv, order, send_back = _dispatch(
-            x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport
-        )
+        plan, x_send, w_send = prepare_dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor,
+                                                transport)  # fmt: skip
+        x_recv, w_recv = exchange_pairs(plan, x_send, w_send)
     with record_function(experts_range):
-        # One row per received pair (K = 1 locally): the stable schedule keeps source-rank order.
-        schedule = build_schedule(
-            expert_recv.view(-1, 1), num_experts // dist.get_world_size(group), tile_m=tile_m, capacity=expert_capacity
-        )
-        y_recv = experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule)
+        y_recv, num_dropped = run_received_pairs(plan, x_recv, w_recv, gate_up_proj, down_proj, experts_fn, tile_m,
+                                                 expert_capacity)  # fmt: skip
     with record_function(combine_range):
-        y_sent_order = send_back(y_recv)
-        T, K = topk_ids.shape
-        out = sum_over_k(_to_tk_order(y_sent_order, order).view(T, K, y_sent_order.shape[1]), x.dtype)
-        return out, schedule.num_dropped
+        return sum_returned_pairs(plan, return_pairs(plan, y_recv), x.dtype), num_dropped
 
 
-def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport):
-    """(x_recv, w_recv, expert_recv, send order, send_back): this rank's pairs sent to their experts'
-    ranks, and the function that returns result rows to their senders, in send order."""
+@dataclasses.dataclass
+class DispatchPlan:
+    """What one forward's exchange needs between its stages (`prepare_dispatch`, `exchange_pairs`,
+    `run_received_pairs`, `return_pairs`, `sum_returned_pairs`; `moe_experts_expert_parallel` runs
+    them in that order, and so does Megatron's EP-overlap schedule, one stage at a time)."""
+
+    group: dist.ProcessGroup
+    num_experts: int
+    transport: str
+    num_tokens: int  # T
+    top_k: int  # K
+    order: torch.Tensor  # the pairs' send order (expert-major)
+    local_expert: torch.Tensor  # each sent pair's expert on its destination rank
+    capacity_factor: float | None = None
+    send_splits: list[int] | None = None  # exact exchange: rows to / from each rank
+    recv_splits: list[int] | None = None
+    slot: torch.Tensor | None = None  # capacity exchange: each pair's slot in the send buffer
+    slots: int = 0
+    send_counts: torch.Tensor | None = None
+    expert_recv: torch.Tensor | None = None  # set by exchange_pairs
+
+
+def prepare_dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, transport):
+    """(plan, rows to send, their routing weights): this rank's pairs in send order, in the exchange's
+    send layout (the capacity exchange's fixed-size buffers, or sized by counts exchanged here)."""
     W = dist.get_world_size(group)
     T, K = topk_ids.shape
     R = T * K
@@ -240,39 +257,64 @@ def _dispatch(x, topk_ids, topk_weights, group, num_experts, capacity_factor, tr
     # Expert-major send order; stable, so (token, k) order within an expert.
     order = torch.sort(flat, stable=True).indices
     dest = flat[order] // E_local
-    local_expert = flat[order] % E_local
+    plan = DispatchPlan(group, num_experts, transport, T, K, order, flat[order] % E_local, capacity_factor)
     rows = _GatherPairs.apply(x, order, K)
     weights = topk_weights.reshape(-1)[order]
-
+    send_counts = count_per_expert(dest.view(-1, 1), W)
     if capacity_factor is None:
         if transport != "nccl":
             raise ValueError(f"mok.ep_transport={transport!r} needs the capacity exchange (mok.ep_exchange='capacity')")
-        send_counts = count_per_expert(dest.view(-1, 1), W)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits = send_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
-        recv_splits = recv_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
-        x_recv = _exchange(rows, send_splits, recv_splits, group)
-        w_recv = _exchange(weights, send_splits, recv_splits, group)
-        expert_recv = _exchange_ints(local_expert, send_splits, recv_splits, group)
+        plan.send_splits = send_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
+        plan.recv_splits = recv_counts.tolist()  # host-ok: exact-size mode sizes the exchange (module docstring)
+        return plan, rows, weights
+    plan.slots = max(1, math.ceil(capacity_factor * R / W))
+    plan.send_counts = send_counts
+    rank_in_block = torch.arange(R, device=x.device) - (torch.cumsum(send_counts, 0) - send_counts)[dest]
+    # Slot of each pair in the [W * slots] send buffer; empty slots carry expert -1.
+    plan.slot = dest * plan.slots + rank_in_block.clamp(max=plan.slots - 1)
+    x_send = rows.new_zeros(W * plan.slots, rows.shape[1]).index_copy(0, plan.slot, rows)
+    w_send = weights.new_zeros(W * plan.slots).index_copy(0, plan.slot, weights)
+    return plan, x_send, w_send
 
-        def send_back(y_recv: torch.Tensor) -> torch.Tensor:
-            return _exchange(y_recv, recv_splits, send_splits, group)
 
-    else:
-        slots = max(1, math.ceil(capacity_factor * R / W))
-        send_counts = count_per_expert(dest.view(-1, 1), W)
-        _check_capacity_exchange(T, send_counts, slots, capacity_factor, group)
-        rank_in_block = torch.arange(R, device=x.device) - (torch.cumsum(send_counts, 0) - send_counts)[dest]
-        # Slot of each pair in the [W * slots] send buffer; empty slots carry expert -1.
-        slot = dest * slots + rank_in_block.clamp(max=slots - 1)
-        x_send = rows.new_zeros(W * slots, rows.shape[1]).index_copy(0, slot, rows)
-        x_recv = _exchange_equal(x_send, group, transport)
-        w_recv = _exchange_equal(weights.new_zeros(W * slots).index_copy(0, slot, weights), group, transport)
-        expert_send = torch.full((W * slots,), -1, dtype=torch.int64, device=x.device).index_copy(0, slot, local_expert)
-        expert_recv = _exchange_equal(expert_send, group, transport)
+def exchange_pairs(plan: DispatchPlan, x_send: torch.Tensor, w_send: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, weights) received from every rank, in source-rank order; the pairs' local expert ids
+    go to plan.expert_recv. The capacity exchange first checks, on every rank alike, that each
+    rank's buffers hold what it sends (one all-gather)."""
+    group, transport = plan.group, plan.transport
+    if plan.capacity_factor is None:
+        x_recv = _exchange(x_send, plan.send_splits, plan.recv_splits, group)
+        w_recv = _exchange(w_send, plan.send_splits, plan.recv_splits, group)
+        plan.expert_recv = _exchange_ints(plan.local_expert, plan.send_splits, plan.recv_splits, group)
+        return x_recv, w_recv
+    _check_capacity_exchange(plan.num_tokens, plan.send_counts, plan.slots, plan.capacity_factor, group)
+    x_recv = _exchange_equal(x_send, group, transport)
+    w_recv = _exchange_equal(w_send, group, transport)
+    expert_send = torch.full((x_send.shape[0],), -1, dtype=torch.int64, device=x_send.device)
+    plan.expert_recv = _exchange_equal(expert_send.index_copy(0, plan.slot, plan.local_expert), group, transport)
+    return x_recv, w_recv
 
-        def send_back(y_recv: torch.Tensor) -> torch.Tensor:
-            return _exchange_equal(y_recv, group, transport)[slot]
 
-    return x_recv, w_recv, expert_recv, order, send_back
+def run_received_pairs(plan, x_recv, w_recv, gate_up_proj, down_proj, experts_fn, tile_m, expert_capacity=None):
+    """(result rows, int64 scalar: pairs this rank's experts dropped): this rank's experts on the
+    received rows, one row per pair (K = 1 locally): the stable schedule keeps source-rank order."""
+    schedule = build_schedule(
+        plan.expert_recv.view(-1, 1), plan.num_experts // dist.get_world_size(plan.group), tile_m=tile_m,
+        capacity=expert_capacity,
+    )  # fmt: skip
+    return experts_fn(x_recv, w_recv.view(-1, 1), gate_up_proj, down_proj, schedule), schedule.num_dropped
+
+
+def return_pairs(plan: DispatchPlan, y_recv: torch.Tensor) -> torch.Tensor:
+    """The result rows back at their senders, in send order (the inverse exchange)."""
+    if plan.capacity_factor is None:
+        return _exchange(y_recv, plan.recv_splits, plan.send_splits, plan.group)
+    return _exchange_equal(y_recv, plan.group, plan.transport)[plan.slot]
+
+
+def sum_returned_pairs(plan: DispatchPlan, y_sent_order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in dtype: each token's K rows summed in ascending k in fp32, rounded once."""
+    rows = _to_tk_order(y_sent_order, plan.order).view(plan.num_tokens, plan.top_k, y_sent_order.shape[1])
+    return sum_over_k(rows, dtype)
