@@ -10,9 +10,9 @@ Megatron contracts it keeps:
   - the load-balancing losses (aux_loss, seq_aux_loss, global_aux_loss) and the z-loss reach the
     router through `MoEAuxLossAutoScaler` on the routing weights, as TopKRouter attaches them to its
     probabilities (scaled by Megatron's main-loss backward scale), only in training with gradients
-    on, each logged under the stock router's name and groups; their token counts are summed over the TP x CP group (global_aux_loss: TP x DP x CP,
-    with `reset_global_aux_loss_tracker` for finalize_model_grads), and --calculate-per-token-loss
-    scales them as TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
+    on, each logged under the stock router's name and groups; their token counts are summed over
+    the TP x CP group (global_aux_loss: TP x DP x CP, with `reset_global_aux_loss_tracker` for
+    finalize_model_grads), and --calculate-per-token-loss scales them as TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
   - expert parameters carry `allreduce=False` (reduced over expert-data-parallel ranks);
   - with --moe-router-enable-expert-bias, `expert_bias` / `local_tokens_per_expert` sit where
     Megatron's finalize_model_grads looks for them (it updates the bias once per global batch); the
