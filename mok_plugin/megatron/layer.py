@@ -12,7 +12,8 @@ Megatron contracts it keeps:
     probabilities (scaled by Megatron's main-loss backward scale), only in training with gradients
     on, each logged under the stock router's name and groups; their token counts are summed over
     the TP x CP group (global_aux_loss: TP x DP x CP, with `reset_global_aux_loss_tracker` for
-    finalize_model_grads), and --calculate-per-token-loss scales them as TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
+    finalize_model_grads), and --calculate-per-token-loss scales them as
+    TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
   - expert parameters carry `allreduce=False` (reduced over expert-data-parallel ranks);
   - with --moe-router-enable-expert-bias, `expert_bias` / `local_tokens_per_expert` sit where
     Megatron's finalize_model_grads looks for them (it updates the bias once per global batch); the
