@@ -75,3 +75,20 @@ def test_invariance_rows_from_junit_xml():
         {"test": "test_a[y]", "outcome": "failed", "message": "AssertionError: differs from EP = 1: {2: ['d_x']}"},
         {"test": "test_a[z]", "outcome": "skipped", "message": "needs at least 2 CUDA devices"},
     ]
+
+
+def test_layout_flags_fit_the_gpu_count():
+    from mok_plugin.bench.megatron_layouts import LAYOUTS, layout_flags
+
+    def sizes(flags: list[str]) -> dict[str, int]:
+        return {f: int(flags[flags.index(f) + 1]) for f in ("--expert-model-parallel-size", "--global-batch-size")}
+
+    # 4 GPUs: TP 2 (expert TP 1) lets EP span all 4; PP 2 leaves 2 data-parallel ranks; micro-batch 4.
+    assert sizes(layout_flags("tp2_sp", 4, 4)) == {"--expert-model-parallel-size": 4, "--global-batch-size": 8}
+    assert sizes(layout_flags("pp2_vpp2", 4, 4)) == {"--expert-model-parallel-size": 2, "--global-batch-size": 8}
+    assert sizes(layout_flags("ep_overlap", 4, 4)) == {"--expert-model-parallel-size": 4, "--global-batch-size": 16}
+    assert "--sequence-parallel" in layout_flags("tp2_sp", 2, 4)
+    # What cannot run says why, in words.
+    assert "at least 2" in layout_flags("dist_optim", 1, 4)
+    assert "divisible by 2" in layout_flags("tp2_sp", 3, 4)
+    assert set(LAYOUTS) == {"tp2_sp", "pp2_vpp2", "ep_overlap", "dist_optim", "cp2"}

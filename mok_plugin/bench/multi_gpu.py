@@ -19,6 +19,10 @@ Parts, each a job of its own over this host's GPUs, started by this command:
                  count, with Megatron's stock MoE layer (alltoall dispatcher) and with --mok, the
                  same flags and seed otherwise: tokens/s (median over iterations after the first
                  two) and the loss at each iteration (GPUs only).
+  4. layouts     pretrain_gpt.py, stock and MoK, under Megatron's parallel layouts: TP 2 with
+                 sequence parallelism, PP 2 with virtual stages, the EP-overlap schedule, the
+                 distributed optimizer, CP 2 (with Transformer Engine); see megatron_layouts.py
+                 (at least 2 GPUs).
 
 NVLink multicast stays off (mok_plugin.parallel.keep_multicast_off, inherited by every job).
 Each job's log and JSON go under --out; multi_gpu.json holds everything; a table is printed last;
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from mok_plugin.bench.megatron_layouts import print_layouts, run_layouts
 from mok_plugin.parallel import keep_multicast_off
 
 __all__ = ["failure_line", "invariance_rows", "main"]
@@ -312,7 +317,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--pretrain-iters", type=int, default=10)
     parser.add_argument("--job-timeout-s", type=float, default=1800.0, help="stop a job that runs longer")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["invariance", "bench", "pretrain", "checkpoint"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["invariance", "bench", "pretrain", "checkpoint", "layouts"]
+    )
     return parser
 
 
@@ -351,12 +358,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             result["pretrain"] = {"status": "not run: Megatron's training loop needs GPUs"}
     if "checkpoint" not in args.skip and on_gpu:
         result["checkpoint"] = run_checkpoint_check(args, nprocs, args.out)
+    if "layouts" not in args.skip and on_gpu and nprocs >= 2:
+        result["layouts"] = run_layouts(args, nprocs, args.out)
     (args.out / "multi_gpu.json").write_text(json.dumps(result, indent=2))
     print_table(result)
+    if "layouts" in result:
+        print_layouts(result["layouts"])
     failed = (
         result["invariance"]["status"] == "failed"
         or any(r["status"] != "ran" for r in result["bench"])
         or result["pretrain"]["status"] == "failed"
         or result.get("checkpoint", {}).get("status") == "failed"
+        or result.get("layouts", {}).get("status") == "failed"
     )
     return 1 if failed else 0
