@@ -171,3 +171,17 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 def test_overlap_schedule_plan_is_bitwise_the_plain_layer():
     run_ranks(_worker, 2, timeout_s=300)
+
+
+def test_overlap_refuses_moe_activation_offload_by_name():
+    from test_megatron import _config
+
+    from mok_plugin.config import MoKConfigError
+    from mok_plugin.megatron import mok_config_from_megatron
+
+    offload = dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"])
+    mok_config_from_megatron(_config(**offload))  # alone: honoured (save_on_cpu around the layer)
+    cfg = _config(**offload)
+    cfg.overlap_moe_expert_parallel_comm = True  # after construction: Megatron's own checks want bf16 and EP > 1
+    with pytest.raises(MoKConfigError, match="--offload-modules"):
+        mok_config_from_megatron(cfg)
