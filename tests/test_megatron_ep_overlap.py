@@ -43,6 +43,8 @@ CASES = {
     "exact": ({}, {}),
     "shared_expert": (dict(moe_shared_expert_intermediate_size=24), {}),
     "capacity_exchange": (dict(moe_shared_expert_intermediate_size=24), dict(ep_exchange="capacity")),
+    # One local expert: the schedule keeps the received rows (no copy needed).
+    "one_local_expert": (dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True), {}),
     "expert_bias_z_loss": (
         dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", moe_z_loss_coeff=1e-3), {}
     ),
@@ -53,14 +55,17 @@ def _layer(fields: dict, overrides: dict, world: int):
     """One transformer layer (identity attention) with MoK's MoE MLP, EP = world."""
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
-    cfg = TransformerConfig(
+    settings = dict(
         num_layers=2, hidden_size=H, num_attention_heads=4, ffn_hidden_size=16, moe_ffn_hidden_size=16,
         num_moe_experts=E, moe_router_topk=2, expert_model_parallel_size=world, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=True, gradient_accumulation_fusion=False, moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.01, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, **fields,
+        moe_aux_loss_coeff=0.01, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    spec = use_mok(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False))
+    cfg = TransformerConfig(**{**settings, **fields})
+    # Set after construction: Megatron's own checks of the flag want bf16 (the CPU test is fp32).
+    cfg.overlap_moe_expert_parallel_comm = True
+    spec = use_mok(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False))
     spec.submodules.self_attention = IdentityOp  # Megatron's local attention needs CUDA
     spec.submodules.self_attn_bda = IdentityFuncOp
     spec.submodules.input_layernorm = IdentityOp
@@ -159,6 +164,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             for key, value in want[2].items():
                 assert torch.equal(got[2][key], value), f"{name}, rank {rank}: {key}"
             assert any(key.startswith("mlp.mok.experts.") for key in want[2]), "the experts got no gradient"
+            assert layer.mlp.token_dispatcher is not None  # the stand-in the schedule may write to
             if fields.get("moe_router_enable_expert_bias"):
                 counts = want[2]["buffer mlp.mok.local_tokens_per_expert"]
                 assert counts.sum() == 2 * MICRO_BATCHES * S * B  # K = 2, every micro-batch once
@@ -173,7 +179,7 @@ def test_overlap_schedule_plan_is_bitwise_the_plain_layer():
     run_ranks(_worker, 2, timeout_s=300)
 
 
-def test_overlap_refuses_moe_activation_offload_by_name():
+def test_overlap_refuses_what_its_stages_cannot_do_by_name():
     from test_megatron import _config
 
     from mok_plugin.config import MoKConfigError
@@ -185,3 +191,9 @@ def test_overlap_refuses_moe_activation_offload_by_name():
     cfg.overlap_moe_expert_parallel_comm = True  # after construction: Megatron's own checks want bf16 and EP > 1
     with pytest.raises(MoKConfigError, match="--offload-modules"):
         mok_config_from_megatron(cfg)
+    zero_copy = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    zero_copy.moe_ncclep_zero_copy = True
+    mok_config_from_megatron(zero_copy)  # MoK's exchange replaces the dispatcher: no effect alone
+    zero_copy.overlap_moe_expert_parallel_comm = True
+    with pytest.raises(MoKConfigError, match="--moe-ncclep-zero-copy"):
+        mok_config_from_megatron(zero_copy)

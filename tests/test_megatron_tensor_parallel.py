@@ -261,6 +261,13 @@ def test_expert_tensor_parallelism_is_refused_by_name():
     mok_config_from_megatron(_layout_config(2, 1))  # expert TP 1: accepted
 
 
+def test_shared_expert_size_must_split_over_tp():
+    # Stock's TP-split shared expert refuses it (ColumnParallelLinear); MoK writes stock's TP parts.
+    mok_config_from_megatron(_layout_config(2, 1, moe_shared_expert_intermediate_size=24))
+    with pytest.raises(MoKConfigError, match="--moe-shared-expert-intermediate-size"):
+        mok_config_from_megatron(_layout_config(4, 1, moe_shared_expert_intermediate_size=10))
+
+
 def _no_sp_worker(rank: int, world: int, port: int) -> None:
     _init(rank, world, port)
     parallel_state.destroy_model_parallel()

@@ -104,10 +104,12 @@ def _is_whole(module, mok_name: str, value: torch.Tensor) -> bool:
     return tuple(value.shape) == tuple(whole.shape)
 
 
-def _gather_tp_parts(part: torch.Tensor, axis: int, group, glu: bool) -> torch.Tensor:
-    """The inverse of `_tp_part` over every rank of `group`."""
+def _gather_tp_parts(part: torch.Tensor, axis: int, group, glu: bool, device: torch.device) -> torch.Tensor:
+    """The inverse of `_tp_part` over every rank of `group`, gathered on `device` (the parameter's:
+    Megatron loads plain checkpoints to the CPU, and an NCCL group gathers CUDA tensors only)."""
     import torch.distributed as dist
 
+    part = part.to(device)
     parts = [torch.empty_like(part) for _ in range(group.size())]
     dist.all_gather(parts, part.contiguous(), group=group)
     if not glu:
@@ -168,7 +170,8 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
             # through megatron_sharded_state_dict, holds the whole tensors already.
             if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP and not _is_whole(module, mok_name, value):
                 glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
-                value = _gather_tp_parts(value, _SHARED_SPLIT_OVER_TP[stock_name], tp, glu)
+                device = getattr(module.mok.shared_experts, mok_name.rsplit(".", 1)[1]).device
+                value = _gather_tp_parts(value, _SHARED_SPLIT_OVER_TP[stock_name], tp, glu, device)
             state_dict[prefix + mok_name] = value
     num_local = module.mok.experts.down_proj.shape[0]
     interleave = _glu_interleave_size(module)

@@ -603,10 +603,14 @@ def init_stds(tc: Any) -> tuple[float, float]:
 def _ep_overlap_problems(tc: Any) -> list[str]:
     """--overlap-moe-expert-parallel-comm drives MoKMoELayer through its stage methods (layer.py):
     Megatron checks the rest (EP > 1, bf16/fp16, no moe recompute, alltoall or flex); this is
-    MoK's own limit there."""
+    MoK's own limits there."""
     if not getattr(tc, "overlap_moe_expert_parallel_comm", False):
         return []
     problems = []
+    if getattr(tc, "moe_ncclep_zero_copy", False):
+        why = ("with the EP overlap the schedule hands the NCCL-EP dispatcher's zero-copy buffers to its backward; "
+               "MoK's exchange replaces that dispatcher")  # fmt: skip
+        problems.append(_refuse("moe_ncclep_zero_copy", True, why))
     offloaded = set(tc.offload_modules or ()) & set(MOE_OFFLOAD_MODULES)
     if getattr(tc, "fine_grained_activation_offloading", False) and offloaded:
         why = "MoK offloads the whole layer's saved tensors, which the EP overlap's separate stages do not allow"
@@ -669,6 +673,12 @@ def mok_config_from_megatron(
                 "--expert-tensor-parallel-size 1 (what the public recipes run)",
             )
         )
+    shared, tp = tc.moe_shared_expert_intermediate_size, tc.tensor_model_parallel_size
+    if shared and tp > 1 and shared % tp:
+        # Stock's TP-split shared expert refuses it too; MoK's checkpoints write stock's TP parts.
+        problems.append(_refuse("moe_shared_expert_intermediate_size", shared,
+                                f"the shared expert's checkpoints are split over TP: it must be a multiple of "
+                                f"--tensor-model-parallel-size {tp}"))  # fmt: skip
     problems += _init_problems(tc)
     problems += _ep_overlap_problems(tc)
     if tc.params_dtype not in _DTYPE_NAMES:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.profiler import record_function
 
 from mok_plugin.config import MoKConfig
 from mok_plugin.layer import MoKMoE, _group_size
@@ -52,7 +53,7 @@ from mok_plugin.megatron.config_map import (
     mok_config_from_megatron,
     selective_recompute_modules,
 )
-from mok_plugin.parallel.dispatch import exchange_pairs, return_pairs, sum_returned_pairs
+from mok_plugin.parallel.dispatch import PROFILER_RANGES, exchange_pairs, return_pairs, sum_returned_pairs
 from mok_plugin.routing import LOSS_NAMES
 
 try:
@@ -453,7 +454,8 @@ class MoKMoELayer(MoELayer):
         """(rows, weights) received from every rank of the expert-parallel group."""
         plan = self._stage()["plan"]
         _used_on_this_stream(plan.order, plan.local_expert, plan.slot, plan.send_counts)
-        return exchange_pairs(plan, x_send, w_send)
+        with record_function(PROFILER_RANGES[0]):  # MoK's EP ranges, as in MoKMoE.forward
+            return exchange_pairs(plan, x_send, w_send)
 
     def routed_experts_compute(self, x_recv: torch.Tensor, w_recv: torch.Tensor):
         """(this rank's experts' result rows, None). The schedule frees x_recv after this stage when
@@ -464,7 +466,7 @@ class MoKMoELayer(MoELayer):
         _used_on_this_stream(stage["plan"].expert_recv)
         if should_free_input("mlp", True, self.config, self.num_local_experts):
             x_recv = x_recv.clone()
-        with self._expert_weights_into_main_grad():
+        with self._expert_weights_into_main_grad(), record_function(PROFILER_RANGES[1]):
             y_recv, stage["step"].num_dropped = self.mok.run_received_pairs(
                 stage["step"], stage["plan"], x_recv, w_recv
             )
@@ -474,7 +476,8 @@ class MoKMoELayer(MoELayer):
         """The result rows back at their senders."""
         plan = self._stage()["plan"]
         _used_on_this_stream(plan.slot)
-        return return_pairs(plan, y_recv)
+        with record_function(PROFILER_RANGES[2]):
+            return return_pairs(plan, y_recv)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
         """The layer's output [S, B, H]: each token's rows summed, plus the shared experts'."""

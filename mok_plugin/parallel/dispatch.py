@@ -73,7 +73,16 @@ from mok_plugin.parallel.symmetric import symmetric_all_to_all_equal
 from mok_plugin.routing import count_per_expert
 from mok_plugin.schedule import MoKSchedule, build_schedule, sum_over_k
 
-__all__ = ["PROFILER_RANGES", "moe_experts_expert_parallel"]
+__all__ = [
+    "PROFILER_RANGES",
+    "DispatchPlan",
+    "exchange_pairs",
+    "moe_experts_expert_parallel",
+    "prepare_dispatch",
+    "return_pairs",
+    "run_received_pairs",
+    "sum_returned_pairs",
+]
 
 #: The profiler ranges around the forward's stages, in the order they run.
 PROFILER_RANGES = ("mok_plugin.ep.dispatch", "mok_plugin.ep.experts", "mok_plugin.ep.combine")
