@@ -164,7 +164,10 @@ VERDICTS: dict[str, Verdict] = {
     "moe_hybridep_num_blocks_unpermute": _replaced(_DISPATCH, example=4),
     "moe_hybridep_num_sms_preprocessing": _replaced(_DISPATCH, example=16),
     "moe_ncclep_static_shape": _replaced(_DISPATCH),
-    "moe_ncclep_zero_copy": _replaced(_DISPATCH),
+    "moe_ncclep_zero_copy": _depends(
+        _DISPATCH + "; refused with the EP overlap (its schedule hands the dispatcher's buffers to its backward)",
+        "tests/test_megatron_ep_overlap.py::test_overlap_refuses_what_its_stages_cannot_do_by_name",
+    ),
     # --- memory, recompute -------------------------------------------------------------------------
     "moe_layer_recompute": _honoured(
         "the whole layer recomputed in the backward (as --recompute-modules moe)",
