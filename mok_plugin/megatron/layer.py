@@ -243,7 +243,7 @@ class MoKMoELayer(MoELayer):
             raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (partial CUDA-graph scopes)")
         self._check_forward(hidden_states, padding_mask)
         output, _ = self._run_mok(hidden_states)
-        self._after_forward(hidden_states)
+        self._count_and_log(self.mok.last_router_losses, self.mok.last_tokens_per_expert)
         return output, None
 
     def _check_forward(self, hidden_states: torch.Tensor, padding_mask) -> None:
@@ -258,18 +258,19 @@ class MoKMoELayer(MoELayer):
                 "are enabled without also enabling sequence parallelism."
             )
 
-    def _after_forward(self, hidden_states: torch.Tensor) -> None:
-        """The bookkeeping after the layer ran (once, outside any recompute): the router losses
-        logged, the expert-bias counts."""
-        if self._attaching_losses() and self.mok.last_router_losses:
-            self._log_router_losses(self.mok.last_router_losses, self._mtp_repeats())
+    def _count_and_log(self, losses: dict[str, torch.Tensor], tokens_per_expert: torch.Tensor) -> None:
+        """A forward's bookkeeping (once, outside any recompute): the router losses logged, the
+        expert-bias counts; after the layer ran, or in the overlap's first stage (where TopKRouter
+        does both)."""
+        if self._attaching_losses() and losses:
+            self._log_router_losses(losses, self._mtp_repeats())
         if self.mok_config.expert_bias and torch.is_grad_enabled():
             # Counted when gradients are on, as TopKRouter._apply_expert_bias does: not in evaluation,
             # and once under full recompute (Megatron's reentrant checkpoint runs the first forward
             # without gradients and the recomputation with). The moe recompute here runs the layer
             # inside `_run_mok` and this line outside it, so once there too.
             with torch.no_grad():
-                self.mok.local_tokens_per_expert += self.mok.last_tokens_per_expert
+                self.mok.local_tokens_per_expert += tokens_per_expert
 
     def _attaching_losses(self) -> bool:
         # TopKRouter computes and attaches its losses only when training with gradients on.
@@ -436,7 +437,8 @@ class MoKMoELayer(MoELayer):
                 "MoKMoELayer's EP-overlap stages need expert parallelism (--expert-model-parallel-size > 1)"
             )
         step = self.mok.begin(hidden_states, hidden_states.shape[1], self._loss_attacher(hidden_states))
-        self._overlap_step = {"hidden_states": hidden_states, "step": step}
+        self._count_and_log(step.routing.losses, step.routing.tokens_per_expert)
+        self._overlap_step = {"step": step}
         return step.shared_out
 
     def route(self, hidden_states: torch.Tensor, padding_mask=None):
@@ -486,7 +488,6 @@ class MoKMoELayer(MoELayer):
         _used_on_this_stream(stage["plan"].order, step.routing.tokens_per_expert, step.num_dropped)
         routed = sum_returned_pairs(stage["plan"], output, stage["step"].x_TH.dtype)
         out, _ = self.mok.finish(stage["step"], routed, shared_expert_output)
-        self._after_forward(stage["hidden_states"])
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
