@@ -20,18 +20,14 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.profiler import record_function
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import (
-    PROFILER_RANGES,
     DispatchPlan,
-    exchange_pairs,
+    moe_experts_expert_parallel,
     prepare_dispatch,
-    return_pairs,
     run_received_pairs,
-    sum_returned_pairs,
 )
 from mok_plugin.random_stream import global_token_index, normal, token_offset
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
@@ -171,6 +167,7 @@ class MoKForwardStep:
     capacity: int | None  # rows one expert keeps; None: dropless
     shared_out: torch.Tensor | None  # the shared experts' output, issued in `begin`
     num_dropped: torch.Tensor | None = None
+    plan: DispatchPlan | None = None  # expert parallelism, staged: set by `prepare_dispatch`
 
 
 class MoKSharedExperts(nn.Module):
@@ -521,26 +518,33 @@ class MoKMoE(nn.Module):
         """
         step = self.begin(x, num_sequences=num_sequences, attach_losses=attach_losses)
         routing, cfg = step.routing, self.config
+        experts_fn, w13, w2 = self._experts_call()
         if self.ep_group is not None:
-            dispatch_range, experts_range, combine_range = PROFILER_RANGES
-            with record_function(dispatch_range):
-                plan, x_send, w_send = self.prepare_dispatch(step)
-                x_recv, w_recv = exchange_pairs(plan, x_send, w_send)
-            with record_function(experts_range):
-                y_recv, step.num_dropped = self.run_received_pairs(step, plan, x_recv, w_recv)
-            with record_function(combine_range):
-                out = sum_returned_pairs(plan, return_pairs(plan, y_recv), step.x_TH.dtype)
+            # The dispatch stages below, composed (MoKMoELayer's EP-overlap methods run them one by one).
+            out, step.num_dropped = moe_experts_expert_parallel(
+                step.x_TH, routing.topk_ids, routing.topk_weights, w13, w2, experts_fn, self.ep_group,
+                cfg.num_experts, DEFAULT_TILE_M, self._exchange_capacity_factor, transport=cfg.ep_transport,
+                expert_capacity=step.capacity,
+            )  # fmt: skip
         else:
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=step.capacity)
-            experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
-            out = experts_fn(
-                step.x_TH, routing.topk_weights, self.experts.gate_up_proj, self.experts.down_proj, schedule
-            )
+            out = experts_fn(step.x_TH, routing.topk_weights, w13, w2, schedule)
             step.num_dropped = schedule.num_dropped
         return self.finish(step, out, step.shared_out)
 
-    # --- the forward's stages: `forward` runs them in order; so does Megatron's EP-overlap schedule
-    # (MoKMoELayer's stage methods), one at a time, under expert parallelism.
+    def _experts_call(self):
+        """(the backend's experts function bound to the expert weights and biases, w13, w2)."""
+        experts = self.experts
+        return functools.partial(self._experts_fn, **experts.weights()), experts.gate_up_proj, experts.down_proj
+
+    @property
+    def _exchange_capacity_factor(self) -> float | None:
+        """The EP exchange's buffer factor; None for the exact exchange (sized by counts)."""
+        return None if self.config.ep_exchange == "exact" else self.config.ep_capacity_factor
+
+    # --- the forward's stages: `forward` runs begin, the expert-parallel exchange and finish (the
+    # exchange's stages composed by moe_experts_expert_parallel); Megatron's EP-overlap schedule runs
+    # the same one at a time through MoKMoELayer's stage methods, with the two below.
 
     def begin(
         self,
@@ -570,19 +574,21 @@ class MoKMoE(nn.Module):
         shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
 
-    def prepare_dispatch(self, step: MoKForwardStep) -> tuple[DispatchPlan, torch.Tensor, torch.Tensor]:
-        """Expert parallelism: (plan, rows, weights) in the exchange's send layout."""
+    def prepare_dispatch(self, step: MoKForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: (rows, weights) in the exchange's send layout; the plan goes to step.plan."""
         cfg = self.config
-        return prepare_dispatch(
+        step.plan, x_send, w_send = prepare_dispatch(
             step.x_TH, step.routing.topk_ids, step.routing.topk_weights, self.ep_group, cfg.num_experts,
-            None if cfg.ep_exchange == "exact" else cfg.ep_capacity_factor, cfg.ep_transport,
+            self._exchange_capacity_factor, cfg.ep_transport,
         )  # fmt: skip
+        return x_send, w_send
 
-    def run_received_pairs(self, step: MoKForwardStep, plan: DispatchPlan, x_recv, w_recv):
-        """Expert parallelism: (this rank's experts' result rows, pairs dropped)."""
-        experts_fn = functools.partial(self._experts_fn, **self.experts.weights())
-        return run_received_pairs(plan, x_recv, w_recv, self.experts.gate_up_proj, self.experts.down_proj,
-                                  experts_fn, DEFAULT_TILE_M, step.capacity)  # fmt: skip
+    def run_received_pairs(self, step: MoKForwardStep, x_recv: torch.Tensor, w_recv: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank's experts' result rows (the pairs dropped go to step.num_dropped)."""
+        experts_fn, w13, w2 = self._experts_call()
+        y_recv, step.num_dropped = run_received_pairs(step.plan, x_recv, w_recv, w13, w2, experts_fn, DEFAULT_TILE_M,
+                                                      step.capacity)  # fmt: skip
+        return y_recv
 
     def finish(
         self, step: MoKForwardStep, routed_out: torch.Tensor, shared_out: torch.Tensor | None

@@ -109,40 +109,43 @@ def _assert_weights_close(got: dict, want: dict, what: str) -> None:
 FIELDS = {"swiglu_shared": dict(moe_shared_expert_intermediate_size=24), "no_shared": {}}
 
 
+def _resumed(build, cfg, trainer, path: str, sharding: str):
+    """A fresh (layer, optimizer) from `build` that loads what `trainer` saves to `path`."""
+    _save(*trainer, path, sharding)
+    fresh = _trainer(build, cfg)
+    _load(*fresh, path, sharding)
+    return fresh
+
+
+def _assert_same_step(a, b, step: int, what: str) -> None:
+    """One more step of each trainer gives the same weights (only if the optimizer state agrees)."""
+    _step(*a, step)
+    _step(*b, step)
+    _assert_weights_close(_weights(a[0]), _weights(b[0]), what)
+
+
 @pytest.mark.usefixtures("nccl_world")
 @pytest.mark.parametrize("fields", list(FIELDS.values()), ids=list(FIELDS))
 def test_stock_to_mok_to_stock_with_the_optimizer_state(tmp_path, fields):
     cfg = _config(**fields, use_cpu_initialization=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
-    stock, stock_opt = _trainer(spec, cfg)
+    stock = _trainer(spec, cfg)
     for step in range(2):
-        _step(stock, stock_opt, step)
-    _save(stock, stock_opt, str(tmp_path / "stock"), "fully_reshardable")
-    mok, mok_opt = _trainer(use_mok(spec), cfg)
-    _load(mok, mok_opt, str(tmp_path / "stock"), "fully_reshardable")
-    _assert_weights_close(_weights(mok), _weights(stock), "MoK after loading stock's checkpoint")
+        _step(*stock, step)
+    mok = _resumed(use_mok(spec), cfg, stock, str(tmp_path / "stock"), "fully_reshardable")
+    _assert_weights_close(_weights(mok[0]), _weights(stock[0]), "MoK after loading stock's checkpoint")
     # One more step each: the same update only if Adam's moments came across with the weights.
-    _step(stock, stock_opt, 2)
-    _step(mok, mok_opt, 2)
-    _assert_weights_close(_weights(mok), _weights(stock), "after a step from stock's optimizer state")
+    _assert_same_step(mok, stock, 2, "after a step from stock's optimizer state")
     # ... and back: a fresh stock layer from MoK's checkpoint steps as MoK does.
-    _save(mok, mok_opt, str(tmp_path / "mok"), "fully_reshardable")
-    fresh, fresh_opt = _trainer(spec, cfg)
-    _load(fresh, fresh_opt, str(tmp_path / "mok"), "fully_reshardable")
-    _step(fresh, fresh_opt, 3)
-    _step(mok, mok_opt, 3)
-    _assert_weights_close(_weights(fresh), _weights(mok), "stock after a step from MoK's optimizer state")
+    fresh = _resumed(spec, cfg, mok, str(tmp_path / "mok"), "fully_reshardable")
+    _assert_same_step(fresh, mok, 3, "stock after a step from MoK's optimizer state")
 
 
 @pytest.mark.usefixtures("nccl_world")
 def test_mok_round_trip_in_the_default_optimizer_format(tmp_path):
     cfg = _config(moe_shared_expert_intermediate_size=24, use_cpu_initialization=False)
     build = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))
-    mok, mok_opt = _trainer(build, cfg)
-    _step(mok, mok_opt, 0)
-    _save(mok, mok_opt, str(tmp_path / "mok"), "dp_reshardable")
-    again, again_opt = _trainer(build, cfg)
-    _load(again, again_opt, str(tmp_path / "mok"), "dp_reshardable")
-    _step(mok, mok_opt, 1)
-    _step(again, again_opt, 1)
-    _assert_weights_close(_weights(again), _weights(mok), "MoK after its own dp_reshardable round trip")
+    mok = _trainer(build, cfg)
+    _step(*mok, 0)
+    again = _resumed(build, cfg, mok, str(tmp_path / "mok"), "dp_reshardable")
+    _assert_same_step(again, mok, 1, "MoK after its own dp_reshardable round trip")

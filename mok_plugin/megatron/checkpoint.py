@@ -98,10 +98,9 @@ def _tp_part(whole: torch.Tensor, axis: int, rank: int, size: int, glu: bool) ->
     return torch.cat([half.chunk(size, dim=axis)[rank] for half in halves], dim=axis).clone()
 
 
-def _is_whole(module, mok_name: str, value: torch.Tensor) -> bool:
-    """Whether `value` has the shape of the layer's whole tensor `mok_name` (not a TP part of it)."""
-    whole = getattr(module.mok.shared_experts, mok_name.rsplit(".", 1)[1])
-    return tuple(value.shape) == tuple(whole.shape)
+def _split_as_glu(module, stock_name: str) -> bool:
+    """Whether stock splits this shared-expert tensor over TP as a GLU's fc1 (each half on its own)."""
+    return module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
 
 
 def _gather_tp_parts(part: torch.Tensor, axis: int, group, glu: bool, device: torch.device) -> torch.Tensor:
@@ -144,10 +143,9 @@ def _to_stock(module, state_dict: dict, prefix: str, local_metadata: Any) -> Non
             if stock_name.startswith("shared_experts.linear_fc"):  # the linears' extra state, not the gate's
                 state_dict[prefix + stock_name.rsplit(".", 1)[0] + "." + _EXTRA] = None
             if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP:
-                glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
                 whole = state_dict[prefix + stock_name]
                 state_dict[prefix + stock_name] = _tp_part(
-                    whole, _SHARED_SPLIT_OVER_TP[stock_name], tp.rank(), tp.size(), glu
+                    whole, _SHARED_SPLIT_OVER_TP[stock_name], tp.rank(), tp.size(), _split_as_glu(module, stock_name)
                 )
     for mok_name, fc, leaf in _STACKED:
         stacked = state_dict.pop(prefix + mok_name, None)
@@ -168,10 +166,11 @@ def _from_stock(module, state_dict: dict, prefix: str, *args: Any) -> None:
             value = state_dict.pop(prefix + stock_name)
             # Under TP, a plain state dict holds stock's TP parts; a distributed checkpoint, loaded
             # through megatron_sharded_state_dict, holds the whole tensors already.
-            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP and not _is_whole(module, mok_name, value):
-                glu = module.mok_config.expert_kind == "glu" and ".linear_fc1." in stock_name
-                device = getattr(module.mok.shared_experts, mok_name.rsplit(".", 1)[1]).device
-                value = _gather_tp_parts(value, _SHARED_SPLIT_OVER_TP[stock_name], tp, glu, device)
+            if tp is not None and stock_name in _SHARED_SPLIT_OVER_TP:
+                whole = getattr(module.mok.shared_experts, mok_name.rsplit(".", 1)[1])
+                if value.shape != whole.shape:
+                    split = _SHARED_SPLIT_OVER_TP[stock_name]
+                    value = _gather_tp_parts(value, split, tp, _split_as_glu(module, stock_name), whole.device)
             state_dict[prefix + mok_name] = value
     num_local = module.mok.experts.down_proj.shape[0]
     interleave = _glu_interleave_size(module)

@@ -45,7 +45,7 @@ import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from mok_plugin.config import MoKConfig
-from mok_plugin.layer import MoKMoE, _group_size
+from mok_plugin.layer import MoKForwardStep, MoKMoE, _group_size
 from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sharded_state_dict
 from mok_plugin.megatron.config_map import (
     MOE_OFFLOAD_MODULES,
@@ -201,7 +201,7 @@ class MoKMoELayer(MoELayer):
                 # them over TP, as for TopKRouter's weight.
                 param.sequence_parallel = config.sequence_parallel
         install_state_dict_hooks(self)
-        self._overlap_step: dict | None = None  # one forward's state between the EP-overlap stages
+        self._overlap_step: MoKForwardStep | None = None  # one forward's state between the EP-overlap stages
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             # With the flex dispatcher the schedule hands the stage's detached probabilities to the
             # dispatcher's communication manager; MoK's exchange replaces the dispatcher (as without
@@ -408,9 +408,10 @@ class MoKMoELayer(MoELayer):
     # models/gpt/fine_grained_callables.py calls these instead of forward, one at a time, on a compute
     # and a communication stream, with each stage's inputs detached (and some freed after use), while
     # another micro-batch runs its own stages: route and preprocess, dispatch, the routed experts,
-    # combine and postprocess. They run MoKMoE's forward stages (begin, prepare_dispatch,
-    # exchange_pairs, run_received_pairs, return_pairs, sum_returned_pairs, finish) in forward's
-    # order, so the results are bitwise forward's. One forward of this layer runs at a time (the
+    # combine and postprocess. They run what MoKMoE.forward runs (begin; prepare_dispatch,
+    # exchange_pairs, run_received_pairs, return_pairs, sum_returned_pairs, as
+    # moe_experts_expert_parallel composes them; finish) in the same order, so the results are
+    # bitwise forward's. One forward of this layer runs at a time (the
     # schedule interleaves another micro-batch's backward, which reads only what autograd saved).
 
     @property
@@ -438,23 +439,21 @@ class MoKMoELayer(MoELayer):
             )
         step = self.mok.begin(hidden_states, hidden_states.shape[1], self._loss_attacher(hidden_states))
         self._count_and_log(step.routing.losses, step.routing.tokens_per_expert)
-        self._overlap_step = {"step": step}
+        self._overlap_step = step
         return step.shared_out
 
     def route(self, hidden_states: torch.Tensor, padding_mask=None):
         """(routing weights [T, K], expert ids [T, K]) as shared_experts_compute routed."""
-        routing = self._stage()["step"].routing
+        routing = self._stage().routing
         return routing.topk_weights, routing.topk_ids
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """(rows, weights) in the exchange's send layout."""
-        stage = self._stage()
-        stage["plan"], x_send, w_send = self.mok.prepare_dispatch(stage["step"])
-        return x_send, w_send
+        return self.mok.prepare_dispatch(self._stage())
 
     def dispatch(self, x_send: torch.Tensor, w_send: torch.Tensor):
         """(rows, weights) received from every rank of the expert-parallel group."""
-        plan = self._stage()["plan"]
+        plan = self._stage().plan
         _used_on_this_stream(plan.order, plan.local_expert, plan.slot, plan.send_counts)
         with record_function(PROFILER_RANGES[0]):  # MoK's EP ranges, as in MoKMoE.forward
             return exchange_pairs(plan, x_send, w_send)
@@ -464,30 +463,27 @@ class MoKMoELayer(MoELayer):
         should_free_input says so; MoK's experts keep their input for the backward, so they get a copy."""
         from megatron.core.models.common.utils import should_free_input
 
-        stage = self._stage()
-        _used_on_this_stream(stage["plan"].expert_recv)
+        step = self._stage()
+        _used_on_this_stream(step.plan.expert_recv)
         if should_free_input("mlp", True, self.config, self.num_local_experts):
             x_recv = x_recv.clone()
         with self._expert_weights_into_main_grad(), record_function(PROFILER_RANGES[1]):
-            y_recv, stage["step"].num_dropped = self.mok.run_received_pairs(
-                stage["step"], stage["plan"], x_recv, w_recv
-            )
+            y_recv = self.mok.run_received_pairs(step, x_recv, w_recv)
         return y_recv, None
 
     def combine(self, y_recv: torch.Tensor) -> torch.Tensor:
         """The result rows back at their senders."""
-        plan = self._stage()["plan"]
+        plan = self._stage().plan
         _used_on_this_stream(plan.slot)
         with record_function(PROFILER_RANGES[2]):
             return return_pairs(plan, y_recv)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
         """The layer's output [S, B, H]: each token's rows summed, plus the shared experts'."""
-        stage, self._overlap_step = self._stage(), None
-        step = stage["step"]
-        _used_on_this_stream(stage["plan"].order, step.routing.tokens_per_expert, step.num_dropped)
-        routed = sum_returned_pairs(stage["plan"], output, stage["step"].x_TH.dtype)
-        out, _ = self.mok.finish(stage["step"], routed, shared_expert_output)
+        step, self._overlap_step = self._stage(), None
+        _used_on_this_stream(step.routing.tokens_per_expert, step.num_dropped)  # plan.order: in dispatch
+        routed = sum_returned_pairs(step.plan, output, step.x_TH.dtype)
+        out, _ = self.mok.finish(step, routed, shared_expert_output)
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -34,6 +34,7 @@ _FAMILIES = "tests/test_megatron_families.py"
 _LAYER = "tests/test_megatron.py"
 _RECIPES = "tests/test_megatron_recipes.py"
 _TP = "tests/test_megatron_tensor_parallel.py"
+_OVERLAP_REFUSALS = "tests/test_megatron_ep_overlap.py::test_overlap_refuses_what_its_stages_cannot_do_by_name"
 
 
 _DISPATCH = "a stock token-dispatcher choice; MoK's own exchange runs instead, with the same values"
@@ -46,7 +47,11 @@ VERDICTS: dict[str, Verdict] = {
         "which layers are MoE: Megatron's own block spec places MoK's layer where it would place MoELayer",
         f"{_LAYER}::test_spec_builds_gpt_model_with_mok_layers",
     ),
-    "moe_shared_expert_intermediate_size": _honoured("the shared expert's size", f"{_LAYER}::test_matches_stock_layer"),
+    "moe_shared_expert_intermediate_size": _depends(
+        "the shared expert's size; under TP a multiple of the TP size (stock's split refuses others)",
+        f"{_LAYER}::test_matches_stock_layer",
+        f"{_TP}::test_shared_expert_size_must_split_over_tp",
+    ),
     "moe_shared_expert_gate": _honoured(
         "sigmoid(x . gate_weight) times the shared expert's output",
         f"{_OPTIONS}::test_shared_expert_gate_matches_stock",
@@ -166,7 +171,7 @@ VERDICTS: dict[str, Verdict] = {
     "moe_ncclep_static_shape": _replaced(_DISPATCH),
     "moe_ncclep_zero_copy": _depends(
         _DISPATCH + "; refused with the EP overlap (its schedule hands the dispatcher's buffers to its backward)",
-        "tests/test_megatron_ep_overlap.py::test_overlap_refuses_what_its_stages_cannot_do_by_name",
+        _OVERLAP_REFUSALS,
     ),
     # --- memory, recompute -------------------------------------------------------------------------
     "moe_layer_recompute": _honoured(
@@ -297,14 +302,16 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     "inference_moe_disable_fused_quant_kernels": _replaced(
         "read only with transformer_impl inference_optimized (refused)"
     ),
-    "fine_grained_activation_offloading": _honoured(
+    "fine_grained_activation_offloading": _depends(
         "with offload_modules naming an MoE module (expert_fc1, moe_act, fused_group_mlp): what MoK's layer saves "
-        "for the backward waits in host memory (torch's save_on_cpu)",
+        "for the backward waits in host memory (torch's save_on_cpu); refused with the EP overlap",
         f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
+        _OVERLAP_REFUSALS,
     ),
-    "offload_modules": _honoured(
+    "offload_modules": _depends(
         "expert_fc1, moe_act, fused_group_mlp: see fine_grained_activation_offloading; others are outside the layer",
         f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
+        _OVERLAP_REFUSALS,
     ),
     "delay_offload_until_cuda_graph": _replaced("when the stock experts' offloading starts (a schedule choice)"),
     "overlap_dispatch_backward_with_experts_wgrad": _refused(
