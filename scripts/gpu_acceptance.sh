@@ -11,6 +11,9 @@
 #              takes ~4 minutes per shape); deepseek-v3 with 6 iterations instead of 10
 #   deepspeed  DeepSpeed's own MoE tests (tests/test_deepspeed_upstream.py: the fp16 cases need CUDA) and
 #              scripts/compare.py --framework deepspeed on the Megatron-DeepSpeed GPT-MoE-like config
+#   ep-overlap scripts/ep_overlap.py (mok bench ep-overlap): Megatron's EP-overlap schedule through
+#              scripts/pretrain_gpt.py, two EP ranks sharing the GPU over gloo; stock and MoK, plain,
+#              --overlap-moe-expert-parallel-comm, and with --delay-wgrad-compute too
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
@@ -65,6 +68,8 @@ for part in "${parts[@]}"; do
         run_part deepspeed-upstream python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_upstream.py
         run_part compare-ds-gpt-moe python3 scripts/compare.py --framework deepspeed \
             --config configs/topologies/megatron-deepspeed-gpt-moe_h200_single.yaml --out "$out/compare-ds-gpt-moe" ;;
+    ep-overlap)
+        run_part ep-overlap python3 scripts/ep_overlap.py --out "$out/ep-overlap" ;;
     layer)
         # One process per shape: no allocator state or clock history carries over from the shape before.
         for shape in qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3; do

@@ -78,12 +78,14 @@ def _rank_main(rank: int, world: int, port: int, body, kwargs: dict) -> None:
     backend = get_accelerator().communication_backend_name()
     if get_accelerator().is_available() and CUDA:
         gpus = torch.cuda.device_count()
-        get_accelerator().set_device(rank % gpus)
         if world > gpus:
             # Not in DeepSpeed's harness, which gives each rank its own GPU: NCCL refuses two ranks on
-            # one GPU, so on fewer GPUs than ranks the ranks share them over gloo (which moves CUDA
-            # tensors through the host). The models, configs and assertions are unchanged.
+            # one GPU, so on fewer GPUs than ranks the ranks share them (LOCAL_RANK names the GPU, for
+            # DeepSpeed's engine and init_process_group) over gloo, which moves CUDA tensors through
+            # the host. The models, configs and assertions are unchanged.
+            os.environ["LOCAL_RANK"] = str(rank % gpus)
             backend = "gloo"
+        get_accelerator().set_device(rank % gpus)
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     body(**kwargs)
