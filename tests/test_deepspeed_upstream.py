@@ -56,6 +56,7 @@ from deepspeed_upstream_models import SimpleMoEModel, SimplePRMoEModel, sequence
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 import mok_plugin.parallel.dispatch as mok_dispatch  # noqa: E402
+from mok_plugin.parallel.gloo_cuda import run_collectives_one_by_one  # noqa: E402
 from mok_plugin.testing import assert_close, free_port, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
@@ -85,6 +86,11 @@ def _rank_main(rank: int, world: int, port: int, body, kwargs: dict) -> None:
             # the host. The models, configs and assertions are unchanged.
             os.environ["LOCAL_RANK"] = str(rank % gpus)
             backend = "gloo"
+            # Started here, without the device_id DeepSpeed would bind (then torch splits every new
+            # group from the default one, which gloo cannot); init_distributed keeps this group.
+            torch.distributed.init_process_group(backend, rank=rank, world_size=world,
+                                                 timeout=datetime.timedelta(seconds=60))
+            run_collectives_one_by_one()  # gloo's coalesced all-reduce takes no CUDA tensors
         get_accelerator().set_device(rank % gpus)
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=60))
     dist.barrier()

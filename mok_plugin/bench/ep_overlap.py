@@ -7,7 +7,8 @@ without --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute with it).
 Megatron runs the overlap only with expert parallelism > 1, and NCCL refuses two ranks on one GPU,
 so the EP = 2 ranks here share GPU 0 over gloo (which moves CUDA tensors through the host): each
 rank is started by this command with RANK, WORLD_SIZE and LOCAL_RANK = 0 (Megatron binds the GPU
-by LOCAL_RANK) and `--distributed-backend gloo`. That runs every code path of the combined 1F1B
+by LOCAL_RANK) and `--distributed-backend gloo`, its gradient all-reduces one bucket at a time
+(mok_plugin.parallel.gloo_cuda: gloo coalesces CPU tensors only). That runs every code path of the combined 1F1B
 schedule (the stage methods, the communication stream, the deferred weight gradients) as a
 multi-GPU launch would. The tokens/s are those of two ranks time-sharing one GPU with host-side
 all-to-alls: they compare stock with MoK and plain with overlap here, not with a real EP launch.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -73,8 +75,8 @@ def run_variant(name: str, iters: int, out: Path, port: int, timeout_s: float) -
     """Both ranks of one variant; the last rank's log holds Megatron's iteration lines."""
     from mok_plugin.bench.multi_gpu import _iteration_log, failure_line
 
-    command = [sys.executable, str(ROOT / "scripts" / "pretrain_gpt.py"), *MODEL_ARGS, "--train-iters", str(iters),
-               *VARIANTS[name]]  # fmt: skip
+    command = [sys.executable, "-m", __name__, "--as-rank", str(ROOT / "scripts" / "pretrain_gpt.py"), *MODEL_ARGS,
+               "--train-iters", str(iters), *VARIANTS[name]]  # fmt: skip
     logs = [out / f"{name}_rank{rank}.log" for rank in range(RANKS)]
     start = time.perf_counter()
     handles = [log.open("w") for log in logs]
@@ -128,7 +130,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def as_rank(script_and_args: list[str]) -> None:
+    """One rank: the script run as __main__ with gloo's collectives made to take CUDA tensors."""
+    from mok_plugin.parallel.gloo_cuda import run_collectives_one_by_one
+
+    run_collectives_one_by_one()
+    sys.argv = list(script_and_args)
+    runpy.run_path(script_and_args[0], run_name="__main__")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--as-rank"]:
+        as_rank(argv[1:])
+        return 0
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("mok bench ep-overlap needs a CUDA GPU (Megatron's training loop runs on CUDA only)", file=sys.stderr)
@@ -143,3 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "ep_overlap.json").write_text(json.dumps({"model_args": MODEL_ARGS, "variants": results}, indent=1))
     print_table(results)
     return 0 if all(r["status"] == "ran" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
