@@ -33,6 +33,7 @@ from mok_plugin.random_stream import global_token_index, normal, token_offset
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
 from mok_plugin.routing import MoKRouting, MoKTokenScope, route, straight_through, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
+from mok_plugin.wgrad import DeferredWeightGrads, deferring
 
 __all__ = ["MoKMoE", "MoKExperts", "MoKSharedExperts", "resolve_backend"]
 
@@ -241,6 +242,12 @@ class MoKSharedExperts(nn.Module):
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _deferring_weight_grads(queue: DeferredWeightGrads, experts_fn, *args, **kwargs) -> torch.Tensor:
+    """experts_fn(*args, **kwargs) with its nodes' weight gradients left in queue."""
+    with deferring(queue):
+        return experts_fn(*args, **kwargs)
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The shared experts' side stream on `device`; None off CUDA, where they run in sequence."""
     if device.type != "cuda":
@@ -417,6 +424,9 @@ class MoKMoE(nn.Module):
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
         self.debug = config.debug_checks or debug_checks_from_env()
+        # Set (a DeferredWeightGrads) for Megatron's --delay-wgrad-compute: the routed experts'
+        # backward then leaves their weight gradients in it, for `weight_grads.run()` (wgrad.py).
+        self.weight_grads: DeferredWeightGrads | None = None
         self.reset_parameters(seed)
         self._select_backend()
 
@@ -535,7 +545,10 @@ class MoKMoE(nn.Module):
     def _experts_call(self):
         """(the backend's experts function bound to the expert weights and biases, w13, w2)."""
         experts = self.experts
-        return functools.partial(self._experts_fn, **experts.weights()), experts.gate_up_proj, experts.down_proj
+        bound = functools.partial(self._experts_fn, **experts.weights())
+        if self.weight_grads is not None:
+            bound = functools.partial(_deferring_weight_grads, self.weight_grads, bound)
+        return bound, experts.gate_up_proj, experts.down_proj
 
     @property
     def _exchange_capacity_factor(self) -> float | None:
@@ -560,6 +573,13 @@ class MoKMoE(nn.Module):
         if self._backend_error is not None:
             raise ValueError(self._backend_error)
         self._check_input(x)
+        if self.weight_grads is not None and len(self.weight_grads) and torch.is_grad_enabled():
+            # Nothing may be lost: a backward whose weight gradients were deferred must have them
+            # computed (backward_dw) before the layer trains on.
+            raise RuntimeError(
+                f"MoK: the weight gradients of {len(self.weight_grads)} expert backward pass(es) were deferred "
+                "(--delay-wgrad-compute) and never computed: the schedule must call the layer's backward_dw()"
+            )
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size)
         routing = self.route(x_TH, debug=self.debug, num_sequences=num_sequences)

@@ -22,6 +22,10 @@ The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.
 `fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the
 host, so a CUDA graph can capture them.
 
+Under `wgrad.deferring(queue)` (Megatron's --delay-wgrad-compute) the multi-kernel nodes' backward
+computes dx, dh and the routing-weight gradient and records the weight and bias gradients in the
+queue, with the same kernels on the same inputs; the megakernel's single pass computes them at once.
+
 Does not own: kernel math (kernels/), routing or the schedule.
 """
 
@@ -41,6 +45,7 @@ from mok_plugin.kernels.grouped_mlp import (
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.schedule import MoKSchedule, values_per_row
+from mok_plugin.wgrad import deferral_for
 
 __all__ = ["moe_experts"]
 
@@ -186,11 +191,18 @@ def expert_up_bwd(
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh."""
-    d_x = combine_rows(gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m), tk_to_row, x.shape[0],
-                       top_k)  # fmt: skip
-    d_gate_up = expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
-                             right_by_token=True, segment_align=tile_m)  # fmt: skip
-    return d_x, d_gate_up
+    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, top_k)
+    return d_x, _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m)
+
+
+def _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
+    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m)
+    return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
+
+
+def _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m: int):
+    return expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
+                        right_by_token=True, segment_align=tile_m)  # fmt: skip
 
 
 @expert_up_bwd.register_fake
@@ -219,6 +231,8 @@ def _(src, scale, row_to_token, expert_offsets, tokens_per_expert, by_token):
 def _setup_up(ctx, inputs, output):
     x, gate_up_proj, gate_up_bias, *schedule, tile_m, top_k, _act, _gated, _clamp, _offset = inputs
     ctx.tile_m, ctx.top_k, ctx.has_bias = tile_m, top_k, gate_up_bias is not None
+    ctx.deferral = deferral_for(gate_up_proj, gate_up_bias)
+    ctx.weights = (gate_up_proj, gate_up_bias) if ctx.deferral is not None else None
     ctx.save_for_backward(x, gate_up_proj, *schedule)
     # A gets no gradient (the down node returns dh for h instead): leave it None rather than have
     # autograd allocate zeros [R_pad, I] for it at the backward's peak.
@@ -227,12 +241,24 @@ def _setup_up(ctx, inputs, output):
 
 def _backward_up(ctx, d_h, _d_a):
     x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = ctx.saved_tensors
+    has_bias, tile_m = ctx.has_bias, ctx.tile_m
+    if ctx.deferral is not None:  # --delay-wgrad-compute: dW1 (and db1) in backward_dw (wgrad.py)
+        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, ctx.top_k)
+
+        def weight_grads():
+            d_bias = None
+            if has_bias:
+                d_bias = expert_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert, by_token=False)
+            return _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m), d_bias
+
+        ctx.deferral.add(weight_grads, ctx.weights)
+        return (d_x, None, None) + (None,) * 11
     d_x, d_gate_up = expert_up_bwd(
-        d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, ctx.tile_m,
+        d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, tile_m,
         ctx.top_k,
     )  # fmt: skip
     d_bias = None
-    if ctx.has_bias:
+    if has_bias:
         d_bias = expert_bias_grad_op(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
     return (d_x, d_gate_up, d_bias) + (None,) * 11
 
@@ -331,18 +357,31 @@ def expert_down_bwd(
     """(dh [R_pad, N1], d_topk_weights [T, K], d_down [E, H, I]): the dgrad GEMM with the router
     partial <dA', A> and the activation's gradient in its epilogue (plus <dO, b2> with the fc2
     bias), then dW2 from the w*A rows it wrote."""
-    T, K = topk_weights.shape
     d_out = d_out.contiguous()
+    d_h, d_topk_weights, a_weighted = _down_data_grads(
+        d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
+        activation, gated, clamp, offset,
+    )  # fmt: skip
+    return d_h, d_topk_weights, _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert,
+                                                  tile_m)  # fmt: skip
+
+
+def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
+                     tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
+    """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward."""
+    T, K = topk_weights.shape
     w_rows = _row_weights(topk_weights, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, down_bias=down_bias, activation=activation,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
-    del partial
-    d_down = expert_wgrad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True,
-                          right_by_token=False, segment_align=tile_m)  # fmt: skip
-    return d_h, d_topk_weights.to(topk_weights.dtype), d_down
+    return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
+
+
+def _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m: int):
+    return expert_wgrad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, left_by_token=True,
+                        right_by_token=False, segment_align=tile_m)  # fmt: skip
 
 
 @expert_down_bwd.register_fake
@@ -354,19 +393,38 @@ def _setup_down(ctx, inputs, output):
     h, _a, topk_weights, down_proj, down_bias, *schedule, tile_m, act, gated, clamp, offset = inputs
     ctx.tile_m, ctx.family = tile_m, (act, gated, clamp, offset)
     ctx.has_bias = down_bias is not None
+    ctx.deferral = deferral_for(down_proj, down_bias)
+    ctx.weights = (down_proj, down_bias) if ctx.deferral is not None else None
     ctx.save_for_backward(h, topk_weights, down_proj, down_bias, *schedule)
 
 
 def _backward_down(ctx, d_out):
     h, topk_weights, down_proj, down_bias, *schedule = ctx.saved_tensors
-    d_h, d_topk_weights, d_down = expert_down_bwd(
-        d_out, h, topk_weights, down_proj, down_bias, *schedule, ctx.tile_m, *ctx.family
-    )
+    row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
+    d_out, has_bias, tile_m = d_out.contiguous(), ctx.has_bias, ctx.tile_m
+    if ctx.deferral is not None:  # --delay-wgrad-compute: dW2 (and db2) in backward_dw (wgrad.py)
+        d_h, d_topk_weights, a_weighted = _down_data_grads(
+            d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
+            *ctx.family,
+        )  # fmt: skip
+
+        def weight_grads():
+            d_down = _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m)
+            d_bias = None
+            if has_bias:
+                w_rows = _row_weights(topk_weights, row_to_tk)
+                d_bias = expert_bias_grad(d_out, row_to_token, expert_offsets, tokens_per_expert, by_token=True,
+                                          scale=w_rows)  # fmt: skip
+            return d_down, d_bias
+
+        ctx.deferral.add(weight_grads, ctx.weights)
+        return (d_h, None, d_topk_weights, None, None) + (None,) * 11
+    d_h, d_topk_weights, d_down = expert_down_bwd(d_out, h, topk_weights, down_proj, down_bias, *schedule, tile_m,
+                                                  *ctx.family)  # fmt: skip
     d_bias = None
-    if ctx.has_bias:
-        row_to_token, row_to_tk, _tk_to_row, _tile_to_expert, expert_offsets, tokens_per_expert = schedule
+    if has_bias:
         w_rows = _row_weights(topk_weights, row_to_tk)
-        d_bias = expert_bias_grad_op(d_out.contiguous(), w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
+        d_bias = expert_bias_grad_op(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
     return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
 
 

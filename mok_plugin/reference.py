@@ -40,6 +40,7 @@ import torch
 
 from mok_plugin.experts import SWIGLU, MoKExpertFamily, activation_backward_fp64, activation_fp64, check_expert_weights
 from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
+from mok_plugin.wgrad import deferral_for
 
 __all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "shared_expert_gate"]
 
@@ -97,6 +98,9 @@ class MoKReferenceExperts(torch.autograd.Function):
         ctx.schedule = schedule
         ctx.family = family
         ctx.weights_dtype = topk_weights.dtype
+        weights = (gate_up_proj, down_proj, gate_up_bias, down_bias)
+        ctx.deferral = deferral_for(*weights)
+        ctx.weights = weights if ctx.deferral is not None else None
         return out
 
     @staticmethod
@@ -104,46 +108,77 @@ class MoKReferenceExperts(torch.autograd.Function):
         x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R = ctx.saved_tensors
         schedule: MoKSchedule = ctx.schedule
         family: MoKExpertFamily = ctx.family
-        T, H = x.shape
-        K = schedule.top_k
-        dtype = x.dtype
         d_out = d_out.contiguous()
-        row_to_token = schedule.row_to_token
+        d_x, d_topk_weights, d_h_R = _data_grads(d_out, x, w_R, gate_up_proj, down_proj, down_bias, h_R, schedule,
+                                                 family)  # fmt: skip
+        d_topk_weights = d_topk_weights.to(ctx.weights_dtype)
 
-        d_x_R = x.new_zeros(schedule.num_rows, H)
-        d_w_R = w_R.new_zeros(schedule.num_rows)
-        d_gate_up = None if gate_up_proj is None else torch.zeros_like(gate_up_proj)
-        d_down = torch.zeros_like(down_proj)
-        d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
-        d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
-        for e, s, n in _segments(schedule):
-            tokens = row_to_token[s : s + n]
-            x_e = x[tokens]
-            d_o = _acc(d_out[tokens])
-            h = x_e if family.kind == "linear" else h_R[s : s + n]
-            a = _acc(_activation(h, family))
-            w = w_R[s : s + n, None]
-            d_a_prime = d_o @ _acc(down_proj[e])
-            # dL/dw = <dO, A W2^T + b2>: the second bias is inside the routing weight.
-            d_w = (d_a_prime * a).sum(dim=-1)
-            if down_bias is not None:
-                d_w = d_w + d_o @ _acc(down_bias[e])
-                d_down_bias[e] = (w * d_o).sum(dim=0).to(dtype)
-            d_w_R[s : s + n] = d_w
-            d_h = activation_backward_fp64(h, w * d_a_prime, family).to(dtype)
-            if family.kind == "linear":
-                d_x_R[s : s + n] = d_h
-            else:
-                d_x_R[s : s + n] = (_acc(d_h) @ _acc(gate_up_proj[e])).to(dtype)
-                d_gate_up[e] = (_acc(d_h).t() @ _acc(x_e)).to(dtype)
-                if gate_up_bias is not None:
-                    d_gate_up_bias[e] = _acc(d_h).sum(dim=0).to(dtype)
-            d_down[e] = ((w * d_o).t() @ a).to(dtype)
+        def weight_grads():
+            return _weight_grads(d_out, x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R, d_h_R,
+                                 schedule, family)  # fmt: skip
 
-        d_x = sum_over_k(_rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
-        kept = schedule.tk_to_row >= 0
-        d_topk_weights = torch.where(kept, d_w_R[schedule.tk_to_row.clamp(min=0)], 0.0).view(T, K)
-        return (d_x, d_topk_weights.to(ctx.weights_dtype), d_gate_up, d_down, d_gate_up_bias, d_down_bias, None, None)
+        if ctx.deferral is not None:  # --delay-wgrad-compute: in backward_dw (wgrad.py)
+            ctx.deferral.add(weight_grads, ctx.weights)
+            return d_x, d_topk_weights, None, None, None, None, None, None
+        return (d_x, d_topk_weights, *weight_grads(), None, None)
+
+
+def _data_grads(d_out, x, w_R, gate_up_proj, down_proj, down_bias, h_R, schedule: MoKSchedule,
+                family: MoKExpertFamily):  # fmt: skip
+    """(d_x [T, H], d_topk_weights [T, K] fp32, dh per row [num_rows, fc1 rows] in the params dtype)."""
+    T, H = x.shape
+    K = schedule.top_k
+    dtype = x.dtype
+    row_to_token = schedule.row_to_token
+    d_x_R = x.new_zeros(schedule.num_rows, H)
+    d_w_R = w_R.new_zeros(schedule.num_rows)
+    d_h_R = None if family.kind == "linear" else x.new_zeros(schedule.num_rows, h_R.shape[1])
+    for e, s, n in _segments(schedule):
+        tokens = row_to_token[s : s + n]
+        d_o = _acc(d_out[tokens])
+        h = x[tokens] if family.kind == "linear" else h_R[s : s + n]
+        a = _acc(_activation(h, family))
+        d_a_prime = d_o @ _acc(down_proj[e])
+        # dL/dw = <dO, A W2^T + b2>: the second bias is inside the routing weight.
+        d_w = (d_a_prime * a).sum(dim=-1)
+        if down_bias is not None:
+            d_w = d_w + d_o @ _acc(down_bias[e])
+        d_w_R[s : s + n] = d_w
+        d_h = activation_backward_fp64(h, w_R[s : s + n, None] * d_a_prime, family).to(dtype)
+        if family.kind == "linear":
+            d_x_R[s : s + n] = d_h
+        else:
+            d_h_R[s : s + n] = d_h
+            d_x_R[s : s + n] = (_acc(d_h) @ _acc(gate_up_proj[e])).to(dtype)
+    d_x = sum_over_k(_rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
+    kept = schedule.tk_to_row >= 0
+    d_topk_weights = torch.where(kept, d_w_R[schedule.tk_to_row.clamp(min=0)], 0.0).view(T, K)
+    return d_x, d_topk_weights, d_h_R
+
+
+def _weight_grads(d_out, x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R, d_h_R, schedule: MoKSchedule,
+                  family: MoKExpertFamily):  # fmt: skip
+    """(d_gate_up, d_down, d_gate_up_bias, d_down_bias), None where the expert has no such tensor."""
+    dtype = x.dtype
+    row_to_token = schedule.row_to_token
+    d_gate_up = None if gate_up_proj is None else torch.zeros_like(gate_up_proj)
+    d_down = torch.zeros_like(down_proj)
+    d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
+    d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
+    for e, s, n in _segments(schedule):
+        tokens = row_to_token[s : s + n]
+        x_e = x[tokens]
+        w_d_o = w_R[s : s + n, None] * _acc(d_out[tokens])
+        h = x_e if family.kind == "linear" else h_R[s : s + n]
+        d_down[e] = (w_d_o.t() @ _acc(_activation(h, family))).to(dtype)
+        if down_bias is not None:
+            d_down_bias[e] = w_d_o.sum(dim=0).to(dtype)
+        if family.kind != "linear":
+            d_h = _acc(d_h_R[s : s + n])
+            d_gate_up[e] = (d_h.t() @ _acc(x_e)).to(dtype)
+            if gate_up_bias is not None:
+                d_gate_up_bias[e] = d_h.sum(dim=0).to(dtype)
+    return d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
 def _linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e: int | None) -> torch.Tensor:

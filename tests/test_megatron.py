@@ -218,6 +218,52 @@ def test_expert_params_are_marked_and_main_grad_accumulates(megatron_world):
         assert torch.equal(p.main_grad, 0.5 + stacked.float()), name
 
 
+def test_delayed_weight_grads_reach_main_grad_and_hooks_in_backward_dw(megatron_world):
+    """--delay-wgrad-compute (set after construction: Megatron's own checks want the EP overlap):
+    the expert weights' gradients wait for backward_dw, then go through the main_grad accumulation;
+    the experts' parameters are marked skip_backward_post_hook, so their DDP hooks come through
+    register_wgrad_accumulation_and_reduce_hooks (as DistributedDataParallel registers them) and run
+    in backward_dw, once, after the gradients; the other parameters' hooks stay on their gradient
+    accumulators and run in the backward. The bits are those of the undelayed backward."""
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    cfg = _config(gradient_accumulation_fusion=True)
+    cfg.delay_wgrad_compute = True
+    mok = use_mok(spec)(config=cfg)
+    reference = use_mok(spec)(config=_config())
+    reference.load_state_dict(mok.state_dict())
+    experts = [mok.mok.experts.gate_up_proj, mok.mok.experts.down_proj]
+    seen: list[tuple[str, bool]] = []  # (parameter, did its main_grad hold the gradient already)
+    accumulators = []  # kept alive, as DDP keeps its grad_accs
+    for name, p in mok.named_parameters():
+        p.main_grad = torch.full_like(p, 0.5, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+
+        def hook(*_, name=name, p=p):
+            seen.append((name, bool(torch.any(p.main_grad != 0.5))))
+
+        if getattr(p, "skip_backward_post_hook", False):  # what DistributedDataParallel.__init__ does
+            mok.register_wgrad_accumulation_and_reduce_hooks(hook)
+        else:
+            accumulators.append(p.expand_as(p).grad_fn.next_functions[0][0])
+            accumulators[-1].register_hook(hook)
+    assert [n for n, p in mok.named_parameters() if getattr(p, "skip_backward_post_hook", False)] == [
+        "mok.experts.gate_up_proj", "mok.experts.down_proj"
+    ]  # fmt: skip
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    _, want_dx, _ = _fwd_bwd(reference, x, x)
+    _, got_dx, _ = _fwd_bwd(mok, x, x)
+    assert torch.equal(got_dx, want_dx)
+    assert seen == [("mok.router.weight", False)] and all(torch.all(p.main_grad == 0.5) for p in experts)
+    mok.backward_dw(routed_experts=False, shared_experts=True)  # the pre-dispatch node's call: not the experts'
+    assert len(seen) == 1
+    mok.backward_dw()
+    assert seen[1:] == [("mok.experts.gate_up_proj", True), ("mok.experts.down_proj", True)]
+    for name, p in zip(("gate_up_proj", "down_proj"), experts, strict=True):
+        assert p.grad_added_to_main_grad, name
+        assert torch.equal(p.main_grad, 0.5 + getattr(reference.mok.experts, name).grad.float()), name
+    assert len(mok.mok.weight_grads) == 0
+
+
 UNSUPPORTED = [
     # Routing settings MoK refuses (random logits, sinkhorn, ...): test_megatron_routing.py.
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0), "--moe-router-load-balancing-type"),

@@ -14,7 +14,11 @@ its layernorm and residual. Against the same layer run by its forward, in the sa
 micro-batch's output and input gradient, every parameter's gradient, and the layer's statistics
 (expert-bias counts) are bitwise the same, with and without a shared expert, through both exchanges,
 with the aux loss and z-loss on the routing weights. A case where MoK's experts kept
-the freed input (no copy) would fail with "storage of size 0": the plan frees as the schedule does."""
+the freed input (no copy) would fail with "storage of size 0": the plan frees as the schedule does.
+
+With --delay-wgrad-compute on too, the plan's nodes call the layer's backward_dw after the routed
+experts' backward (and the pre-dispatch node's for the shared experts): the experts' weight
+gradients are computed there, from what their backward recorded, and are bitwise the same again."""
 
 import os
 import types
@@ -138,6 +142,15 @@ def _planned(layer, xs, gs, mask):
     return [o.detach() for o in outs], [x.grad for x in inputs], _state(layer)
 
 
+def _assert_same(want, got, what: str) -> None:
+    for i in range(MICRO_BATCHES):
+        assert torch.equal(got[0][i], want[0][i]), f"{what}: output of micro-batch {i}"
+        assert torch.equal(got[1][i], want[1][i]), f"{what}: input gradient of micro-batch {i}"
+    assert set(got[2]) == set(want[2]), f"{what}: {set(got[2]) ^ set(want[2])}"
+    for key, value in want[2].items():
+        assert torch.equal(got[2][key], value), f"{what}: {key}"
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -157,12 +170,14 @@ def _worker(rank: int, world: int, port: int) -> None:
         for name, (fields, overrides) in CASES.items():
             layer = _layer(fields, overrides, world)
             want, got = _plain(layer, xs, gs, mask), _planned(layer, xs, gs, mask)
-            for i in range(MICRO_BATCHES):
-                assert torch.equal(got[0][i], want[0][i]), f"{name}, rank {rank}: output of micro-batch {i}"
-                assert torch.equal(got[1][i], want[1][i]), f"{name}, rank {rank}: input gradient of micro-batch {i}"
-            assert set(got[2]) == set(want[2]), f"{name}: {set(got[2]) ^ set(want[2])}"
-            for key, value in want[2].items():
-                assert torch.equal(got[2][key], value), f"{name}, rank {rank}: {key}"
+            _assert_same(want, got, f"{name}, rank {rank}")
+            layer.config.delay_wgrad_compute = True  # the plans built from here on defer the weight gradients
+            _assert_same(want, _planned(layer, xs, gs, mask), f"{name} with --delay-wgrad-compute, rank {rank}")
+            queue = layer.mlp.mok.weight_grads
+            # The reference backend's one experts node per micro-batch recorded its weight gradients,
+            # and backward_dw ran them: nothing left.
+            assert queue is not None and len(queue) == 0 and queue.completed == MICRO_BATCHES, name
+            layer.config.delay_wgrad_compute = False
             assert any(key.startswith("mlp.mok.experts.") for key in want[2]), "the experts got no gradient"
             assert layer.mlp.token_dispatcher is not None  # the stand-in the schedule may write to
             if fields.get("moe_router_enable_expert_bias"):

@@ -4,7 +4,7 @@ size, against the Megatron adapter.
 For each recipe, its TransformerConfig (the recipe's own settings and layout, bf16 as published)
 must build, and MoK's verdict on it follows from the recipe's own settings (LATER_OR_REFUSED):
   - the recipe as published is accepted, or refused naming exactly the flags of the settings later
-    issues take (--delay-wgrad-compute: issue 23; fp8: issue 25) or MoK refuses by design (expert TP > 1;
+    issue takes (fp8: issue 25) or MoK refuses by design (expert TP > 1;
     partial CUDA-graph capture of the MoE layer; DeepSeek-V4's noaux_tc, a newer Megatron's), and
     nothing else: tensor (with sequence), pipeline and context parallelism and any EP size are accepted;
   - the same recipe at TP = CP = PP = ETP = 1 (its EP kept): the same, less the layout flags;
@@ -184,7 +184,6 @@ LATER_OR_REFUSED = [
         "--expert-tensor-parallel-size",
         "refused by design: MoK keeps each expert whole on one rank (the TP > 1 recipes pass ETP 1)",
     ),
-    (lambda tc: tc.delay_wgrad_compute, "--delay-wgrad-compute", "issue 23 (deferred weight gradients)"),
     (lambda tc: tc.fp8 not in (None, False), "--fp8", "issue 25 (FP8)"),
     (
         lambda tc: (

@@ -153,10 +153,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
     "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
-    "delay_wgrad_compute": (
-        bool,
-        "MoK computes its weight gradients in its own backward; deferring them to backward_dw is not implemented",
-    ),
     "fp8": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "moe_expert_rank_capacity_factor": (

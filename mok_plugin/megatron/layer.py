@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from mok_plugin.megatron.config_map import (
 )
 from mok_plugin.parallel.dispatch import PROFILER_RANGES, exchange_pairs, return_pairs, sum_returned_pairs
 from mok_plugin.routing import LOSS_NAMES
+from mok_plugin.wgrad import DeferredWeightGrads
 
 try:
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
@@ -201,6 +203,8 @@ class MoKMoELayer(MoELayer):
                 # them over TP, as for TopKRouter's weight.
                 param.sequence_parallel = config.sequence_parallel
         install_state_dict_hooks(self)
+        self._wgrad_hooks: list[Callable[[], None]] = []
+        self._defer_weight_grads_as_configured()
         self._overlap_step: MoKForwardStep | None = None  # one forward's state between the EP-overlap stages
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             # With the flex dispatcher the schedule hands the stage's detached probabilities to the
@@ -315,6 +319,7 @@ class MoKMoELayer(MoELayer):
             return self._call_mok_on_device(hidden_states)
 
     def _call_mok_on_device(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._defer_weight_grads_as_configured()
         with self._expert_weights_into_main_grad():
             return self.mok(
                 hidden_states, num_sequences=hidden_states.shape[1], attach_losses=self._loss_attacher(hidden_states)
@@ -326,8 +331,8 @@ class MoKMoELayer(MoELayer):
         _MainGradAccumulation while the block runs. Biases keep ordinary gradients, as in Megatron's
         fused linear layers (only the weight's goes to main_grad)."""
         experts = self.mok.experts
-        if not (self.config.gradient_accumulation_fusion and hasattr(experts.down_proj, "main_grad")):
-            yield
+        if not self._fuses_weight_grads() or self.mok.weight_grads is not None:
+            yield  # deferred: backward_dw hands the gradients through _MainGradAccumulation
             return
         originals = {name: experts._parameters[name] for name in ("gate_up_proj", "down_proj")}
         originals = {name: param for name, param in originals.items() if param is not None}
@@ -340,6 +345,52 @@ class MoKMoELayer(MoELayer):
             for name, param in originals.items():
                 delattr(experts, name)
                 experts._parameters[name] = param
+
+    def _fuses_weight_grads(self) -> bool:
+        return bool(self.config.gradient_accumulation_fusion and hasattr(self.mok.experts.down_proj, "main_grad"))
+
+    # --- --delay-wgrad-compute: the routed experts' weight gradients wait for backward_dw ----------
+
+    def _defer_weight_grads_as_configured(self) -> None:
+        """Read at construction and at each forward (the config may change after construction, as
+        Megatron's own layers read it when they run). The routed experts' parameters are marked
+        skip_backward_post_hook, so that Megatron's DDP hands their gradient hooks to
+        register_wgrad_accumulation_and_reduce_hooks (run by backward_dw) instead of registering
+        them on the gradient accumulators, which autograd runs, without a gradient, in the backward."""
+        deferred = bool(getattr(self.config, "delay_wgrad_compute", False))
+        for param in self.mok.experts.parameters():
+            param.skip_backward_post_hook = deferred
+        if not deferred:
+            self.mok.weight_grads = None
+        elif self.mok.weight_grads is None:
+            self.mok.weight_grads = DeferredWeightGrads(deliver=self._deliver_weight_grads)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Megatron's DDP, under --delay-wgrad-compute, gives here the gradient hook of each
+        parameter marked skip_backward_post_hook (the routed experts'); backward_dw runs them."""
+        self._wgrad_hooks.append(hook)
+
+    def _deliver_weight_grads(self, targets: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Hand deferred gradients to their parameters as the backward would have: through
+        _MainGradAccumulation for the expert weights under --gradient-accumulation-fusion, then
+        AccumulateGrad and Megatron's DDP hook on it."""
+        if self._fuses_weight_grads():
+            experts = self.mok.experts
+            fused = (experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj"))
+            targets = [_MainGradAccumulation.apply(t) if any(t is w for w in fused) else t for t in targets]
+        torch.autograd.backward(targets, grads)
+
+    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False) -> None:
+        """The deferred weight gradients (--delay-wgrad-compute), as Megatron's schedule calls it on
+        the "mlp" node after the routed experts' backward: those of the routed experts, in the order
+        their backward recorded them. The shared experts' and the router's are computed in the
+        backward itself, so the pre-dispatch node's call (shared_experts=True) has nothing to run."""
+        if not routed_experts:
+            return
+        if self.mok.weight_grads is not None:
+            self.mok.weight_grads.run()
+        for hook in self._wgrad_hooks:  # DDP's: into main_grad, and the bucket marked ready
+            hook()
 
     def _mtp_repeats(self) -> int:
         cfg = self.config
@@ -433,6 +484,7 @@ class MoKMoELayer(MoELayer):
         """The first stage (Megatron calls it before route): route, then issue the shared experts.
         Returns their output [S x B, H] (None without shared experts)."""
         self._check_forward(hidden_states, None)
+        self._defer_weight_grads_as_configured()
         if self.mok.ep_group is None:
             raise RuntimeError(
                 "MoKMoELayer's EP-overlap stages need expert parallelism (--expert-model-parallel-size > 1)"
@@ -488,6 +540,3 @@ class MoKMoELayer(MoELayer):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return megatron_sharded_state_dict(self, prefix, sharded_offsets, metadata)
-
-    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False) -> None:
-        """Nothing deferred: MoK computes weight gradients in its backward."""

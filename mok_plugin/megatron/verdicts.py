@@ -245,7 +245,11 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "refused with it)",
         "tests/test_megatron_ep_overlap.py::test_overlap_schedule_plan_is_bitwise_the_plain_layer",
     ),
-    "delay_wgrad_compute": _refused("MoK computes weight gradients in its own backward (deferral not implemented)"),
+    "delay_wgrad_compute": _honoured(
+        "the routed experts' weight gradients wait for the schedule's backward_dw (wgrad.py), their DDP hooks "
+        "with them: bitwise the undelayed backward (the megakernel computes them in its one pass)",
+        "tests/test_megatron_ep_overlap.py::test_overlap_schedule_plan_is_bitwise_the_plain_layer",
+    ),
     "tensor_model_parallel_size": _honoured(
         "each rank routes its sequence shard; replicated parameters marked sequence-parallel (grads summed over TP)",
         f"{_TP}::test_tensor_parallel_with_sequence_parallel_matches_stock",
