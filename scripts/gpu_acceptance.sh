@@ -13,7 +13,7 @@
 #              scripts/compare.py --framework deepspeed on the Megatron-DeepSpeed GPT-MoE-like config
 #   ep-overlap scripts/ep_overlap.py (mok bench ep-overlap): Megatron's EP-overlap schedule through
 #              scripts/pretrain_gpt.py, two EP ranks sharing the GPU over gloo; stock and MoK, plain,
-#              --overlap-moe-expert-parallel-comm, and with --delay-wgrad-compute too
+#              --overlap-moe-expert-parallel-comm, and with --delay-wgrad-compute too (needs TE)
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry

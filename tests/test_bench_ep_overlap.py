@@ -3,6 +3,7 @@ is one Megatron's parser and MoK's flags take, the overlap variants set what the
 runs its script with gloo's collectives made to take CUDA tensors, and the command without a GPU
 says so. The runs themselves need CUDA (Megatron's training loop): the H200 runs them."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -36,6 +37,9 @@ def test_variant_flags_parse(variant):
     assert args.expert_model_parallel_size == ep_overlap.RANKS and args.distributed_backend == "gloo"
     assert args.overlap_moe_expert_parallel_comm == ("overlap" in variant)
     assert args.delay_wgrad_compute == variant.endswith("_dw")
+    assert args.transformer_impl == ("transformer_engine" if variant.endswith("_dw") else "local")
+    if variant.endswith("_dw") and importlib.util.find_spec("transformer_engine") is None:
+        assert "Transformer Engine" in ep_overlap.why_not(variant)
     assert args.mok == variant.startswith("mok")
 
 
