@@ -16,8 +16,9 @@ all-to-alls: they compare stock with MoK and plain with overlap here, not with a
 The model is small (so that gloo's exchange stays short): 2 layers, H 1024, 16 experts top-2,
 sequence 1024, micro-batch 2, 4 micro-batches per rank (the schedule overlaps one micro-batch's
 dispatch and combine with another's experts). The --delay-wgrad-compute variants need Transformer
-Engine (Megatron's argument checks allow the flag with its layers only) and are skipped without it. Each variant's log goes under --out; a table of
-tokens/s and first/last losses is printed last, ep_overlap.json holds every iteration.
+Engine (Megatron's argument checks allow the flag with its layers only) and are skipped without it.
+Each variant's log goes under --out; a table of tokens/s and first/last losses is printed last,
+ep_overlap.json holds every iteration.
 """
 
 from __future__ import annotations
