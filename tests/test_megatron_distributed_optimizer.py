@@ -113,6 +113,11 @@ def _resumed(build, cfg, trainer, path: str, sharding: str):
     """A fresh (layer, optimizer) from `build` that loads what `trainer` saves to `path`."""
     _save(*trainer, path, sharding)
     fresh = _trainer(build, cfg)
+    # Megatron 0.19 without Apex or Transformer Engine reads the optimizer's step from its state
+    # (DistributedOptimizer.state_dict asserts one step value), which a fresh optimizer does not
+    # have yet: one step gives it one. The load then replaces the weights, the moments and the step
+    # (a wrong step would change Adam's bias correction, which _assert_same_step would see).
+    _step(*fresh, 0)
     _load(*fresh, path, sharding)
     return fresh
 

@@ -2,7 +2,7 @@
 
 Under `deferring(queue)` the experts' backward computes the data gradients and records the weight
 and bias gradients; `queue.run()` computes them. For both backends (the Triton one in its CPU
-interpreter, fp32), for families with and without biases and of every kind: before `run()` the
+interpreter on the CPU, compiled on a GPU; fp32), for families with and without biases and of every kind: before `run()` the
 weights have no gradient, x and the routing weights already have theirs; after it every gradient
 is bitwise the one the undeferred backward gives, and accumulates over two backward passes the same
 way. The megakernel computes its weight gradients in its single pass (nothing to defer); a weight
@@ -31,14 +31,14 @@ WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
 
 
 def _inputs(family, seed: int = 3):
-    from triton_cases import crafted_routing, family_weights
+    from triton_cases import DEVICE, crafted_routing, family_weights
 
     g = torch.Generator().manual_seed(seed)
-    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g), E, tile_m=DEFAULT_TILE_M)
-    x = torch.randn(T, H, generator=g)
-    w = torch.rand(T, K, generator=g)
-    weights = family_weights(E, H, I, family, g, "cpu", torch.float32)
-    probes = [torch.randn(T, H, generator=g) for _ in range(2)]
+    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    w = torch.rand(T, K, generator=g).to(DEVICE)
+    weights = family_weights(E, H, I, family, g, DEVICE, torch.float32)
+    probes = [torch.randn(T, H, generator=g).to(DEVICE) for _ in range(2)]
     return x, w, weights, schedule, probes
 
 

@@ -110,6 +110,8 @@ def run_variant(name: str, iters: int, out: Path, port: int, timeout_s: float) -
     if code != 0 or not iterations:
         failed_log = next((log for log, c in zip(logs, codes, strict=True) if c != 0), logs[-1])
         cause = failure_line(failed_log.read_text(), code)
+        if code == 124:  # killed here: the log's last lines are whatever it printed before
+            cause = f"ran past --job-timeout-s {timeout_s:.0f}"
         print(f"  {name} FAILED: {cause} (log: {failed_log})", flush=True)
         return {"status": "failed", "cause": cause, "seconds": seconds}
     steady = [it["ms"] for it in iterations if it["iteration"] > 2] or [it["ms"] for it in iterations]
