@@ -118,6 +118,20 @@ def test_random_and_unsupported_options_are_errors(ds_world, kwargs, message):
         mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, **kwargs)
 
 
+def test_tensor_parallelism_from_an_mpu_is_refused_by_name(ds_world, monkeypatch):
+    """deepspeed.initialize(mpu=...) stores the mpu in deepspeed.utils.groups, then calls each MoE
+    layer's set_deepspeed_parallelism: there MoK refuses a tensor-parallel size > 1."""
+    import types
+
+    layer = mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=1, drop_tokens=False)
+    mpu = types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 2)
+    monkeypatch.setattr(deepspeed.utils.groups, "mpu", mpu)
+    with pytest.raises(MoKConfigError, match="tensor-model-parallel size is 2"):
+        layer.set_deepspeed_parallelism()
+    mpu.get_tensor_model_parallel_world_size = lambda: 1
+    layer.set_deepspeed_parallelism()  # TP 1 through an mpu: fine
+
+
 def test_mok_config_may_repeat_the_dtype_as_a_torch_dtype(ds_world):
     expert = mds.SwiGLUExpert(H, I).to(torch.bfloat16)
     for dtype in (torch.bfloat16, "bfloat16"):

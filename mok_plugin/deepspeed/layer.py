@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as StockMoE
 from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from mok_plugin.config import MOK_KNOBS, MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
@@ -244,7 +245,18 @@ class MoE(StockMoE):
         return groups._get_expert_parallel_group(self.expert_group_name)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Called by deepspeed.initialize: make sure the expert groups exist (EP = 1 included)."""
+        """Called by deepspeed.initialize (after it stores its mpu): refuse tensor parallelism, make
+        sure the expert groups exist (EP = 1 included)."""
+        tensor_parallel = bwc_tensor_model_parallel_world_size(groups.mpu) if groups.mpu is not None else 1
+        if tensor_parallel > 1:
+            # Stock DeepSpeed splits each expert's capacity slots over the TP ranks (drop_tokens /
+            # gather_tokens around the all-to-all) and reduces expert gradients accordingly; MoK
+            # has not implemented or tested that, so it refuses rather than run differently.
+            raise MoKConfigError(
+                f"mok_plugin.deepspeed.MoE: tensor parallelism (the mpu's tensor-model-parallel size is "
+                f"{tensor_parallel}) is not implemented; run the MoE model at tensor-parallel size 1 (as "
+                "Megatron-DeepSpeed's MoE examples do: MP_SIZE=1)"
+            )
         group = self._expert_parallel_group(use_data_before_expert_parallel_)
         if self.mok.ep_group is not None and group is not self.mok.ep_group:
             raise MoKConfigError(
