@@ -65,7 +65,12 @@ for part in "${parts[@]}"; do
     deepspeed)
         # DeepSpeed's own MoE tests with MoK substituted, the fp16 cases included (they need CUDA), and the
         # harness on a Megatron-DeepSpeed GPT-MoE-like model (GeLU experts with biases, top-1, dropping, RTS).
-        run_part deepspeed-upstream python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_upstream.py
+        # The ranks (2 or 4) share the GPU over gloo; TORCH_CUDA_ARCH_LIST=9.0 for the FusedAdam JIT
+        # build (DeepSpeed 0.19.8's builder cannot parse an arch list with "9.0a").
+        spread=()
+        python3 -c "import xdist" 2>/dev/null && spread=(-n 6)
+        TORCH_CUDA_ARCH_LIST=9.0 run_part deepspeed-upstream python3 -m pytest -q "${spread[@]}" -p no:cacheprovider \
+            -rs tests/test_deepspeed_upstream.py
         run_part compare-ds-gpt-moe python3 scripts/compare.py --framework deepspeed \
             --config configs/topologies/megatron-deepspeed-gpt-moe_h200_single.yaml --out "$out/compare-ds-gpt-moe" ;;
     ep-overlap)
