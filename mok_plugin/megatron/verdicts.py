@@ -319,7 +319,8 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     ),
     "delay_offload_until_cuda_graph": _replaced("when the stock experts' offloading starts (a schedule choice)"),
     "overlap_dispatch_backward_with_experts_wgrad": _refused(
-        "the stock dispatcher's backward overlap with TE's deferred weight gradients (issue 23)"
+        "it overlaps the stock dispatcher's backward with TE's deferred expert weight gradients (without the "
+        "EP-overlap schedule); MoK's exchange replaces that dispatcher"
     ),
 }
 
