@@ -7,9 +7,10 @@ communication. MoK splits its expert backward the same way: while a `DeferredWei
 active (`deferring(queue)`) the experts' autograd nodes record, in their backward, a closure that
 computes the weight (and bias) gradients from what the data-gradient pass already made, instead of
 computing them; `queue.run()` computes them in the order they were recorded and hands each to its
-parameter through autograd (`torch.autograd.backward` on the parameter: AccumulateGrad and the
-hooks on it, Megatron's DDP hooks included, run as they would have in the backward). The kernels
-and their inputs are the same either way, so the gradients are the same bits.
+parameter through autograd (`torch.autograd.backward` on the parameter: AccumulateGrad runs as it
+would have in the backward; Megatron's DDP hooks for these parameters are run by the Megatron
+layer's backward_dw after it). The kernels and their inputs are the same either way, so the
+gradients are the same bits.
 
 Only leaf weights can wait: a weight that reached the experts through other autograd nodes (a
 cast, a view) would have had those nodes run, with no gradient, in the backward. The nodes ask
