@@ -14,6 +14,11 @@
 #   ep-overlap scripts/ep_overlap.py (mok bench ep-overlap): Megatron's EP-overlap schedule through
 #              scripts/pretrain_gpt.py, two EP ranks sharing the GPU over gloo; stock and MoK, plain,
 #              --overlap-moe-expert-parallel-comm, and with --delay-wgrad-compute too (needs TE)
+#   perf       issue 24's table, one process per shape, MoK (multi-kernel) against the PyTorch path, settled:
+#              perf-coarse  gpt-oss-120b (H, I not multiples of 128) and two shapes of the issue's class:
+#                           4096,7168,2048,384,8 (E 384, Kimi-K2-like) and 8192,3000,1000,160,6 (odd H and I)
+#              perf-small   qwen3-30b-a3b's dimensions at T = 1, 37, 512, 4096, uniform and skewed routing
+#              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
@@ -84,6 +89,19 @@ for part in "${parts[@]}"; do
                 scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
                 --out "$out/layer-$shape"
         done ;;
+    perf | perf-coarse | perf-small)
+        if [ "$part" != perf-small ]; then
+            for shape in 16384,2880,2880,128,4 4096,7168,2048,384,8 8192,3000,1000,160,6; do
+                run_part "perf-${shape//,/x}" python3 scripts/bench_layer.py --shape "$shape" --providers mok-multi torch \
+                    --iters 10 --out "$out/perf-${shape//,/x}"
+            done
+        fi
+        if [ "$part" != perf-coarse ]; then
+            for tokens in 1 37 512 4096; do
+                run_part "perf-small-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
+                    --routing uniform skewed --providers mok-multi torch --iters 20 --out "$out/perf-small-T$tokens"
+            done
+        fi ;;
     families)
         families=(swiglu swiglu-bias gpt-oss glu-gelu glu-gelu-tanh glu-quick-gelu glu-relu mlp-silu mlp-gelu
                   mlp-gelu-tanh mlp-quick-gelu mlp-relu mlp-squared-relu)
