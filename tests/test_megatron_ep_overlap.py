@@ -1,5 +1,5 @@
 """Megatron's EP-overlap schedule (--overlap-moe-expert-parallel-comm) through MoKMoELayer's stage
-methods, on the CPU over gloo (two processes, EP 2, fp32, MoK's reference backend).
+methods, on the CPU over gloo (two processes, EP 2, fp32).
 
 Megatron 0.19's combined 1F1B schedule never calls the MoE layer's forward: it builds a
 TransformerLayerSchedulePlan per layer whose nodes call shared_experts_compute, route, preprocess,
@@ -13,8 +13,9 @@ attention is an identity (Megatron's local attention needs CUDA), so the layer i
 its layernorm and residual. Against the same layer run by its forward, in the same order: every
 micro-batch's output and input gradient, every parameter's gradient, and the layer's statistics
 (expert-bias counts) are bitwise the same, with and without a shared expert, through both exchanges,
-with the aux loss and z-loss on the routing weights. A case where MoK's experts kept
-the freed input (no copy) would fail with "storage of size 0": the plan frees as the schedule does.
+with the aux loss and z-loss on the routing weights, on the reference backend and on the Triton one
+(in its CPU interpreter). A case where MoK's experts kept the freed input (no copy) would fail with
+"storage of size 0": the plan frees as the schedule does.
 
 With --delay-wgrad-compute on too, the plan's nodes call the layer's backward_dw after the routed
 experts' backward (and the pre-dispatch node's for the shared experts): the experts' weight
@@ -52,7 +53,12 @@ CASES = {
     "expert_bias_z_loss": (
         dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", moe_z_loss_coeff=1e-3), {}
     ),
+    # The Triton backend's two expert nodes (fc1, fc2), in Triton's CPU interpreter: each records
+    # its own weight gradients under --delay-wgrad-compute.
+    "triton_multi_kernel": (dict(moe_shared_expert_intermediate_size=24), dict(backend="triton")),
 }  # fmt: skip
+# Expert autograd nodes per micro-batch: what --delay-wgrad-compute's queue runs per backward.
+EXPERT_NODES = {"reference": 1, "triton": 2}
 
 
 def _layer(fields: dict, overrides: dict, world: int):
@@ -174,9 +180,10 @@ def _worker(rank: int, world: int, port: int) -> None:
             layer.config.delay_wgrad_compute = True  # the plans built from here on defer the weight gradients
             _assert_same(want, _planned(layer, xs, gs, mask), f"{name} with --delay-wgrad-compute, rank {rank}")
             queue = layer.mlp.mok.weight_grads
-            # The reference backend's one experts node per micro-batch recorded its weight gradients,
-            # and backward_dw ran them: nothing left.
-            assert queue is not None and len(queue) == 0 and queue.completed == MICRO_BATCHES, name
+            # Every experts node of every micro-batch recorded its weight gradients, and backward_dw
+            # ran them: nothing left.
+            nodes = EXPERT_NODES[layer.mlp.mok.backend]
+            assert queue is not None and len(queue) == 0 and queue.completed == nodes * MICRO_BATCHES, name
             layer.config.delay_wgrad_compute = False
             assert any(key.startswith("mlp.mok.experts.") for key in want[2]), "the experts got no gradient"
             assert layer.mlp.token_dispatcher is not None  # the stand-in the schedule may write to
