@@ -55,9 +55,10 @@ CASES = {
         dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", moe_z_loss_coeff=1e-3), {}
     ),
 }  # fmt: skip
-if importlib.util.find_spec("triton") is not None:
-    # The Triton backend's two expert nodes (fc1, fc2), in Triton's CPU interpreter without a GPU:
-    # each records its own weight gradients under --delay-wgrad-compute.
+if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    # The Triton backend's two expert nodes (fc1, fc2), in Triton's CPU interpreter (conftest sets it
+    # without a GPU; these gloo ranks run on the CPU): each records its own weight gradients under
+    # --delay-wgrad-compute.
     CASES["triton_multi_kernel"] = (dict(moe_shared_expert_intermediate_size=24), dict(backend="triton"))
 # Expert autograd nodes per micro-batch: what --delay-wgrad-compute's queue runs per backward.
 EXPERT_NODES = {"reference": 1, "triton": 2}
