@@ -45,7 +45,7 @@ from mok_plugin.kernels.grouped_mlp import (
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.schedule import MoKSchedule, values_per_row
-from mok_plugin.wgrad import deferral_for
+from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts"]
 
@@ -231,8 +231,7 @@ def _(src, scale, row_to_token, expert_offsets, tokens_per_expert, by_token):
 def _setup_up(ctx, inputs, output):
     x, gate_up_proj, gate_up_bias, *schedule, tile_m, top_k, _act, _gated, _clamp, _offset = inputs
     ctx.tile_m, ctx.top_k, ctx.has_bias = tile_m, top_k, gate_up_bias is not None
-    ctx.deferral = deferral_for(gate_up_proj, gate_up_bias)
-    ctx.weights = (gate_up_proj, gate_up_bias) if ctx.deferral is not None else None
+    note_deferral(ctx, gate_up_proj, gate_up_bias)
     ctx.save_for_backward(x, gate_up_proj, *schedule)
     # A gets no gradient (the down node returns dh for h instead): leave it None rather than have
     # autograd allocate zeros [R_pad, I] for it at the backward's peak.
@@ -246,9 +245,7 @@ def _backward_up(ctx, d_h, _d_a):
         d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, ctx.top_k)
 
         def weight_grads():
-            d_bias = None
-            if has_bias:
-                d_bias = expert_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert, by_token=False)
+            d_bias = _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
             return _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m), d_bias
 
         ctx.deferral.add(weight_grads, ctx.weights)
@@ -257,10 +254,12 @@ def _backward_up(ctx, d_h, _d_a):
         d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, tile_m,
         ctx.top_k,
     )  # fmt: skip
-    d_bias = None
-    if has_bias:
-        d_bias = expert_bias_grad_op(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
+    d_bias = _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
     return (d_x, d_gate_up, d_bias) + (None,) * 11
+
+
+def _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert):
+    return expert_bias_grad_op(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
 
 
 torch.library.register_autograd("mok_plugin::expert_up_fwd", _backward_up, setup_context=_setup_up)
@@ -393,8 +392,7 @@ def _setup_down(ctx, inputs, output):
     h, _a, topk_weights, down_proj, down_bias, *schedule, tile_m, act, gated, clamp, offset = inputs
     ctx.tile_m, ctx.family = tile_m, (act, gated, clamp, offset)
     ctx.has_bias = down_bias is not None
-    ctx.deferral = deferral_for(down_proj, down_bias)
-    ctx.weights = (down_proj, down_bias) if ctx.deferral is not None else None
+    note_deferral(ctx, down_proj, down_bias)
     ctx.save_for_backward(h, topk_weights, down_proj, down_bias, *schedule)
 
 
@@ -410,22 +408,21 @@ def _backward_down(ctx, d_out):
 
         def weight_grads():
             d_down = _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m)
-            d_bias = None
-            if has_bias:
-                w_rows = _row_weights(topk_weights, row_to_tk)
-                d_bias = expert_bias_grad(d_out, row_to_token, expert_offsets, tokens_per_expert, by_token=True,
-                                          scale=w_rows)  # fmt: skip
-            return d_down, d_bias
+            return d_down, _down_bias_grad(d_out, topk_weights, *schedule) if has_bias else None
 
         ctx.deferral.add(weight_grads, ctx.weights)
         return (d_h, None, d_topk_weights, None, None) + (None,) * 11
     d_h, d_topk_weights, d_down = expert_down_bwd(d_out, h, topk_weights, down_proj, down_bias, *schedule, tile_m,
                                                   *ctx.family)  # fmt: skip
-    d_bias = None
-    if has_bias:
-        w_rows = _row_weights(topk_weights, row_to_tk)
-        d_bias = expert_bias_grad_op(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
+    d_bias = _down_bias_grad(d_out, topk_weights, *schedule) if has_bias else None
     return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
+
+
+def _down_bias_grad(d_out, topk_weights, row_to_token, row_to_tk, _tk_to_row, _tile_to_expert, expert_offsets,
+                    tokens_per_expert):  # fmt: skip
+    """db2 [E, H]: per expert, the sum over its rows of w * dO (ascending row order)."""
+    w_rows = _row_weights(topk_weights, row_to_tk)
+    return expert_bias_grad_op(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
 
 
 torch.library.register_autograd("mok_plugin::expert_down_fwd", _backward_down, setup_context=_setup_down)

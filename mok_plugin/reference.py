@@ -40,7 +40,7 @@ import torch
 
 from mok_plugin.experts import SWIGLU, MoKExpertFamily, activation_backward_fp64, activation_fp64, check_expert_weights
 from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
-from mok_plugin.wgrad import deferral_for
+from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "shared_expert_gate"]
 
@@ -98,9 +98,7 @@ class MoKReferenceExperts(torch.autograd.Function):
         ctx.schedule = schedule
         ctx.family = family
         ctx.weights_dtype = topk_weights.dtype
-        weights = (gate_up_proj, down_proj, gate_up_bias, down_bias)
-        ctx.deferral = deferral_for(*weights)
-        ctx.weights = weights if ctx.deferral is not None else None
+        note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)
         return out
 
     @staticmethod

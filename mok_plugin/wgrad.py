@@ -14,7 +14,7 @@ gradients are the same bits.
 
 Only leaf weights can wait: a weight that reached the experts through other autograd nodes (a
 cast, a view) would have had those nodes run, with no gradient, in the backward. The nodes ask
-`deferral_for(weights)`, which gives no queue then, and they compute the weight gradients at once.
+`note_deferral(ctx, *weights)`, which gives no queue then, and they compute the weight gradients at once.
 
 Does not own: which backward computes what (ops.py, reference.py); when `run` is called (the
 Megatron layer's `backward_dw`).
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["DeferredWeightGrads", "deferral_for", "deferring"]
+__all__ = ["DeferredWeightGrads", "deferring", "note_deferral"]
 
 Deliver = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 
@@ -65,10 +65,6 @@ class DeferredWeightGrads:
                 self._deliver([t for t, _ in pairs], [g for _, g in pairs])
             self.completed += 1
 
-    def discard(self) -> None:
-        """Drop what is recorded (an abandoned step)."""
-        self._pending = []
-
 
 _active: DeferredWeightGrads | None = None
 
@@ -84,12 +80,11 @@ def deferring(queue: DeferredWeightGrads | None) -> Iterator[None]:
         _active = previous
 
 
-def deferral_for(*weights: torch.Tensor | None) -> DeferredWeightGrads | None:
-    """The active queue, if every weight that needs a gradient is a leaf; else None (see the module
-    docstring). Called by an experts node when autograd records it (in its forward)."""
-    if _active is None:
-        return None
+def note_deferral(ctx, *weights: torch.Tensor | None) -> None:
+    """Called by an experts node when autograd records it (in its forward): ctx.deferral is the
+    active queue if every weight that needs a gradient is a leaf, else None (see the module
+    docstring); ctx.weights are the weights its backward's gradients then go to."""
     needing = [w for w in weights if w is not None and w.requires_grad]
-    if not needing or any(w.grad_fn is not None for w in needing):
-        return None
-    return _active
+    leaves = bool(needing) and all(w.grad_fn is None for w in needing)
+    ctx.deferral = _active if leaves else None
+    ctx.weights = weights if ctx.deferral is not None else None

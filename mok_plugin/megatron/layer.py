@@ -358,12 +358,11 @@ class MoKMoELayer(MoELayer):
         register_wgrad_accumulation_and_reduce_hooks (run by backward_dw) instead of registering
         them on the gradient accumulators, which autograd runs, without a gradient, in the backward."""
         deferred = bool(getattr(self.config, "delay_wgrad_compute", False))
+        if deferred == (self.mok.weight_grads is not None):
+            return  # as configured already (every forward but the first after a change)
         for param in self.mok.experts.parameters():
             param.skip_backward_post_hook = deferred
-        if not deferred:
-            self.mok.weight_grads = None
-        elif self.mok.weight_grads is None:
-            self.mok.weight_grads = DeferredWeightGrads(deliver=self._deliver_weight_grads)
+        self.mok.weight_grads = DeferredWeightGrads(deliver=self._deliver_weight_grads) if deferred else None
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
         """Megatron's DDP, under --delay-wgrad-compute, gives here the gradient hook of each
