@@ -5,7 +5,7 @@ For each recipe, its TransformerConfig (the recipe's own settings and layout, bf
 must build, and MoK's verdict on it follows from the recipe's own settings (LATER_OR_REFUSED):
   - the recipe as published is accepted, or refused naming exactly the flags of the settings later
     issue takes (fp8: issue 25) or MoK refuses by design (expert TP > 1;
-    partial CUDA-graph capture of the MoE layer; DeepSeek-V4's noaux_tc, a newer Megatron's), and
+    partial CUDA-graph capture of the MoE layer), and
     nothing else: tensor (with sequence), pipeline and context parallelism and any EP size are accepted;
   - the same recipe at TP = CP = PP = ETP = 1 (its EP kept): the same, less the layout flags;
   - at that layout with EP = 1 on the CPU in fp32, the MoK layer built through the spec (with the
@@ -193,11 +193,6 @@ LATER_OR_REFUSED = [
         "--cuda-graph-modules / --cuda-graph-scope",
         "refused by design: the partial MoE capture calls the stock router and dispatcher in stages",
     ),
-    (
-        lambda tc: tc.moe_router_load_balancing_type == "noaux_tc",
-        "--moe-router-load-balancing-type",
-        "refused: a load-balancing type of a Megatron newer than 0.19 (the 0.19 router ignores it)",
-    ),
 ]
 
 
@@ -268,14 +263,11 @@ _WITHOUT_LATER = dict(
 
 def _mok_layer(recipe: Recipe):
     """The MoK layer through the spec path, from the recipe's own settings (EP 1, fp32; those MoK
-    still refuses switched off: fp8, the EP overlap, partial CUDA graphs; DeepSeek-V4's noaux_tc,
-    which Megatron 0.19's router ignores, as none)."""
+    still refuses switched off: fp8, the EP overlap, partial CUDA graphs)."""
     tc = recipe_config(recipe, reduced_layout(recipe))
     tc = on_one_cpu(tc)
     for field, value in _WITHOUT_LATER.items():
         setattr(tc, field, value)
-    if tc.moe_router_load_balancing_type == "noaux_tc":
-        tc.moe_router_load_balancing_type = "none"
     return use_mok(_moe_spec(recipe, tc.num_moe_experts))(config=tc)
 
 

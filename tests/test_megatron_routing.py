@@ -111,6 +111,10 @@ BALANCING = {
     "list_with_zero_coeff": {LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.0, 0.01]},
     # Megatron reads a repeated type's first coefficient only.
     "list_repeated_type": {LB: ["aux_loss", "aux_loss"], "moe_aux_loss_coeff": [0.01, 0.5]},
+    # DeepSeek's aux-loss-free name (Megatron-Bridge's DeepSeek-V4): no loss, as Megatron 0.19's router.
+    "noaux_tc_with_expert_bias": {LB: "noaux_tc", "moe_aux_loss_coeff": 0.01, "moe_router_enable_expert_bias": True,
+                                  "moe_router_score_function": "sigmoid"},
+    "list_with_noaux_tc": {LB: ["noaux_tc", "seq_aux_loss"], "moe_aux_loss_coeff": [0.5, 0.01]},
     # The aux loss beside group-limited routing counts each token's plain top-K.
     "sigmoid_groups_aux": {**SIGMOID_GROUPS, LB: ["aux_loss", "seq_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.01]},
 }  # fmt: skip

@@ -209,14 +209,18 @@ _BALANCING_FIELDS = {
     "seq_aux_loss": "seq_aux_loss_coeff",
     "global_aux_loss": "global_aux_loss_coeff",
 }
-_BALANCING_ALLOWED = "allowed: aux_loss, seq_aux_loss, global_aux_loss, none, or a list of these"
+_BALANCING_ALLOWED = "allowed: aux_loss, seq_aux_loss, global_aux_loss, none, noaux_tc, or a list of these"
+# No load-balancing loss. "noaux_tc" is DeepSeek's name for aux-loss-free top-k with the expert
+# bias (--moe-router-enable-expert-bias), which Megatron-Bridge's DeepSeek-V4 provider sets;
+# Megatron 0.19's TopKRouter matches no loss type to it, so it routes exactly as with "none".
+_NO_BALANCING_LOSS = ("none", "noaux_tc")
 
 
 def _balancing_fields(tc: Any, problems: list[str]) -> dict[str, float]:
     """MoK's three load-balancing coefficients, read as TopKRouter.get_aux_loss_coeff reads them: a
     single type takes the single --moe-aux-loss-coeff; in a list each type takes the coefficient at
-    its first position (Megatron never reads a repeated type's later ones); "none" and 0 switch
-    nothing on."""
+    its first position (Megatron never reads a repeated type's later ones); "none", "noaux_tc" and
+    0 switch nothing on."""
     kinds, coeffs = tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff
     fields = dict.fromkeys(_BALANCING_FIELDS.values(), 0.0)
     in_list = isinstance(kinds, (list, tuple))
@@ -234,7 +238,7 @@ def _balancing_fields(tc: Any, problems: list[str]) -> dict[str, float]:
             # TopKRouter compares the whole setting with these names, so inside a list they do nothing.
             why = f"{kind!r} inside a list is ignored by Megatron's router (plain top-k); drop it from the list"
             problems.append(_refuse("moe_router_load_balancing_type", list(kinds), why))
-        elif kind != "none":
+        elif kind not in _NO_BALANCING_LOSS:
             problems.append(_refuse("moe_router_load_balancing_type", kind, _BALANCING_ALLOWED))
     return fields
 

@@ -106,8 +106,8 @@ VERDICTS: dict[str, Verdict] = {
     ),
     "moe_router_fusion": _replaced("TE's fused top-k: the same routing"),
     "moe_router_load_balancing_type": _depends(
-        "aux_loss, seq_aux_loss, global_aux_loss, none and lists of these honoured; sinkhorn, quantile_balancing "
-        "refused",
+        "aux_loss, seq_aux_loss, global_aux_loss, none, noaux_tc (no loss, as 0.19's router) and lists of these "
+        "honoured; sinkhorn, quantile_balancing refused",
         f"{_ROUTING}::test_balancing_losses_match_stock",
     ),
     "moe_aux_loss_coeff": _honoured(
