@@ -31,6 +31,8 @@ Does not own: kernel math (kernels/), routing or the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mok_plugin.experts import SWIGLU, MoKExpertFamily, check_expert_weights
@@ -50,6 +52,63 @@ from mok_plugin.wgrad import note_deferral
 __all__ = ["moe_experts"]
 
 
+# ---- eager calls: the ops' own functions, without the dispatcher ------------------------------
+# A custom op's call passes through the dispatcher's Python layers (its autograd wrapper, argument
+# defaults, aliasing checks): on the H200's host about 0.5 ms a call, four calls a layer's forward
+# and backward, more than the GPU work at small T (T = 1..512 with qwen3-30b-a3b's dimensions:
+# 3.0 ms of host time per fwd+bwd against 1.5 ms of kernels). Outside torch.compile, moe_experts
+# runs each op's function in a plain autograd.Function with the op's own setup_context and
+# backward (`ctx.eager` tells the backward to call the backward ops' functions the same way);
+# under torch.compile it calls the ops, opaque nodes with fakes. Both run the same kernels.
+
+_FUNCTIONS: dict[object, Callable] = {}
+
+
+def _op(name: str) -> Callable:
+    """torch.library.custom_op("mok_plugin::<name>"), its function kept for eager calls."""
+
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"mok_plugin::{name}", mutates_args=())(fn)
+        _FUNCTIONS[op] = fn
+        return op
+
+    return register
+
+
+def _call(op, eager: bool) -> Callable:
+    """The op (under torch.compile) or its function (eager)."""
+    return _FUNCTIONS[op] if eager else op
+
+
+def _autograd(op, setup_context: Callable, backward: Callable) -> Callable:
+    """Register op's autograd formula; return the eager twin's `apply`: an autograd.Function that
+    runs op's function with the same setup_context and backward."""
+
+    def setup_op(ctx, inputs, output):
+        ctx.eager = False
+        setup_context(ctx, inputs, output)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_op)
+    function = _FUNCTIONS[op]
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):  # type: ignore[override]
+            return function(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.eager = True
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):  # type: ignore[override]
+            return backward(ctx, *grads)
+
+    Eager.__name__ = Eager.__qualname__ = f"Eager_{function.__name__}"
+    return Eager.apply
+
+
 def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
     """fp32 [R_pad]: the routing weight of each row, 0 on padding rows."""
     return values_per_row(topk_weights, row_to_tk).float().contiguous()
@@ -58,7 +117,7 @@ def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.T
 # ---- megakernel variant: one node, one persistent launch per pass ----------------------------
 
 
-@torch.library.custom_op("mok_plugin::moe_experts_fwd", mutates_args=())
+@_op("moe_experts_fwd")
 def moe_experts_fwd(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -86,7 +145,7 @@ def _(x, topk_weights, gate_up_proj, down_proj, row_to_token, *schedule_and_tile
     return x.new_empty(x.shape), x.new_empty(row_to_token.shape[0], gate_up_proj.shape[1])
 
 
-@torch.library.custom_op("mok_plugin::moe_experts_bwd", mutates_args=())
+@_op("moe_experts_bwd")
 def moe_experts_bwd(
     d_out: torch.Tensor,
     x: torch.Tensor,
@@ -130,20 +189,20 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_out, _d_h):
     x, topk_weights, gate_up_proj, down_proj, *schedule, h = ctx.saved_tensors
-    d_x, d_w, d_gate_up, d_down = moe_experts_bwd(
+    d_x, d_w, d_gate_up, d_down = _call(moe_experts_bwd, ctx.eager)(
         d_out, x, topk_weights, gate_up_proj, down_proj, h, *schedule, ctx.tile_m
     )
     return d_x, d_w, d_gate_up, d_down, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("mok_plugin::moe_experts_fwd", _backward, setup_context=_setup_context)
+_moe_experts_fwd_eager = _autograd(moe_experts_fwd, _setup_context, _backward)
 
 
 # ---- multi-kernel variant, node 1 of 2: x -> (h, A) -----------------------------------------
 # The family travels as scalars (ops take no config objects): activation, gated, clamp, offset.
 
 
-@torch.library.custom_op("mok_plugin::expert_up_fwd", mutates_args=())
+@_op("expert_up_fwd")
 def expert_up_fwd(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -177,7 +236,7 @@ def _(x, gate_up_proj, gate_up_bias, row_to_token, *schedule_and_family):
     return x.new_empty(rows, n1), x.new_empty(rows, n1 // 2 if gated else n1)
 
 
-@torch.library.custom_op("mok_plugin::expert_up_bwd", mutates_args=())
+@_op("expert_up_bwd")
 def expert_up_bwd(
     d_h: torch.Tensor,
     x: torch.Tensor,
@@ -210,7 +269,7 @@ def _(d_h, x, gate_up_proj, *schedule_and_tile):
     return x.new_empty(x.shape), gate_up_proj.new_empty(gate_up_proj.shape)
 
 
-@torch.library.custom_op("mok_plugin::expert_bias_grad", mutates_args=())
+@_op("expert_bias_grad")
 def expert_bias_grad_op(
     src: torch.Tensor,
     scale: torch.Tensor | None,
@@ -245,30 +304,31 @@ def _backward_up(ctx, d_h, _d_a):
         d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, ctx.top_k)
 
         def weight_grads():
-            d_bias = _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
+            eager = ctx.eager
+            d_bias = _up_bias_grad(eager, d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
             return _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m), d_bias
 
         ctx.deferral.add(weight_grads, ctx.weights)
         return (d_x, None, None) + (None,) * 11
-    d_x, d_gate_up = expert_up_bwd(
+    d_x, d_gate_up = _call(expert_up_bwd, ctx.eager)(
         d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, tile_m,
         ctx.top_k,
     )  # fmt: skip
-    d_bias = _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
+    d_bias = _up_bias_grad(ctx.eager, d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
     return (d_x, d_gate_up, d_bias) + (None,) * 11
 
 
-def _up_bias_grad(d_h, row_to_token, expert_offsets, tokens_per_expert):
-    return expert_bias_grad_op(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
+def _up_bias_grad(eager: bool, d_h, row_to_token, expert_offsets, tokens_per_expert):
+    return _call(expert_bias_grad_op, eager)(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
 
 
-torch.library.register_autograd("mok_plugin::expert_up_fwd", _backward_up, setup_context=_setup_up)
+_expert_up_fwd_eager = _autograd(expert_up_fwd, _setup_up, _backward_up)
 
 
 # ---- a linear expert's input: x -> its rows in schedule order ----------------------------------
 
 
-@torch.library.custom_op("mok_plugin::expert_gather_rows", mutates_args=())
+@_op("expert_gather_rows")
 def expert_gather_rows(
     x: torch.Tensor, row_to_token: torch.Tensor, tk_to_row: torch.Tensor, top_k: int
 ) -> torch.Tensor:
@@ -295,13 +355,13 @@ def _backward_gather(ctx, d_rows):
     return combine_rows(d_rows.contiguous(), tk_to_row, ctx.num_tokens, ctx.top_k), None, None, None
 
 
-torch.library.register_autograd("mok_plugin::expert_gather_rows", _backward_gather, setup_context=_setup_gather)
+_expert_gather_rows_eager = _autograd(expert_gather_rows, _setup_gather, _backward_gather)
 
 
 # ---- multi-kernel variant, node 2 of 2: A -> routed output (h in, for the backward) ------------
 
 
-@torch.library.custom_op("mok_plugin::expert_down_fwd", mutates_args=())
+@_op("expert_down_fwd")
 def expert_down_fwd(
     h: torch.Tensor,
     a: torch.Tensor,
@@ -334,7 +394,7 @@ def _(h, a, topk_weights, down_proj, *rest):
     return a.new_empty(topk_weights.shape[0], down_proj.shape[1])
 
 
-@torch.library.custom_op("mok_plugin::expert_down_bwd", mutates_args=())
+@_op("expert_down_bwd")
 def expert_down_bwd(
     d_out: torch.Tensor,
     h: torch.Tensor,
@@ -408,24 +468,25 @@ def _backward_down(ctx, d_out):
 
         def weight_grads():
             d_down = _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m)
-            return d_down, _down_bias_grad(d_out, topk_weights, *schedule) if has_bias else None
+            return d_down, _down_bias_grad(ctx.eager, d_out, topk_weights, *schedule) if has_bias else None
 
         ctx.deferral.add(weight_grads, ctx.weights)
         return (d_h, None, d_topk_weights, None, None) + (None,) * 11
-    d_h, d_topk_weights, d_down = expert_down_bwd(d_out, h, topk_weights, down_proj, down_bias, *schedule, tile_m,
-                                                  *ctx.family)  # fmt: skip
-    d_bias = _down_bias_grad(d_out, topk_weights, *schedule) if has_bias else None
+    d_h, d_topk_weights, d_down = _call(expert_down_bwd, ctx.eager)(
+        d_out, h, topk_weights, down_proj, down_bias, *schedule, tile_m, *ctx.family
+    )
+    d_bias = _down_bias_grad(ctx.eager, d_out, topk_weights, *schedule) if has_bias else None
     return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
 
 
-def _down_bias_grad(d_out, topk_weights, row_to_token, row_to_tk, _tk_to_row, _tile_to_expert, expert_offsets,
-                    tokens_per_expert):  # fmt: skip
+def _down_bias_grad(eager: bool, d_out, topk_weights, row_to_token, row_to_tk, _tk_to_row, _tile_to_expert,
+                    expert_offsets, tokens_per_expert):  # fmt: skip
     """db2 [E, H]: per expert, the sum over its rows of w * dO (ascending row order)."""
     w_rows = _row_weights(topk_weights, row_to_tk)
-    return expert_bias_grad_op(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
+    return _call(expert_bias_grad_op, eager)(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
 
 
-torch.library.register_autograd("mok_plugin::expert_down_fwd", _backward_down, setup_context=_setup_down)
+_expert_down_fwd_eager = _autograd(expert_down_fwd, _setup_down, _backward_down)
 
 
 def moe_experts(
@@ -457,10 +518,11 @@ def moe_experts(
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
     down_proj = down_proj.contiguous()
     s = schedule
+    eager = not torch.compiler.is_compiling()  # the ops' functions directly (see _autograd)
     if _megakernel(variant):
         if not family.is_swiglu:
             raise ValueError(f"kernel_variant='megakernel' computes bias-free SwiGLU only, not {family.describe()}")
-        out, _ = moe_experts_fwd(
+        out, _ = (_moe_experts_fwd_eager if eager else moe_experts_fwd)(
             x, topk_weights, gate_up_proj.contiguous(), down_proj, s.row_to_token, s.row_to_tk, s.tk_to_row,
             s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m,
         )  # fmt: skip
@@ -469,14 +531,14 @@ def moe_experts(
     b2 = None if down_bias is None else down_bias.contiguous()
     act = (family.activation, family.gated, family.clamp, family.linear_offset)
     if family.kind == "linear":
-        h = a = expert_gather_rows(x, s.row_to_token, s.tk_to_row, s.top_k)
+        h = a = (_expert_gather_rows_eager if eager else expert_gather_rows)(x, s.row_to_token, s.tk_to_row, s.top_k)
         act = ("identity", False, None, 0.0)
     else:
-        h, a = expert_up_fwd(
+        h, a = (_expert_up_fwd_eager if eager else expert_up_fwd)(
             x, gate_up_proj.contiguous(), b1, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
             s.tokens_per_expert, s.tile_m, s.top_k, *act,
         )  # fmt: skip
-    return expert_down_fwd(
+    return (_expert_down_fwd_eager if eager else expert_down_fwd)(
         h, a, topk_weights, down_proj, b2, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
         s.expert_offsets, s.tokens_per_expert, s.tile_m, *act,
     )  # fmt: skip

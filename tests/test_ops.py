@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 from triton_cases import DEVICE, compare_with_reference, crafted_routing  # noqa: E402
 
 from mok_plugin import MoKConfig, MoKMoE, ops  # noqa: E402
+from mok_plugin.experts import SWIGLU, MoKExpertFamily  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
 
@@ -170,3 +171,37 @@ def test_compile_fullgraph_backward(variant):
     for i, (a, b, c) in enumerate(zip(eager, first, second, strict=True)):
         assert torch.equal(b, c), f"gradient {i} differs between two compiled runs"
         assert_close(b, a, torch.float32, f"gradient {i}, compiled vs eager", n_reduce=64)
+
+
+@pytest.mark.parametrize(
+    "variant, family",
+    [("multi_kernel", MoKExpertFamily(activation="quick_gelu", clamp=0.5, linear_offset=1.0, fc1_bias=True,
+                                      fc2_bias=True)),
+     ("multi_kernel", MoKExpertFamily(kind="linear")),
+     ("megakernel", SWIGLU)],
+    ids=["multi_kernel_gpt_oss", "multi_kernel_linear", "megakernel"],
+)  # fmt: skip
+def test_eager_calls_match_the_custom_ops_bitwise(monkeypatch, variant, family):
+    # Outside torch.compile moe_experts calls the ops' functions through plain autograd.Functions
+    # (no dispatcher overhead); under it, the custom ops. Same kernels: bitwise the same results.
+    t, s = _op_inputs()
+    H, I = t["x"].shape[1], t["w2"].shape[2]
+    if family.kind == "linear":
+        t["w2"] = torch.randn(t["w2"].shape[0], H, H, device=DEVICE)
+    weights = {"gate_up_proj": None if family.kind == "linear" else t["w13"], "down_proj": t["w2"],
+               "gate_up_bias": t["b1"] if family.fc1_bias else None, "down_bias": t["b2"] if family.fc2_bias else None}
+
+    def run(compiling: bool):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        x, w = t["x"].clone().requires_grad_(), t["w"].clone().requires_grad_()
+        leaves = {k: None if v is None else v.clone().requires_grad_() for k, v in weights.items()}
+        out = ops.moe_experts(x, w, leaves["gate_up_proj"], leaves["down_proj"], s, variant=variant, family=family,
+                              gate_up_bias=leaves["gate_up_bias"], down_bias=leaves["down_bias"])
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        (out * probe).sum().backward()
+        return [out, x.grad, w.grad] + [v.grad for v in leaves.values() if v is not None]
+
+    eager, through_ops = run(False), run(True)
+    assert len(eager) == len(through_ops) and I > 0
+    for i, (a, b) in enumerate(zip(eager, through_ops, strict=True)):
+        assert b is not None and torch.equal(a, b), f"result {i}"
