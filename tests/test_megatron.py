@@ -203,7 +203,10 @@ def test_expert_params_are_marked_and_main_grad_accumulates(megatron_world):
     cfg = _config(gradient_accumulation_fusion=True)
     mok = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
     experts = list(mok.mok.experts.parameters())
-    assert all(p.allreduce is False for p in experts)
+    # At EP 1 and expert TP = TP, Megatron's experts use the dense groups (allreduce stays True).
+    stock = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)(config=_config())
+    assert {p.allreduce for p in experts} == {getattr(p, "allreduce", True) for p in stock.experts.parameters()}
+    assert all(p.allreduce is True for p in experts)
     for p in experts:
         p.main_grad = torch.full_like(p, 0.5, dtype=torch.float32)
         p.grad_added_to_main_grad = False

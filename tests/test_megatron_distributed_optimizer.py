@@ -5,9 +5,12 @@ model space: --dist-ckpt-optim-fully-reshardable) from the stock layer into MoK 
 load, one more step of each gives the same parameters: the optimizer's moments moved with the
 weights, under the stock keys.
 
-The default optimizer format (dp_reshardable) stores each data-parallel rank's flat buffers as they
-lie in memory, which depend on the module's parameter layout; it reloads into the same layer kind
-only, stock or MoK, and a test checks MoK's own round trip."""
+Both with fp32 weights (the optimizer steps them in place) and with bf16 weights and fp32 main
+copies, as a bf16 run keeps them. The default optimizer format (dp_reshardable) stores each
+data-parallel rank's flat buffers as they lie in memory, which depend on the module's parameter
+layout; it reloads into the same layer kind only, stock or MoK, and a test checks MoK's own round
+trip, in bf16: with fp32 weights Megatron 0.19 cannot load that format into any layer (it copies
+into a view of the weight that requires grad)."""
 
 import os
 
@@ -39,6 +42,42 @@ pytestmark = [
 
 
 @pytest.fixture()
+def fused_adam(monkeypatch):
+    """Megatron's Adam with its step in the param groups, as TE's and Apex's FusedAdam keep it.
+
+    Without either, Megatron 0.19 falls back to torch's Adam, whose per-parameter `step` its
+    distributed optimizer cannot round-trip: the state dict of a fresh optimizer asserts one step
+    value, and after a step load_parameter_state_from_fully_reshardable skips `step` on read and
+    then copies into it (KeyError: 'step'), for the stock layer alike. There DeepSpeed's FusedAdam
+    (built on first use, as DeepSpeed builds it) stands in: the same contract, moments in the state
+    and the step in the param groups."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    major, minor = torch.cuda.get_device_capability()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")  # DeepSpeed's builder cannot parse "9.0a"
+    try:
+        from deepspeed.ops.adam import FusedAdam
+
+        FusedAdam([torch.zeros(1, device="cuda", requires_grad=True)])  # builds the extension
+    except Exception as error:  # noqa: BLE001 - any build failure means: no stand-in here
+        pytest.skip(f"neither TE's, Apex's nor DeepSpeed's FusedAdam is available ({error}); torch's Adam "
+                    "cannot round-trip Megatron 0.19's distributed-optimizer checkpoints")  # fmt: skip
+
+    class StandIn(FusedAdam):
+        def __init__(self, params, capturable: bool = False, **kwargs):  # Megatron passes capturable
+            assert not capturable, "DeepSpeed's FusedAdam is not capturable"
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(megatron_optimizer, "Adam", StandIn)
+    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(distrib_optimizer, "Adam", StandIn)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+
+
+@pytest.fixture()
 def nccl_world():
     import torch.distributed as dist
 
@@ -61,14 +100,18 @@ def _trainer(build, cfg):
         cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), layer
     )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, params_dtype=torch.float32), [ddp]
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, use_distributed_optimizer=True, params_dtype=cfg.params_dtype, bf16=cfg.bf16
+        ),
+        [ddp],
     )
     return ddp, optimizer
 
 
 def _step(ddp, optimizer, step: int) -> None:
-    x = make_layer_inputs(24, H, seed=step).view(12, 2, H).cuda()
-    probe = make_layer_inputs(24, H, seed=100 + step).view(12, 2, H).cuda()
+    dtype = ddp.module.config.params_dtype
+    x = make_layer_inputs(24, H, seed=step).view(12, 2, H).cuda().to(dtype)
+    probe = make_layer_inputs(24, H, seed=100 + step).view(12, 2, H).cuda().to(dtype)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     out, _ = ddp(x)
@@ -107,17 +150,13 @@ def _assert_weights_close(got: dict, want: dict, what: str) -> None:
 
 
 FIELDS = {"swiglu_shared": dict(moe_shared_expert_intermediate_size=24), "no_shared": {}}
+DTYPES = {"fp32": {}, "bf16": dict(bf16=True, params_dtype=torch.bfloat16)}
 
 
 def _resumed(build, cfg, trainer, path: str, sharding: str):
     """A fresh (layer, optimizer) from `build` that loads what `trainer` saves to `path`."""
     _save(*trainer, path, sharding)
     fresh = _trainer(build, cfg)
-    # Megatron 0.19 without Apex or Transformer Engine reads the optimizer's step from its state
-    # (DistributedOptimizer.state_dict asserts one step value), which a fresh optimizer does not
-    # have yet: one step gives it one. The load then replaces the weights, the moments and the step
-    # (a wrong step would change Adam's bias correction, which _assert_same_step would see).
-    _step(*fresh, 0)
     _load(*fresh, path, sharding)
     return fresh
 
@@ -129,10 +168,11 @@ def _assert_same_step(a, b, step: int, what: str) -> None:
     _assert_weights_close(_weights(a[0]), _weights(b[0]), what)
 
 
-@pytest.mark.usefixtures("nccl_world")
+@pytest.mark.usefixtures("nccl_world", "fused_adam")
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("fields", list(FIELDS.values()), ids=list(FIELDS))
-def test_stock_to_mok_to_stock_with_the_optimizer_state(tmp_path, fields):
-    cfg = _config(**fields, use_cpu_initialization=False)
+def test_stock_to_mok_to_stock_with_the_optimizer_state(tmp_path, fields, dtype):
+    cfg = _config(**fields, **dtype, use_cpu_initialization=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     stock = _trainer(spec, cfg)
     for step in range(2):
@@ -146,9 +186,9 @@ def test_stock_to_mok_to_stock_with_the_optimizer_state(tmp_path, fields):
     _assert_same_step(fresh, mok, 3, "stock after a step from MoK's optimizer state")
 
 
-@pytest.mark.usefixtures("nccl_world")
+@pytest.mark.usefixtures("nccl_world", "fused_adam")
 def test_mok_round_trip_in_the_default_optimizer_format(tmp_path):
-    cfg = _config(moe_shared_expert_intermediate_size=24, use_cpu_initialization=False)
+    cfg = _config(moe_shared_expert_intermediate_size=24, **DTYPES["bf16"], use_cpu_initialization=False)
     build = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))
     mok = _trainer(build, cfg)
     _step(*mok, 0)

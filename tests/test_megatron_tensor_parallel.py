@@ -201,7 +201,11 @@ def _layout_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     param.copy_(full[name][mine] if name.startswith("experts.") else full[name])
             x, probe = _rank_tokens(rank)
             out, d_x, _ = _fwd_bwd(layer, x, probe)
+            stock = _spec()(config=cfg)
             results[(tp, ep)] = {
+                # Megatron's `allreduce` mark (expert groups for gradients and optimizer), MoK's and stock's.
+                "allreduce": ({p.allreduce for p in layer.mok.experts.parameters()},
+                              {getattr(p, "allreduce", True) for p in stock.experts.parameters()}),
                 "ep_ranks": dist.get_process_group_ranks(ep_group),
                 "tp_ranks": dist.get_process_group_ranks(layer.pg_collection.tp),
                 "out": out, "d_x": d_x, "experts": _expert_grads(layer), "replicated": _replicated_grads(layer),
@@ -229,6 +233,7 @@ def test_tensor_and_expert_parallel_layouts_are_bitwise_one_process(tmp_path):
             where = f"TP {tp} x EP {ep}, rank {rank}"
             group = result["ep_ranks"]
             assert len(group) == ep and len(result["tp_ranks"]) == tp, where
+            assert result["allreduce"][0] == result["allreduce"][1] == {False}, f"{where}: expert params' allreduce"
             # One process, the expert-parallel group's tokens: its ranks' shards in group order.
             shards = [_rank_tokens(g) for g in group]
             x = torch.cat([s[0] for s in shards])

@@ -14,7 +14,8 @@ Megatron contracts it keeps:
     the TP x CP group (global_aux_loss: TP x DP x CP, with `reset_global_aux_loss_tracker` for
     finalize_model_grads), and --calculate-per-token-loss scales them as
     TopKRouter.attach_and_log_load_balancing_loss / apply_z_loss do;
-  - expert parameters carry `allreduce=False` (reduced over expert-data-parallel ranks);
+  - expert parameters carry `allreduce=False` (reduced over expert-data-parallel ranks, optimised
+    apart) where the stock experts do: with EP > 1 or expert TP != TP;
   - with --moe-router-enable-expert-bias, `expert_bias` / `local_tokens_per_expert` sit where
     Megatron's finalize_model_grads looks for them (it updates the bias once per global batch); the
     counts are taken when gradients are on and are not persistent, as TopKRouter's;
@@ -194,9 +195,16 @@ class MoKMoELayer(MoELayer):
         # --cuda-graph-impl local the stock layer leaves it to the transformer layer's partial
         # graphs, which MoK refuses; so neither recomputes there).
         self.moe_layer_recompute = "moe" in selective_recompute_modules(config) and config.cuda_graph_impl != "local"
+        # Megatron's expert linears use the expert groups (EP, ETP, expert DP) only when EP > 1 or
+        # ETP != TP, and mark their parameters `allreduce=False` then, as MoK does: DDP reduces
+        # them over expert DP, and the optimizer keeps them in a separate (chained) optimizer, whose
+        # checkpoint keys carry a `chained_i.` prefix. Otherwise they sit with the dense ones.
+        expert_groups = self.mok_config.ep_size > 1 or (
+            (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) != config.tensor_model_parallel_size
+        )
         for name, param in self.mok.named_parameters():
             if name.startswith("experts."):
-                param.allreduce = False  # Megatron's DDP reduces it over the expert-data-parallel group
+                param.allreduce = not expert_groups
             else:
                 # Replicated over TP (router, shared experts, their gate): under sequence parallelism
                 # each TP rank's gradient covers its sequence shard, and finalize_model_grads sums
