@@ -90,14 +90,17 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     return row
 
 
+DEFAULT_SHAPES = ["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"]
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench layer` (and scripts/bench_layer.py)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
         "--shapes",
         nargs="*",
-        default=["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"],
-        help=f"named shapes: {', '.join(NAMED_SHAPES)}",
+        default=None,
+        help=f"named shapes: {', '.join(NAMED_SHAPES)} (default, unless --shape is given: {', '.join(DEFAULT_SHAPES)})",
     )
     parser.add_argument("--shape", action="append", default=[], help="extra shape T,H,I,E,K")
     parser.add_argument("--expert", nargs="+", choices=list(EXPERT_FAMILIES), default=["swiglu"], metavar="FAMILY",
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if unknown:
         parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
     try:
-        shapes = [(text, parse_shape(text)) for text in [*args.shapes, *args.shape]]
+        named = args.shapes if args.shapes is not None else ([] if args.shape else DEFAULT_SHAPES)
+        shapes = [(text, parse_shape(text)) for text in [*named, *args.shape]]
     except ValueError as error:
         parser.error(str(error))
     for name in args.expert:
