@@ -67,9 +67,25 @@ def fused_adam(monkeypatch):
                     "cannot round-trip Megatron 0.19's distributed-optimizer checkpoints")  # fmt: skip
 
     class StandIn(FusedAdam):
+        """Apex's contract: the step in each param group only (DeepSpeed's also keeps an int per
+        parameter, which Megatron's checkpoints neither save nor restore)."""
+
         def __init__(self, params, capturable: bool = False, **kwargs):  # Megatron passes capturable
             assert not capturable, "DeepSpeed's FusedAdam is not capturable"
             super().__init__(params, **kwargs)
+
+        def step(self, *args, **kwargs):
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if self.state[param]:
+                        self.state[param]["step"] = group.get("step", 0)
+            result = super().step(*args, **kwargs)
+            for group in self.param_groups:
+                # DeepSpeed's kernel call uses one step for the group and advances only the
+                # last parameter's count (per dtype): the group's step is the largest.
+                steps = [self.state[param].pop("step") for param in group["params"] if self.state[param]]
+                group["step"] = max(steps, default=group.get("step", 0))
+            return result
 
     monkeypatch.setattr(megatron_optimizer, "Adam", StandIn)
     monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
@@ -143,10 +159,18 @@ def _weights(ddp) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
+# After a step, MoK's and stock's weights differ by their gradients' rounding: within fp32's
+# tolerance in fp32; in bf16 by up to a bf16 ulp at the weights' scale (2.4e-4 near 0.03, seen on
+# the H200). A lost moment or step would move a weight by a sizeable part of Adam's step (lr 1e-2),
+# twenty times that bound.
+TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=5e-4)}
+
+
 def _assert_weights_close(got: dict, want: dict, what: str) -> None:
     assert set(got) == set(want), what
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{what}, {k}: {m}")
+        tolerance = TOLERANCES[want[key].dtype] if want[key].is_floating_point() else dict(rtol=0, atol=0)
+        torch.testing.assert_close(got[key], want[key], **tolerance, msg=lambda m, k=key: f"{what}, {k}: {m}")
 
 
 FIELDS = {"swiglu_shared": dict(moe_shared_expert_intermediate_size=24), "no_shared": {}}
