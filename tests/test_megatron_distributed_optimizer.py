@@ -117,7 +117,7 @@ def _trainer(build, cfg):
     )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=1e-2, use_distributed_optimizer=True, params_dtype=cfg.params_dtype, bf16=cfg.bf16
+            optimizer="adam", lr=LR, use_distributed_optimizer=True, params_dtype=cfg.params_dtype, bf16=cfg.bf16
         ),
         [ddp],
     )
@@ -159,18 +159,26 @@ def _weights(ddp) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-# After a step, MoK's and stock's weights differ by their gradients' rounding: within fp32's
-# tolerance in fp32; in bf16 by up to a bf16 ulp at the weights' scale (2.4e-4 near 0.03, seen on
-# the H200). A lost moment or step would move a weight by a sizeable part of Adam's step (lr 1e-2),
-# twenty times that bound.
-TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=5e-4)}
+LR = 1e-2
 
 
 def _assert_weights_close(got: dict, want: dict, what: str) -> None:
+    """fp32: within fp32's tolerance. bf16: MoK's and stock's gradients round differently, and
+    Adam's normalised step amplifies that where a gradient is near zero: after a step on the H200
+    1-2 elements in a thousand differed by up to 1.7e-3 (about 6 bf16 ulps), the rest by at most
+    one ulp. A lost moment or step moves most elements by a sizeable part of LR, so in bf16 at
+    most 1 % of the elements may exceed the ulp bound, and none half of LR."""
     assert set(got) == set(want), what
     for key in want:
-        tolerance = TOLERANCES[want[key].dtype] if want[key].is_floating_point() else dict(rtol=0, atol=0)
-        torch.testing.assert_close(got[key], want[key], **tolerance, msg=lambda m, k=key: f"{what}, {k}: {m}")
+        a, b = got[key], want[key]
+        if b.dtype != torch.bfloat16:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{what}, {k}: {m}")
+            continue
+        diff = (a.float() - b.float()).abs()
+        beyond_ulp = (diff > 5e-4 + 1.6e-2 * b.float().abs()).float().mean().item()
+        assert beyond_ulp <= 0.01 and diff.max().item() < LR / 2, (
+            f"{what}, {key}: {beyond_ulp:.1%} beyond a bf16 ulp, max {diff.max().item():.3g}"
+        )
 
 
 FIELDS = {"swiglu_shared": dict(moe_shared_expert_intermediate_size=24), "no_shared": {}}
