@@ -92,14 +92,14 @@ def _autograd(op, setup_context: Callable, backward: Callable) -> Callable:
     function = _FUNCTIONS[op]
 
     class Eager(torch.autograd.Function):
+        # forward(ctx, ...), not a separate setup_context: Function.apply would then bind the
+        # arguments through inspect.signature on every call.
         @staticmethod
-        def forward(*args):  # type: ignore[override]
-            return function(*args)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
+        def forward(ctx, *args):  # type: ignore[override]
+            output = function(*args)
             ctx.eager = True
-            setup_context(ctx, inputs, output)
+            setup_context(ctx, args, output)
+            return output
 
         @staticmethod
         def backward(ctx, *grads):  # type: ignore[override]
