@@ -144,3 +144,17 @@ def test_peak_live_set_finds_the_peak_and_who_allocated_it():
         {"bytes": 200, "site": "?"},
     ]
     assert peak_live_set([]) == (0, [])
+
+
+def test_profile_lists_kernels_and_the_host_time(capsys):
+    # --profile: where the GPU time goes and, where measured, how long the host took to issue it.
+    from mok_plugin.bench.breakdown import print_breakdown
+
+    row = {"shape": "tiny", "routing": "uniform", "provider": "mok-multi", "fwd+bwd": {"ms": 2.4},
+           "kernels": [{"kernel": "_expert_wgrad_kernel", "ms": 0.47, "launches": 2},
+                       {"kernel": "_gate_up_fwd_kernel", "ms": 0.03, "launches": 1}]}  # fmt: skip
+    print_breakdown(row)
+    assert "sum 0.50 ms; timed fwd+bwd 2.40 ms)" in capsys.readouterr().out
+    print_breakdown({**row, "host_ms": 2.26})
+    out = capsys.readouterr().out
+    assert "timed fwd+bwd 2.40 ms; host 2.26 ms)" in out and "94.0% x2   _expert_wgrad_kernel" in out

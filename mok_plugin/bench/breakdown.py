@@ -1,6 +1,8 @@
 """torch.profiler readers: GPU time per kernel, and device time per named range.
 
-`kernel_breakdown` says where a layer's time goes, kernel by kernel. `range_times` reads the
+`kernel_breakdown` says where a layer's time goes, kernel by kernel; `host_time` how long the host
+takes to issue it (where that exceeds the kernels' sum, the host bounds the layer: small batches).
+`range_times` reads the
 `torch.profiler.record_function` ranges the layer opens around its expert-parallel stages
 (`mok_plugin.ep.dispatch`, `.experts`, `.combine`), one value per occurrence, so a benchmark gets
 per-stage times without a hook in the layer.
@@ -8,11 +10,12 @@ per-stage times without a hook in the layer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["kernel_breakdown", "print_breakdown", "range_times"]
+__all__ = ["host_time", "kernel_breakdown", "print_breakdown", "range_times"]
 
 
 def kernel_breakdown(work: Callable[[], object], iters: int = 3) -> list[dict]:
@@ -38,12 +41,25 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
+def host_time(work: Callable[[], object], iters: int = 20) -> float:
+    """Host time per call of `work` in ms: `iters` calls issued back to back from an idle GPU,
+    without waiting for it (a few thousand kernels fit the launch queue)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        work()
+    host_ms = (time.perf_counter() - start) / iters * 1e3
+    torch.cuda.synchronize()
+    return host_ms
+
+
 def print_breakdown(row: dict) -> None:
     """Print a layer-benchmark row's "kernels" entry (kernels of at least 5 us)."""
     kernels = row["kernels"]
     total = sum(k["ms"] for k in kernels)
+    host = f"; host {row['host_ms']:.2f} ms" if "host_ms" in row else ""
     print(f"\n{row['shape']} {row['routing']} {row['provider']}: GPU time per forward + backward, by kernel "
-          f"(sum {total:.2f} ms; timed fwd+bwd {row['fwd+bwd']['ms']:.2f} ms)")  # fmt: skip
+          f"(sum {total:.2f} ms; timed fwd+bwd {row['fwd+bwd']['ms']:.2f} ms{host})")  # fmt: skip
     for k in kernels:
         if k["ms"] >= 0.005:
             print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")

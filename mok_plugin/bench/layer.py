@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mok_plugin.bench.breakdown import kernel_breakdown, print_breakdown
+from mok_plugin.bench.breakdown import host_time, kernel_breakdown, print_breakdown
 from mok_plugin.bench.ceiling import dense_gemm_tflops
 from mok_plugin.bench.families import EXPERT_FAMILIES
 from mok_plugin.bench.flops import moe_flops
@@ -118,7 +118,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also list each provider's kernels by GPU time per forward + backward (torch.profiler)",
+        help="also list each provider's kernels by GPU time per forward + backward (torch.profiler), and the "
+        "host's time to issue them",
     )
     parser.add_argument(
         "--memory",
@@ -222,6 +223,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             continue
         if args.profile and not row["error"]:
             row["kernels"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+            row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         if args.memory and not row["error"]:
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
