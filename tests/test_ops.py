@@ -188,15 +188,28 @@ def test_eager_calls_match_the_custom_ops_bitwise(monkeypatch, variant, family):
     H, I = t["x"].shape[1], t["w2"].shape[2]
     if family.kind == "linear":
         t["w2"] = torch.randn(t["w2"].shape[0], H, H, device=DEVICE)
-    weights = {"gate_up_proj": None if family.kind == "linear" else t["w13"], "down_proj": t["w2"],
-               "gate_up_bias": t["b1"] if family.fc1_bias else None, "down_bias": t["b2"] if family.fc2_bias else None}
+    weights = {
+        "gate_up_proj": None if family.kind == "linear" else t["w13"],
+        "down_proj": t["w2"],
+        "gate_up_bias": t["b1"] if family.fc1_bias else None,
+        "down_bias": t["b2"] if family.fc2_bias else None,
+    }
 
     def run(compiling: bool):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
         x, w = t["x"].clone().requires_grad_(), t["w"].clone().requires_grad_()
         leaves = {k: None if v is None else v.clone().requires_grad_() for k, v in weights.items()}
-        out = ops.moe_experts(x, w, leaves["gate_up_proj"], leaves["down_proj"], s, variant=variant, family=family,
-                              gate_up_bias=leaves["gate_up_bias"], down_bias=leaves["down_bias"])
+        out = ops.moe_experts(
+            x,
+            w,
+            leaves["gate_up_proj"],
+            leaves["down_proj"],
+            s,
+            variant=variant,
+            family=family,
+            gate_up_bias=leaves["gate_up_bias"],
+            down_bias=leaves["down_bias"],
+        )
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
         (out * probe).sum().backward()
         return [out, x.grad, w.grad] + [v.grad for v in leaves.values() if v is not None]

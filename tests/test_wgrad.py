@@ -2,12 +2,12 @@
 
 Under `deferring(queue)` the experts' backward computes the data gradients and records the weight
 and bias gradients; `queue.run()` computes them. For both backends (the Triton one in its CPU
-interpreter on the CPU, compiled on a GPU; fp32), for families with and without biases and of every kind: before `run()` the
-weights have no gradient, x and the routing weights already have theirs; after it every gradient
-is bitwise the one the undeferred backward gives, and accumulates over two backward passes the same
-way. The megakernel computes its weight gradients in its single pass (nothing to defer); a weight
-that is not a leaf is never deferred; a layer whose deferred gradients were never computed refuses
-to run its next forward.
+interpreter on the CPU, compiled on a GPU; fp32), for families with and without biases and of every
+kind: before `run()` the weights have no gradient, x and the routing weights already have theirs;
+after it every gradient is bitwise the one the undeferred backward gives, and accumulates over two
+backward passes the same way. The megakernel computes its weight gradients in its single pass
+(nothing to defer); a weight that is not a leaf is never deferred; a layer whose deferred gradients
+were never computed refuses to run its next forward.
 """
 
 import functools

@@ -199,9 +199,8 @@ class MoKMoELayer(MoELayer):
         # ETP != TP, and mark their parameters `allreduce=False` then, as MoK does: DDP reduces
         # them over expert DP, and the optimizer keeps them in a separate (chained) optimizer, whose
         # checkpoint keys carry a `chained_i.` prefix. Otherwise they sit with the dense ones.
-        expert_groups = self.mok_config.ep_size > 1 or (
-            (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) != config.tensor_model_parallel_size
-        )
+        tp = config.tensor_model_parallel_size
+        expert_groups = self.mok_config.ep_size > 1 or (config.expert_tensor_parallel_size or tp) != tp
         for name, param in self.mok.named_parameters():
             if name.startswith("experts."):
                 param.allreduce = not expert_groups
