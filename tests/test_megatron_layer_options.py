@@ -420,12 +420,6 @@ REFUSED_GRAPHS = {
         r"--cuda-graph-impl \(local, capturing the MoE layer\).*exact expert-parallel exchange",
         None,
     ),
-    # Training captures attention only, but inference captures whole layers (local's default scope).
-    "local_inference_layer_ep_exact": (
-        dict(cuda_graph_impl="local", cuda_graph_modules=["attn"], expert_model_parallel_size=2),
-        r"--inference-cuda-graph-scope \(layer, capturing the MoE layer in inference\).*exact expert-parallel",
-        None,
-    ),
     "full_iteration_reference_backend": (
         dict(cuda_graph_impl="full_iteration"),
         r"--cuda-graph-impl \(full_iteration.*reference backend",
@@ -447,11 +441,9 @@ def test_cuda_graph_settings_refused_by_name(case):
         (dict(cuda_graph_impl="local"), None),  # the whole layer, EP 1
         (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"]), None),  # the MoE layer eager
         (dict(cuda_graph_impl="local", expert_model_parallel_size=2), {"ep_exchange": "capacity"}),
-        # Transformer Engine's graphs have no inference scope: the MoE layer stays eager.
-        (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"], expert_model_parallel_size=2), None),
         (dict(cuda_graph_impl="full_iteration"), None),
     ],
-    ids=["local_layer", "te_attn_only", "local_ep_capacity", "te_attn_only_ep_exact", "full_iteration"],
+    ids=["local_layer", "te_attn_only", "local_ep_capacity", "full_iteration"],
 )
 def test_cuda_graph_settings_accepted(fields, overrides):
     mok_config_from_megatron(_config(**fields), overrides)

@@ -543,10 +543,9 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
     dispatcher (`mlp.router`, the dispatcher's cudagraph_attrs). MoK fuses routing, dispatch,
     experts and combine and has neither: refused. The other values call the layer as usual:
     it is captured whole (an empty module list, `moe` (only with pad-to-capacity, which MoK
-    refuses), or --cuda-graph-impl full_iteration) or runs eagerly; with --cuda-graph-impl local the
-    inference engine captures it whole too (--inference-cuda-graph-scope layer, its default, or
-    block). A captured layer must not read anything on the host: refused, naming the setting, where
-    MoK would (the exact EP exchange, the reference backend, debug checks).
+    refuses), or --cuda-graph-impl full_iteration) or runs eagerly. A captured layer must not read
+    anything on the host: refused, naming the setting, where MoK would (the exact EP exchange,
+    the reference backend, debug checks).
     """
     impl = getattr(tc, "cuda_graph_impl", "none") or "none"
     if impl == "none":
@@ -566,12 +565,7 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
             "--cuda-graph-modules) or attn only"
         )
     captured = impl == "full_iteration" or (per_layer and (not modules or "moe" in modules))
-    # --inference-cuda-graph-scope layer / block (local only; layer is its default there): the
-    # inference engine captures whole layers, the MoE layer included, whatever the training modules.
-    inference_scope = getattr(tc, "inference_cuda_graph_scope", None)
-    inference_scope = str(getattr(inference_scope, "name", inference_scope) or "none")
-    in_inference = impl == "local" and inference_scope in ("layer", "block") and not captured
-    if captured or in_inference:
+    if captured:
         host_reads = []
         if derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact":
             host_reads.append("the exact expert-parallel exchange sizes its buffers on the host (set mok ep_exchange: "
@@ -581,12 +575,10 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
         if derived.get("debug_checks"):
             host_reads.append("mok debug_checks read the router logits on the host")
         if host_reads:
-            setting = (
-                f"--inference-cuda-graph-scope ({inference_scope}, capturing the MoE layer in inference)"
-                if in_inference
-                else f"--cuda-graph-impl ({impl}, capturing the MoE layer)"
+            problems.append(
+                f"--cuda-graph-impl ({impl}, capturing the MoE layer): not supported by MoK with these settings: "
+                + "; ".join(host_reads)
             )
-            problems.append(f"{setting}: not supported by MoK with these settings: " + "; ".join(host_reads))
     return problems
 
 
