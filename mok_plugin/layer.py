@@ -580,6 +580,7 @@ class MoKMoE(nn.Module):
                 f"MoK: the weight gradients of {len(self.weight_grads)} expert backward pass(es) were deferred "
                 "(--delay-wgrad-compute) and never computed: the schedule must call the layer's backward_dw()"
             )
+        self._check_not_captured_with_host_reads()
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size)
         routing = self.route(x_TH, debug=self.debug, num_sequences=num_sequences)
@@ -593,6 +594,28 @@ class MoKMoE(nn.Module):
                                        cfg.capacity_factor)  # fmt: skip
         shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
+
+    def _host_reads(self) -> list[str]:
+        """What this layer's settings read on the host in a forward (a CUDA graph cannot capture it)."""
+        reads = []
+        if self.ep_group is not None and self.config.ep_exchange == "exact":
+            reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
+                         "ep_exchange: capacity)")  # fmt: skip
+        if self.backend == "reference":
+            reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
+        if self.debug:
+            reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
+        return reads
+
+    def _check_not_captured_with_host_reads(self) -> None:
+        """A clear error instead of CUDA's when a graph captures a forward that reads the host: through
+        Megatron's local graphs in inference (--inference-cuda-graph-scope, not known at build time to
+        be used) or a user's torch.cuda.graph. Training captures are refused at build time."""
+        if torch.compiler.is_compiling() or not torch.cuda.is_available():
+            return
+        if torch.cuda.is_current_stream_capturing() and (reads := self._host_reads()):
+            raise RuntimeError("MoK: a CUDA graph is capturing this layer, whose settings read the host: "
+                               + "; ".join(reads))  # fmt: skip
 
     def prepare_dispatch(self, step: MoKForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism: (rows, weights) in the exchange's send layout; the plan goes to step.plan."""

@@ -81,6 +81,19 @@ def test_capacity_drop_warns_with_debug_checks():
         MoKMoE(cfg, seed=0)(make_layer_inputs(64, 32))
 
 
+def test_capture_of_a_forward_that_reads_the_host_is_named(monkeypatch):
+    # Under CUDA-graph capture (here pretended: no GPU) a layer whose settings read the host says
+    # which settings, instead of CUDA's "operation not permitted when stream is capturing".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    layer = MoKMoE(MoKConfig(**CFG, backend="reference", debug_checks=True), seed=0)
+    with pytest.raises(RuntimeError, match=r"capturing this layer.*reference backend.*debug checks"):
+        layer(make_layer_inputs(6, 32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    out, _ = layer(make_layer_inputs(6, 32))  # not capturing: runs
+    assert out.shape == (6, 32)
+
+
 def test_backend_selection():
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
     assert resolve_backend("reference", torch.device("cuda")) == "reference"
