@@ -46,7 +46,8 @@ from mok_plugin.kernels.grouped_mlp import (
     gate_up_fwd,
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
-from mok_plugin.schedule import MoKSchedule, values_per_row
+from mok_plugin.kernels.schedule import row_values
+from mok_plugin.schedule import MoKSchedule
 from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts"]
@@ -111,7 +112,7 @@ def _autograd(op, setup_context: Callable, backward: Callable) -> Callable:
 
 def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
     """fp32 [R_pad]: the routing weight of each row, 0 on padding rows."""
-    return values_per_row(topk_weights, row_to_tk).float().contiguous()
+    return row_values(topk_weights, row_to_tk)
 
 
 # ---- megakernel variant: one node, one persistent launch per pass ----------------------------

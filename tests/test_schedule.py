@@ -116,6 +116,29 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
 
 
+@pytest.mark.parametrize(
+    "T, K, E, tile, capacity, dtype",
+    [(37, 2, 8, 16, None, torch.float32), (30, 2, 4, 8, 12, torch.float32), (0, 2, 4, 8, None, torch.float32),
+     (1500, 2, 6, 32, None, torch.bfloat16)],
+    ids=["random", "capacity_drops", "no_pairs", "several_blocks_bf16"],
+)  # fmt: skip
+def test_row_values_kernel_equals_values_per_row(T, K, E, tile, capacity, dtype):
+    # The Triton backend's one-launch gather of the routing weights into row order: bitwise the
+    # torch expression, 0 on padding rows and for pairs dropped by capacity.
+    pytest.importorskip("triton", reason="the kernel needs triton")
+    from mok_plugin.kernels.schedule import row_values
+    from mok_plugin.schedule import values_per_row
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K).long()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
+    s = build_schedule(ids.to(device), E, tile_m=tile, capacity=capacity)
+    weights = (torch.rand(T, K, generator=g) + 0.5).to(dtype).to(device)
+    got = row_values(weights, s.row_to_tk)
+    assert got.dtype == torch.float32 and torch.equal(got, values_per_row(weights, s.row_to_tk).float())
+    assert (got[s.row_to_tk < 0] == 0).all() and (got[s.row_to_tk >= 0] > 0).all()
+
+
 def test_unknown_impl():
     with pytest.raises(ValueError, match="impl='cuda'"):
         build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, impl="cuda")

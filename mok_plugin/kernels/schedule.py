@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["schedule_maps"]
+__all__ = ["row_values", "schedule_maps"]
 
 
 @triton.jit
@@ -186,3 +186,26 @@ def schedule_maps(
         BLOCK=1024,
     )
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
+
+
+@triton.jit
+def _row_values_kernel(values_ptr, row_to_tk_ptr, out_ptr, num_rows, BLOCK: tl.constexpr):
+    """Grid: (cdiv(R_pad, BLOCK),). out[r] = values[row_to_tk[r]], 0 on padding rows."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = r < num_rows
+    tk = tl.load(row_to_tk_ptr + r, mask=in_range, other=-1)
+    value = tl.load(values_ptr + tk, mask=in_range & (tk >= 0), other=0.0)
+    tl.store(out_ptr + r, value.to(tl.float32), mask=in_range)
+
+
+def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
+    """fp32 [R_pad]: values_TK [T, K] placed in row order, 0 on padding rows; one launch (what
+    `schedule.values_per_row` computes in five torch ops, which cost the host more than the GPU at
+    small T)."""
+    values = values_TK.reshape(-1).contiguous()
+    if values.numel() == 0:  # no pairs (an expert-parallel rank that receives none): all padding
+        return torch.zeros(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
+    out = torch.empty(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
+    block = 1024
+    _row_values_kernel[(triton.cdiv(out.shape[0], block),)](values, row_to_tk, out, out.shape[0], BLOCK=block)
+    return out
