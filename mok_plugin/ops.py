@@ -20,7 +20,8 @@ Two kernel variants sit behind the ops; `kernel_variant` picks one.
 
 The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.compile` with
 `fullgraph=True` treats them as single nodes of exact shape, and nothing in them synchronises the
-host, so a CUDA graph can capture them.
+host, so a CUDA graph can capture them. Outside torch.compile `moe_experts` runs the same functions
+through plain autograd.Functions (`_autograd`), without the dispatcher's per-call host cost.
 
 Under `wgrad.deferring(queue)` (Megatron's --delay-wgrad-compute) the multi-kernel nodes' backward
 computes dx, dh and the routing-weight gradient and records the weight and bias gradients in the
