@@ -33,6 +33,7 @@ __all__ = [
     "read_yaml",
     "short_repr",
     "debug_checks_from_env",
+    "host_read_settings",
     "triton_interpreter_from_env",
 ]
 
@@ -488,6 +489,20 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
         return MoKConfig(**{str(key): value for key, value in data.items()})
     except MoKConfigError as error:
         raise MoKConfigError(f"{path}: {error}") from None
+
+
+def host_read_settings(*, exact_ep_exchange: bool, reference_backend: bool, debug: bool) -> list[str]:
+    """The settings of a layer that make its forward read the host, each with what to set instead
+    (a CUDA graph cannot capture such a forward). Empty when it reads nothing."""
+    reads = []
+    if exact_ep_exchange:
+        reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
+                     "ep_exchange: capacity)")  # fmt: skip
+    if reference_backend:
+        reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
+    if debug:
+        reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
+    return reads
 
 
 def debug_checks_from_env() -> bool:

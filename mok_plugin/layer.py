@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from mok_plugin.config import MoKConfig, debug_checks_from_env, triton_interpreter_from_env
+from mok_plugin.config import MoKConfig, debug_checks_from_env, host_read_settings, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.parallel.dispatch import (
     DispatchPlan,
@@ -595,25 +595,17 @@ class MoKMoE(nn.Module):
         shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
 
-    def _host_reads(self) -> list[str]:
-        """What this layer's settings read on the host in a forward (a CUDA graph cannot capture it)."""
-        reads = []
-        if self.ep_group is not None and self.config.ep_exchange == "exact":
-            reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
-                         "ep_exchange: capacity)")  # fmt: skip
-        if self.backend == "reference":
-            reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
-        if self.debug:
-            reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
-        return reads
-
     def _check_not_captured_with_host_reads(self) -> None:
         """A clear error instead of CUDA's when a graph captures a forward that reads the host: through
         Megatron's local graphs in inference (--inference-cuda-graph-scope, not known at build time to
         be used) or a user's torch.cuda.graph. Training captures are refused at build time."""
         if torch.compiler.is_compiling() or not torch.cuda.is_available():
+            return  # (compiled: dynamo would break the graph on the capture query)
+        if not torch.cuda.is_current_stream_capturing():
             return
-        if torch.cuda.is_current_stream_capturing() and (reads := self._host_reads()):
+        reads = host_read_settings(exact_ep_exchange=self.ep_group is not None and self.config.ep_exchange == "exact",
+                                   reference_backend=self.backend == "reference", debug=self.debug)  # fmt: skip
+        if reads:
             raise RuntimeError("MoK: a CUDA graph is capturing this layer, whose settings read the host: "
                                + "; ".join(reads))  # fmt: skip
 

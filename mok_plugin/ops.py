@@ -419,7 +419,7 @@ def expert_down_bwd(
     partial <dA', A> and the activation's gradient in its epilogue (plus <dO, b2> with the fc2
     bias), then dW2 from the w*A rows it wrote."""
     d_out = d_out.contiguous()
-    d_h, d_topk_weights, a_weighted = _down_data_grads(
+    d_h, d_topk_weights, a_weighted, _ = _down_data_grads(
         d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
         activation, gated, clamp, offset,
     )  # fmt: skip
@@ -429,7 +429,8 @@ def expert_down_bwd(
 
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
                      tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
-    """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward."""
+    """(dh, d_topk_weights, the w*A rows dW2 is made from, the routing weight per row) of the down
+    node's backward."""
     T, K = topk_weights.shape
     w_rows = _row_weights(topk_weights, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
@@ -437,7 +438,7 @@ def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
-    return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
+    return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted, w_rows
 
 
 def _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m: int):
@@ -463,28 +464,31 @@ def _backward_down(ctx, d_out):
     row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
     d_out, has_bias, tile_m = d_out.contiguous(), ctx.has_bias, ctx.tile_m
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW2 (and db2) in backward_dw (wgrad.py)
-        d_h, d_topk_weights, a_weighted = _down_data_grads(
+        d_h, d_topk_weights, a_weighted, w_rows = _down_data_grads(
             d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
             *ctx.family,
         )  # fmt: skip
 
         def weight_grads():
             d_down = _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m)
-            return d_down, _down_bias_grad(ctx.eager, d_out, topk_weights, *schedule) if has_bias else None
+            if not has_bias:
+                return d_down, None
+            return d_down, _down_bias_grad(ctx.eager, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert)
 
         ctx.deferral.add(weight_grads, ctx.weights)
         return (d_h, None, d_topk_weights, None, None) + (None,) * 11
     d_h, d_topk_weights, d_down = _call(expert_down_bwd, ctx.eager)(
         d_out, h, topk_weights, down_proj, down_bias, *schedule, tile_m, *ctx.family
     )
-    d_bias = _down_bias_grad(ctx.eager, d_out, topk_weights, *schedule) if has_bias else None
+    d_bias = None
+    if has_bias:
+        w_rows = _row_weights(topk_weights, row_to_tk)
+        d_bias = _down_bias_grad(ctx.eager, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert)
     return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
 
 
-def _down_bias_grad(eager: bool, d_out, topk_weights, row_to_token, row_to_tk, _tk_to_row, _tile_to_expert,
-                    expert_offsets, tokens_per_expert):  # fmt: skip
+def _down_bias_grad(eager: bool, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert):
     """db2 [E, H]: per expert, the sum over its rows of w * dO (ascending row order)."""
-    w_rows = _row_weights(topk_weights, row_to_tk)
     return _call(expert_bias_grad_op, eager)(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
 
 

@@ -64,7 +64,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mok_plugin.config import MOK_KNOBS, REMOVED_FIELDS, MoKConfig, MoKConfigError, dtype_name, short_repr
+from mok_plugin.config import (
+    MOK_KNOBS,
+    REMOVED_FIELDS,
+    MoKConfig,
+    MoKConfigError,
+    dtype_name,
+    host_read_settings,
+    short_repr,
+)
 from mok_plugin.routing import SCORE_FUNCTIONS
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
@@ -566,14 +574,10 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
         )
     captured = impl == "full_iteration" or (per_layer and (not modules or "moe" in modules))
     if captured:
-        host_reads = []
-        if derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact":
-            host_reads.append("the exact expert-parallel exchange sizes its buffers on the host (set mok ep_exchange: "
-                              "capacity)")  # fmt: skip
-        if derived.get("backend") == "reference":
-            host_reads.append("the reference backend loops over experts on the host (use backend auto or triton)")
-        if derived.get("debug_checks"):
-            host_reads.append("mok debug_checks read the router logits on the host")
+        host_reads = host_read_settings(
+            exact_ep_exchange=derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact",
+            reference_backend=derived.get("backend") == "reference", debug=bool(derived.get("debug_checks")),
+        )  # fmt: skip
         if host_reads:
             problems.append(
                 f"--cuda-graph-impl ({impl}, capturing the MoE layer): not supported by MoK with these settings: "
