@@ -112,7 +112,8 @@ def _autograd(op, setup_context: Callable, backward: Callable) -> Callable:
 
 
 def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
-    """fp32 [R_pad]: the routing weight of each row, 0 on padding rows."""
+    """fp32 [R_pad]: the routing weight of each row, 0 on padding rows (for the fc2 bias gradient;
+    the GEMM kernels read the weights through row_to_tk themselves)."""
     return row_values(topk_weights, row_to_tk)
 
 
@@ -138,8 +139,9 @@ def moe_experts_fwd(
     expert_offsets and tokens_per_expert are unused here; they are inputs so that autograd saves
     them for the weight gradients."""
     K = topk_weights.shape[1]
-    w_rows = _row_weights(topk_weights, row_to_tk)
-    return forward_megakernel(x, gate_up_proj, down_proj, w_rows, row_to_token, tile_to_expert, tk_to_row, tile_m, K)
+    return forward_megakernel(
+        x, gate_up_proj, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tk_to_row, tile_m, K
+    )
 
 
 @moe_experts_fwd.register_fake
@@ -165,9 +167,9 @@ def moe_experts_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed experts backward (megakernel). Returns (d_x [T, H], d_topk_weights [T, K], d_gate_up, d_down)."""
     K = topk_weights.shape[1]
-    w_rows = _row_weights(topk_weights, row_to_tk)
     d_x, d_topk_weights, d_gate_up, d_down = backward_megakernel(
-        d_out.contiguous(), x, gate_up_proj, down_proj, h, w_rows, row_to_token, tile_to_expert, tk_to_row,
+        d_out.contiguous(), x, gate_up_proj, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert,
+        tk_to_row,
         expert_offsets, tokens_per_expert, tile_m, K,
     )  # fmt: skip
     return d_x, d_topk_weights.to(topk_weights.dtype), d_gate_up, d_down
@@ -386,8 +388,7 @@ def expert_down_fwd(
     here: it is an input so that this node's backward (the activation's gradient needs h) returns
     dh to the up node; the family scalars are for that backward."""
     T, K = topk_weights.shape
-    y = down_fwd(a, down_proj, _row_weights(topk_weights, row_to_tk), row_to_token, tile_to_expert, tile_m,
-                 down_bias=down_bias)  # fmt: skip
+    y = down_fwd(a, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias)
     return combine_rows(y, tk_to_row, T, K)
 
 
@@ -419,7 +420,7 @@ def expert_down_bwd(
     partial <dA', A> and the activation's gradient in its epilogue (plus <dO, b2> with the fc2
     bias), then dW2 from the w*A rows it wrote."""
     d_out = d_out.contiguous()
-    d_h, d_topk_weights, a_weighted, _ = _down_data_grads(
+    d_h, d_topk_weights, a_weighted = _down_data_grads(
         d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
         activation, gated, clamp, offset,
     )  # fmt: skip
@@ -429,16 +430,15 @@ def expert_down_bwd(
 
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
                      tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
-    """(dh, d_topk_weights, the w*A rows dW2 is made from, the routing weight per row) of the down
-    node's backward."""
+    """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward."""
     T, K = topk_weights.shape
-    w_rows = _row_weights(topk_weights, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
-        d_out, down_proj, h, w_rows, row_to_token, tile_to_expert, tile_m, down_bias=down_bias, activation=activation,
+        d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
+        activation=activation,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
-    return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted, w_rows
+    return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
 
 
 def _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m: int):
@@ -464,7 +464,7 @@ def _backward_down(ctx, d_out):
     row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
     d_out, has_bias, tile_m = d_out.contiguous(), ctx.has_bias, ctx.tile_m
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW2 (and db2) in backward_dw (wgrad.py)
-        d_h, d_topk_weights, a_weighted, w_rows = _down_data_grads(
+        d_h, d_topk_weights, a_weighted = _down_data_grads(
             d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
             *ctx.family,
         )  # fmt: skip
@@ -473,7 +473,8 @@ def _backward_down(ctx, d_out):
             d_down = _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert, tile_m)
             if not has_bias:
                 return d_down, None
-            return d_down, _down_bias_grad(ctx.eager, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert)
+            return d_down, _down_bias_grad(ctx.eager, d_out, topk_weights, row_to_tk, row_to_token, expert_offsets,
+                                           tokens_per_expert)  # fmt: skip
 
         ctx.deferral.add(weight_grads, ctx.weights)
         return (d_h, None, d_topk_weights, None, None) + (None,) * 11
@@ -482,13 +483,14 @@ def _backward_down(ctx, d_out):
     )
     d_bias = None
     if has_bias:
-        w_rows = _row_weights(topk_weights, row_to_tk)
-        d_bias = _down_bias_grad(ctx.eager, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert)
+        d_bias = _down_bias_grad(ctx.eager, d_out, topk_weights, row_to_tk, row_to_token, expert_offsets,
+                                 tokens_per_expert)  # fmt: skip
     return (d_h, None, d_topk_weights, d_down, d_bias) + (None,) * 11
 
 
-def _down_bias_grad(eager: bool, d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert):
+def _down_bias_grad(eager: bool, d_out, topk_weights, row_to_tk, row_to_token, expert_offsets, tokens_per_expert):
     """db2 [E, H]: per expert, the sum over its rows of w * dO (ascending row order)."""
+    w_rows = _row_weights(topk_weights, row_to_tk)
     return _call(expert_bias_grad_op, eager)(d_out, w_rows, row_to_token, expert_offsets, tokens_per_expert, True)
 
 

@@ -17,7 +17,8 @@
 #   perf       issue 24's table, one process per shape, MoK (multi-kernel) against the PyTorch path, settled:
 #              perf-coarse  gpt-oss-120b (H, I not multiples of 128) and two shapes of the issue's class:
 #                           4096,7168,2048,384,8 (E 384, Kimi-K2-like) and 8192,3000,1000,160,6 (odd H and I)
-#              perf-small   qwen3-30b-a3b's dimensions at T = 1, 37, 512, 4096, uniform and skewed routing
+#              perf-small   qwen3-30b-a3b's dimensions at T = 1, 37, 512, 4096, uniform and skewed routing,
+#                           3 rounds of the two providers in turn (host-bound: the host's speed drifts)
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
@@ -61,7 +62,8 @@ for part in "${parts[@]}"; do
         run_part tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
             tests/test_gpu_parallel.py tests/test_empty_work.py tests/test_layer.py tests/test_kernels_grouped_mlp.py \
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
-            tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py ;;
+            tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
+            tests/test_schedule.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
@@ -99,7 +101,8 @@ for part in "${parts[@]}"; do
         if [ "$part" != perf-coarse ]; then
             for tokens in 1 37 512 4096; do
                 run_part "perf-small-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
-                    --routing uniform skewed --providers mok-multi torch --iters 20 --out "$out/perf-small-T$tokens"
+                    --routing uniform skewed --providers mok-multi torch --iters 20 --rounds 3 \
+                    --out "$out/perf-small-T$tokens"
             done
         fi ;;
     families)

@@ -11,7 +11,8 @@ import torch
 
 from mok_plugin.bench import providers
 from mok_plugin.bench.flops import moe_flops
-from mok_plugin.bench.layer import bench_provider
+from mok_plugin.bench import layer
+from mok_plugin.bench.layer import add_rounds, bench_provider
 from mok_plugin.bench.memory import peak_live_set
 from mok_plugin.bench.timing import slowest_rank_median, summarize
 from mok_plugin.experts import MoKExpertFamily
@@ -39,6 +40,29 @@ def test_summarize_gives_median_and_p20_p80():
     assert summary["ms"] == 5.5
     assert summary["p20"] < summary["ms"] < summary["p80"]
     assert (summary["p20"], summary["p80"]) == pytest.approx((2.2, 8.8))
+
+
+def test_rounds_time_the_providers_in_turn_and_pool_their_samples(monkeypatch):
+    # --rounds: A B A B ..., every pass's samples pooled, the summary taken over all of them.
+    order = []
+
+    def fake_time_passes(fn, inputs, iters, settle_s):
+        order.append(fn)
+        return {p: [fn(len(order))] * iters for p in ("forward", "backward", "fwd+bwd")}
+
+    monkeypatch.setattr(layer, "time_passes", fake_time_passes)
+    rows = [{"samples": {p: [1.0, 1.0] for p in ("forward", "backward", "fwd+bwd")}} for _ in range(2)]
+
+    def a(call):
+        return 10.0 * call
+
+    def b(call):
+        return -1.0 * call
+
+    add_rounds([(rows[0], a), (rows[1], b)], {}, rounds=3, iters=2, settle_s=0.0)
+    assert order == [a, b, a, b]
+    assert rows[0]["samples"]["backward"] == [1.0, 1.0, 10.0, 10.0, 30.0, 30.0]
+    assert rows[1]["rounds"] == 3 and rows[1]["fwd+bwd"] == summarize([1.0, 1.0, -2.0, -2.0, -4.0, -4.0])
 
 
 def test_slowest_rank_then_median():

@@ -18,10 +18,9 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from triton_cases import CASES, DEVICE, DTYPES, GRADIENT_NAMES, compare_with_reference, crafted_routing  # noqa: E402
 
-from mok_plugin import ops  # noqa: E402
 from mok_plugin.kernels import grouped_mlp  # noqa: E402
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, values_per_row  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES, assert_close  # noqa: E402
 
 
@@ -120,9 +119,11 @@ def test_down_dgrad_matches_float64(dtype):
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
     d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    w_rows = ops._row_weights(torch.rand(T, K, generator=g).to(DEVICE), s.row_to_tk)
+    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    w_rows = values_per_row(topk_weights, s.row_to_tk)  # the weight the kernel must read for each row
     h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
-    d_h, a_w, partial = grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+    routed = (topk_weights, s.row_to_tk, s.row_to_token, s.tile_to_expert, s.tile_m)
+    d_h, a_w, partial = grouped_mlp.down_dgrad(d_out, w2, h, *routed)
 
     used = s.row_to_token >= 0
     rows = used.nonzero().flatten()
@@ -145,7 +146,7 @@ def test_down_dgrad_matches_float64(dtype):
     assert_close(partial[rows], want_partial, dtype, "router partials", n_reduce=H * width)
     padding = ~used & (torch.arange(s.num_rows, device=DEVICE) < s.expert_offsets[-1])  # inside active segments
     assert padding.any() and not d_h[padding].any() and not a_w[padding].any()
-    again = grouped_mlp.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
+    again = grouped_mlp.down_dgrad(d_out, w2, h, *routed)
     for name, first, second in zip(["dh", "w*A", "partials"], (d_h, a_w, partial), again, strict=True):
         assert torch.equal(first, second), name
 

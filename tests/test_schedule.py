@@ -95,6 +95,7 @@ def test_bad_arguments():
         pytest.param(30, 2, 4, 8, 12, "random", id="capacity"),
         pytest.param(50, 1, 6, 16, None, "one_expert", id="one_expert"),
         pytest.param(700, 2, 5, 32, None, "random", id="pairs_span_several_scan_blocks"),  # R > the 1024 scan block
+        pytest.param(1024, 2, 6, 32, None, "random", id="pairs_fill_one_chunk"),  # R = 2048: the one-launch path
         pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
         pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
     ],

@@ -46,7 +46,7 @@ from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.kernels.configs import PINNED_KERNELS
 from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
 
-__all__ = ["bench_provider", "build_parser", "main"]
+__all__ = ["add_rounds", "bench_provider", "build_parser", "main", "time_passes"]
 
 PASSES = ("forward", "backward", "fwd+bwd")
 
@@ -57,8 +57,9 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load.
 
     Returns:
-        {"provider", "error", "bitwise"} and, when error is None, "peak_mib" and per pass
-        {"ms", "p20", "p80"}. A provider with an error is not timed (nothing runs on the GPU clock).
+        {"provider", "error", "bitwise"} and, when error is None, "peak_mib", per pass
+        {"ms", "p20", "p80"} and "samples" (per pass, every time in ms). A provider with an error is
+        not timed (nothing runs on the GPU clock).
     Raises:
         NotImplementedError: the provider does not compute `family` (yet); the caller skips it.
     """
@@ -66,6 +67,18 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     torch.cuda.empty_cache()
     if row["error"]:
         return row
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn, inputs)
+    row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row["samples"] = time_passes(fn, inputs, iters, settle_s)
+    row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
+    return row
+
+
+def time_passes(fn: Callable, inputs: dict, iters: int, settle_s: float = SETTLE_S) -> dict[str, list[float]]:
+    """{pass: `iters` CUDA-event times in ms} of forward, backward and forward + backward, each
+    after `settle_s` of load."""
     args = leaves(inputs)
     present = [a for a in args if a is not None]
 
@@ -78,16 +91,27 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     def backward():
         torch.autograd.grad(out_holder[0], present, inputs["d_out"], retain_graph=True)
 
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd(fn, inputs)
-    row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    row["forward"] = summarize(time_ms(forward, iters, settle_s=settle_s))
+    samples = {"forward": time_ms(forward, iters, settle_s=settle_s)}
     out_holder.append(fn(*args))
-    row["backward"] = summarize(time_ms(backward, iters, settle_s=settle_s))
+    samples["backward"] = time_ms(backward, iters, settle_s=settle_s)
     out_holder.clear()
-    row["fwd+bwd"] = summarize(time_ms(lambda: fwd_bwd(fn, inputs), iters, settle_s=settle_s))
-    return row
+    samples["fwd+bwd"] = time_ms(lambda: fwd_bwd(fn, inputs), iters, settle_s=settle_s)
+    return samples
+
+
+def add_rounds(timed: list[tuple[dict, Callable]], inputs: dict, rounds: int, iters: int, settle_s: float) -> None:
+    """Time every (row, provider) `rounds - 1` more times, the providers in turn (A B A B ...), and
+    pool each pass's samples. Small batches are bound by the host's time to issue work, and the
+    H200 host's speed drifts by tens of percent over seconds (the PyTorch path at T = 1 read 2.51
+    and 1.55 ms in two windows of one process), so a comparison timed in one window per provider
+    measures the drift; alternated rounds give every provider the same mix of windows."""
+    for _ in range(rounds - 1):
+        for row, fn in timed:
+            for pass_name, times in time_passes(fn, inputs, iters, settle_s).items():
+                row["samples"][pass_name] += times
+    for row, _ in timed:
+        row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
+        row["rounds"] = rounds
 
 
 DEFAULT_SHAPES = ["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"]
@@ -109,6 +133,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="*", default=["uniform"])
     parser.add_argument("--providers", nargs="*", choices=list(PROVIDERS), default=list(PROVIDERS))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the providers this many times in turn (A B A B ...) and pool the samples: for "
+                             "small batches, whose time is the host's and drifts between windows")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S,
                         help="seconds of back-to-back calls before each timing, so that every provider and the "
@@ -140,6 +167,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
     except ValueError as error:
         parser.error(f"--override KERNEL=CONFIG: {error}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     unknown = sorted(set(overrides) - set(PINNED_KERNELS))
     if unknown:
         parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
@@ -205,6 +234,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
                 routing: str) -> list[dict]:  # fmt: skip
     """The rows of one shape, expert family and routing: every provider that computes the family."""
     rows = []
+    timed: list[tuple[dict, Callable]] = []  # the rows with a timing, and their providers, for --rounds
     case = f"{shape_name} {expert} {routing}"
     inputs = make_inputs(shape, routing, args.seed, family=family)
     expected = fwd_bwd(provider_reference(inputs, shape, family), inputs)
@@ -229,13 +259,18 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
                    routing=routing)  # fmt: skip
         rows.append(row)
+        if not row["error"]:
+            timed.append((row, fn))
         print(
             f"  {case} {provider}: done in {time.time() - t0:.1f} s"
             + (f" WRONG: {row['error']}" if row["error"] else ""),
             flush=True,
         )
         torch.cuda.empty_cache()
-    del inputs, expected
+    if args.rounds > 1 and timed:
+        add_rounds(timed, inputs, args.rounds, args.iters, args.settle_s)
+        print(f"  {case}: {args.rounds} rounds of every provider in turn, samples pooled", flush=True)
+    del inputs, expected, timed
     torch.cuda.empty_cache()
     return rows
 

@@ -26,7 +26,6 @@ from mok_plugin.bench.tuning import parse_tile_config, tile_config_label, tile_c
 from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.combine import combine_rows
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_kernel
-from mok_plugin.ops import _row_weights
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 from mok_plugin.testing import NAMED_SHAPES
 
@@ -77,11 +76,11 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
     inp = make_inputs(shape, "uniform", 0)
     s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
     x, w13, w2, d_out = inp["x"], inp["gate_up_proj"], inp["down_proj"], inp["d_out"]
-    w_rows = _row_weights(inp["topk_weights"], s.row_to_tk)
+    weights = (inp["topk_weights"], s.row_to_tk)
     h, a = gm.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
-    y = gm.down_fwd(a, w2, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
-    d_h, a2, _ = gm.down_dgrad(d_out, w2, h, w_rows, s.row_to_token, s.tile_to_expert, s.tile_m)
     rt = (s.row_to_token, s.tile_to_expert, s.tile_m)
+    y = gm.down_fwd(a, w2, *weights, *rt)
+    d_h, a2, _ = gm.down_dgrad(d_out, w2, h, *weights, *rt)
     seg = (s.row_to_token, s.expert_offsets, s.tokens_per_expert)
     kernels = {
         # name: (flops, fn(config), default config)
@@ -92,12 +91,12 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         ),
         "down_fwd": (
             2 * T * K * H * I,
-            lambda c: gm.down_fwd(a, w2, w_rows, *rt, config=c),
+            lambda c: gm.down_fwd(a, w2, *weights, *rt, config=c),
             kernel_config("down_fwd", H),
         ),
         "down_dgrad": (
             2 * T * K * H * I,
-            lambda c: gm.down_dgrad(d_out, w2, h, w_rows, *rt, config=c),
+            lambda c: gm.down_dgrad(d_out, w2, h, *weights, *rt, config=c),
             kernel_config("down_dgrad", I),
         ),
         "gate_up_dgrad": (

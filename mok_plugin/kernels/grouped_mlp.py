@@ -37,6 +37,7 @@ from mok_plugin.kernels.launch import (
     descriptor,
     dot_precision,
     launch_metadata,
+    routing_weights_arg,
     stages_for,
     tma_ok,
 )
@@ -89,14 +90,16 @@ def _gate_up_fwd_kernel(
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_fwd"))
 def _down_fwd_kernel(
-    a, w2, b2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_a_r, stride_w_e,
+    a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
+    stride_a_r, stride_w_e,
     stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     down_tile(
-        pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, w_rows_ptr=w_rows_ptr, y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
+        pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr,
+        y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
         stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
@@ -125,7 +128,8 @@ def _down_dgrad_gemm_kernel(
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_epilogue"))
 def _down_dgrad_epilogue_kernel(
-    d_a_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, I,
+    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
+    tile_to_expert_ptr, I,
     stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
@@ -142,7 +146,8 @@ def _down_dgrad_epilogue_kernel(
         )
         down_dgrad_epilogue(
             d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
-            w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
+            topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
+            a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
             OUT_TY=h_ptr.dtype.element_ty, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
         )
@@ -269,14 +274,15 @@ def _stride0(t: torch.Tensor | None) -> int:
 
 
 def down_fwd(
-    a: torch.Tensor, down_proj: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
+    a: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
+    row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [R_pad, H] = w_r * (A[r] @ W2_e^T + b2_e) in the params dtype."""
+    """y [R_pad, H] = w_r * (A[r] @ W2_e^T + b2_e) in the params dtype, w_r = topk_weights[row_to_tk[r]]
+    (fp32 [T, K])."""
     check_tensor("a", a, 2)
     check_tensor("down_proj", down_proj, 3, a.dtype)
-    check_tensor("w_rows", w_rows, 1, torch.float32)
+    topk_weights = routing_weights_arg(topk_weights)
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, a.dtype)
     E, H, I = down_proj.shape
@@ -288,7 +294,8 @@ def down_fwd(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
         a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
         w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
-        w_rows_ptr=w_rows, y_ptr=y, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
+        topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, y_ptr=y, row_to_token_ptr=row_to_token,
+        tile_to_expert_ptr=tile_to_expert, H=H, I=I,
         stride_a_r=a.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
         stride_b2_e=_stride0(down_bias), stride_y_r=y.stride(0), TMA=tma,
     )
@@ -296,8 +303,8 @@ def down_fwd(
 
 
 def down_dgrad(
-    d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, w_rows: torch.Tensor, row_to_token: torch.Tensor,
-    tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
+    d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
+    row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
     down_bias: torch.Tensor | None = None, activation: str = "silu", gated: bool = True, clamp: float | None = None,
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,6 +321,7 @@ def down_dgrad(
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
     check_tensor("h", h, 2, d_out.dtype)
+    topk_weights = routing_weights_arg(topk_weights)
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, d_out.dtype)
     E, H, I = down_proj.shape
@@ -336,7 +344,8 @@ def down_dgrad(
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
     _down_dgrad_epilogue_kernel[(num_rows // block_m, i_blocks)](
-        d_a_ptr=d_a, h_ptr=h, w_rows_ptr=w_rows, d_h_ptr=d_h, a_weighted_ptr=a, d_w_partial_ptr=partial,
+        d_a_ptr=d_a, h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
+        d_w_partial_ptr=partial,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
         stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
         BLOCK_M=block_m, BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,

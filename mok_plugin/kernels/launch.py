@@ -14,6 +14,7 @@ from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on
 __all__ = [
     "check_schedule",
     "check_tensor",
+    "routing_weights_arg",
     "descriptor",
     "dot_precision",
     "launch_metadata",
@@ -47,6 +48,14 @@ def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def routing_weights_arg(topk_weights: torch.Tensor) -> torch.Tensor:
+    """The fp32 [T, K] routing weights as the kernels read them (flat, through row_to_tk), after
+    checking them. With no pairs (an expert-parallel rank that receives none) every row is padding
+    and nothing is read, but a kernel still needs a valid pointer: one zero stands in."""
+    check_tensor("topk_weights", topk_weights, 2, torch.float32)
+    return topk_weights if topk_weights.numel() else topk_weights.new_zeros(1, 1)
 
 
 def check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig) -> int:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
-from mok_plugin.kernels.launch import check_schedule, dot_precision, stages_for
+from mok_plugin.kernels.launch import check_schedule, dot_precision, routing_weights_arg, stages_for
 from mok_plugin.kernels.tiles import (
     combine_tile,
     down_dgrad_tile,
@@ -95,7 +95,8 @@ def _wait_for(counter_ptr, target):
 
 @triton.jit
 def _forward_megakernel(
-    x_ptr, w13_ptr, w2_ptr, w_rows_ptr, h_ptr, a_ptr, y_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr,
+    x_ptr, w13_ptr, w2_ptr, topk_weights_ptr, row_to_tk_ptr, h_ptr, a_ptr, y_ptr, out_ptr, row_to_token_ptr,
+    tile_to_expert_ptr,
     tk_to_row_ptr, counters_ptr, NUM_ROWS, T, H, I, stride_x_t, stride_w13_e, stride_w13_n, stride_w2_e, stride_w2_h,
     stride_h_r, stride_a_r, stride_y_r, stride_out_t, K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr, GROUP_M: tl.constexpr,
@@ -130,7 +131,8 @@ def _forward_megakernel(
             pid_m, pid_n = grouped_pid(task - n_gate_up, n_rb, n_h, GROUP_M)
             _wait_for(ready_rows_ptr + pid_m, n_i)
             down_tile(
-                pid_m, pid_n, a=a_ptr, w2=w2_ptr, b2_ptr=None, w_rows_ptr=w_rows_ptr, y_ptr=y_ptr,
+                pid_m, pid_n, a=a_ptr, w2=w2_ptr, b2_ptr=None, topk_weights_ptr=topk_weights_ptr,
+                row_to_tk_ptr=row_to_tk_ptr, y_ptr=y_ptr,
                 row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I,
                 stride_a_r=stride_a_r, stride_w_e=stride_w2_e, stride_w_h=stride_w2_h, stride_b2_e=0,
                 stride_y_r=stride_y_r,
@@ -150,7 +152,8 @@ def _forward_megakernel(
 
 @triton.jit
 def _backward_megakernel(
-    d_out_ptr, x_ptr, w13_ptr, w2_ptr, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, partial_ptr, d_x_rows_ptr, d_x_ptr,
+    d_out_ptr, x_ptr, w13_ptr, w2_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, partial_ptr,
+    d_x_rows_ptr, d_x_ptr,
     d_topk_ptr, d_w13_ptr, d_w2_ptr, row_to_token_ptr, tile_to_expert_ptr, tk_to_row_ptr, expert_offsets_ptr,
     tokens_per_expert_ptr, counters_ptr, NUM_ROWS, T, H, I, E, stride_d_out_t, stride_x_t, stride_w13_e, stride_w13_n,
     stride_w2_e, stride_w2_h, stride_h_r, stride_a_r, stride_part_r, stride_dxr_r, stride_dx_t, stride_dw13_e,
@@ -187,7 +190,8 @@ def _backward_megakernel(
         if task < end_dgrad:
             pid_m, pid_n = grouped_pid(task, n_rb, n_i, GROUP_M)
             down_dgrad_tile(
-                pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2_ptr, h_ptr=h_ptr, w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr,
+                pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2_ptr, h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr,
+                row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
                 a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=partial_ptr, row_to_token_ptr=row_to_token_ptr,
                 tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t,
                 stride_w_e=stride_w2_e, stride_w_h=stride_w2_h, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
@@ -269,10 +273,13 @@ def _same_block(*configs) -> tuple[int, int]:
 
 
 def forward_megakernel(
-    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, w_rows: torch.Tensor,
-    row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tk_to_row: torch.Tensor, tile_m: int, top_k: int,
+    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+    row_to_tk: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tk_to_row: torch.Tensor,
+    tile_m: int, top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, H], h [R_pad, 2I]): the routed experts' forward in one persistent launch."""
+    """(out [T, H], h [R_pad, 2I]): the routed experts' forward in one persistent launch (topk_weights
+    fp32 [T, K], read per row through row_to_tk)."""
+    topk_weights = routing_weights_arg(topk_weights)
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
@@ -285,7 +292,8 @@ def forward_megakernel(
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     counters = torch.zeros(2 + num_rows // block_m, dtype=torch.int32, device=x.device)
     _forward_megakernel[(_num_programs(x.device),)](
-        x, gate_up_proj, down_proj, w_rows, h, a, y, out, row_to_token, tile_to_expert, tk_to_row, counters, num_rows,
+        x, gate_up_proj, down_proj, topk_weights, row_to_tk, h, a, y, out, row_to_token, tile_to_expert, tk_to_row,
+        counters, num_rows,
         T, H, I, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
         down_proj.stride(1), h.stride(0), a.stride(0), y.stride(0), out.stride(0), K=top_k, TILE_M=tile_m,
         BLOCK_M=block_m, BLOCK_K=block_k, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n, GROUP_M=gu.group_m,
@@ -297,11 +305,13 @@ def forward_megakernel(
 
 def backward_megakernel(
     d_out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor,
-    w_rows: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tk_to_row: torch.Tensor,
+    topk_weights: torch.Tensor, row_to_tk: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
+    tk_to_row: torch.Tensor,
     expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, tile_m: int, top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_x [T, H], d_topk_weights fp32 [T, K], d_gate_up [E, 2I, H], d_down [E, H, I]) in one
     persistent launch."""
+    topk_weights = routing_weights_arg(topk_weights)
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
@@ -320,7 +330,8 @@ def backward_megakernel(
     d_w2 = torch.empty_like(down_proj)
     counters = torch.zeros(4 + num_rows // block_m + E, dtype=torch.int32, device=dev)
     _backward_megakernel[(_num_programs(dev),)](
-        d_out, x, gate_up_proj, down_proj, h, w_rows, d_h, a_weighted, partial, d_x_rows, d_x, d_topk, d_w13, d_w2,
+        d_out, x, gate_up_proj, down_proj, h, topk_weights, row_to_tk, d_h, a_weighted, partial, d_x_rows, d_x, d_topk,
+        d_w13, d_w2,
         row_to_token, tile_to_expert, tk_to_row, expert_offsets, tokens_per_expert, counters,
         num_rows, T, H, I, E,
         d_out.stride(0), x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),

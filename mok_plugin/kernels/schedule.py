@@ -16,8 +16,9 @@ Grids: three kernels over chunks of CHUNK pairs. The histogram runs a program pe
 that chunk's per-expert counts; the offsets kernel runs a program per expert, which turns its
 column of chunk counts into an exclusive prefix over chunks and owns the expert's count, offset
 and tiles; the scatter runs a program per (expert, chunk), which ranks that expert's pairs in the
-chunk in ascending tk, so rows within an expert are in (token, k) order by construction. No
-atomics, no float arithmetic; nothing here reads the host.
+chunk in ascending tk, so rows within an expert are in (token, k) order by construction. When all
+pairs fit one chunk (T*K <= 2048: small batches, bound by host time) one kernel does all three, a
+program per expert. No atomics, no float arithmetic; nothing here reads the host.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ import triton
 import triton.language as tl
 
 __all__ = ["row_values", "schedule_maps"]
+
+
+@triton.jit
+def _chunk_histogram(ids_ptr, c, R, E_POW2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """int64 [E_POW2]: the expert histogram of pairs [c*CHUNK, (c+1)*CHUNK)."""
+    experts = tl.arange(0, E_POW2)
+    hist = tl.zeros((E_POW2,), dtype=tl.int64)
+    for s0 in range(0, CHUNK, SUB):
+        offs = c * CHUNK + s0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < R, other=E_POW2).to(tl.int32)
+        # [SUB, E_POW2] one-hot summed over the pairs; padding lanes hold E_POW2 and match nothing.
+        hist += tl.sum((ids[:, None] == experts[None, :]).to(tl.int64), axis=0)
+    return hist
 
 
 @triton.jit
@@ -43,12 +57,7 @@ def _chunk_histogram_kernel(
     [c*CHUNK, (c+1)*CHUNK)."""
     c = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_POW2)
-    hist = tl.zeros((E_POW2,), dtype=tl.int64)
-    for s0 in range(0, CHUNK, SUB):
-        offs = c * CHUNK + s0 + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < R, other=E_POW2).to(tl.int32)
-        # [SUB, E_POW2] one-hot summed over the pairs; padding lanes hold E_POW2 and match nothing.
-        hist += tl.sum((ids[:, None] == experts[None, :]).to(tl.int64), axis=0)
+    hist = _chunk_histogram(ids_ptr, c, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
     tl.store(chunk_counts_ptr + c * E + experts, hist, mask=experts < E)
 
 
@@ -84,6 +93,36 @@ def _expert_offsets_kernel(
         col = tl.sum(tl.where(experts[None, :] == e, block, 0), axis=1)
         tl.store(chunk_prefix_ptr + cs * E + e, mine + tl.cumsum(col, axis=0) - col, mask=c_ok)
         mine += tl.sum(col, axis=0)
+    _expert_layout(
+        totals,
+        e,
+        capacity,
+        tokens_per_expert_ptr,
+        expert_offsets_ptr,
+        tile_to_expert_ptr,
+        num_dropped_ptr,
+        E=E,
+        E_POW2=E_POW2,
+        TILE_M=TILE_M,
+    )
+
+
+@triton.jit
+def _expert_layout(
+    totals,
+    e,
+    capacity,
+    tokens_per_expert_ptr,
+    expert_offsets_ptr,
+    tile_to_expert_ptr,
+    num_dropped_ptr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TILE_M: tl.constexpr,
+):
+    """From every expert's routed count (totals, int64 [E_POW2]): expert e's kept count, offset and
+    tiles; the last expert's program also the end offset and the dropped count. Returns e's offset."""
+    experts = tl.arange(0, E_POW2)
     kept = tl.minimum(totals, capacity)
     padded = (kept + TILE_M - 1) // TILE_M * TILE_M
     offset = tl.sum(tl.where(experts < e, padded, 0))
@@ -95,6 +134,7 @@ def _expert_offsets_kernel(
         tl.store(num_dropped_ptr, tl.sum(totals - kept))
     for tile in range(offset // TILE_M, (offset + my_padded) // TILE_M):
         tl.store(tile_to_expert_ptr + tile, e.to(tl.int64))
+    return offset
 
 
 @triton.jit
@@ -116,8 +156,41 @@ def _schedule_scatter_kernel(
     follow ascending tk, so rows within an expert are in (token, k) order."""
     e = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
-    seen = tl.load(chunk_prefix_ptr + c * E + e)
-    offset = tl.load(expert_offsets_ptr + e)
+    _scatter_chunk(
+        ids_ptr,
+        e,
+        c,
+        tl.load(chunk_prefix_ptr + c * E + e),
+        tl.load(expert_offsets_ptr + e),
+        tk_to_row_ptr,
+        row_to_tk_ptr,
+        row_to_token_ptr,
+        R,
+        capacity,
+        K=K,
+        CHUNK=CHUNK,
+        BLOCK=BLOCK,
+    )
+
+
+@triton.jit
+def _scatter_chunk(
+    ids_ptr,
+    e,
+    c,
+    seen,
+    offset,
+    tk_to_row_ptr,
+    row_to_tk_ptr,
+    row_to_token_ptr,
+    R,
+    capacity,
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The map entries of expert e's pairs in chunk c, whose first pair has rank `seen` in e and
+    whose segment starts at row `offset`."""
     for s0 in range(0, CHUNK, BLOCK):
         tk = c * CHUNK + s0 + tl.arange(0, BLOCK).to(tl.int64)
         in_range = tk < R
@@ -130,6 +203,61 @@ def _schedule_scatter_kernel(
         tl.store(row_to_tk_ptr + row, tk, mask=keep)
         tl.store(row_to_token_ptr + row, tk // K, mask=keep)
         seen += tl.sum(match.to(tl.int64), axis=0)
+
+
+@triton.jit
+def _schedule_one_chunk_kernel(
+    ids_ptr,
+    tokens_per_expert_ptr,
+    expert_offsets_ptr,
+    tk_to_row_ptr,
+    row_to_tk_ptr,
+    row_to_token_ptr,
+    tile_to_expert_ptr,
+    num_dropped_ptr,
+    R,
+    capacity,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TILE_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (E,). The three kernels in one launch when all pairs fit one chunk (R <= CHUNK): program
+    e takes the histogram of every pair itself (no chunk counts to exchange), then owns expert e's
+    count, offset, tiles and map entries, as the offsets and scatter kernels' program e would."""
+    e = tl.program_id(0)
+    zero = tl.zeros((), dtype=tl.int64)  # chunk 0, and no pairs of e before it (an int64 as in the scatter)
+    totals = _chunk_histogram(ids_ptr, zero, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
+    offset = _expert_layout(
+        totals,
+        e,
+        capacity,
+        tokens_per_expert_ptr,
+        expert_offsets_ptr,
+        tile_to_expert_ptr,
+        num_dropped_ptr,
+        E=E,
+        E_POW2=E_POW2,
+        TILE_M=TILE_M,
+    )
+    _scatter_chunk(
+        ids_ptr,
+        e,
+        zero,
+        zero,
+        offset,
+        tk_to_row_ptr,
+        row_to_tk_ptr,
+        row_to_token_ptr,
+        R,
+        capacity,
+        K=K,
+        CHUNK=CHUNK,
+        BLOCK=BLOCK,
+    )
 
 
 _CHUNK = 2048
@@ -154,8 +282,6 @@ def schedule_maps(
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
     C = max(1, triton.cdiv(R, _CHUNK))
-    chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
-    chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
     tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
     expert_offsets = torch.empty(E + 1, dtype=torch.int64, device=device)
     num_dropped = torch.empty((), dtype=torch.int64, device=device)
@@ -176,13 +302,56 @@ def schedule_maps(
     e_pow2 = triton.next_power_of_2(E)
     sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
     cap = R if capacity is None else capacity
+    if C == 1:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
+        _schedule_one_chunk_kernel[(E,)](
+            ids,
+            tokens_per_expert,
+            expert_offsets,
+            tk_to_row,
+            row_to_tk,
+            row_to_token,
+            tile_to_expert,
+            num_dropped,
+            R,
+            cap,
+            K=K,
+            E=E,
+            E_POW2=e_pow2,
+            TILE_M=tile_m,
+            CHUNK=_CHUNK,
+            SUB=sub,
+            BLOCK=1024,
+        )
+        return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
+    chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
+    chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
     _chunk_histogram_kernel[(C,)](ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
     _expert_offsets_kernel[(E,)](
-        chunk_counts, chunk_prefix, tokens_per_expert, expert_offsets, tile_to_expert, num_dropped, C, cap,
-        E=E, E_POW2=e_pow2, TILE_M=tile_m, BLOCK_C=max(1, 4096 // e_pow2),
+        chunk_counts,
+        chunk_prefix,
+        tokens_per_expert,
+        expert_offsets,
+        tile_to_expert,
+        num_dropped,
+        C,
+        cap,
+        E=E,
+        E_POW2=e_pow2,
+        TILE_M=tile_m,
+        BLOCK_C=max(1, 4096 // e_pow2),
     )
     _schedule_scatter_kernel[(E, C)](
-        ids, chunk_prefix, expert_offsets, tk_to_row, row_to_tk, row_to_token, R, cap, K=K, E=E, CHUNK=_CHUNK,
+        ids,
+        chunk_prefix,
+        expert_offsets,
+        tk_to_row,
+        row_to_tk,
+        row_to_token,
+        R,
+        cap,
+        K=K,
+        E=E,
+        CHUNK=_CHUNK,
         BLOCK=1024,
     )
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped

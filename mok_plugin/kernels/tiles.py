@@ -143,6 +143,15 @@ def tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr,
 
 
 @triton.jit
+def routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok):
+    """fp32 [BLOCK_M]: each row's routing weight topk_weights[row_to_tk[row]], 0 on padding rows.
+    Read here rather than from a per-row copy: the copy cost a launch and an allocation each pass,
+    host time that exceeds the GPU work at small T."""
+    tk = tl.load(row_to_tk_ptr + rows, mask=row_ok, other=-1)
+    return tl.load(topk_weights_ptr + tk, mask=tk >= 0, other=0.0)
+
+
+@triton.jit
 def _weight_block(
     w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_k, stride_n, N_MAJOR: tl.constexpr,
     TMA: tl.constexpr,
@@ -282,7 +291,8 @@ def gate_up_tile(
 
 @triton.jit
 def down_tile(
-    pid_m, pid_n, a, w2, b2_ptr, w_rows_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_a_r,
+    pid_m, pid_n, a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I,
+    stride_a_r,
     stride_w_e, stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -293,7 +303,8 @@ def down_tile(
         a: (R_pad, I); with TMA a descriptor over it
         w2: (E, H, I); with TMA a descriptor over it viewed (E * H, I)
         b2_ptr: (E, H) fc2 bias, or None
-        w_rows_ptr: (R_pad,) fp32 routing weight per row
+        topk_weights_ptr: (T * K,) fp32 routing weights
+        row_to_tk_ptr: (R_pad,) int64, -1 on padding rows
         y_ptr: (R_pad, H) out
         row_to_token_ptr: (R_pad,) int64
         tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
@@ -310,7 +321,7 @@ def down_tile(
         )
         if b2_ptr is not None:
             acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
         y = acc * w[:, None]
         y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
         tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -354,8 +365,9 @@ def down_dgrad_block(
 
 @triton.jit
 def down_dgrad_epilogue(
-    d_a_prime, rows, row_ok, cols, col_ok, slot, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, I,
-    stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    d_a_prime, rows, row_ok, cols, col_ok, slot, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr,
+    d_w_partial_ptr, I, stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr,
     CLAMP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot`, w*A, and dh of
@@ -375,7 +387,8 @@ def down_dgrad_epilogue(
         col_ok: bool [BLOCK_N]
         slot: the router partial column this block writes
         h_ptr: (R_pad, N1) saved pre-activation, N1 = 2I if GATED else I
-        w_rows_ptr: (R_pad,) fp32
+        topk_weights_ptr: (T * K,) fp32 routing weights
+        row_to_tk_ptr: (R_pad,) int64
         d_h_ptr: (R_pad, N1) out
         a_weighted_ptr: (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
         d_w_partial_ptr: (R_pad, J) fp32 out: <dA', A> per I-block"""
@@ -385,7 +398,7 @@ def down_dgrad_epilogue(
     up = gate
     if GATED:
         up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_rows_ptr + rows, mask=row_ok, other=0.0)
+    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
     d_a = d_a_prime * w[:, None]
     a, d_gate, d_up = expert_activation_and_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
     # A exactly as the forward stored it
@@ -404,7 +417,8 @@ def down_dgrad_epilogue(
 
 @triton.jit
 def down_dgrad_tile(
-    pid_m, pid_n, d_out_ptr, w2, h_ptr, w_rows_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
+    pid_m, pid_n, d_out_ptr, w2, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
+    row_to_token_ptr,
     tile_to_expert_ptr, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -416,7 +430,8 @@ def down_dgrad_tile(
         d_out_ptr: (T, H)
         w2: (E, H, I)
         h_ptr: (R_pad, 2I)
-        w_rows_ptr: (R_pad,) fp32
+        topk_weights_ptr: (T * K,) fp32
+        row_to_tk_ptr: (R_pad,) int64
         d_h_ptr: (R_pad, 2I) out
         a_weighted_ptr: (R_pad, I) out
         d_w_partial_ptr: (R_pad, cdiv(I, BLOCK_N)) fp32 out
@@ -431,7 +446,8 @@ def down_dgrad_tile(
     if expert >= 0:
         down_dgrad_epilogue(
             d_a_prime=d_a_prime, rows=rows, row_ok=row_ok, cols=cols, col_ok=col_ok, slot=pid_n, h_ptr=h_ptr,
-            w_rows_ptr=w_rows_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
+            topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
+            a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
             OUT_TY=d_out_ptr.dtype.element_ty, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
         )
