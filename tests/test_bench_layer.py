@@ -9,9 +9,8 @@ import sys
 import pytest
 import torch
 
-from mok_plugin.bench import providers
+from mok_plugin.bench import layer, providers
 from mok_plugin.bench.flops import moe_flops
-from mok_plugin.bench import layer
 from mok_plugin.bench.layer import add_rounds, bench_provider
 from mok_plugin.bench.memory import peak_live_set
 from mok_plugin.bench.timing import slowest_rank_median, summarize

@@ -5,6 +5,7 @@ asynchronous copies, the shared memory per program, and registers and spill stac
 
     mok bench inspect                                                  # the pinned configs
     mok bench inspect --candidates 128x128x64w8s4 128x128x64w8s4g --dump out/ttgir
+    mok bench inspect --align 8          # as for H or I a multiple of 8 but not 16 (H = 3000)
 (`python scripts/inspect_kernels.py ...` is the same command.)
 
 Compiled as the launcher specialises a real call: bf16 operands, 16-byte aligned pointers and
@@ -34,8 +35,9 @@ __all__ = ["compile_for_hopper", "main", "pipeline_report", "resource_usage"]
 KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
 
 HOPPER = GPUTarget("cuda", 90, 32)
-INT64_POINTERS = {"row_to_token_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr", "tile_to_expert_ptr"}
-FP32_POINTERS = {"w_rows_ptr", "d_w_partial_ptr", "d_a_ptr"}  # d_a_ptr: down_dgrad's fp32 dA'
+INT64_POINTERS = {"row_to_token_ptr", "row_to_tk_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr",
+                  "tile_to_expert_ptr"}  # fmt: skip
+FP32_POINTERS = {"topk_weights_ptr", "d_w_partial_ptr", "d_a_ptr"}  # d_a_ptr: down_dgrad's fp32 dA'
 WIDE = 4096  # an output width that no pinned config narrows for
 SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 
@@ -43,7 +45,7 @@ SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dict]:
     """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
-              "TMA": cfg.tma}  # fmt: skip
+              "TMA": cfg.tma, "ALIGN": 16}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n)
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
@@ -85,9 +87,17 @@ def _is_pointer(name: str) -> bool:
     return name.endswith("_ptr") or not (name.isupper() or name.startswith("stride_"))
 
 
-def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
-    """`kernel` compiled for sm_90 as its launcher would specialise a bf16 call with `cfg`."""
+def _is_size(name: str) -> bool:
+    """A size or stride argument: what the kernels restate as a multiple of ALIGN."""
+    return name in ("H", "I", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
+
+
+def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
+    """`kernel` compiled for sm_90 as its launcher would specialise a bf16 call with `cfg`; with
+    align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
+    8), which Triton then knows nothing about, and ALIGN = align (launch.alignment)."""
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
+    constexprs["ALIGN"] = align
     descriptors = _descriptor_blocks(kernel, cfg)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -101,7 +111,8 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig):
             signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
         else:
             signature[name] = "i32"
-        attrs[(i,)] = [["tt.divisibility", 16]]
+        if align == 16 or not _is_size(name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
     return triton.compile(source, target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -138,6 +149,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--candidates", nargs="*", type=parse_tile_config, default=[],
                         help="configs to compile besides the pinned ones (mok bench tune's notation)")  # fmt: skip
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's TTGIR and PTX here")
+    parser.add_argument("--align", type=int, choices=(16, 8, 4, 2, 1), default=16,
+                        help="compile as for sizes and strides divisible by this, not by 16 (H = 3000: 8)")  # fmt: skip
     return parser
 
 
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if interpreter_on():
         parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter; unset it to compile them")
-    print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got")
+    print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got"
+          + (f"; sizes and strides divisible by {args.align}, not 16" if args.align < 16 else ""))  # fmt: skip
     print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
           f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if cfg.gather_rows and not kernel.startswith("wgrad"):
                 continue  # an option that kernel does not take
             try:
-                compiled = compile_for_hopper(kernel, cfg)
+                compiled = compile_for_hopper(kernel, cfg, args.align)
             except Exception as error:  # a config the compiler rejects
                 print(f"{kernel:<14} {name:<30} compile failed: {type(error).__name__}")
                 continue

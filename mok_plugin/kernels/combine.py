@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import kernel_config
-from mok_plugin.kernels.tiles import combine_tile, router_grad_tile
+from mok_plugin.kernels.launch import alignment
+from mok_plugin.kernels.tiles import aligned, combine_tile, router_grad_tile
 
 __all__ = ["combine_rows", "reduce_router_grad"]
 
@@ -33,9 +34,13 @@ __all__ = ["combine_rows", "reduce_router_grad"]
 @triton.jit
 def _combine_rows_kernel(
     rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t, K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)). Program (m, n) owns out[m-block, n-block]."""
+    # H and the strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H = aligned(H, ALIGN)
+    stride_rows_r = aligned(stride_rows_r, ALIGN)
+    stride_out_t = aligned(stride_out_t, ALIGN)
     combine_tile(
         tl.program_id(0), tl.program_id(1), rows_ptr=rows_ptr, tk_to_row_ptr=tk_to_row_ptr, out_ptr=out_ptr, T=T, H=H,
         stride_rows_r=stride_rows_r, stride_out_t=stride_out_t, K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -73,7 +78,7 @@ def combine_rows(rows: torch.Tensor, tk_to_row: torch.Tensor, num_tokens: int, t
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(H, cfg.block_n))
     _combine_rows_kernel[grid](
         rows, tk_to_row, out, num_tokens, H, rows.stride(0), out.stride(0), K=top_k, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, ALIGN=alignment(H, rows.stride(0), out.stride(0)), num_warps=cfg.num_warps,
     )
     return out
 

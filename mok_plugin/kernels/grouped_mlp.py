@@ -32,6 +32,7 @@ import triton.language as tl
 
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_kernel
 from mok_plugin.kernels.launch import (
+    alignment,
     check_schedule,
     check_tensor,
     descriptor,
@@ -42,6 +43,7 @@ from mok_plugin.kernels.launch import (
     tma_ok,
 )
 from mok_plugin.kernels.tiles import (
+    aligned,
     bias_grad_tile,
     bias_router_grad_tile,
     down_dgrad_block,
@@ -76,8 +78,18 @@ def _gate_up_fwd_kernel(
     stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H = aligned(H, ALIGN)
+    I = aligned(I, ALIGN)
+    stride_x_t = aligned(stride_x_t, ALIGN)
+    stride_w_e = aligned(stride_w_e, ALIGN)
+    stride_w_n = aligned(stride_w_n, ALIGN)
+    stride_b1_e = aligned(stride_b1_e, ALIGN)
+    stride_h_r = aligned(stride_h_r, ALIGN)
+    stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
         pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
@@ -94,8 +106,17 @@ def _down_fwd_kernel(
     stride_a_r, stride_w_e,
     stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H = aligned(H, ALIGN)
+    I = aligned(I, ALIGN)
+    stride_a_r = aligned(stride_a_r, ALIGN)
+    stride_w_e = aligned(stride_w_e, ALIGN)
+    stride_w_h = aligned(stride_w_h, ALIGN)
+    stride_b2_e = aligned(stride_b2_e, ALIGN)
+    stride_y_r = aligned(stride_y_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     down_tile(
         pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr,
@@ -111,9 +132,17 @@ def _down_dgrad_gemm_kernel(
     d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
     stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
     (rows in use only) for _down_dgrad_epilogue_kernel."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H = aligned(H, ALIGN)
+    I = aligned(I, ALIGN)
+    stride_d_out_t = aligned(stride_d_out_t, ALIGN)
+    stride_w_e = aligned(stride_w_e, ALIGN)
+    stride_w_h = aligned(stride_w_h, ALIGN)
+    stride_d_a_r = aligned(stride_d_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
         pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
@@ -132,9 +161,15 @@ def _down_dgrad_epilogue_kernel(
     tile_to_expert_ptr, I,
     stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs the down-dgrad epilogue on the
     dA' block (m, n), padding rows reading zeros, with router partial slot n."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    I = aligned(I, ALIGN)
+    stride_d_a_r = aligned(stride_d_a_r, ALIGN)
+    stride_h_r = aligned(stride_h_r, ALIGN)
+    stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
@@ -158,8 +193,16 @@ def _gate_up_dgrad_kernel(
     d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r, stride_w_e,
     stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H = aligned(H, ALIGN)
+    N1 = aligned(N1, ALIGN)
+    stride_d_h_r = aligned(stride_d_h_r, ALIGN)
+    stride_w_e = aligned(stride_w_e, ALIGN)
+    stride_w_j = aligned(stride_w_j, ALIGN)
+    stride_d_x_r = aligned(stride_d_x_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     gate_up_dgrad_tile(
         pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
@@ -175,9 +218,16 @@ def _expert_wgrad_kernel(
     stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    M_OUT = aligned(M_OUT, ALIGN)
+    N_OUT = aligned(N_OUT, ALIGN)
+    stride_left = aligned(stride_left, ALIGN)
+    stride_right = aligned(stride_right, ALIGN)
+    stride_d_w_e = aligned(stride_d_w_e, ALIGN)
     num_pid_m = tl.cdiv(M_OUT, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     pid = tl.program_id(0)
@@ -231,10 +281,12 @@ def _launch_row_tiles(
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
     cfg = stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
+    # every size (H, I, N1) and stride: a superset of what each kernel restates through ALIGN
+    sizes = [v for k, v in args.items() if k in ("H", "I", "N1") or k.startswith("stride_")]
     kernel[grid](
         NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **args,
+        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **args,
     )
 
 
@@ -349,7 +401,7 @@ def down_dgrad(
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
         stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
         BLOCK_M=block_m, BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,
-        num_warps=epi.num_warps,
+        ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps,
     )
     if down_bias is not None:
         _bias_router_grad_kernel[(num_rows // block_m,)](
@@ -479,7 +531,8 @@ def _launch_wgrad(
         expert_offsets, tokens_per_expert, M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(1),
         d_w.stride(2), LEFT_BY_TOKEN=left_by_token, RIGHT_BY_TOKEN=right_by_token, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
-        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, ALIGN=alignment(M, N, left.stride(0), right.stride(0), d_w.stride(0)), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

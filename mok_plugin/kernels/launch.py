@@ -12,6 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on
 
 __all__ = [
+    "alignment",
     "check_schedule",
     "check_tensor",
     "routing_weights_arg",
@@ -21,6 +22,20 @@ __all__ = [
     "stages_for",
     "tma_ok",
 ]
+
+
+def alignment(*values: int) -> int:
+    """The kernels' ALIGN constexpr: the largest of 16, 8, 4, 2, 1 that divides every value (sizes
+    and strides, in elements). Triton specialises an integer argument on divisibility by 16 and
+    nothing less; a kernel restates its sizes and strides as multiples of ALIGN (`tiles.aligned`)
+    so that H = 3000 or I = 1000 (multiples of 8) keep 16-byte loads and stores. On the H200 with
+    H = 3000, gate_up_fwd took 24.5 ms against 1.3 ms at H = 3008, and down_fwd 14.4 ms against
+    0.7 with I = 1000 against 1008 (8192 x 160 experts, K 6; the loads went 2 bytes wide, unpipelined)."""
+    align = 16
+    for value in values:
+        while value % align:
+            align //= 2
+    return align
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -94,17 +94,9 @@ def _expert_offsets_kernel(
         tl.store(chunk_prefix_ptr + cs * E + e, mine + tl.cumsum(col, axis=0) - col, mask=c_ok)
         mine += tl.sum(col, axis=0)
     _expert_layout(
-        totals,
-        e,
-        capacity,
-        tokens_per_expert_ptr,
-        expert_offsets_ptr,
-        tile_to_expert_ptr,
-        num_dropped_ptr,
-        E=E,
-        E_POW2=E_POW2,
-        TILE_M=TILE_M,
-    )
+        totals, e, capacity, tokens_per_expert_ptr, expert_offsets_ptr, tile_to_expert_ptr, num_dropped_ptr, E=E,
+        E_POW2=E_POW2, TILE_M=TILE_M,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -157,20 +149,9 @@ def _schedule_scatter_kernel(
     e = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     _scatter_chunk(
-        ids_ptr,
-        e,
-        c,
-        tl.load(chunk_prefix_ptr + c * E + e),
-        tl.load(expert_offsets_ptr + e),
-        tk_to_row_ptr,
-        row_to_tk_ptr,
-        row_to_token_ptr,
-        R,
-        capacity,
-        K=K,
-        CHUNK=CHUNK,
-        BLOCK=BLOCK,
-    )
+        ids_ptr, e, c, tl.load(chunk_prefix_ptr + c * E + e), tl.load(expert_offsets_ptr + e), tk_to_row_ptr,
+        row_to_tk_ptr, row_to_token_ptr, R, capacity, K=K, CHUNK=CHUNK, BLOCK=BLOCK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -232,32 +213,13 @@ def _schedule_one_chunk_kernel(
     zero = tl.zeros((), dtype=tl.int64)  # chunk 0, and no pairs of e before it (an int64 as in the scatter)
     totals = _chunk_histogram(ids_ptr, zero, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
     offset = _expert_layout(
-        totals,
-        e,
-        capacity,
-        tokens_per_expert_ptr,
-        expert_offsets_ptr,
-        tile_to_expert_ptr,
-        num_dropped_ptr,
-        E=E,
-        E_POW2=E_POW2,
-        TILE_M=TILE_M,
-    )
+        totals, e, capacity, tokens_per_expert_ptr, expert_offsets_ptr, tile_to_expert_ptr, num_dropped_ptr, E=E,
+        E_POW2=E_POW2, TILE_M=TILE_M,
+    )  # fmt: skip
     _scatter_chunk(
-        ids_ptr,
-        e,
-        zero,
-        zero,
-        offset,
-        tk_to_row_ptr,
-        row_to_tk_ptr,
-        row_to_token_ptr,
-        R,
-        capacity,
-        K=K,
-        CHUNK=CHUNK,
+        ids_ptr, e, zero, zero, offset, tk_to_row_ptr, row_to_tk_ptr, row_to_token_ptr, R, capacity, K=K, CHUNK=CHUNK,
         BLOCK=BLOCK,
-    )
+    )  # fmt: skip
 
 
 _CHUNK = 2048

@@ -143,6 +143,17 @@ def tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr,
 
 
 @triton.jit
+def aligned(value, ALIGN: tl.constexpr):
+    """value, restated as a multiple of ALIGN when ALIGN < 16 (the launcher's `launch.alignment`,
+    which divides it): Triton specialises an integer argument on divisibility by 16 only, so a size
+    or stride like H = 3000 (a multiple of 8) would otherwise turn 16-byte loads and stores into
+    2-byte ones. `value // ALIGN * ALIGN` is value itself, and the compiler knows it divides."""
+    if ALIGN < 16:
+        value = value // ALIGN * ALIGN
+    return value
+
+
+@triton.jit
 def routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok):
     """fp32 [BLOCK_M]: each row's routing weight topk_weights[row_to_tk[row]], 0 on padding rows.
     Read here rather than from a per-row copy: the copy cost a launch and an allocation each pass,
