@@ -1,4 +1,4 @@
-"""Host-side helpers every launcher shares: argument checks, TMA descriptors, dot precision,
+"""Host-side helpers every launcher shares: argument checks, TMA descriptors, dot precision, ALIGN,
 pipelining depth per dtype, profiler names. No kernels, no autograd, no host synchronisation."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ __all__ = [
     "alignment",
     "check_schedule",
     "check_tensor",
-    "routing_weights_arg",
     "descriptor",
     "dot_precision",
     "launch_metadata",
+    "routing_weights_arg",
     "stages_for",
     "tma_ok",
 ]
