@@ -138,7 +138,7 @@ def test_layer_case_skips_what_cannot_run_the_family(monkeypatch, capsys):
 
     monkeypatch.setattr(layer, "bench_provider", fake_bench)
     args = argparse.Namespace(providers=["mok-mega", "mok-multi", "torch", "liger"], seed=0, iters=1, settle_s=0.0,
-                              profile=False, memory=False)  # fmt: skip
+                              profile=False, memory=False, rounds=1)  # fmt: skip
     rows = layer._bench_case(args, "small", SHAPE, "gpt-oss", GPT_OSS, "uniform")
     out = capsys.readouterr().out
     assert "small gpt-oss uniform mok-mega: skipped (the megakernel (mok-mega) computes bias-free SwiGLU" in out
