@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 from mok_plugin.bench.tuning import parse_tile_config, tile_config_label
 from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
+from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = ["compile_for_hopper", "main", "pipeline_report", "resource_usage"]
 
@@ -87,11 +88,6 @@ def _is_pointer(name: str) -> bool:
     return name.endswith("_ptr") or not (name.isupper() or name.startswith("stride_"))
 
 
-def _is_size(name: str) -> bool:
-    """A size or stride argument: what the kernels restate as a multiple of ALIGN."""
-    return name in ("H", "I", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
-
-
 def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
     """`kernel` compiled for sm_90 as its launcher would specialise a bf16 call with `cfg`; with
     align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
@@ -111,7 +107,7 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
             signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
         else:
             signature[name] = "i32"
-        if align == 16 or not _is_size(name):
+        if align == 16 or not is_size_or_stride(name):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip

@@ -37,6 +37,7 @@ from mok_plugin.kernels.launch import (
     check_tensor,
     descriptor,
     dot_precision,
+    is_size_or_stride,
     launch_metadata,
     routing_weights_arg,
     stages_for,
@@ -281,8 +282,7 @@ def _launch_row_tiles(
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
     cfg = stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
-    # every size (H, I, N1) and stride: a superset of what each kernel restates through ALIGN
-    sizes = [v for k, v in args.items() if k in ("H", "I", "N1") or k.startswith("stride_")]
+    sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernels restate
     kernel[grid](
         NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,

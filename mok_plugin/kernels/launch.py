@@ -17,6 +17,7 @@ __all__ = [
     "check_tensor",
     "descriptor",
     "dot_precision",
+    "is_size_or_stride",
     "launch_metadata",
     "routing_weights_arg",
     "stages_for",
@@ -36,6 +37,12 @@ def alignment(*values: int) -> int:
         while value % align:
             align //= 2
     return align
+
+
+def is_size_or_stride(name: str) -> bool:
+    """Whether a kernel argument is one of the sizes and strides the kernels restate through ALIGN
+    (their names: H, I, N1, M_OUT, N_OUT and stride_*)."""
+    return name in ("H", "I", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

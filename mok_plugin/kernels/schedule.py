@@ -266,56 +266,21 @@ def schedule_maps(
     cap = R if capacity is None else capacity
     if C == 1:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
         _schedule_one_chunk_kernel[(E,)](
-            ids,
-            tokens_per_expert,
-            expert_offsets,
-            tk_to_row,
-            row_to_tk,
-            row_to_token,
-            tile_to_expert,
-            num_dropped,
-            R,
-            cap,
-            K=K,
-            E=E,
-            E_POW2=e_pow2,
-            TILE_M=tile_m,
-            CHUNK=_CHUNK,
-            SUB=sub,
+            ids, tokens_per_expert, expert_offsets, tk_to_row, row_to_tk, row_to_token, tile_to_expert, num_dropped, R,
+            cap, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m, CHUNK=_CHUNK, SUB=sub, BLOCK=1024,
+        )  # fmt: skip
+    else:
+        chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
+        chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
+        _chunk_histogram_kernel[(C,)](ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
+        _expert_offsets_kernel[(E,)](
+            chunk_counts, chunk_prefix, tokens_per_expert, expert_offsets, tile_to_expert, num_dropped, C, cap,
+            E=E, E_POW2=e_pow2, TILE_M=tile_m, BLOCK_C=max(1, 4096 // e_pow2),
+        )  # fmt: skip
+        _schedule_scatter_kernel[(E, C)](
+            ids, chunk_prefix, expert_offsets, tk_to_row, row_to_tk, row_to_token, R, cap, K=K, E=E, CHUNK=_CHUNK,
             BLOCK=1024,
-        )
-        return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
-    chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
-    chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
-    _chunk_histogram_kernel[(C,)](ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
-    _expert_offsets_kernel[(E,)](
-        chunk_counts,
-        chunk_prefix,
-        tokens_per_expert,
-        expert_offsets,
-        tile_to_expert,
-        num_dropped,
-        C,
-        cap,
-        E=E,
-        E_POW2=e_pow2,
-        TILE_M=tile_m,
-        BLOCK_C=max(1, 4096 // e_pow2),
-    )
-    _schedule_scatter_kernel[(E, C)](
-        ids,
-        chunk_prefix,
-        expert_offsets,
-        tk_to_row,
-        row_to_tk,
-        row_to_token,
-        R,
-        cap,
-        K=K,
-        E=E,
-        CHUNK=_CHUNK,
-        BLOCK=1024,
-    )
+        )  # fmt: skip
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
 
 
