@@ -1,6 +1,6 @@
 """The pinned kernel-config table (kernels/configs.py): lookup, the one shape rule (row-tile GEMMs
 narrow BLOCK_N for narrow outputs; weight-gradient, megakernel and epilogue tiles never change),
-the choice between the two weight-gradient entries, the interpreter's small tiles, and the
+the choice between the three weight-gradient entries, the interpreter's small tiles, and the
 in-process swap a benchmark uses (mok_plugin.bench.tuning builds its overrides on it)."""
 
 import pytest
@@ -8,6 +8,7 @@ import pytest
 from mok_plugin.kernels.configs import (
     PINNED_KERNELS,
     PRE_GATHER_MIN_WIDTH,
+    SWEEP_MAX_ROWS,
     MoKTileConfig,
     kernel_config,
     swap_pinned,
@@ -79,8 +80,12 @@ def test_interpreter_uses_small_tiles(monkeypatch):
 def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands(pinned_table):
     # The copy costs the same at any width while the GEMM grows with it: narrow shapes (qwen3's
     # I = 768, olmoe's 2I = 2048) gather in the K loop, wide ones (mixtral's I = 14336) copy first.
-    assert wgrad_kernel(768) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1) == "wgrad_in_loop"
-    assert wgrad_kernel(PRE_GATHER_MIN_WIDTH) == wgrad_kernel(14336) == "wgrad"
+    many = SWEEP_MAX_ROWS + 1
+    assert wgrad_kernel(768, many) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1, many) == "wgrad_in_loop"
+    assert wgrad_kernel(PRE_GATHER_MIN_WIDTH, many) == wgrad_kernel(14336, many) == "wgrad"
+    # Experts with few rows each (deepseek-v3: 383 schedule rows an expert) sweep, at any width
+    assert wgrad_kernel(768, SWEEP_MAX_ROWS) == wgrad_kernel(14336, 128) == "wgrad_sweep"
+    assert kernel_config("wgrad_sweep", 4096).sweep and not kernel_config("wgrad", 4096).sweep
     assert not kernel_config("wgrad_in_loop", 768).gather_rows
     assert kernel_config("wgrad", 14336).gather_rows
     # weight-gradient tiles are not narrowed by the output width

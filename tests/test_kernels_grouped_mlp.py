@@ -106,6 +106,40 @@ def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma
     assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
 
 
+@pytest.mark.parametrize(
+    "gather_rows, tma", [(False, False), (False, True), (True, True)], ids=["in_loop", "in_loop_tma", "pre_gathered"]
+)
+@pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
+def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, tma):
+    # A program sweeping its row block's tiles (config sweep) sums each tile's products in the same
+    # order as a program per tile: the same bits, also for empty experts (zeros), for partial K
+    # steps (segments of 1-70 rows against BLOCK_K 32), for tiles past the edge (H 72 against 32-wide
+    # blocks) and for the transposed store of dW13's swapped launch.
+    T, H, I, E, K = 70, 72, 40, 10, 2
+    g = torch.Generator().manual_seed(5)
+    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    assert (schedule.tokens_per_expert == 0).any() and (schedule.tokens_per_expert > 32).any()
+    by_token = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
+    by_row = torch.randn(schedule.row_to_token.shape[0], I, generator=g).to(DEVICE, torch.float16)
+    by_row[schedule.row_to_token < 0] = 0  # the zero padding rows down_dgrad writes
+    left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
+    segments = (schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert)
+    cfg = MoKTileConfig(32, 32, 32, 4, 2, tma=tma, gather_rows=gather_rows)
+
+    def wgrad(config):
+        return grouped_mlp.expert_wgrad(
+            left, right, *segments, left_by_token=left_by_token, right_by_token=not left_by_token,
+            segment_align=schedule.tile_m, config=config,
+        )  # fmt: skip
+
+    per_tile = wgrad(cfg)
+    swept = wgrad(replace(cfg, sweep=True))
+    assert torch.equal(swept, per_tile)
+    assert torch.equal(wgrad(replace(cfg, sweep=True)), swept)
+    empty = schedule.tokens_per_expert == 0
+    assert swept[empty].eq(0).all() and swept[~empty].ne(0).any(dim=(1, 2)).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_down_dgrad_matches_float64(dtype):
     # down_dgrad is a GEMM into an fp32 dA' and an epilogue kernel; the same two launches the GPU

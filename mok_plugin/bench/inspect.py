@@ -61,7 +61,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # pre-gathered rows turn it into a by-row one.
     # (dW2's launch: its output columns are contiguous, a stride Triton specialises as the constant 1)
     return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=not cfg.gather_rows,
-                                         RIGHT_BY_TOKEN=False, stride_d_w_n=1)  # fmt: skip
+                                         RIGHT_BY_TOKEN=False, SWEEP=cfg.sweep, D_W_TRANSPOSED=False, stride_d_w_n=1)  # fmt: skip
 
 
 def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
           f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
-        # both pinned weight-gradient configs: pre-gathered (wide by-row operands) and in the loop
-        entries = ("wgrad", "wgrad_in_loop") if kernel.startswith("wgrad") else (kernel,)
+        # the three pinned weight-gradient configs: pre-gathered (wide by-row operands), in the loop,
+        # and the sweep (few rows per expert)
+        entries = ("wgrad", "wgrad_in_loop", "wgrad_sweep") if kernel.startswith("wgrad") else (kernel,)
         pinned = [kernel_config(entry, WIDE) for entry in entries]
         for cfg in [*pinned, *args.candidates]:
             name = tile_config_label(cfg)

@@ -188,7 +188,13 @@ def check_provider(
     first = fwd_bwd(fn, inputs)
     error = check(first, expected, shape, family)
     second = fwd_bwd(fn, inputs)
-    bitwise = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    # 16 leading slices at a time: torch.equal's temporary for a whole weight gradient of the largest
+    # shapes (10.5 GiB for 4096,7168,2048,384,8) does not fit beside the reference's and both passes'.
+    bitwise = all(
+        torch.equal(a[i : i + 16], b[i : i + 16])
+        for a, b in zip(first, second, strict=True)
+        for i in range(0, max(1, a.shape[0]), 16)
+    )
     return {"error": error, "bitwise": bitwise}
 
 

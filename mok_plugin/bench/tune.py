@@ -27,7 +27,7 @@ from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.combine import combine_rows
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_kernel
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
-from mok_plugin.testing import NAMED_SHAPES
+from mok_plugin.testing import NAMED_SHAPES, parse_shape
 
 __all__ = ["CANDIDATES", "compiled_report", "main"]
 
@@ -71,7 +71,7 @@ def compiled_report(jit_fn) -> list[str]:
 def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[str] | None = None,
                 candidates: list[MoKTileConfig] | None = None) -> list[dict]:  # fmt: skip
     results: list[dict] = []
-    shape = NAMED_SHAPES[name]
+    shape = parse_shape(name)
     T, H, I, E, K = shape.as_tuple()
     inp = make_inputs(shape, "uniform", 0)
     s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
@@ -82,6 +82,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
     y = gm.down_fwd(a, w2, *weights, *rt)
     d_h, a2, _ = gm.down_dgrad(d_out, w2, h, *weights, *rt)
     seg = (s.row_to_token, s.expert_offsets, s.tokens_per_expert)
+    rows_per_expert = s.row_to_token.shape[0] // E
     kernels = {
         # name: (flops, fn(config), default config)
         "gate_up_fwd": (
@@ -109,14 +110,14 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             lambda c: gm.expert_wgrad(
                 d_out, a2, *seg, left_by_token=True, right_by_token=False, segment_align=s.tile_m, config=c
             ),
-            kernel_config(wgrad_kernel(I), I),
+            kernel_config(wgrad_kernel(I, rows_per_expert), I),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
             lambda c: gm.expert_wgrad(
                 d_h, x, *seg, left_by_token=False, right_by_token=True, segment_align=s.tile_m, config=c
             ),
-            kernel_config(wgrad_kernel(2 * I), 2 * I),
+            kernel_config(wgrad_kernel(2 * I, rows_per_expert), 2 * I),
         ),
     }
     fixed = {
@@ -154,10 +155,17 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
     return results
 
 
+def _shape_name(text: str) -> str:
+    """A --shapes entry as given, once parse_shape accepts it (argparse reports the ValueError)."""
+    parse_shape(text)
+    return text
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench tune` (and scripts/tune_kernels.py)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"], choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "mixtral-8x7b"], type=_shape_name,
+                        help=f"named ({', '.join(sorted(NAMED_SHAPES))}) or T,H,I,E,K")  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--defaults-only", action="store_true", help="time only the pinned configs")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=None, help="only these kernels (default: all)")

@@ -2,8 +2,8 @@
 
 The kernel package keeps the pinned table and its lookup (`mok_plugin.kernels.configs`); trying
 other configs is a benchmark's business and lives here. The notation: '128x256x64w8s3' is
-BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; then 'g' for pre-gathered weight-gradient rows and 't'
-for TMA, in that order.
+BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; then 'g' for pre-gathered weight-gradient rows, 't'
+for TMA and 'p' for a weight-gradient program sweeping its row block's tiles, in that order.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
 
 __all__ = ["overridden_configs", "parse_tile_config", "tile_config_label", "tile_config_spec"]
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(p?)")
 
 
 def parse_tile_config(spec: str) -> MoKTileConfig:
     """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
-    then 'g' for pre-gathered weight-gradient rows, 't' for TMA.
+    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'p' for a weight-gradient program
+    sweeping its row block's tiles.
 
     Raises:
         ValueError: spec is not in that form.
@@ -30,19 +31,19 @@ def parse_tile_config(spec: str) -> MoKTileConfig:
     match = _SPEC.fullmatch(spec)
     if not match:
         raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4g or 128x128x64w8s4gt")
-    *numbers, gather, tma = match.groups()
-    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", gather_rows=gather == "g")
+    *numbers, gather, tma, sweep = match.groups()
+    return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", gather_rows=gather == "g", sweep=sweep == "p")
 
 
 def tile_config_spec(cfg: MoKTileConfig) -> str:
     """The short form parse_tile_config reads back: '128x128x64w8s4gt'."""
     spec = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
-    return spec + ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "")
+    return spec + ("g" if cfg.gather_rows else "") + ("t" if cfg.tma else "") + ("p" if cfg.sweep else "")
 
 
 def tile_config_label(cfg: MoKTileConfig) -> str:
     """'128x128x64 w8 s4 gather tma': a config as the benchmark tables print it."""
-    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "")
+    extra = (" gather" if cfg.gather_rows else "") + (" tma" if cfg.tma else "") + (" sweep" if cfg.sweep else "")
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "MoKTileConfig",
     "PINNED_KERNELS",
     "PRE_GATHER_MIN_WIDTH",
+    "SWEEP_MAX_ROWS",
     "interpreter_on",
     "kernel_config",
     "swap_pinned",
@@ -45,6 +46,10 @@ class MoKTileConfig:
     # (TMA). Without it the K loop gathers the rows itself (their indices loaded a step ahead, so it
     # still pipelines num_stages deep). Same products in the same order either way.
     gather_rows: bool = False
+    # Weight gradients: one program per (expert, row block) sweeps that block's output tiles in one
+    # loop over (tile, K step), so a tile's store and the next tile's first loads overlap
+    # (tiles.wgrad_sweep); without it a program per output tile. Same sums in the same order.
+    sweep: bool = False
 
 
 def interpreter_on() -> bool:
@@ -78,6 +83,12 @@ _TABLE: dict[str, MoKTileConfig] = {
     # ahead, so it pipelines num_stages deep), no copy. dW2: qwen3-30b-a3b 1.08 -> 0.83 ms,
     # olmoe 1.34 -> 1.11, deepseek-v3 6.25 -> 6.14 (BENCHMARKS.md, "kernel tuning").
     "wgrad_in_loop": MoKTileConfig(128, 256, 64, 8, 3, tma=True),
+    # Either weight gradient when the experts have few rows each (at most SWEEP_MAX_ROWS schedule rows
+    # per expert): a program per (expert, row block) sweeps its tiles, the by-token rows gathered in
+    # the loop (no copy). Alone, against the entries above (ms, dW13 / dW2): deepseek-v3 (383 rows
+    # an expert) 12.37 / 5.89 -> 9.68 / 4.81; gpt-oss-120b (639) 5.03 / 2.71 -> 4.60 / 2.54;
+    # 4096,7168,2048,384,8 (212) 12.29 / 6.61 -> 9.76 / 4.81 (s3); qwen3-30b-a3b (1151) lost 11-20 % (s3).
+    "wgrad_sweep": MoKTileConfig(128, 256, 64, 8, 4, tma=True, sweep=True),
     # The megakernel's down-dgrad tasks run the GEMM and the epilogue in one tile (one launch has
     # no second kernel to hand dA' to): 128x64, the widest whose epilogue fits the registers.
     "megakernel_down_dgrad": MoKTileConfig(128, 64, 64, 8, 3),
@@ -89,8 +100,9 @@ _TABLE: dict[str, MoKTileConfig] = {
 PINNED_KERNELS = tuple(_TABLE)
 # Kernels whose tile does not depend on the output width: the weight gradients and combine.
 _NEVER_NARROWED = frozenset(
-    {"combine", "wgrad", "wgrad_in_loop", "megakernel_wgrad", "megakernel_down_dgrad", "down_dgrad_epilogue"}
-)
+    {"combine", "wgrad", "wgrad_in_loop", "wgrad_sweep", "megakernel_wgrad", "megakernel_down_dgrad",
+     "down_dgrad_epilogue"}
+)  # fmt: skip
 _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
 
@@ -99,10 +111,18 @@ _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps
 # the K loop gathers the by-token rows itself ("wgrad_in_loop"); from it on they are copied first
 # ("wgrad"). A copy costs the same for any width, the GEMM grows with it.
 PRE_GATHER_MIN_WIDTH = 4096
+# At most this many schedule rows per expert (padding included: R_pad / E, known on the host), the
+# weight gradients sweep ("wgrad_sweep"): each output tile then sums 16 K steps or fewer, and a
+# program per tile would spend much of its time filling its pipeline and storing. The choice
+# changes no bits (the sweep sums every tile in the same order), only the time.
+SWEEP_MAX_ROWS = 1024
 
 
-def wgrad_kernel(by_row_width: int) -> str:
-    """The table entry of a weight gradient whose by-row operand (w*A or dh) is this many columns wide."""
+def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
+    """The table entry of a weight gradient whose by-row operand (w*A or dh) is this many columns
+    wide, over a schedule of this many rows (padding included) per expert."""
+    if rows_per_expert <= SWEEP_MAX_ROWS:
+        return "wgrad_sweep"
     return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
 
 
@@ -111,13 +131,13 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
 
     The only shape rule: a row-tile GEMM's BLOCK_N shrinks (to a power of two, at least 64) when
     the output is narrower than the table's tile, so small layers do not compute mostly-masked
-    tiles. The weight-gradient tiles never change (wgrad_kernel picks one of the two).
+    tiles. The weight-gradient tiles never change (wgrad_kernel picks one of the three).
 
     Raises:
         KeyError: an unknown kernel name.
     """
-    if interpreter_on():
-        return _INTERPRETER_COMBINE if kernel == "combine" else _INTERPRETER
+    if interpreter_on():  # small tiles, but the same loop structure (the sweep) as on the GPU
+        return _INTERPRETER_COMBINE if kernel == "combine" else replace(_INTERPRETER, sweep=_TABLE[kernel].sweep)
     cfg = _TABLE[kernel]
     if kernel not in _NEVER_NARROWED and n_out < cfg.block_n:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))

@@ -54,6 +54,7 @@ from mok_plugin.kernels.tiles import (
     gate_up_tile,
     grouped_pid,
     tile_rows,
+    wgrad_sweep,
     wgrad_tile,
 )
 
@@ -218,29 +219,47 @@ def _expert_wgrad_kernel(
     left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT, stride_left,
     stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SWEEP: tl.constexpr, D_W_TRANSPOSED: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
-    expert, so the programs running together read the same expert's rows."""
+    expert, so the programs running together read the same expert's rows. With SWEEP, (E *
+    cdiv(M_OUT, BLOCK_M),): a program per (expert, m-block) sweeps its n-blocks (tiles.wgrad_sweep)."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     M_OUT = aligned(M_OUT, ALIGN)
     N_OUT = aligned(N_OUT, ALIGN)
     stride_left = aligned(stride_left, ALIGN)
     stride_right = aligned(stride_right, ALIGN)
     stride_d_w_e = aligned(stride_d_w_e, ALIGN)
+    # d_w's unit stride (a constant 1 to the compiler) stays; its other one is restated too: unknown,
+    # it turned a 128x256 tile's store into 2-byte stores with a pointer per element (255 registers,
+    # spills in the sweep; H = 3000)
+    if D_W_TRANSPOSED:
+        stride_d_w_n = aligned(stride_d_w_n, ALIGN)
+    else:
+        stride_d_w_m = aligned(stride_d_w_m, ALIGN)
     num_pid_m = tl.cdiv(M_OUT, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
-    wgrad_tile(
-        pid // (num_pid_m * num_pid_n), pid_m, pid_n, left=left, right=right, d_w_ptr=d_w_ptr,
-        row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
-        tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=M_OUT, N_OUT=N_OUT, stride_left=stride_left,
-        stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m, stride_d_w_n=stride_d_w_n,
-        LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-    )
+    if SWEEP:
+        wgrad_sweep(
+            pid // num_pid_m, pid % num_pid_m, left=left, right=right, d_w_ptr=d_w_ptr,
+            row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
+            tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=M_OUT, N_OUT=N_OUT, stride_left=stride_left,
+            stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m,
+            stride_d_w_n=stride_d_w_n, LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        )
+    else:
+        pid_m, pid_n = grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
+        wgrad_tile(
+            pid // (num_pid_m * num_pid_n), pid_m, pid_n, left=left, right=right, d_w_ptr=d_w_ptr,
+            row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
+            tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=M_OUT, N_OUT=N_OUT, stride_left=stride_left,
+            stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m,
+            stride_d_w_n=stride_d_w_n, LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_expert_bias_grad"))
@@ -455,7 +474,8 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     by_row_width = N if left_by_token else M
-    cfg = config or kernel_config(wgrad_kernel(by_row_width), by_row_width)
+    rows_per_expert = row_to_token.shape[0] // max(E, 1)
+    cfg = config or kernel_config(wgrad_kernel(by_row_width, rows_per_expert), by_row_width)
     cfg = stages_for(cfg, left.dtype)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if right_by_token and not left_by_token and not cfg.gather_rows:
@@ -522,7 +542,8 @@ def _launch_wgrad(
 ) -> None:
     """One weight-gradient launch into d_w [E, M, N] (any strides)."""
     E, M, N = d_w.shape
-    grid = (E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    transposed = d_w.stride(2) != 1  # dW13's swapped launch writes a transposed view
+    grid = (E * triton.cdiv(M, cfg.block_m) * (1 if cfg.sweep else triton.cdiv(N, cfg.block_n)),)
     by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]
     tma = bool(by_row) and segment_align % cfg.block_k == 0 and tma_ok(cfg, *by_row)
     _expert_wgrad_kernel[grid](
@@ -531,7 +552,9 @@ def _launch_wgrad(
         expert_offsets, tokens_per_expert, M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(1),
         d_w.stride(2), LEFT_BY_TOKEN=left_by_token, RIGHT_BY_TOKEN=right_by_token, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
-        TMA=tma, ALIGN=alignment(M, N, left.stride(0), right.stride(0), d_w.stride(0)), num_warps=cfg.num_warps,
+        TMA=tma, SWEEP=cfg.sweep, D_W_TRANSPOSED=transposed,
+        ALIGN=alignment(M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(2 if transposed else 1)),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
