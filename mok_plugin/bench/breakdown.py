@@ -15,18 +15,25 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from mok_plugin.bench.timing import time_ms
+
 __all__ = ["host_time", "kernel_breakdown", "print_breakdown", "range_times"]
 
 
-def kernel_breakdown(work: Callable[[], object], iters: int = 3) -> list[dict]:
-    """GPU time per call of `work` of each kernel it launches (torch.profiler over `iters` calls),
-    most first: where the time goes, kernels timed inside the whole.
+def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float = 0.0) -> list[dict]:
+    """GPU time per call of `work` of each kernel it launches (torch.profiler over `iters` calls,
+    after `settle_s` seconds of the same work), most first: where the time goes, kernels timed
+    inside the whole.
 
     Returns:
         [{"kernel": name, "ms": per call, "launches": per call}], largest ms first.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    # Settled like the timings: after the pause before profiling the clock is back at its idle high
+    # (the dense GEMM: ~780 against ~660 TFLOP/s settled), and the kernels' sum would undercut the
+    # timed call by up to a fifth.
+    time_ms(work, 0, warmup=0, settle_s=settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             work()
