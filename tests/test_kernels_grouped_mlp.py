@@ -140,6 +140,39 @@ def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, 
     assert swept[empty].eq(0).all() and swept[~empty].ne(0).any(dim=(1, 2)).all()
 
 
+@pytest.mark.parametrize(
+    "left_by_token, gather_rows, transposed",
+    [(True, False, False), (False, False, True), (True, True, False), (False, True, False)],
+    ids=["dW2", "dW13_swapped", "dW2_pre_gathered", "dW13_pre_gathered"],
+)
+def test_weight_gradient_launch_passes_the_alignment_of_its_sizes_and_strides(
+    left_by_token, gather_rows, transposed, monkeypatch
+):
+    # H = 3000, I = 1000 (multiples of 8, not 16): ALIGN 8, and which inner stride of dW is the
+    # non-unit one (restated in the kernel); the unit stride must not pull ALIGN down to 1, which
+    # left the stores 2 bytes wide (8192, 3000, 1000, 160, 6: 13.99 ms against 8.52).
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(grouped_mlp, "_expert_wgrad_kernel", Recorder())
+    H, I, E, T = 3000, 1000, 3, 5
+    schedule = build_schedule(torch.tensor([[0], [1], [1], [2], [0]]), E, tile_m=DEFAULT_TILE_M)
+    by_token = torch.zeros(T, H, dtype=torch.float16)
+    by_row = torch.zeros(schedule.row_to_token.shape[0], I, dtype=torch.float16)
+    left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
+    grouped_mlp.expert_wgrad(
+        left, right, schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert,
+        left_by_token=left_by_token, right_by_token=not left_by_token, segment_align=schedule.tile_m,
+        config=MoKTileConfig(128, 256, 64, 8, 3, gather_rows=gather_rows),
+    )  # fmt: skip
+    assert launches
+    for _, kwargs in launches:
+        assert kwargs["ALIGN"] == 8 and kwargs["D_W_TRANSPOSED"] == transposed, kwargs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_down_dgrad_matches_float64(dtype):
     # down_dgrad is a GEMM into an fp32 dA' and an epilogue kernel; the same two launches the GPU
