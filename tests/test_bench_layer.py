@@ -181,3 +181,22 @@ def test_profile_lists_kernels_and_the_host_time(capsys):
     print_breakdown({**row, "host_ms": 2.26})
     out = capsys.readouterr().out
     assert "timed fwd+bwd 2.40 ms; host 2.26 ms)" in out and "94.0% x2   _expert_wgrad_kernel" in out
+
+
+def test_graph_replay_rows_print_with_their_ratio_or_why_not(capsys):
+    # --graphs: forward + backward replayed from a CUDA graph, a pass of its own with fwd+bwd's FLOPs
+    # and its ratio to the PyTorch path's replay; a provider that cannot be captured says why.
+    timing = {"ms": 2.0, "p20": 1.9, "p80": 2.1}
+    common = {"shape": "tiny", "dims": [64, 32, 16, 4, 2], "routing": "uniform", "error": None, "bitwise": True,
+              "peak_mib": 1.0, **{p: timing for p in layer.PASSES}}  # fmt: skip
+    rows = [
+        {**common, "provider": "mok-multi", layer.GRAPH_PASS: {"ms": 0.5, "p20": 0.5, "p80": 0.5}},
+        {**common, "provider": "torch", layer.GRAPH_PASS: {"ms": 1.0, "p20": 1.0, "p80": 1.0}},
+        {**common, "provider": "megatron", "graph_error": "operation not permitted when stream is capturing"},
+    ]
+    layer.print_table(rows, gemm=100.0)
+    lines = capsys.readouterr().out.splitlines()
+    graph_lines = [line for line in lines if "fwd+bwd graph" in line]
+    assert len(graph_lines) == 3
+    assert graph_lines[0].split()[3:6] == ["mok-multi", "fwd+bwd", "graph"] and "2.00x" in graph_lines[0]
+    assert "not captured (operation not permitted when stream is capturing)" in graph_lines[2]

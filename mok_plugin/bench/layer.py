@@ -49,12 +49,17 @@ from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
 __all__ = ["add_rounds", "bench_provider", "build_parser", "main", "time_passes"]
 
 PASSES = ("forward", "backward", "fwd+bwd")
+# --graphs: forward + backward captured once in a CUDA graph and replayed (its FLOPs are fwd+bwd's)
+GRAPH_PASS = "fwd+bwd graph"
 
 
 def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int,
-                   settle_s: float = SETTLE_S, family: MoKExpertFamily = SWIGLU) -> dict:  # fmt: skip
+                   settle_s: float = SETTLE_S, family: MoKExpertFamily = SWIGLU,
+                   graphs: bool = False) -> dict:  # fmt: skip
     """Check one provider, then time it: peak memory of a forward + backward, then forward,
-    backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load.
+    backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load;
+    with `graphs` also forward + backward replayed from a CUDA graph (GRAPH_PASS; "graph_error" says
+    why a provider could not be captured).
 
     Returns:
         {"provider", "error", "bitwise"} and, when error is None, "peak_mib", per pass
@@ -72,8 +77,37 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     fwd_bwd(fn, inputs)
     row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     row["samples"] = time_passes(fn, inputs, iters, settle_s)
+    if graphs:
+        try:
+            row["samples"][GRAPH_PASS] = time_graph_replay(fn, inputs, iters, settle_s)
+        except RuntimeError as why:  # a provider that reads the host mid-pass, or syncs
+            row["graph_error"] = str(why).splitlines()[0][:200]
+        torch.cuda.empty_cache()
     row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
     return row
+
+
+def time_graph_replay(fn: Callable, inputs: dict, iters: int, settle_s: float = SETTLE_S) -> list[float]:
+    """CUDA-event times in ms of a forward + backward captured once in a CUDA graph and replayed:
+    the GPU's time without the host's, as a training step captured whole (Megatron's CUDA graphs)
+    runs it. Small batches are bound by the host in eager mode; this is their floor on the GPU.
+
+    Raises:
+        RuntimeError: the provider cannot be captured (torch's capture error).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as capture requires
+        for _ in range(2):
+            fwd_bwd(fn, inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd(fn, inputs)
+    try:
+        return time_ms(graph.replay, iters, settle_s=settle_s)
+    finally:
+        del graph  # its memory pool goes with it
 
 
 def time_passes(fn: Callable, inputs: dict, iters: int, settle_s: float = SETTLE_S) -> dict[str, list[float]]:
@@ -147,6 +181,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="also list each provider's kernels by GPU time per forward + backward (torch.profiler), and the "
         "host's time to issue them",
+    )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time forward + backward captured once in a CUDA graph and replayed: the GPU's time without "
+        "the host's (small batches are host-bound in eager mode)",
     )
     parser.add_argument(
         "--memory",
@@ -246,7 +286,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             print(f"  {case} {provider}: skipped ({why})", flush=True)
             continue
         try:
-            row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family)
+            row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family, args.graphs)
         except NotImplementedError as why:  # a family the provider's op does not compute yet
             print(f"  {case} {provider}: skipped (not implemented: {why})", flush=True)
             torch.cuda.empty_cache()
@@ -286,7 +326,7 @@ def print_table(rows: list[dict], gemm: float) -> None:
     % of dense GEMM, peak MiB, the ratio to the torch provider of the same shape, expert family and
     routing, bitwise yes/no. Rows without "expert" (older JSON) are SwiGLU."""
     print(
-        f"{'shape':<16} {'expert':<16} {'routing':<8} {'provider':<10} {'pass':<8} {'ms':>8} {'p20-p80':>15} "
+        f"{'shape':<16} {'expert':<16} {'routing':<8} {'provider':<10} {'pass':<13} {'ms':>8} {'p20-p80':>15} "
         f"{'TFLOP/s':>8} {'%GEMM':>6} {'peak MiB':>9} {'vs torch':>8} {'bitwise':>7}"
     )
     for row in rows:
@@ -308,12 +348,15 @@ def print_table(rows: list[dict], gemm: float) -> None:
             ),
             None,
         )
-        for pass_name in PASSES:
+        if "graph_error" in row:
+            print(f"{head} {GRAPH_PASS}: not captured ({row['graph_error']})")
+        for pass_name in [p for p in (*PASSES, GRAPH_PASS) if p in row]:
             ms = row[pass_name]["ms"]
-            tflops = moe_flops(shape, pass_name, EXPERT_FAMILIES[expert]) / ms / 1e9
-            ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row else "-"
+            flops = moe_flops(shape, "fwd+bwd" if pass_name == GRAPH_PASS else pass_name, EXPERT_FAMILIES[expert])
+            tflops = flops / ms / 1e9
+            ratio = f"{torch_row[pass_name]['ms'] / ms:.2f}x" if torch_row and pass_name in torch_row else "-"
             print(
-                f"{head} {pass_name:<8} {ms:8.2f} {row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} "
+                f"{head} {pass_name:<13} {ms:8.2f} {row[pass_name]['p20']:7.2f}-{row[pass_name]['p80']:<7.2f} "
                 f"{tflops:8.0f} {100 * tflops / gemm:5.0f}% {row['peak_mib']:9.1f} {ratio:>8} "
                 f"{'yes' if row['bitwise'] else 'NO':>7}"
             )
