@@ -19,6 +19,9 @@
 #                           4096,7168,2048,384,8 (E 384, Kimi-K2-like) and 8192,3000,1000,160,6 (odd H and I)
 #              perf-small   qwen3-30b-a3b's dimensions at T = 1, 37, 512, 4096, uniform and skewed routing,
 #                           3 rounds of the two providers in turn (host-bound: the host's speed drifts)
+#              perf-graphs  the same T = 1, 37, 512 with forward + backward also replayed from a CUDA graph
+#                           (--graphs): the GPU's time without the host's, against the floor of writing
+#                           every expert's weight gradient
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
@@ -90,6 +93,12 @@ for part in "${parts[@]}"; do
             LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0} run_part "layer-$shape" python3 \
                 scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
                 --out "$out/layer-$shape"
+        done ;;
+    perf-graphs)
+        for tokens in 1 37 512; do
+            run_part "perf-graphs-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
+                --routing uniform skewed --providers mok-multi torch --iters 20 --graphs \
+                --out "$out/perf-graphs-T$tokens"
         done ;;
     perf | perf-coarse | perf-small)
         if [ "$part" != perf-small ]; then
