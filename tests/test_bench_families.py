@@ -131,14 +131,14 @@ def test_layer_case_skips_what_cannot_run_the_family(monkeypatch, capsys):
     cpu_inputs = providers.make_inputs
     monkeypatch.setattr(layer, "make_inputs", lambda *a, **k: cpu_inputs(*a, device="cpu", **k))
 
-    def fake_bench(name, fn, inputs, shape, expected, iters, settle_s, family):
+    def fake_bench(name, fn, inputs, shape, expected, iters, settle_s, family, graphs=False):
         if name == "mok-multi":
             raise NotImplementedError(f"the triton backend does not compute {family.describe()} experts yet")
         return {"provider": name, **providers.check_provider(fn, inputs, shape, expected, family)}
 
     monkeypatch.setattr(layer, "bench_provider", fake_bench)
     args = argparse.Namespace(providers=["mok-mega", "mok-multi", "torch", "liger"], seed=0, iters=1, settle_s=0.0,
-                              profile=False, memory=False, rounds=1)  # fmt: skip
+                              profile=False, memory=False, rounds=1, graphs=False)  # fmt: skip
     rows = layer._bench_case(args, "small", SHAPE, "gpt-oss", GPT_OSS, "uniform")
     out = capsys.readouterr().out
     assert "small gpt-oss uniform mok-mega: skipped (the megakernel (mok-mega) computes bias-free SwiGLU" in out
