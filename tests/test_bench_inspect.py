@@ -1,6 +1,7 @@
 """`mok bench inspect` compiles the kernels for Hopper (sm_90) on a machine without a GPU and reads
 how deep each K loop is pipelined from the TTGIR."""
 
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +71,28 @@ def test_sizes_that_are_multiples_of_8_but_not_16_keep_vector_loads(tmp_path):
     for path in ptx:
         # no 2-byte loads, nor 2-byte stores (the weight gradient's before its row stride was restated)
         assert "ld.global.b16" not in path.read_text() and "st.global.b16" not in path.read_text(), path.name
+
+
+def test_bias_gradient_kernels_keep_vector_loads_at_sizes_that_are_multiples_of_8():
+    # The bias gradients (a family with biases, H = 3000) restate their sizes and strides through
+    # ALIGN too: without it the bias-gradient kernel's row loads went 2 bytes wide (32 of them in its
+    # PTX, no vector load). Compiled in a process of its own: the tests run kernels interpreted.
+    code = """
+import json
+from mok_plugin.bench.inspect import compile_jit_for_hopper
+from mok_plugin.kernels import grouped_mlp as gm
+kernels = [(gm._bias_grad_kernel, {"BY_TOKEN": True, "BLOCK_K": 32, "BLOCK_N": 128}, ()),
+           (gm._bias_router_grad_kernel, {"TILE_M": 128, "BLOCK_M": 32, "BLOCK_N": 128}, ("slot",))]
+counts = {}
+for fn, constexprs, scalars in kernels:
+    for align in (16, 8):
+        ptx = compile_jit_for_hopper(fn, constexprs, align, scalars=scalars, num_warps=4, num_stages=1).asm["ptx"]
+        counts[f"{fn.__name__} {align}"] = [ptx.count("ld.global.b16"), ptx.count("ld.global.v")]
+print(json.dumps(counts))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = json.loads(run.stdout.splitlines()[-1])
+    for name in ("_bias_grad_kernel", "_bias_router_grad_kernel"):
+        assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][1] > 0, counts

@@ -31,14 +31,15 @@ from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
 from mok_plugin.kernels.launch import is_size_or_stride
 
-__all__ = ["compile_for_hopper", "main", "pipeline_report", "resource_usage"]
+__all__ = ["compile_for_hopper", "compile_jit_for_hopper", "main", "pipeline_report", "resource_usage"]
 
 KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "row_to_tk_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr",
                   "tile_to_expert_ptr"}  # fmt: skip
-FP32_POINTERS = {"topk_weights_ptr", "d_w_partial_ptr", "d_a_ptr"}  # d_a_ptr: down_dgrad's fp32 dA'
+# d_a_ptr: down_dgrad's fp32 dA'; scale_ptr: the routing weights a bias gradient scales rows by
+FP32_POINTERS = {"topk_weights_ptr", "d_w_partial_ptr", "d_a_ptr", "scale_ptr"}
 WIDE = 4096  # an output width that no pinned config narrows for
 SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 
@@ -94,8 +95,18 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
     align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
     8), which Triton then knows nothing about, and ALIGN = align (launch.alignment)."""
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
-    constexprs["ALIGN"] = align
-    descriptors = _descriptor_blocks(kernel, cfg)
+    return compile_jit_for_hopper(fn, constexprs, align, _descriptor_blocks(kernel, cfg), num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)  # fmt: skip
+
+
+def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: dict | None = None,
+                           scalars: tuple[str, ...] = (), num_warps: int = 8, num_stages: int = 3):  # fmt: skip
+    """A jit function compiled for sm_90 with these constexprs (ALIGN = align) and its other
+    arguments typed by the kernels' naming: bf16 pointers but the int64 and fp32 ones named above,
+    `descriptors` as tensor descriptors of those block shapes, 32-bit sizes and strides divisible by
+    16 only when align is 16, and `scalars` as plain 32-bit integers."""
+    constexprs = dict(constexprs, ALIGN=align)
+    descriptors = descriptors or {}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -103,6 +114,9 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
             continue
         if name in descriptors:
             signature[name] = f"tensordesc<bf16{descriptors[name]}>"
+            continue
+        if name in scalars:
+            signature[name] = "i32"
             continue
         if _is_pointer(name):
             signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
@@ -112,7 +126,7 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
-    return triton.compile(source, target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def pipeline_report(ttgir: str) -> dict:

@@ -265,9 +265,12 @@ def _expert_wgrad_kernel(
 @triton.jit(launch_metadata=launch_metadata("mok_expert_bias_grad"))
 def _bias_grad_kernel(
     src, scale_ptr, d_b_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, N, stride_src,
-    stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (E, cdiv(N, BLOCK_N)); program (e, n) owns bias-gradient block (e, n)."""
+    N = aligned(N, ALIGN)  # sizes and strides restated as multiples of ALIGN (tiles.aligned)
+    stride_src = aligned(stride_src, ALIGN)
+    stride_d_b_e = aligned(stride_d_b_e, ALIGN)
     bias_grad_tile(
         tl.program_id(0), tl.program_id(1), src=src, scale_ptr=scale_ptr, d_b_ptr=d_b_ptr,
         row_to_token_ptr=row_to_token_ptr, expert_offsets_ptr=expert_offsets_ptr,
@@ -279,9 +282,12 @@ def _bias_grad_kernel(
 @triton.jit(launch_metadata=launch_metadata("mok_bias_router_grad"))
 def _bias_router_grad_kernel(
     d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
-    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M,); program m writes partial column `slot` of row block m."""
+    H = aligned(H, ALIGN)  # sizes and strides restated as multiples of ALIGN (tiles.aligned)
+    stride_d_out_t = aligned(stride_d_out_t, ALIGN)
+    stride_b2_e = aligned(stride_b2_e, ALIGN)
     bias_router_grad_tile(
         tl.program_id(0), d_out_ptr=d_out_ptr, b2_ptr=b2_ptr, d_w_partial_ptr=d_w_partial_ptr,
         row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, stride_d_out_t=stride_d_out_t,
@@ -426,7 +432,7 @@ def down_dgrad(
         _bias_router_grad_kernel[(num_rows // block_m,)](
             d_out, down_bias, partial, row_to_token, tile_to_expert, H, d_out.stride(0), down_bias.stride(0),
             partial.stride(0), i_blocks, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=epi.block_n,
-            num_warps=epi.num_warps,
+            ALIGN=alignment(H, d_out.stride(0), down_bias.stride(0)), num_warps=epi.num_warps,
         )
     return d_h, a, partial
 
@@ -582,6 +588,7 @@ def expert_bias_grad(
     block_k, block_n = _BIAS_GRAD_BLOCK
     _bias_grad_kernel[(E, triton.cdiv(N, block_n))](
         src, scale, d_b, row_to_token, expert_offsets, tokens_per_expert, N, src.stride(0), d_b.stride(0),
-        BY_TOKEN=by_token, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+        BY_TOKEN=by_token, BLOCK_K=block_k, BLOCK_N=block_n, ALIGN=alignment(N, src.stride(0), d_b.stride(0)),
+        num_warps=4,
     )
     return d_b

@@ -41,8 +41,8 @@ def alignment(*values: int) -> int:
 
 def is_size_or_stride(name: str) -> bool:
     """Whether a kernel argument is one of the sizes and strides the kernels restate through ALIGN
-    (their names: H, I, N1, M_OUT, N_OUT and stride_*)."""
-    return name in ("H", "I", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
+    (their names: H, I, N, N1, M_OUT, N_OUT and stride_*)."""
+    return name in ("H", "I", "N", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
