@@ -73,26 +73,34 @@ def test_sizes_that_are_multiples_of_8_but_not_16_keep_vector_loads(tmp_path):
         assert "ld.global.b16" not in path.read_text() and "st.global.b16" not in path.read_text(), path.name
 
 
-def test_bias_gradient_kernels_keep_vector_loads_at_sizes_that_are_multiples_of_8():
-    # The bias gradients (a family with biases, H = 3000) restate their sizes and strides through
-    # ALIGN too: without it the bias-gradient kernel's row loads went 2 bytes wide (32 of them in its
-    # PTX, no vector load). Compiled in a process of its own: the tests run kernels interpreted.
+def test_bias_gradient_kernels_and_megakernels_keep_vector_loads_at_sizes_that_are_multiples_of_8():
+    # The kernels outside the tile table restate their sizes and strides through ALIGN too (a family
+    # with biases, or the megakernel, at H = 3000): without it, at ALIGN 8, the bias-gradient
+    # kernel's row loads went 2 bytes wide (32 in its PTX, no vector load) and the megakernels had
+    # 256-400 two-byte loads and ran unpipelined (48 KiB of shared memory instead of 144-192).
+    # Compiled in a process of its own: the tests run kernels interpreted.
     code = """
 import json
 from mok_plugin.bench.inspect import compile_jit_for_hopper
-from mok_plugin.kernels import grouped_mlp as gm
-kernels = [(gm._bias_grad_kernel, {"BY_TOKEN": True, "BLOCK_K": 32, "BLOCK_N": 128}, ()),
-           (gm._bias_router_grad_kernel, {"TILE_M": 128, "BLOCK_M": 32, "BLOCK_N": 128}, ("slot",))]
+from mok_plugin.kernels import grouped_mlp as gm, megakernel as mk
+tiles = dict(K=8, TILE_M=128, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, COMBINE_BM=8, COMBINE_BN=256, DOT_PRECISION="tf32")
+kernels = [(gm._bias_grad_kernel, {"BY_TOKEN": True, "BLOCK_K": 32, "BLOCK_N": 128}, (), 4),
+           (gm._bias_router_grad_kernel, {"TILE_M": 128, "BLOCK_M": 32, "BLOCK_N": 128}, ("slot",), 4),
+           (mk._forward_megakernel, dict(tiles, BN_GATE_UP=128, BN_DOWN=256), (), 8),
+           (mk._backward_megakernel, dict(tiles, BN_DGRAD=64, BN_DX=256, WG_BM=128, WG_BN=128, WG_BK=64,
+                                          ROUTER_BLOCK=128), ("T", "E", "NUM_ROWS"), 8)]
 counts = {}
-for fn, constexprs, scalars in kernels:
+for fn, constexprs, scalars, warps in kernels:
     for align in (16, 8):
-        ptx = compile_jit_for_hopper(fn, constexprs, align, scalars=scalars, num_warps=4, num_stages=1).asm["ptx"]
-        counts[f"{fn.__name__} {align}"] = [ptx.count("ld.global.b16"), ptx.count("ld.global.v")]
+        compiled = compile_jit_for_hopper(fn, constexprs, align, scalars=scalars, num_warps=warps, num_stages=3)
+        ptx = compiled.asm["ptx"]
+        counts[f"{fn.__name__} {align}"] = [ptx.count("ld.global.b16"), ptx.count("st.global.b16"),
+                                            ptx.count("ld.global.v"), compiled.metadata.shared]
 print(json.dumps(counts))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     counts = json.loads(run.stdout.splitlines()[-1])
-    for name in ("_bias_grad_kernel", "_bias_router_grad_kernel"):
-        assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][1] > 0, counts
+    for name in ("_bias_grad_kernel", "_bias_router_grad_kernel", "_forward_megakernel", "_backward_megakernel"):
+        assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][2] > 0, counts

@@ -37,9 +37,10 @@ KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "row_to_tk_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr",
-                  "tile_to_expert_ptr"}  # fmt: skip
+                  "tile_to_expert_ptr", "tk_to_row_ptr"}  # fmt: skip
+INT32_POINTERS = {"counters_ptr"}  # the megakernels' tickets
 # d_a_ptr: down_dgrad's fp32 dA'; scale_ptr: the routing weights a bias gradient scales rows by
-FP32_POINTERS = {"topk_weights_ptr", "d_w_partial_ptr", "d_a_ptr", "scale_ptr"}
+FP32_POINTERS = {"topk_weights_ptr", "d_w_partial_ptr", "d_a_ptr", "scale_ptr", "partial_ptr", "d_topk_ptr"}
 WIDE = 4096  # an output width that no pinned config narrows for
 SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper
 
@@ -102,7 +103,7 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
 def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: dict | None = None,
                            scalars: tuple[str, ...] = (), num_warps: int = 8, num_stages: int = 3):  # fmt: skip
     """A jit function compiled for sm_90 with these constexprs (ALIGN = align) and its other
-    arguments typed by the kernels' naming: bf16 pointers but the int64 and fp32 ones named above,
+    arguments typed by the kernels' naming: bf16 pointers but the int64, int32 and fp32 ones named above,
     `descriptors` as tensor descriptors of those block shapes, 32-bit sizes and strides divisible by
     16 only when align is 16, and `scalars` as plain 32-bit integers."""
     constexprs = dict(constexprs, ALIGN=align)
@@ -119,7 +120,8 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
             signature[name] = "i32"
             continue
         if _is_pointer(name):
-            signature[name] = "*i64" if name in INT64_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
+            signature[name] = ("*i64" if name in INT64_POINTERS else "*i32" if name in INT32_POINTERS
+                               else "*fp32" if name in FP32_POINTERS else "*bf16")  # fmt: skip
         else:
             signature[name] = "i32"
         if align == 16 or not is_size_or_stride(name):

@@ -60,8 +60,9 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
-from mok_plugin.kernels.launch import check_schedule, dot_precision, routing_weights_arg, stages_for
+from mok_plugin.kernels.launch import alignment, check_schedule, dot_precision, routing_weights_arg, stages_for
 from mok_plugin.kernels.tiles import (
+    aligned,
     combine_tile,
     down_dgrad_tile,
     down_tile,
@@ -100,12 +101,19 @@ def _forward_megakernel(
     tk_to_row_ptr, counters_ptr, NUM_ROWS, T, H, I, stride_x_t, stride_w13_e, stride_w13_n, stride_w2_e, stride_w2_h,
     stride_h_r, stride_a_r, stride_y_r, stride_out_t, K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr, GROUP_M: tl.constexpr,
-    COMBINE_BM: tl.constexpr, COMBINE_BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMBINE_BM: tl.constexpr, COMBINE_BN: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (number of SMs,). Each program takes tickets until the forward task list is done.
 
     Arguments:
         counters_ptr: (2 + R_pad / BLOCK_M,) int32 zeroed: [ticket, down_done, ready_rows...]"""
+    # sizes and row strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    H, I = aligned(H, ALIGN), aligned(I, ALIGN)
+    stride_x_t, stride_out_t = aligned(stride_x_t, ALIGN), aligned(stride_out_t, ALIGN)
+    stride_w13_e, stride_w13_n = aligned(stride_w13_e, ALIGN), aligned(stride_w13_n, ALIGN)
+    stride_w2_e, stride_w2_h = aligned(stride_w2_e, ALIGN), aligned(stride_w2_h, ALIGN)
+    stride_h_r, stride_a_r = aligned(stride_h_r, ALIGN), aligned(stride_a_r, ALIGN)
+    stride_y_r = aligned(stride_y_r, ALIGN)
     n_rb = NUM_ROWS // BLOCK_M
     n_i = tl.cdiv(I, BN_GATE_UP)
     n_h = tl.cdiv(H, BN_DOWN)
@@ -160,12 +168,23 @@ def _backward_megakernel(
     stride_dw13_m, stride_dw2_e, stride_dw2_m, K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BN_DGRAD: tl.constexpr, BN_DX: tl.constexpr, WG_BM: tl.constexpr, WG_BN: tl.constexpr,
     WG_BK: tl.constexpr, GROUP_M: tl.constexpr, COMBINE_BM: tl.constexpr, COMBINE_BN: tl.constexpr,
-    ROUTER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROUTER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (number of SMs,). Each program takes tickets until the backward task list is done.
 
     Arguments:
         counters_ptr: (4 + R_pad / BLOCK_M + E,) int32 zeroed: [ticket, dgrad_done, dx_done, -, rows..., experts...]"""
+    # sizes and the bf16 row strides restated as multiples of ALIGN (tiles.aligned); the fp32
+    # partials' stride is left as it is
+    H, I = aligned(H, ALIGN), aligned(I, ALIGN)
+    stride_d_out_t, stride_x_t = aligned(stride_d_out_t, ALIGN), aligned(stride_x_t, ALIGN)
+    stride_dx_t = aligned(stride_dx_t, ALIGN)
+    stride_w13_e, stride_w13_n = aligned(stride_w13_e, ALIGN), aligned(stride_w13_n, ALIGN)
+    stride_w2_e, stride_w2_h = aligned(stride_w2_e, ALIGN), aligned(stride_w2_h, ALIGN)
+    stride_h_r, stride_a_r = aligned(stride_h_r, ALIGN), aligned(stride_a_r, ALIGN)
+    stride_dxr_r = aligned(stride_dxr_r, ALIGN)
+    stride_dw13_e, stride_dw13_m = aligned(stride_dw13_e, ALIGN), aligned(stride_dw13_m, ALIGN)
+    stride_dw2_e, stride_dw2_m = aligned(stride_dw2_e, ALIGN), aligned(stride_dw2_m, ALIGN)
     n_rb = NUM_ROWS // BLOCK_M
     n_i = tl.cdiv(I, BN_DGRAD)
     n_dgrad = n_rb * n_i
@@ -298,8 +317,10 @@ def forward_megakernel(
         down_proj.stride(1), h.stride(0), a.stride(0), y.stride(0), out.stride(0), K=top_k, TILE_M=tile_m,
         BLOCK_M=block_m, BLOCK_K=block_k, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n, GROUP_M=gu.group_m,
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, DOT_PRECISION=dot_precision(x.dtype),
+        ALIGN=alignment(H, I, x.stride(0), out.stride(0), *gate_up_proj.stride()[:2], *down_proj.stride()[:2],
+                        h.stride(0), a.stride(0), y.stride(0)),
         num_warps=gu.num_warps, num_stages=gu.num_stages,
-    )
+    )  # fmt: skip
     return out, h
 
 
@@ -342,5 +363,8 @@ def backward_megakernel(
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
         # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
         DOT_PRECISION=dot_precision(dt), num_warps=dg.num_warps, num_stages=stages_for(wg, dt).num_stages,
-    )
+        ALIGN=alignment(H, I, d_out.stride(0), x.stride(0), d_x.stride(0), *gate_up_proj.stride()[:2],
+                        *down_proj.stride()[:2], h.stride(0), a_weighted.stride(0), d_x_rows.stride(0),
+                        *d_w13.stride()[:2], *d_w2.stride()[:2]),
+    )  # fmt: skip
     return d_x, d_topk.view(T, top_k), d_w13, d_w2
