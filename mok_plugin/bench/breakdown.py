@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from mok_plugin.bench.timing import time_ms
+from mok_plugin.bench.timing import settle
 
 __all__ = ["host_time", "kernel_breakdown", "print_breakdown", "range_times"]
 
@@ -33,7 +33,7 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
     # Settled like the timings: after the pause before profiling the clock is back at its idle high
     # (the dense GEMM: ~780 against ~660 TFLOP/s settled), and the kernels' sum would undercut the
     # timed call by up to a fifth.
-    time_ms(work, 0, warmup=0, settle_s=settle_s)
+    settle(work, settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             work()

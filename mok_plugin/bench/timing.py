@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SETTLE_S", "slowest_rank_median", "summarize", "time_ms"]
+__all__ = ["SETTLE_S", "settle", "slowest_rank_median", "summarize", "time_ms"]
 
 # The H200 holds its 700 W cap by lowering the SM clock under sustained load (1980 MHz after an
 # idle spell, mostly 1440-1650 MHz once loaded), so work timed in its first calls after idle runs fast:
@@ -21,6 +21,16 @@ __all__ = ["SETTLE_S", "slowest_rank_median", "summarize", "time_ms"]
 # `settle_s`, so the dense ceiling and each provider are measured at the clock the chip holds while
 # training, the same for all of them.
 SETTLE_S = 1.0
+
+
+def settle(fn: Callable[[], object], seconds: float) -> None:
+    """Call `fn` back to back (each call synchronized) for at least `seconds`, so what follows runs at
+    the clock the chip holds under load (see SETTLE_S); returns at once for 0."""
+    torch.cuda.synchronize()
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        fn()
+        torch.cuda.synchronize()
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, settle_s: float = 0.0) -> list[float]:
@@ -37,11 +47,7 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, settle_s: flo
     """
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    deadline = time.perf_counter() + settle_s
-    while time.perf_counter() < deadline:
-        fn()
-        torch.cuda.synchronize()
+    settle(fn, settle_s)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -25,7 +25,7 @@ from mok_plugin.bench.timing import time_ms
 from mok_plugin.bench.tuning import parse_tile_config, tile_config_label, tile_config_spec
 from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.combine import combine_rows
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_kernel
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_config
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
 
@@ -82,7 +82,6 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
     y = gm.down_fwd(a, w2, *weights, *rt)
     d_h, a2, _ = gm.down_dgrad(d_out, w2, h, *weights, *rt)
     seg = (s.row_to_token, s.expert_offsets, s.tokens_per_expert)
-    rows_per_expert = s.row_to_token.shape[0] // E
     kernels = {
         # name: (flops, fn(config), default config)
         "gate_up_fwd": (
@@ -110,14 +109,14 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             lambda c: gm.expert_wgrad(
                 d_out, a2, *seg, left_by_token=True, right_by_token=False, segment_align=s.tile_m, config=c
             ),
-            kernel_config(wgrad_kernel(I, rows_per_expert), I),
+            wgrad_config(I, s.row_to_token.shape[0], E),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
             lambda c: gm.expert_wgrad(
                 d_h, x, *seg, left_by_token=False, right_by_token=True, segment_align=s.tile_m, config=c
             ),
-            kernel_config(wgrad_kernel(2 * I, rows_per_expert), 2 * I),
+            wgrad_config(2 * I, s.row_to_token.shape[0], E),
         ),
     }
     fixed = {

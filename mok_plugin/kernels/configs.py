@@ -23,6 +23,7 @@ __all__ = [
     "interpreter_on",
     "kernel_config",
     "swap_pinned",
+    "wgrad_config",
     "wgrad_kernel",
 ]
 
@@ -124,6 +125,12 @@ def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
     if rows_per_expert <= SWEEP_MAX_ROWS:
         return "wgrad_sweep"
     return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
+
+
+def wgrad_config(by_row_width: int, num_rows: int, num_experts: int) -> MoKTileConfig:
+    """The pinned config of a weight gradient whose by-row operand is this many columns wide, over a
+    schedule of num_rows rows (R_pad, padding included) for num_experts experts."""
+    return kernel_config(wgrad_kernel(by_row_width, num_rows // max(num_experts, 1)), by_row_width)
 
 
 def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_kernel
+from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_config
 from mok_plugin.kernels.launch import (
     alignment,
     check_schedule,
@@ -480,8 +480,7 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     by_row_width = N if left_by_token else M
-    rows_per_expert = row_to_token.shape[0] // max(E, 1)
-    cfg = config or kernel_config(wgrad_kernel(by_row_width, rows_per_expert), by_row_width)
+    cfg = config or wgrad_config(by_row_width, row_to_token.shape[0], E)
     cfg = stages_for(cfg, left.dtype)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if right_by_token and not left_by_token and not cfg.gather_rows:
