@@ -183,6 +183,25 @@ def test_profile_lists_kernels_and_the_host_time(capsys):
     assert "timed fwd+bwd 2.40 ms; host 2.26 ms)" in out and "94.0% x2   _expert_wgrad_kernel" in out
 
 
+def test_idle_gaps_sum_the_time_no_kernel_covers_by_the_kernels_around_it(capsys):
+    # Two calls of three kernels (us): a 100 us wait before "b" each call, 20 us before "c" in the
+    # second; "x" overlaps "a" on another stream (no gap). Per call: span, idle and the largest gap.
+    from mok_plugin.bench.breakdown import idle_gaps, print_breakdown
+
+    spans = [(0, 50, "a"), (10, 40, "x"), (150, 200, "b"), (200, 300, "c"),
+             (1000, 1050, "a"), (1150, 1200, "b"), (1220, 1300, "c")]  # fmt: skip
+    gaps = idle_gaps(spans, iters=2)
+    assert gaps["span_ms"] == pytest.approx(0.65) and gaps["idle_ms"] == pytest.approx(0.46)
+    largest = [(round(g["ms"], 6), g["after"], g["before"]) for g in gaps["largest"]]
+    assert largest == [(0.35, "c", "a"), (0.1, "a", "b"), (0.01, "b", "c")]
+    assert idle_gaps([], iters=3) == {"span_ms": 0.0, "idle_ms": 0.0, "largest": []}
+    row = {"shape": "tiny", "routing": "uniform", "provider": "mok-multi", "fwd+bwd": {"ms": 0.7},
+           "kernels": [{"kernel": "a", "ms": 0.1, "launches": 1}], "idle": gaps}  # fmt: skip
+    print_breakdown(row)
+    out = capsys.readouterr().out
+    assert "idle between kernels 0.460 ms of a 0.65 ms span per call" in out and "after c  before a" in out
+
+
 def test_graph_replay_rows_print_with_their_ratio_or_why_not(capsys):
     # --graphs: forward + backward replayed from a CUDA graph, a pass of its own with fwd+bwd's FLOPs
     # and its ratio to the PyTorch path's replay; a provider that cannot be captured says why.

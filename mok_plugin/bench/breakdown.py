@@ -1,7 +1,7 @@
 """torch.profiler readers: GPU time per kernel, and device time per named range.
 
-`kernel_breakdown` says where a layer's time goes, kernel by kernel; `host_time` how long the host
-takes to issue it (where that exceeds the kernels' sum, the host bounds the layer: small batches).
+`kernel_breakdown` says where a layer's time goes, kernel by kernel, and where the GPU sat idle
+between them (`idle_gaps`); `host_time` how long the host takes to issue it (where that exceeds the kernels' sum, the host bounds the layer: small batches).
 `range_times` reads the
 `torch.profiler.record_function` ranges the layer opens around its expert-parallel stages
 (`mok_plugin.ep.dispatch`, `.experts`, `.combine`), one value per occurrence, so a benchmark gets
@@ -17,35 +17,62 @@ import torch
 
 from mok_plugin.bench.timing import settle
 
-__all__ = ["host_time", "kernel_breakdown", "print_breakdown", "range_times"]
+__all__ = ["host_time", "idle_gaps", "kernel_breakdown", "print_breakdown", "range_times"]
 
 
-def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float = 0.0) -> list[dict]:
+def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float = 0.0) -> tuple[list[dict], dict]:
     """GPU time per call of `work` of each kernel it launches (torch.profiler over `iters` calls,
     after `settle_s` seconds of the same work), most first: where the time goes, kernels timed
-    inside the whole.
+    inside the whole; and where the GPU waited between them (`idle_gaps`).
 
     Returns:
-        [{"kernel": name, "ms": per call, "launches": per call}], largest ms first.
+        ([{"kernel": name, "ms": per call, "launches": per call}] largest ms first, idle_gaps' dict).
     """
     from torch.profiler import ProfilerActivity, profile
 
-    # Settled like the timings: after the pause before profiling the clock is back at its idle high
-    # (the dense GEMM: ~780 against ~660 TFLOP/s settled), and the kernels' sum would undercut the
-    # timed call by up to a fifth.
     settle(work, settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             work()
         torch.cuda.synchronize()
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time / 1000 / iters
-            entry[1] += 1
+    for event in device_events:
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.device_time / 1000 / iters
+        entry[1] += 1
     rows = [{"kernel": name, "ms": ms, "launches": count // iters} for name, (ms, count) in totals.items()]
-    return sorted(rows, key=lambda r: -r["ms"])
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
+    return sorted(rows, key=lambda r: -r["ms"]), idle_gaps(spans, iters)
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], iters: int, top: int = 5) -> dict:
+    """Where the device sat idle between its kernels: spans are (start us, end us, name) of every
+    device event of `iters` calls issued back to back. A kernel's sum can be well under the timed
+    call when the GPU waits in between (a synchronisation, a slow launch, an allocation).
+
+    Returns:
+        {"span_ms": first start to last end, per call; "idle_ms": time covered by no event, per
+        call; "largest": [{"ms": per call, "after": kernel, "before": kernel}] the `top` gaps by
+        the pair of kernels around them, summed over the calls}.
+    """
+    if not spans:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "largest": []}
+    ordered = sorted(spans)
+    busy_until, previous = ordered[0][1], ordered[0][2]
+    by_pair: dict[tuple[str, str], float] = {}
+    for start, end, name in ordered[1:]:
+        if start > busy_until:
+            key = (previous, name)
+            by_pair[key] = by_pair.get(key, 0.0) + (start - busy_until) / 1000 / iters
+        if end > busy_until:
+            busy_until, previous = end, name
+    largest = sorted(by_pair.items(), key=lambda item: -item[1])[:top]
+    return {
+        "span_ms": (busy_until - ordered[0][0]) / 1000 / iters,
+        "idle_ms": sum(by_pair.values()),
+        "largest": [{"ms": ms, "after": after, "before": before} for (after, before), ms in largest],
+    }
 
 
 def host_time(work: Callable[[], object], iters: int = 20) -> float:
@@ -61,7 +88,8 @@ def host_time(work: Callable[[], object], iters: int = 20) -> float:
 
 
 def print_breakdown(row: dict) -> None:
-    """Print a layer-benchmark row's "kernels" entry (kernels of at least 5 us)."""
+    """Print a layer-benchmark row's "kernels" entry (kernels of at least 5 us) and, where measured,
+    its "idle" entry (the GPU's idle time between kernels, the largest gaps)."""
     kernels = row["kernels"]
     total = sum(k["ms"] for k in kernels)
     host = f"; host {row['host_ms']:.2f} ms" if "host_ms" in row else ""
@@ -70,6 +98,11 @@ def print_breakdown(row: dict) -> None:
     for k in kernels:
         if k["ms"] >= 0.005:
             print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")
+    idle = row.get("idle")
+    if idle:
+        print(f"  idle between kernels {idle['idle_ms']:.3f} ms of a {idle['span_ms']:.2f} ms span per call; largest:")
+        for gap in idle["largest"]:
+            print(f"  {gap['ms']:7.3f} ms  after {gap['after'][:50]}  before {gap['before'][:50]}")
 
 
 def range_times(events: Iterable, names: Iterable[str]) -> dict[str, list[float]]:

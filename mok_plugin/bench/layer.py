@@ -292,7 +292,8 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             torch.cuda.empty_cache()
             continue
         if args.profile and not row["error"]:
-            row["kernels"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs), settle_s=args.settle_s)
+            row["kernels"], row["idle"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs),
+                                                           settle_s=args.settle_s)  # fmt: skip
             row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         if args.memory and not row["error"]:
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
