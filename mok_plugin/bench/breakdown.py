@@ -1,8 +1,8 @@
 """torch.profiler readers: GPU time per kernel, and device time per named range.
 
 `kernel_breakdown` says where a layer's time goes, kernel by kernel, and where the GPU sat idle
-between them (`idle_gaps`); `host_time` how long the host takes to issue it (where that exceeds the kernels' sum, the host bounds the layer: small batches).
-`range_times` reads the
+between them (`idle_gaps`); `host_time` how long the host takes to issue it (where that exceeds the
+kernels' sum, the host bounds the layer: small batches). `range_times` reads the
 `torch.profiler.record_function` ranges the layer opens around its expert-parallel stages
 (`mok_plugin.ep.dispatch`, `.experts`, `.combine`), one value per occurrence, so a benchmark gets
 per-stage times without a hook in the layer.
