@@ -1,0 +1,157 @@
+"""Blockwise FP8 (issue 25), the definition: the recipe Megatron's flags select, the PyTorch quantisers
+that define the numbers, and the Triton helpers the fused kernels will quantise with, which must give
+those numbers bit for bit (interpreted on the CPU, compiled on a GPU)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mok_plugin.fp8.quantize import (
+    block_scales,
+    dequantize_1d,
+    dequantize_2d,
+    fp8_round,
+    quantize_1d,
+    quantize_2d,
+)
+from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
+from mok_plugin.kernels.fp8 import block_scale, round_to_fp8_grid
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+
+
+def test_megatron_flags_select_the_blockwise_recipe_or_are_refused_by_name():
+    assert BlockwiseFP8Recipe.from_megatron("e4m3", "blockwise") == BlockwiseFP8Recipe(E4M3, E4M3)
+    hybrid = BlockwiseFP8Recipe.from_megatron("hybrid", "blockwise")
+    assert (hybrid.forward, hybrid.backward, hybrid.block, hybrid.power_of_2_scales) == (E4M3, E5M2, 128, True)
+    for recipe in ("delayed", "tensorwise", "mxfp8", "custom"):
+        with pytest.raises(ValueError, match=f"--fp8-recipe {recipe}: .*blockwise recipe only"):
+            BlockwiseFP8Recipe.from_megatron("e4m3", recipe)
+    with pytest.raises(ValueError, match="--fp8-recipe 'blockwize': unknown"):
+        BlockwiseFP8Recipe.from_megatron("e4m3", "blockwize")
+    with pytest.raises(ValueError, match="--fp8-format 'e5m2': MoK's blockwise recipe takes e4m3 or hybrid"):
+        BlockwiseFP8Recipe.from_megatron("e5m2", "blockwise")
+    with pytest.raises(ValueError, match="power of two"):
+        BlockwiseFP8Recipe(block=96)
+
+
+@FORMATS
+def test_formats_describe_torch_dtypes(fmt):
+    info = torch.finfo(fmt.dtype)
+    assert info.max == fmt.max and info.smallest_normal == 2.0**fmt.min_normal_exponent
+    assert torch.tensor(fmt.subnormal_step).to(fmt.dtype).float() == fmt.subnormal_step
+    assert torch.tensor(fmt.subnormal_step / 2).to(fmt.dtype).float() == 0  # a tie below it: to even, 0
+
+
+@FORMATS
+def test_block_scales_are_powers_of_two_that_never_saturate(fmt):
+    g = torch.Generator().manual_seed(1)
+    amax = torch.rand(1000, generator=g) * torch.exp2(torch.randint(-30, 30, (1000,), generator=g).float())
+    scale = block_scales(amax, fmt)
+    mantissa, _ = torch.frexp(scale)
+    assert (mantissa == 0.5).all()  # a power of two
+    assert (amax * scale <= fmt.max).all() and (amax * scale > fmt.max / 2).all()  # top binade, no overflow
+    exact = block_scales(amax, fmt, power_of_2=False)
+    assert torch.allclose(amax * exact, torch.full_like(amax, fmt.max), rtol=1e-6)
+    # an all-zero block takes scale 1; one so small that max / amax overflows the largest finite scale
+    assert block_scales(torch.tensor([0.0]), fmt).item() == 1.0
+    assert block_scales(torch.tensor([1e-45]), fmt).item() == 2.0**127
+
+
+@FORMATS
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_quantize_1d_blocks_along_a_dimension_within_half_a_grid_step(fmt, dim):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 200, generator=g) * torch.exp2(torch.randint(-8, 8, (300, 1), generator=g).float())
+    data, scale_inv = quantize_1d(x, fmt, block=128, dim=dim)
+    assert data.dtype == fmt.dtype and data.shape == x.shape
+    assert scale_inv.shape == ((300, 2) if dim == -1 else (3, 200))  # 200 -> 2 blocks, 300 -> 3 (a partial one)
+    back = dequantize_1d(data, scale_inv, block=128, dim=dim)
+    # the error of each value is at most half a grid step of its block: relative 2^-(m+1) of the
+    # value's binade, and no more than half the subnormal step scaled back
+    step = torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-30))) - fmt.mantissa_bits)
+    blocks = scale_inv.repeat_interleave(128, dim=dim).narrow(dim, 0, x.shape[dim])
+    bound = torch.maximum(step, fmt.subnormal_step * blocks) / 2
+    assert ((back - x).abs() <= bound).all()
+    # each block's largest value lands in the format's top binade once scaled
+    moved = data.float().abs().movedim(dim, -1)
+    block_max = torch.nn.functional.pad(moved, (0, -moved.shape[-1] % 128)).unflatten(-1, (-1, 128)).amax(-1)
+    assert (block_max >= fmt.max / 2).all() and (block_max <= fmt.max).all()
+
+
+@FORMATS
+def test_quantize_2d_blocks_tiles_of_a_batch_of_weights(fmt):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 200, 130, generator=g)
+    w[1, :128, :128] = 0  # an all-zero tile: scale 1, zeros back
+    w[2, 128:, 128:] *= 1e4  # one loud tile does not change its neighbours' scales
+    data, scale_inv = quantize_2d(w, fmt, block=128)
+    assert data.shape == w.shape and scale_inv.shape == (3, 2, 2)
+    assert scale_inv[1, 0, 0] == 1.0 and (data[1, :128, :128].float() == 0).all()
+    assert scale_inv[2, 1, 1] > scale_inv[2, 0, 0] * 1000
+    back = dequantize_2d(data, scale_inv, block=128)
+    plain = w[0].abs() > 1e-2  # normal values once scaled: within half a step, 2^-(m+1) relative
+    assert ((back[0] - w[0]).abs() / w[0].abs())[plain].max() <= 2.0 ** -(fmt.mantissa_bits + 1)
+    # a tile's values and the same tile quantised alone agree (tiles are independent)
+    alone, alone_inv = quantize_2d(w[0, 128:, :128], fmt)
+    assert torch.equal(alone.float(), data[0, 128:, :128].float()) and alone_inv.item() == scale_inv[0, 1, 0]
+
+
+@FORMATS
+def test_values_on_the_grid_of_a_power_of_2_scale_come_back_exactly(fmt):
+    grid = _positive_grid(fmt)
+    x = torch.cat([grid, -grid]) * 2.0**-5  # any power-of-2 multiple of grid values, largest at max / 32
+    data, scale_inv = quantize_1d(x[None, :], fmt, block=x.numel())
+    assert scale_inv.item() == 2.0**-5
+    assert torch.equal(dequantize_1d(data, scale_inv, block=x.numel())[0], x)
+
+
+@triton.jit
+def _round_and_scale_kernel(
+    v_ptr,
+    rounded_ptr,
+    scale_ptr,
+    MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs)
+    tl.store(rounded_ptr + offs, round_to_fp8_grid(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT))
+    tl.store(scale_ptr + offs, block_scale(tl.abs(v), MAX, POWER_OF_2))
+
+
+def _positive_grid(fmt) -> torch.Tensor:
+    """Every finite positive value of the format, ascending, fp32."""
+    values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    return values[torch.isfinite(values) & (values > 0)].unique()
+
+
+@FORMATS
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "fp32_scales"])
+def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of_2):
+    # Every grid value, every midpoint between neighbours (ties: to even) and the fp32 values either
+    # side of each midpoint, the values just under each power of two (a carry into the exponent:
+    # the interpreter's own cast gets these wrong), subnormals, zeros, and random values.
+    grid = _positive_grid(fmt)
+    mid = (grid[1:] + grid[:-1]) / 2
+    eps = torch.finfo(torch.float32).eps
+    powers = torch.exp2(torch.arange(fmt.min_normal_exponent, 16, dtype=torch.float32))
+    g = torch.Generator().manual_seed(4)
+    rand = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 16, (4096,), generator=g).float())
+    special = torch.tensor([0.0, -0.0, fmt.max, fmt.subnormal_step / 2, fmt.subnormal_step * 0.75, 1e-30])
+    values = torch.cat([grid, mid, mid * (1 + eps), mid * (1 - eps), powers * (1 - eps), special, rand])
+    values = torch.cat([values, -values]).clamp(-fmt.max, fmt.max)
+    values = torch.nn.functional.pad(values, (0, -values.numel() % 1024), value=1.0).to(DEVICE)
+    rounded, scale = torch.empty_like(values), torch.empty_like(values)
+    _round_and_scale_kernel[(values.numel() // 1024,)](
+        values, rounded, scale, fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=1024
+    )
+    want = fp8_round(values.cpu(), fmt)
+    assert torch.equal(rounded.cpu(), want), f"{(rounded.cpu() != want).sum()} values rounded differently"
+    assert torch.equal(rounded.cpu().to(fmt.dtype).float(), want)  # on the grid: the cast changes nothing
+    assert torch.equal(scale.cpu(), block_scales(values.cpu().abs(), fmt, power_of_2))
