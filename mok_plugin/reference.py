@@ -42,7 +42,14 @@ from mok_plugin.experts import SWIGLU, MoKExpertFamily, activation_backward_fp64
 from mok_plugin.schedule import MoKSchedule, sum_over_k, values_per_row
 from mok_plugin.wgrad import note_deferral
 
-__all__ = ["moe_experts_reference", "swiglu", "shared_expert_forward", "shared_expert_gate"]
+__all__ = [
+    "expert_segments",
+    "moe_experts_reference",
+    "rows_in_tk_order",
+    "shared_expert_forward",
+    "shared_expert_gate",
+    "swiglu",
+]
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +62,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return activation_fp64(h, SWIGLU).to(h.dtype)
 
 
-def _rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K: int) -> torch.Tensor:
+def rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K: int) -> torch.Tensor:
     """[num_rows, H] in expert order -> [T, K, H] in token order; dropped (t, k) give zero rows."""
     kept = (tk_to_row >= 0).unsqueeze(-1)
     gathered = rows_RH[tk_to_row.clamp(min=0)]
@@ -64,7 +71,7 @@ def _rows_in_tk_order(rows_RH: torch.Tensor, tk_to_row: torch.Tensor, T: int, K:
     )
 
 
-def _segments(schedule: MoKSchedule) -> list[tuple[int, int, int]]:
+def expert_segments(schedule: MoKSchedule) -> list[tuple[int, int, int]]:
     """(expert, first row, row count) of every non-empty expert segment."""
     starts = schedule.expert_offsets[:-1].tolist()  # host-ok: reference backend loops on the host
     counts = schedule.tokens_per_expert.tolist()  # host-ok: reference backend loops on the host
@@ -84,7 +91,7 @@ class MoKReferenceExperts(torch.autograd.Function):
 
         h_R = x.new_zeros(schedule.num_rows, family.fc1_width(down_proj.shape[2]))
         y_R = x.new_zeros(schedule.num_rows, H)
-        for e, s, n in _segments(schedule):
+        for e, s, n in expert_segments(schedule):
             x_e = x[row_to_token[s : s + n]]
             h = _fc1(x_e, gate_up_proj, gate_up_bias, e, family)
             a = _activation(h, family)
@@ -92,7 +99,7 @@ class MoKReferenceExperts(torch.autograd.Function):
             if family.kind != "linear":
                 h_R[s : s + n] = h
             y_R[s : s + n] = y.to(dtype)
-        out = sum_over_k(_rows_in_tk_order(y_R, schedule.tk_to_row, T, K), dtype)
+        out = sum_over_k(rows_in_tk_order(y_R, schedule.tk_to_row, T, K), dtype)
 
         ctx.save_for_backward(x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bias, h_R)
         ctx.schedule = schedule
@@ -131,7 +138,7 @@ def _data_grads(d_out, x, w_R, gate_up_proj, down_proj, down_bias, h_R, schedule
     d_x_R = x.new_zeros(schedule.num_rows, H)
     d_w_R = w_R.new_zeros(schedule.num_rows)
     d_h_R = None if family.kind == "linear" else x.new_zeros(schedule.num_rows, h_R.shape[1])
-    for e, s, n in _segments(schedule):
+    for e, s, n in expert_segments(schedule):
         tokens = row_to_token[s : s + n]
         d_o = _acc(d_out[tokens])
         h = x[tokens] if family.kind == "linear" else h_R[s : s + n]
@@ -148,7 +155,7 @@ def _data_grads(d_out, x, w_R, gate_up_proj, down_proj, down_bias, h_R, schedule
         else:
             d_h_R[s : s + n] = d_h
             d_x_R[s : s + n] = (_acc(d_h) @ _acc(gate_up_proj[e])).to(dtype)
-    d_x = sum_over_k(_rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
+    d_x = sum_over_k(rows_in_tk_order(d_x_R, schedule.tk_to_row, T, K), dtype)
     kept = schedule.tk_to_row >= 0
     d_topk_weights = torch.where(kept, d_w_R[schedule.tk_to_row.clamp(min=0)], 0.0).view(T, K)
     return d_x, d_topk_weights, d_h_R
@@ -163,7 +170,7 @@ def _weight_grads(d_out, x, w_R, gate_up_proj, down_proj, gate_up_bias, down_bia
     d_down = torch.zeros_like(down_proj)
     d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
     d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
-    for e, s, n in _segments(schedule):
+    for e, s, n in expert_segments(schedule):
         tokens = row_to_token[s : s + n]
         x_e = x[tokens]
         w_d_o = w_R[s : s + n, None] * _acc(d_out[tokens])
