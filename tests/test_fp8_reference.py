@@ -36,8 +36,9 @@ def _inputs(family=SWIGLU, seed=0, tokens=T, experts=E):
 def _bf16_reference(inp, family):
     names = ("x", "topk_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
     leaves = {k: inp[k].clone().requires_grad_() for k in names if inp[k] is not None}
-    out = moe_experts_reference(leaves["x"], leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                                inp["schedule"], family, leaves.get("gate_up_bias"), leaves.get("down_bias"))  # fmt: skip
+    weights = (leaves["gate_up_proj"], leaves["down_proj"])
+    biases = (leaves.get("gate_up_bias"), leaves.get("down_bias"))
+    out = moe_experts_reference(leaves["x"], leaves["topk_weights"], *weights, inp["schedule"], family, *biases)
     out.backward(inp["d_out"])
     return {"out": out.detach(), **{f"d_{k}": v.grad for k, v in leaves.items()}}
 
