@@ -16,7 +16,7 @@ from mok_plugin.fp8.quantize import (
     quantize_2d,
 )
 from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
-from mok_plugin.kernels.fp8 import block_scale, round_to_fp8_grid
+from mok_plugin.kernels.fp8 import block_scale, quantize_rows, quantize_weights, round_to_fp8_grid
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
@@ -155,3 +155,32 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     assert torch.equal(rounded.cpu(), want), f"{(rounded.cpu() != want).sum()} values rounded differently"
     assert torch.equal(rounded.cpu().to(fmt.dtype).float(), want)  # on the grid: the cast changes nothing
     assert torch.equal(scale.cpu(), block_scales(values.cpu().abs(), fmt, power_of_2))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+@FORMATS
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "fp32_scales"])
+def test_quantisation_kernels_are_the_quantisers_bit_for_bit(fmt, power_of_2):
+    # Rows (x, dO: 1 x 128 along H) and weights (128 x 128 tiles per expert), with partial blocks at
+    # both edges, an all-zero block, a loud one, and a matrix given without the experts' dimension.
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randn(45, 300, generator=g) * torch.exp2(torch.randint(-6, 6, (45, 1), generator=g).float())
+    rows[3, 128:256] = 0
+    rows[7, :128] *= 1e4
+    weights = torch.randn(3, 200, 260, generator=g) / 16
+    weights[1, 128:, :128] = 0
+    for dtype in (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,):
+        x, w = rows.to(DEVICE, dtype), weights.to(DEVICE, dtype)
+        data, scale_inv = quantize_rows(x, fmt, power_of_2=power_of_2)
+        want, want_inv = quantize_1d(x.cpu(), fmt, power_of_2=power_of_2)
+        assert _same_bits(data, want) and torch.equal(scale_inv.cpu(), want_inv)
+        data, scale_inv = quantize_weights(w, fmt, power_of_2=power_of_2)
+        want, want_inv = quantize_2d(w.cpu(), fmt, power_of_2=power_of_2)
+        assert _same_bits(data, want) and torch.equal(scale_inv.cpu(), want_inv)
+        data, scale_inv = quantize_weights(w[2], fmt, power_of_2=power_of_2)
+        assert _same_bits(data, want[2]) and torch.equal(scale_inv.cpu(), want_inv[2])
+    empty, empty_inv = quantize_rows(rows[:0].to(DEVICE), fmt)
+    assert empty.shape == (0, 300) and empty_inv.shape == (0, 3)

@@ -9,10 +9,15 @@ interpreted, and the cast that follows has nothing left to round.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_scale", "round_to_fp8_grid"]
+from mok_plugin.fp8.recipe import FP8Format
+from mok_plugin.kernels.configs import interpreter_on
+from mok_plugin.kernels.launch import check_tensor
+
+__all__ = ["block_scale", "quantize_block", "quantize_rows", "quantize_weights", "round_to_fp8_grid"]
 
 
 @triton.jit
@@ -41,3 +46,120 @@ def block_scale(amax, MAX: tl.constexpr, POWER_OF_2: tl.constexpr):
     if POWER_OF_2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
     return scale
+
+
+@triton.jit
+def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr,
+                   POWER_OF_2: tl.constexpr, AXIS: tl.constexpr):  # fmt: skip
+    """(values on the FP8 grid, fp32 scale_inv) of a 2-D fp32 tile quantised in blocks that are its
+    rows (AXIS 1), its columns (AXIS 0) or the whole tile (AXIS None)."""
+    amax = tl.max(tl.abs(v), axis=AXIS)
+    scale = block_scale(amax, MAX, POWER_OF_2)
+    if AXIS == 1:
+        scaled = v * scale[:, None]
+    elif AXIS == 0:
+        scaled = v * scale[None, :]
+    else:
+        scaled = v * scale
+    scale_inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # IEEE, as quantize_1d's 1 / scale
+    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inv
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    src_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    M,
+    N,
+    stride_src,
+    stride_data,
+    stride_scale,
+    MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK)); program (m, b) quantises block b of its BLOCK_M rows."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    v = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
+    tl.store(data_ptr + rows[:, None] * stride_data + cols[None, :], q.to(data_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_inv_ptr + rows * stride_scale + tl.program_id(1), scale_inv, mask=rows < M)
+
+
+@triton.jit
+def _quantize_tiles_kernel(
+    src_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    R,
+    C,
+    stride_src_e,
+    stride_src_r,
+    stride_data_e,
+    stride_data_r,
+    stride_scale_e,
+    stride_scale_r,
+    MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (E, cdiv(R, BLOCK), cdiv(C, BLOCK)); program (e, i, j) quantises tile (i, j) of matrix e."""
+    e = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    src = src_ptr + e * stride_src_e + rows[:, None] * stride_src_r + cols[None, :]
+    v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, None)
+    data = data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :]
+    tl.store(data, q.to(data_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_inv_ptr + e * stride_scale_e + tl.program_id(1) * stride_scale_r + tl.program_id(2), scale_inv)
+
+
+def quantize_rows(
+    src: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_1d(src, fmt, block, dim=-1)` in one launch: (data [M, N] in fmt.dtype, fp32 scale_inv
+    [M, cdiv(N, block)]) of a 2-D src whose rows are contiguous (x, dO: 1 x 128 blocks along H)."""
+    check_tensor("src", src, 2)
+    M, N = src.shape
+    blocks = triton.cdiv(N, block)
+    data = torch.empty(M, N, dtype=fmt.dtype, device=src.device)
+    scale_inv = torch.empty(M, blocks, dtype=torch.float32, device=src.device)
+    block_m = 8 if interpreter_on() else 32
+    if M and N:
+        _quantize_rows_kernel[(triton.cdiv(M, block_m), blocks)](
+            src, data, scale_inv, M, N, src.stride(0), data.stride(0), scale_inv.stride(0), fmt.max,
+            fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK_M=block_m, BLOCK=block,
+        )  # fmt: skip
+    return data, scale_inv
+
+
+def quantize_weights(
+    w: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_2d(w, fmt, block)` in one launch: (data in fmt.dtype shaped as w, fp32 scale_inv
+    [E, cdiv(R, block), cdiv(C, block)]) of experts' weights w [E, R, C] (or one matrix [R, C]),
+    made once per step."""
+    matrices = w if w.dim() == 3 else w.unsqueeze(0)
+    check_tensor("w", matrices, 3)
+    E, R, C = matrices.shape
+    data = torch.empty(E, R, C, dtype=fmt.dtype, device=w.device)
+    scale_inv = torch.empty(E, triton.cdiv(R, block), triton.cdiv(C, block), dtype=torch.float32, device=w.device)
+    if matrices.numel():
+        _quantize_tiles_kernel[(E, scale_inv.shape[1], scale_inv.shape[2])](
+            matrices, data, scale_inv, R, C, matrices.stride(0), matrices.stride(1), data.stride(0), data.stride(1),
+            scale_inv.stride(0), scale_inv.stride(1), fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent,
+            power_of_2, BLOCK=block,
+        )  # fmt: skip
+    if w.dim() == 2:
+        return data[0], scale_inv[0]
+    return data, scale_inv
