@@ -1,0 +1,273 @@
+"""The experts' forward in blockwise FP8 (issue 25): fc1 with the activation's quantisation in its
+epilogue, and fc2, over the same row schedule as the bf16 kernels (grouped_mlp.py).
+
+Math (mok_plugin/fp8/reference.py defines it; SB = the recipe's 128):
+    fp8_gate_up_fwd  h[r] = sum over K blocks kb of (x_q[t_r, kb] . W13_q[e, :, kb]) * sx[t_r, kb] * sw[e, n // SB, kb]
+                     (+ b1), stored in the params dtype; A = act(h) quantised in 1 x SB blocks: A_q, sA
+    fp8_down_fwd     y[r] = w_r * (sum over kb of (A_q[r, kb] . W2_q[e, :, kb]) * sA[r, kb] * sw2[...] + b2)
+
+Each K step is one scale block (BLOCK_K = SB): its FP8 product is summed by the MMA in fp32, then
+scaled and added to an fp32 accumulator in ascending block order (the recipe's promotion), so every
+output has one owner and one fixed order: bitwise repeatable. An fc1 tile is SB columns wide, so
+its A columns are exactly one quantisation block and the epilogue quantises them in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok_plugin.fp8.recipe import FP8Format
+from mok_plugin.kernels.configs import interpreter_on
+from mok_plugin.kernels.fp8 import quantize_block
+from mok_plugin.kernels.launch import check_tensor, routing_weights_arg
+from mok_plugin.kernels.tiles import expert_activation, routing_weights_of_rows, tile_rows
+
+__all__ = ["fp8_down_fwd", "fp8_gate_up_fwd"]
+
+
+@triton.jit
+def _fp8_row_matmul(
+    a_ptr,
+    a_scale_ptr,
+    a_rows,
+    a_row_ok,
+    stride_a,
+    stride_a_scale,
+    w_ptr,
+    w_scale_ptr,
+    expert,
+    stride_w_e,
+    stride_w_n,
+    stride_ws_e,
+    stride_ws_n,
+    w_rows,
+    w_row_ok,
+    K_DIM,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N]: rows a_rows of a (FP8, 1 x SCALE_BLOCK scales per row) times rows
+    w_rows of expert e's weight (FP8, SCALE_BLOCK x SCALE_BLOCK scales) transposed, reduced over
+    K_DIM one scale block per step in ascending order."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_w_e + w_rows[None, :] * stride_w_n
+    w_scales = w_scale_ptr + expert * stride_ws_e + (w_rows // SCALE_BLOCK) * stride_ws_n
+    for k0 in range(0, K_DIM, SCALE_BLOCK):
+        ks = k0 + tl.arange(0, SCALE_BLOCK)
+        k_ok = ks < K_DIM
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & w_row_ok[None, :], other=0.0)
+        kb = k0 // SCALE_BLOCK
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + kb, mask=a_row_ok, other=0.0)
+        w_scale = tl.load(w_scales + kb, mask=w_row_ok, other=0.0)
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _fp8_gate_up_fwd_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w13_ptr,
+    w13_scale_ptr,
+    b1_ptr,
+    h_ptr,
+    a_ptr,
+    a_scale_ptr,
+    row_to_token_ptr,
+    tile_to_expert_ptr,
+    H,
+    I,
+    stride_x_t,
+    stride_x_scale,
+    stride_w_e,
+    stride_w_n,
+    stride_ws_e,
+    stride_ws_n,
+    stride_b1_e,
+    stride_h_r,
+    stride_a_r,
+    stride_a_scale,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    OFFSET: tl.constexpr,
+    MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block of h's gate and
+    up columns n-block and of A_q, and A's scale column n."""
+    num_pid_n = tl.cdiv(I, SCALE_BLOCK)
+    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+        col_ok = cols < I
+        gate = _fp8_row_matmul(
+            x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr, expert,
+            stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
+        )  # fmt: skip
+        if b1_ptr is not None:
+            gate += tl.load(b1_ptr + expert * stride_b1_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out_ty = h_ptr.dtype.element_ty
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        tl.store(h_tile, gate.to(out_ty), mask=mask)
+        up = gate
+        if GATED:  # the up half: fc1 rows I + n of the same weight
+            up = _fp8_row_matmul(
+                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr, expert,
+                stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols + I, col_ok, H, BLOCK_M, SCALE_BLOCK,
+                SCALE_BLOCK,
+            )  # fmt: skip
+            if b1_ptr is not None:
+                up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(h_tile + I, up.to(out_ty), mask=mask)
+        # A from the rounded h (as the backward recomputes it), quantised: its columns are one block
+        a = expert_activation(gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32), ACT=ACT, GATED=GATED,
+                              CLAMP=CLAMP, OFFSET=OFFSET)  # fmt: skip
+        a = tl.where(col_ok[None, :], a, 0.0)
+        a_q, a_scale_inv = quantize_block(a, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
+        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a_q.to(a_ptr.dtype.element_ty), mask=mask)
+        tl.store(a_scale_ptr + rows * stride_a_scale + pid_n, a_scale_inv, mask=row_ok)
+
+
+@triton.jit
+def _fp8_down_fwd_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w2_ptr,
+    w2_scale_ptr,
+    b2_ptr,
+    topk_weights_ptr,
+    row_to_tk_ptr,
+    y_ptr,
+    row_to_token_ptr,
+    tile_to_expert_ptr,
+    H,
+    I,
+    stride_a_r,
+    stride_a_scale,
+    stride_w_e,
+    stride_w_h,
+    stride_ws_e,
+    stride_ws_h,
+    stride_b2_e,
+    stride_y_r,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),); program (m, n) owns y[m-block, n-block]."""
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        acc = _fp8_row_matmul(
+            a_ptr, a_scale_ptr, rows, row_ok, stride_a_r, stride_a_scale, w2_ptr, w2_scale_ptr, expert, stride_w_e,
+            stride_w_h, stride_ws_e, stride_ws_h, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+        )  # fmt: skip
+        if b2_ptr is not None:
+            acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+        y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
+        tl.store(y_tile, (acc * w[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tiles(tile_m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages): small under the interpreter, 128 rows in 8 warps compiled."""
+    block_m = min(32 if interpreter_on() else 128, tile_m)
+    return block_m, (4 if interpreter_on() else 8), (1 if interpreter_on() else 3)
+
+
+def fp8_gate_up_fwd(
+    x_q: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+    fmt: FP8Format,
+    *,
+    out_dtype: torch.dtype,
+    scale_block: int = 128,
+    power_of_2: bool = True,
+    gate_up_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    gated: bool = True,
+    clamp: float | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [R_pad, N1] in out_dtype, A_q [R_pad, I] in fmt.dtype, fp32 A scale_inv [R_pad, cdiv(I, 128)])
+    of the gathered rows of x_q ([T, H], 1 x 128 scales) and the experts' W13_q ([E, N1, H], 128 x 128
+    scales); A is quantised into `fmt`. Padding rows untouched."""
+    check_tensor("x_q", x_q, 2)
+    check_tensor("w13_q", w13_q, 3, x_q.dtype)
+    E, N1, H = w13_q.shape
+    I = N1 // 2 if gated else N1
+    if x_q.shape[1] != H or x_scale_inv.shape != (x_q.shape[0], triton.cdiv(H, scale_block)):
+        raise ValueError(f"x_q {tuple(x_q.shape)} / scales {tuple(x_scale_inv.shape)} do not match H={H}")
+    num_rows = row_to_token.shape[0]
+    h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
+    a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
+    a_scale_inv = torch.empty(num_rows, triton.cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
+    block_m, warps, stages = _tiles(tile_m)
+    grid = (num_rows // block_m * triton.cdiv(I, scale_block),)
+    if grid[0]:
+        _fp8_gate_up_fwd_kernel[grid](
+            x_q, x_scale_inv, w13_q, w13_scale_inv, gate_up_bias, h, a_q, a_scale_inv, row_to_token, tile_to_expert,
+            H, I, x_q.stride(0), x_scale_inv.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale_inv.stride(0),
+            w13_scale_inv.stride(1), 0 if gate_up_bias is None else gate_up_bias.stride(0), h.stride(0), a_q.stride(0),
+            a_scale_inv.stride(0), TILE_M=tile_m, BLOCK_M=block_m, SCALE_BLOCK=scale_block, ACT=activation,
+            GATED=gated, CLAMP=clamp, OFFSET=offset, MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
+            MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return h, a_q, a_scale_inv
+
+
+def fp8_down_fwd(
+    a_q: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    row_to_tk: torch.Tensor,
+    row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor,
+    tile_m: int,
+    *,
+    out_dtype: torch.dtype,
+    scale_block: int = 128,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [R_pad, H] in out_dtype = w_r * (A_q[r] @ W2_q[e]^T, block-scaled, + b2_e), from A_q ([R_pad, I],
+    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales)."""
+    check_tensor("a_q", a_q, 2)
+    check_tensor("w2_q", w2_q, 3, a_q.dtype)
+    topk_weights = routing_weights_arg(topk_weights)
+    E, H, I = w2_q.shape
+    num_rows = row_to_token.shape[0]
+    y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
+    block_m, warps, stages = _tiles(tile_m)
+    block_n = 32 if interpreter_on() else 128
+    grid = (num_rows // block_m * triton.cdiv(H, block_n),)
+    if grid[0]:
+        _fp8_down_fwd_kernel[grid](
+            a_q, a_scale_inv, w2_q, w2_scale_inv, down_bias, topk_weights, row_to_tk, y, row_to_token, tile_to_expert,
+            H, I, a_q.stride(0), a_scale_inv.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale_inv.stride(0),
+            w2_scale_inv.stride(1), 0 if down_bias is None else down_bias.stride(0), y.stride(0), TILE_M=tile_m,
+            BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return y
