@@ -9,7 +9,7 @@ import torch
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.kernels.combine import combine_rows
-from mok_plugin.kernels.fp8 import quantize_rows, quantize_weights
+from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows, quantize_weights
 from mok_plugin.kernels.fp8_mlp import fp8_down_fwd, fp8_gate_up_fwd
 from mok_plugin.schedule import MoKSchedule
 
@@ -38,7 +38,7 @@ def fp8_experts_forward(
         raise ValueError(f"the FP8 kernels quantise in blocks of 128, not {recipe.block}")
     fmt, pow2 = recipe.forward, recipe.power_of_2_scales
     x_q, x_s = quantize_rows(x, fmt, power_of_2=pow2)
-    w13_q, w13_s = quantize_weights(gate_up_proj, fmt, power_of_2=pow2)
+    w13_q, w13_s = quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2)
     w2_q, w2_s = quantize_weights(down_proj, fmt, power_of_2=pow2)
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     _h, a_q, a_s = fp8_gate_up_fwd(

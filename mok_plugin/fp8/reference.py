@@ -8,23 +8,26 @@ that sum is, exactly, the product of the dequantised operands: here the operands
 dequantised (`_qdq*`) and multiplied in fp64, as the bf16 reference does (reference.py).
 
 forward (F = recipe.forward, B = recipe.backward; rows r of expert e, token t_r):
-    x_q   = x, 1 x 128 blocks along H, per token (F)           W_q = each expert's weights, 128 x 128 (F)
+    x_q   = x, 1 x 128 blocks along H, per token (F)           W_q = each expert's weights, 128 x 128 (F);
+                                                                a glu's fc1 as two matrices, gate and up
     h_r   = x_q[t_r] @ W13_q^T + b1                             stored in the params dtype
     A_r   = act(h_r);  A_q = A, 1 x 128 blocks along I (F)
     y_r   = w_r * (A_q @ W2_q^T + b2)                           rows in the params dtype, summed over k
 backward:
     dO_q  = dO, 1 x 128 blocks along H, per token (B)
     dA'_r = dO_q[t_r] @ W2_q;  d_w_r = <dA'_r, A_q,r> + <dO_q[t_r], b2>
-    dh_r  = act'(h_r) (w_r dA'_r);  dh_q = dh, 1 x 128 blocks along fc1's width (B)
+    dh_r  = act'(h_r) (w_r dA'_r);  dh_q = dh, 1 x 128 blocks along fc1's width, per half for a glu (B)
     dx    = sum over k of dh_q @ W13_q                          rows in the params dtype
     dW2_e = (dO rows)^T (w A rows), dW13_e = dh^T (x rows): both operands in 128 x 1 blocks along the
             expert's rows (its segment from its first row, B for gradients, F for activations),
             quantised from the unquantised values (a column-wise copy is never made from a row-wise one)
     db2_e = sum_r w_r dO[t_r], db1_e = sum_r dh_r                unquantised
 
-The 1 x 128 blocks of x, A and dO belong to one token or row, so the forward is batch-invariant;
-the 128-row blocks of the weight gradients follow each expert's rows in global token order, so they
-are the same for any expert-parallel split.
+A glu's gate and up halves are quantised apart (W13's rows and dh's columns), so that blocks line
+up with the halves when I is not a multiple of 128 (GPT-OSS's 2880): dX's K loop then steps through
+whole blocks of both operands. The 1 x 128 blocks of x, A and dO belong to one token or row, so
+the forward is batch-invariant; the 128-row blocks of the weight gradients follow each expert's
+rows in global token order, so they are the same for any expert-parallel split.
 """
 
 from __future__ import annotations
@@ -52,6 +55,17 @@ def _qdq_2d(w: torch.Tensor, fmt: FP8Format, block: int, power_of_2: bool) -> to
     return dequantize_2d(*quantize_2d(w, fmt, block, power_of_2), block=block).double()
 
 
+def _halves(t: torch.Tensor, gated: bool) -> torch.Tensor:
+    """t [..., N1, last] as [..., halves, N1 / halves, last]: a glu's gate and up rows apart."""
+    return t.unflatten(-2, (2, -1)) if gated else t.unsqueeze(-3)
+
+
+def _qdq_fc1_columns(d_h: torch.Tensor, fmt: FP8Format, block: int, power_of_2: bool, gated: bool) -> torch.Tensor:
+    """fp64 values of dh [n, N1] quantised in 1 x block blocks along its columns, per half for a glu."""
+    halves = d_h.unflatten(-1, (2, -1)) if gated else d_h.unsqueeze(-2)
+    return _qdq(halves, fmt, block, -1, power_of_2).flatten(-2)
+
+
 def moe_experts_fp8_reference(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -77,7 +91,8 @@ def moe_experts_fp8_reference(
     fwd, bwd = recipe.forward, recipe.backward
     w_R = values_per_row(topk_weights, schedule.row_to_tk).double()
     x_q = _qdq(x, fwd, block, -1, pow2)
-    w13_q, w2_q = _qdq_2d(gate_up_proj, fwd, block, pow2), _qdq_2d(down_proj, fwd, block, pow2)
+    w13_q = _qdq_2d(_halves(gate_up_proj, family.gated), fwd, block, pow2).flatten(-3, -2)
+    w2_q = _qdq_2d(down_proj, fwd, block, pow2)
     segments = expert_segments(schedule)
 
     h_R = x.new_zeros(schedule.num_rows, gate_up_proj.shape[1])
@@ -115,7 +130,7 @@ def moe_experts_fp8_reference(
             d_w = d_w + d_o_q[tokens] @ down_bias[e].double()
         d_w_R[s : s + n] = d_w
         d_h = activation_backward_fp64(h, w * d_a_prime, family)
-        d_x_R[s : s + n] = (_qdq(d_h, bwd, block, -1, pow2) @ w13_q[e]).to(dtype)
+        d_x_R[s : s + n] = (_qdq_fc1_columns(d_h, bwd, block, pow2, family.gated) @ w13_q[e]).to(dtype)
         # weight gradients: both operands in 128-row blocks along the expert's rows
         d_o_rows = d_out[tokens].double()
         d_down[e] = (_qdq(d_o_rows, bwd, block, 0, pow2).t() @ _qdq(w * a, fwd, block, 0, pow2)).to(dtype)

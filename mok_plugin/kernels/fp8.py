@@ -17,7 +17,7 @@ from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.launch import check_tensor
 
-__all__ = ["block_scale", "quantize_block", "quantize_rows", "quantize_weights", "round_to_fp8_grid"]
+__all__ = ["block_scale", "quantize_block", "quantize_fc1", "quantize_rows", "quantize_weights", "round_to_fp8_grid"]
 
 
 @triton.jit
@@ -163,3 +163,15 @@ def quantize_weights(
     if w.dim() == 2:
         return data[0], scale_inv[0]
     return data, scale_inv
+
+
+def quantize_fc1(
+    w13: torch.Tensor, fmt: FP8Format, gated: bool, block: int = 128, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [E, N1, H] in fmt.dtype, fp32 scale_inv [E, halves, cdiv(N1 / halves, block), cdiv(H, block)])
+    of the experts' fc1 weights, a glu's gate and up halves quantised as two matrices (so that blocks
+    line up with the halves for any I; fp8/reference.py)."""
+    E, N1, H = w13.shape
+    halves = 2 if gated else 1
+    data, scale_inv = quantize_weights(w13.reshape(E * halves, N1 // halves, H), fmt, block, power_of_2)
+    return data.view(E, N1, H), scale_inv.view(E, halves, *scale_inv.shape[1:])

@@ -43,6 +43,7 @@ def _fp8_row_matmul(
     stride_ws_e,
     stride_ws_n,
     w_rows,
+    w_scale_rows,
     w_row_ok,
     K_DIM,
     BLOCK_M: tl.constexpr,
@@ -50,11 +51,12 @@ def _fp8_row_matmul(
     SCALE_BLOCK: tl.constexpr,
 ):
     """fp32 [BLOCK_M, BLOCK_N]: rows a_rows of a (FP8, 1 x SCALE_BLOCK scales per row) times rows
-    w_rows of expert e's weight (FP8, SCALE_BLOCK x SCALE_BLOCK scales) transposed, reduced over
-    K_DIM one scale block per step in ascending order."""
+    w_rows of expert e's weight (FP8, SCALE_BLOCK x SCALE_BLOCK scales; w_scale_rows are those rows'
+    indices in the matrix the scales tile, which for a glu's up half starts at its first row)
+    transposed, reduced over K_DIM one scale block per step in ascending order."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert * stride_w_e + w_rows[None, :] * stride_w_n
-    w_scales = w_scale_ptr + expert * stride_ws_e + (w_rows // SCALE_BLOCK) * stride_ws_n
+    w_scales = w_scale_ptr + expert * stride_ws_e + (w_scale_rows // SCALE_BLOCK) * stride_ws_n
     for k0 in range(0, K_DIM, SCALE_BLOCK):
         ks = k0 + tl.arange(0, SCALE_BLOCK)
         k_ok = ks < K_DIM
@@ -86,6 +88,7 @@ def _fp8_gate_up_fwd_kernel(
     stride_w_e,
     stride_w_n,
     stride_ws_e,
+    stride_ws_half,
     stride_ws_n,
     stride_b1_e,
     stride_h_r,
@@ -113,7 +116,7 @@ def _fp8_gate_up_fwd_kernel(
         col_ok = cols < I
         gate = _fp8_row_matmul(
             x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr, expert,
-            stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
+            stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
         )  # fmt: skip
         if b1_ptr is not None:
             gate += tl.load(b1_ptr + expert * stride_b1_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -122,11 +125,11 @@ def _fp8_gate_up_fwd_kernel(
         h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
         tl.store(h_tile, gate.to(out_ty), mask=mask)
         up = gate
-        if GATED:  # the up half: fc1 rows I + n of the same weight
+        if GATED:  # the up half: fc1 rows I + n of the same weight, with its own scales (quantised apart)
             up = _fp8_row_matmul(
-                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr, expert,
-                stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols + I, col_ok, H, BLOCK_M, SCALE_BLOCK,
-                SCALE_BLOCK,
+                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr + stride_ws_half,
+                expert, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols + I, cols, col_ok, H, BLOCK_M,
+                SCALE_BLOCK, SCALE_BLOCK,
             )  # fmt: skip
             if b1_ptr is not None:
                 up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -176,7 +179,7 @@ def _fp8_down_fwd_kernel(
         col_ok = cols < H
         acc = _fp8_row_matmul(
             a_ptr, a_scale_ptr, rows, row_ok, stride_a_r, stride_a_scale, w2_ptr, w2_scale_ptr, expert, stride_w_e,
-            stride_w_h, stride_ws_e, stride_ws_h, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+            stride_w_h, stride_ws_e, stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
         )  # fmt: skip
         if b2_ptr is not None:
             acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -211,8 +214,9 @@ def fp8_gate_up_fwd(
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [R_pad, N1] in out_dtype, A_q [R_pad, I] in fmt.dtype, fp32 A scale_inv [R_pad, cdiv(I, 128)])
-    of the gathered rows of x_q ([T, H], 1 x 128 scales) and the experts' W13_q ([E, N1, H], 128 x 128
-    scales); A is quantised into `fmt`. Padding rows untouched."""
+    of the gathered rows of x_q ([T, H], 1 x 128 scales) and the experts' W13_q ([E, N1, H], scales
+    [E, halves, cdiv(I, 128), cdiv(H, 128)]: a glu's gate and up quantised apart, `quantize_fc1`); A is
+    quantised into `fmt`. Padding rows untouched."""
     check_tensor("x_q", x_q, 2)
     check_tensor("w13_q", w13_q, 3, x_q.dtype)
     E, N1, H = w13_q.shape
@@ -229,10 +233,11 @@ def fp8_gate_up_fwd(
         _fp8_gate_up_fwd_kernel[grid](
             x_q, x_scale_inv, w13_q, w13_scale_inv, gate_up_bias, h, a_q, a_scale_inv, row_to_token, tile_to_expert,
             H, I, x_q.stride(0), x_scale_inv.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale_inv.stride(0),
-            w13_scale_inv.stride(1), 0 if gate_up_bias is None else gate_up_bias.stride(0), h.stride(0), a_q.stride(0),
-            a_scale_inv.stride(0), TILE_M=tile_m, BLOCK_M=block_m, SCALE_BLOCK=scale_block, ACT=activation,
-            GATED=gated, CLAMP=clamp, OFFSET=offset, MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
-            MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2, num_warps=warps, num_stages=stages,
+            w13_scale_inv.stride(1), w13_scale_inv.stride(2), 0 if gate_up_bias is None else gate_up_bias.stride(0),
+            h.stride(0), a_q.stride(0), a_scale_inv.stride(0), TILE_M=tile_m, BLOCK_M=block_m,
+            SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, MAX=fmt.max,
+            MANTISSA_BITS=fmt.mantissa_bits, MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return h, a_q, a_scale_inv
 
