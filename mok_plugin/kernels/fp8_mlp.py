@@ -24,47 +24,35 @@ from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import check_tensor, routing_weights_arg
 from mok_plugin.kernels.tiles import expert_activation, routing_weights_of_rows, tile_rows
 
-__all__ = ["fp8_down_fwd", "fp8_gate_up_fwd"]
+__all__ = ["fp8_block_matmul", "fp8_down_fwd", "fp8_gate_up_fwd"]
 
 
 @triton.jit
-def _fp8_row_matmul(
-    a_ptr,
-    a_scale_ptr,
-    a_rows,
-    a_row_ok,
-    stride_a,
-    stride_a_scale,
-    w_ptr,
-    w_scale_ptr,
-    expert,
-    stride_w_e,
-    stride_w_n,
-    stride_ws_e,
-    stride_ws_n,
-    w_rows,
-    w_scale_rows,
-    w_row_ok,
-    K_DIM,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+def fp8_block_matmul(
+    a_ptr, a_scale_ptr, a_rows, a_row_ok, stride_a, stride_a_scale, w_ptr, w_scale_ptr, stride_w_k, stride_w_n,
+    stride_ws_k, stride_ws_n, w_cols, w_scale_cols, w_col_ok, K_DIM, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
-):
-    """fp32 [BLOCK_M, BLOCK_N]: rows a_rows of a (FP8, 1 x SCALE_BLOCK scales per row) times rows
-    w_rows of expert e's weight (FP8, SCALE_BLOCK x SCALE_BLOCK scales; w_scale_rows are those rows'
-    indices in the matrix the scales tile, which for a glu's up half starts at its first row)
-    transposed, reduced over K_DIM one scale block per step in ascending order."""
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks kb, ascending, of
+    (a[a_rows, kb] . w[kb, w_cols]) * sa[a_rows, kb] * sw[kb, w_scale_cols // SCALE_BLOCK].
+
+    a: FP8 rows (element (r, k) at a_ptr + r * stride_a + k), 1 x SCALE_BLOCK scales (r, kb) at
+    a_scale_ptr + r * stride_a_scale + kb. w: one FP8 matrix, element (k, n) at w_ptr + k * stride_w_k
+    + n * stride_w_n, SCALE_BLOCK x SCALE_BLOCK scales (kb, nb) at w_scale_ptr + kb * stride_ws_k +
+    nb * stride_ws_n; w_scale_cols are w_cols' indices in the matrix the scales tile (a glu's up half
+    is tiled from its own first row). Each K step is one scale block: the MMA's fp32 sum of its FP8
+    products, scaled, is added to the fp32 accumulator (the recipe's promotion)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_base = w_ptr + expert * stride_w_e + w_rows[None, :] * stride_w_n
-    w_scales = w_scale_ptr + expert * stride_ws_e + (w_scale_rows // SCALE_BLOCK) * stride_ws_n
+    w_base = w_ptr + w_cols[None, :] * stride_w_n
+    w_scales = w_scale_ptr + (w_scale_cols // SCALE_BLOCK) * stride_ws_n
     for k0 in range(0, K_DIM, SCALE_BLOCK):
         ks = k0 + tl.arange(0, SCALE_BLOCK)
         k_ok = ks < K_DIM
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & w_row_ok[None, :], other=0.0)
+        w = tl.load(w_base + ks[:, None] * stride_w_k, mask=k_ok[:, None] & w_col_ok[None, :], other=0.0)
         kb = k0 // SCALE_BLOCK
         a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + kb, mask=a_row_ok, other=0.0)
-        w_scale = tl.load(w_scales + kb, mask=w_row_ok, other=0.0)
+        w_scale = tl.load(w_scales + kb * stride_ws_k, mask=w_col_ok, other=0.0)
         acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
     return acc
 
@@ -114,9 +102,11 @@ def _fp8_gate_up_fwd_kernel(
     if expert >= 0:
         cols = pid_n.to(tl.int64) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
         col_ok = cols < I
-        gate = _fp8_row_matmul(
-            x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr, expert,
-            stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
+        w13 = w13_ptr + expert * stride_w_e  # [N1, H]: k (H) contiguous, n = the fc1 row
+        w13_scales = w13_scale_ptr + expert * stride_ws_e
+        gate = fp8_block_matmul(
+            x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13, w13_scales, 1, stride_w_n, 1,
+            stride_ws_n, cols, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
         )  # fmt: skip
         if b1_ptr is not None:
             gate += tl.load(b1_ptr + expert * stride_b1_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -126,10 +116,9 @@ def _fp8_gate_up_fwd_kernel(
         tl.store(h_tile, gate.to(out_ty), mask=mask)
         up = gate
         if GATED:  # the up half: fc1 rows I + n of the same weight, with its own scales (quantised apart)
-            up = _fp8_row_matmul(
-                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13_ptr, w13_scale_ptr + stride_ws_half,
-                expert, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, cols + I, cols, col_ok, H, BLOCK_M,
-                SCALE_BLOCK, SCALE_BLOCK,
+            up = fp8_block_matmul(
+                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13, w13_scales + stride_ws_half, 1,
+                stride_w_n, 1, stride_ws_n, cols + I, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
             )  # fmt: skip
             if b1_ptr is not None:
                 up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -177,9 +166,10 @@ def _fp8_down_fwd_kernel(
     if expert >= 0:
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
-        acc = _fp8_row_matmul(
-            a_ptr, a_scale_ptr, rows, row_ok, stride_a_r, stride_a_scale, w2_ptr, w2_scale_ptr, expert, stride_w_e,
-            stride_w_h, stride_ws_e, stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+        acc = fp8_block_matmul(  # W2 [H, I]: k (I) contiguous, n = h
+            a_ptr, a_scale_ptr, rows, row_ok, stride_a_r, stride_a_scale, w2_ptr + expert * stride_w_e,
+            w2_scale_ptr + expert * stride_ws_e, 1, stride_w_h, 1, stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N,
+            SCALE_BLOCK,
         )  # fmt: skip
         if b2_ptr is not None:
             acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
