@@ -1,13 +1,15 @@
-"""The FP8 forward kernels (kernels/fp8_mlp.py through fp8/forward.py, issue 25) against MoK's FP8
-experts in PyTorch (fp8/reference.py): the same numbers up to the kernels' fp32 sums, bitwise
-repeatable, every fused family; interpreted on the CPU (fp16 parameters: bf16 tl.dot is wrong under
-the interpreter), compiled in bf16 on a GPU."""
+"""The FP8 kernels (kernels/fp8.py, kernels/fp8_mlp.py through fp8/pipeline.py, issue 25) against
+MoK's FP8 experts in PyTorch (fp8/reference.py): the same numbers up to the kernels' fp32 sums,
+bitwise repeatable, fused families; interpreted on the CPU (fp16 parameters: bf16 tl.dot is wrong
+under the interpreter), compiled in bf16 on a GPU."""
+
+import functools
 
 import pytest
 import torch
 
-from mok_plugin.fp8.forward import fp8_experts_forward
-from mok_plugin.fp8.recipe import E4M3, BlockwiseFP8Recipe
+from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
+from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import EXPERT_FAMILIES
@@ -19,8 +21,9 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 def _inputs(family, T=40, H=256, I=192, E=4, K=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     fc1 = family.fc1_width(I)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    ids[:5, 0] = E - 1  # one expert with more rows than the others
+    perms = [torch.randperm(E, generator=g) for _ in range(T)]
+    # the first 100 tokens' first choice is expert E-1: one expert with more rows than the others
+    ids = torch.stack([torch.cat([p[p == E - 1], p[p != E - 1]]) if t < 100 else p for t, p in enumerate(perms)])[:, :K]
     return {
         "x": torch.randn(T, H, generator=g).to(DEVICE, DTYPE),
         "topk_weights": torch.rand(T, K, generator=g).softmax(-1).to(DEVICE),
@@ -53,3 +56,47 @@ def test_fp8_forward_kernels_are_the_fp8_reference(family):
     err = (got.cpu().double() - want.double()).norm() / want.double().norm()
     assert err < 5e-3, f"relative error {err:.2e}"
     assert torch.equal(_run(fp8_experts_forward, inp, fam, recipe), got)  # bitwise repeatable
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.cpu().double() - want.double()).norm() / want.double().norm()).item()
+
+
+# 12-16 s each interpreted: two in the fast set, the rest marked slow
+@pytest.mark.parametrize(
+    "family, hybrid",
+    [
+        ("swiglu", False),
+        ("mlp_squared_relu", True),
+        pytest.param("swiglu", True, marks=pytest.mark.slow),
+        pytest.param("glu_gelu_tanh", False, marks=pytest.mark.slow),
+        pytest.param("glu_gelu_tanh", True, marks=pytest.mark.slow),
+        pytest.param("mlp_squared_relu", False, marks=pytest.mark.slow),
+    ],
+)
+def test_fp8_backward_kernels_are_the_fp8_reference(family, hybrid):
+    # dX, the router gradient and both weight gradients; I = 192 (a partial 128-block in each half),
+    # one expert with two 128-row blocks (its weight gradients sum two promoted blocks)
+    fam = EXPERT_FAMILIES[family]
+    recipe = BlockwiseFP8Recipe(E4M3, E5M2 if hybrid else E4M3)
+    inp = _inputs(fam, T=200)
+    assert inp["schedule"].tokens_per_expert.max() > 128
+    d_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
+    saved: dict = {}
+    _run(functools.partial(fp8_experts_forward, saved=saved), inp, fam, recipe)
+    got = fp8_experts_backward(d_out, saved)
+    want = _run(functools.partial(moe_experts_fp8_reference, d_out=d_out.cpu()), _on_cpu(inp), fam, recipe)
+    for name in ("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"):
+        err = _relative_error(got[name], want[name])
+        assert err < 5e-3, f"{name}: relative error {err:.2e}"
+    again = fp8_experts_backward(d_out, saved)
+    assert all(torch.equal(again[name], got[name]) for name in got)  # bitwise repeatable
+
+
+def test_fp8_backward_of_biased_experts_is_refused_not_wrong():
+    fam = EXPERT_FAMILIES["mlp_gelu_bias"]
+    inp = _inputs(fam)
+    saved: dict = {}
+    _run(functools.partial(fp8_experts_forward, saved=saved), inp, fam, BlockwiseFP8Recipe())
+    with pytest.raises(NotImplementedError, match="biases"):
+        fp8_experts_backward(inp["x"], saved)

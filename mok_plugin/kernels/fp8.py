@@ -17,7 +17,15 @@ from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.launch import check_tensor
 
-__all__ = ["block_scale", "quantize_block", "quantize_fc1", "quantize_rows", "quantize_weights", "round_to_fp8_grid"]
+__all__ = [
+    "block_scale",
+    "quantize_block",
+    "quantize_fc1",
+    "quantize_gathered_columns",
+    "quantize_rows",
+    "quantize_weights",
+    "round_to_fp8_grid",
+]
 
 
 @triton.jit
@@ -175,3 +183,45 @@ def quantize_fc1(
     halves = 2 if gated else 1
     data, scale_inv = quantize_weights(w13.reshape(E * halves, N1 // halves, H), fmt, block, power_of_2)
     return data.view(E, N1, H), scale_inv.view(E, halves, *scale_inv.shape[1:])
+
+
+@triton.jit
+def _quantize_gathered_columns_kernel(
+    src_ptr, row_to_token_ptr, data_ptr, scale_inv_ptr, N, stride_src, stride_data, stride_scale, MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK, cdiv(N, BLOCK_N)); program (b, n) quantises row block b of the gathered
+    rows (padding rows: zeros) in BLOCK x 1 blocks, columns n-block."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    tokens = tl.load(row_to_token_ptr + rows)
+    v = tl.load(src_ptr + tokens[:, None] * stride_src + cols[None, :], mask=(tokens >= 0)[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 0)
+    tl.store(data_ptr + rows[:, None] * stride_data + cols[None, :], q.to(data_ptr.dtype.element_ty),
+             mask=col_ok[None, :])  # fmt: skip
+    tl.store(scale_inv_ptr + tl.program_id(0) * stride_scale + cols, scale_inv, mask=col_ok)
+
+
+def quantize_gathered_columns(
+    src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [R_pad, N] in fmt.dtype, fp32 scale_inv [R_pad / block, N]): the rows of src [T, N] in
+    schedule order (src[row_to_token[r]], zeros on padding rows), quantised in block x 1 blocks along
+    the rows: the weight gradients' by-token operands (x, dO). Segments must start at multiples of
+    `block`, so that a block holds one expert's rows."""
+    check_tensor("src", src, 2)
+    num_rows, N = row_to_token.shape[0], src.shape[1]
+    if num_rows % block:
+        raise ValueError(f"{num_rows} schedule rows: not a whole number of {block}-row blocks")
+    data = torch.empty(num_rows, N, dtype=fmt.dtype, device=src.device)
+    scale_inv = torch.empty(num_rows // block, N, dtype=torch.float32, device=src.device)
+    block_n = 32 if interpreter_on() else 64
+    if num_rows and N:
+        _quantize_gathered_columns_kernel[(num_rows // block, triton.cdiv(N, block_n))](
+            src, row_to_token, data, scale_inv, N, src.stride(0), data.stride(0), scale_inv.stride(0), fmt.max,
+            fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=block, BLOCK_N=block_n,
+        )  # fmt: skip
+    return data, scale_inv

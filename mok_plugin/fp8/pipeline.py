@@ -1,0 +1,93 @@
+"""The experts in blockwise FP8 through the Triton kernels (kernels/fp8.py, kernels/fp8_mlp.py), with
+the numbers of fp8/reference.py.
+
+forward:  x quantised per token, the weights per 128 x 128 tile (a glu's halves apart), fc1 with A
+          quantised in its epilogue, fc2, the bf16 combine.
+backward: dO quantised per token; fc2's dgrad with dh (both ways), w*A (128 x 1) and the router
+          partials in its epilogue; fc1's dgrad and the combine of dX; x and dO rows quantised
+          128 x 1 in schedule order; the two weight gradients over those column-quantised operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
+from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
+from mok_plugin.kernels.fp8 import quantize_fc1, quantize_gathered_columns, quantize_rows, quantize_weights
+from mok_plugin.kernels.fp8_mlp import fp8_down_dgrad, fp8_down_fwd, fp8_gate_up_dgrad, fp8_gate_up_fwd, fp8_wgrad
+from mok_plugin.schedule import MoKSchedule
+
+__all__ = ["fp8_experts_backward", "fp8_experts_forward"]
+
+
+def fp8_experts_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    schedule: MoKSchedule,
+    recipe: BlockwiseFP8Recipe,
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    saved: dict | None = None,
+) -> torch.Tensor:
+    """[T, H] in x's dtype: the routed experts' output under `recipe`. With `saved` (a dict), what
+    fp8_experts_backward needs is put in it.
+
+    Raises:
+        ValueError: a linear expert (no fc1), or a recipe whose block is not 128 (the kernels' tiles).
+    """
+    if family.kind == "linear":
+        raise ValueError("blockwise FP8 covers glu and mlp experts; a linear expert has no fc1 to quantise")
+    if recipe.block != 128:
+        raise ValueError(f"the FP8 kernels quantise in blocks of 128, not {recipe.block}")
+    fmt, pow2 = recipe.forward, recipe.power_of_2_scales
+    x_q, x_s = quantize_rows(x, fmt, power_of_2=pow2)
+    w13_q, w13_s = quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2)
+    w2_q, w2_s = quantize_weights(down_proj, fmt, power_of_2=pow2)
+    rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
+    h, a_q, a_s = fp8_gate_up_fwd(
+        x_q, x_s, w13_q, w13_s, *rows, fmt, out_dtype=x.dtype, power_of_2=pow2, gate_up_bias=gate_up_bias,
+        activation=family.activation, gated=family.gated, clamp=family.clamp, offset=family.linear_offset,
+    )  # fmt: skip
+    y = fp8_down_fwd(a_q, a_s, w2_q, w2_s, topk_weights, schedule.row_to_tk, *rows, out_dtype=x.dtype,
+                     down_bias=down_bias)  # fmt: skip
+    if saved is not None:
+        has_bias = gate_up_bias is not None or down_bias is not None
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13=(w13_q, w13_s), w2=(w2_q, w2_s), schedule=schedule,
+                     recipe=recipe, family=family, has_bias=has_bias)  # fmt: skip
+    return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
+
+
+def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Tensor]:
+    """{"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"} from what fp8_experts_forward saved.
+
+    Raises:
+        NotImplementedError: experts with biases (their FP8 backward is not written yet).
+    """
+    if saved["has_bias"]:
+        raise NotImplementedError("the FP8 backward of experts with biases is not implemented yet")
+    x, schedule, recipe, family = saved["x"], saved["schedule"], saved["recipe"], saved["family"]
+    fwd, bwd, pow2 = recipe.forward, recipe.backward, recipe.power_of_2_scales
+    T, K, dtype = x.shape[0], schedule.top_k, x.dtype
+    rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
+    d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
+    down = fp8_down_dgrad(
+        d_o_q, d_o_s, *saved["w2"], saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
+        power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
+        offset=family.linear_offset,
+    )  # fmt: skip
+    d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *saved["w13"], *rows, out_dtype=dtype,
+                                 gated=family.gated)  # fmt: skip
+    segments = (schedule.expert_offsets, schedule.tokens_per_expert)
+    d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
+    x_col = quantize_gathered_columns(x, schedule.row_to_token, fwd, power_of_2=pow2)
+    return {
+        "d_x": combine_rows(d_x_rows, schedule.tk_to_row, T, K),
+        "d_topk_weights": reduce_router_grad(down["partial"], schedule.tk_to_row, T, K),
+        "d_gate_up_proj": fp8_wgrad(down["dh_col_q"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
+        "d_down_proj": fp8_wgrad(*d_o_col, down["wa_col_q"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
+    }
