@@ -1,11 +1,12 @@
 """The pinned kernel-config table (kernels/configs.py): lookup, the one shape rule (row-tile GEMMs
 narrow BLOCK_N for narrow outputs; weight-gradient, megakernel and epilogue tiles never change),
-the choice between the three weight-gradient entries, the interpreter's small tiles, and the
+the choice between the four weight-gradient entries, the interpreter's small tiles, and the
 in-process swap a benchmark uses (mok_plugin.bench.tuning builds its overrides on it)."""
 
 import pytest
 
 from mok_plugin.kernels.configs import (
+    FEW_ROWS_MAX,
     PINNED_KERNELS,
     PRE_GATHER_MIN_WIDTH,
     SWEEP_MAX_ROWS,
@@ -83,9 +84,13 @@ def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands
     many = SWEEP_MAX_ROWS + 1
     assert wgrad_kernel(768, many) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1, many) == "wgrad_in_loop"
     assert wgrad_kernel(PRE_GATHER_MIN_WIDTH, many) == wgrad_kernel(14336, many) == "wgrad"
-    # Experts with few rows each (deepseek-v3: 383 schedule rows an expert) sweep, at any width
-    assert wgrad_kernel(768, SWEEP_MAX_ROWS) == wgrad_kernel(14336, 128) == "wgrad_sweep"
-    assert kernel_config("wgrad_sweep", 4096).sweep and not kernel_config("wgrad", 4096).sweep
+    # Experts with few rows each (deepseek-v3: 383 schedule rows an expert) sweep, at any width, in
+    # smaller tiles at the fewest (small batches: 130-160 rows an expert at T = 37-512 on qwen3)
+    assert wgrad_kernel(768, SWEEP_MAX_ROWS) == wgrad_kernel(14336, FEW_ROWS_MAX + 1) == "wgrad_sweep"
+    assert wgrad_kernel(768, FEW_ROWS_MAX) == wgrad_kernel(14336, 128) == "wgrad_sweep_few_rows"
+    few, swept = kernel_config("wgrad_sweep_few_rows", 4096), kernel_config("wgrad_sweep", 4096)
+    assert few.sweep and swept.sweep and not kernel_config("wgrad", 4096).sweep
+    assert few.block_k == swept.block_k and few.block_m * few.block_n < swept.block_m * swept.block_n
     assert not kernel_config("wgrad_in_loop", 768).gather_rows
     assert kernel_config("wgrad", 14336).gather_rows
     # weight-gradient tiles are not narrowed by the output width

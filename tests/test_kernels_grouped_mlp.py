@@ -140,6 +140,47 @@ def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, 
     assert swept[empty].eq(0).all() and swept[~empty].ne(0).any(dim=(1, 2)).all()
 
 
+# The weight-gradient entries differ in tile shape, warps and stages, never in BLOCK_K, and
+# configs.wgrad_kernel picks one by rows per expert, which differs between expert-parallel ranks: so
+# every entry must give the same bits. On the GPU the pinned entries themselves; interpreted, small
+# tiles of the same variety (their BLOCK_M and BLOCK_N differ, the loop structures too).
+_PINNED_WGRAD = ("wgrad", "wgrad_in_loop", "wgrad_sweep", "wgrad_sweep_few_rows")
+_INTERPRETED_WGRAD = (
+    MoKTileConfig(32, 32, 32, 4, 1, tma=True, gather_rows=True), MoKTileConfig(32, 16, 32, 4, 1),
+    MoKTileConfig(16, 32, 32, 4, 1, tma=True, sweep=True), MoKTileConfig(32, 32, 32, 4, 1, sweep=True),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
+def test_every_weight_gradient_entry_gives_the_same_bits(left_by_token, monkeypatch):
+    on_gpu = DEVICE == "cuda"
+    T, H, I, E, K = (512, 384, 256, 16, 2) if on_gpu else (70, 72, 40, 10, 2)
+    g = torch.Generator().manual_seed(11)
+    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    assert (schedule.tokens_per_expert == 0).any()
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    by_token = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    by_row = torch.randn(schedule.row_to_token.shape[0], I, generator=g).to(DEVICE, dtype)
+    by_row[schedule.row_to_token < 0] = 0  # the zero padding rows the kernels write
+    left, right = (by_token, by_row) if left_by_token else (by_row, by_token)
+    segments = (schedule.row_to_token, schedule.expert_offsets, schedule.tokens_per_expert)
+    if on_gpu:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        configs = [kernel_config(name, I) for name in _PINNED_WGRAD]
+    else:
+        configs = list(_INTERPRETED_WGRAD)
+    assert len({(c.block_m, c.block_n, c.num_warps, c.sweep) for c in configs}) == len(configs)
+    assert len({c.block_k for c in configs}) == 1
+    results = [
+        grouped_mlp.expert_wgrad(left, right, *segments, left_by_token=left_by_token, right_by_token=not left_by_token,
+                                 segment_align=schedule.tile_m, config=cfg)
+        for cfg in configs
+    ]  # fmt: skip
+    for cfg, result in zip(configs[1:], results[1:], strict=True):
+        assert torch.equal(result, results[0]), f"{cfg} differs from {configs[0]}"
+    assert results[0].float().abs().sum() > 0
+
+
 @pytest.mark.parametrize(
     "left_by_token, gather_rows, transposed",
     [(True, False, False), (False, False, True), (True, True, False), (False, True, False)],

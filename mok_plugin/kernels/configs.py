@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 __all__ = [
     "MoKTileConfig",
     "PINNED_KERNELS",
+    "FEW_ROWS_MAX",
     "PRE_GATHER_MIN_WIDTH",
     "SWEEP_MAX_ROWS",
     "interpreter_on",
@@ -90,6 +91,11 @@ _TABLE: dict[str, MoKTileConfig] = {
     # an expert) 12.37 / 5.89 -> 9.68 / 4.81; gpt-oss-120b (639) 5.03 / 2.71 -> 4.60 / 2.54;
     # 4096,7168,2048,384,8 (212) 12.29 / 6.61 -> 9.76 / 4.81 (s3); qwen3-30b-a3b (1151) lost 11-20 % (s3).
     "wgrad_sweep": MoKTileConfig(128, 256, 64, 8, 4, tma=True, sweep=True),
+    # The sweep when the experts have at most FEW_ROWS_MAX schedule rows each (small batches: one or
+    # two K steps per tile, the time in the stores): 64x128 in 4 warps, twice the programs of 128x256
+    # in 8. qwen3-30b-a3b's dimensions, dW13 / dW2 alone: T = 37 0.458 / 0.242 -> 0.379 / 0.258 ms,
+    # T = 512 0.390 / 0.232 -> 0.353 / 0.221 ms (BENCHMARKS.md, "Small batches on the GPU alone").
+    "wgrad_sweep_few_rows": MoKTileConfig(64, 128, 64, 4, 4, tma=True, sweep=True),
     # The megakernel's down-dgrad tasks run the GEMM and the epilogue in one tile (one launch has
     # no second kernel to hand dA' to): 128x64, the widest whose epilogue fits the registers.
     "megakernel_down_dgrad": MoKTileConfig(128, 64, 64, 8, 3),
@@ -101,8 +107,8 @@ _TABLE: dict[str, MoKTileConfig] = {
 PINNED_KERNELS = tuple(_TABLE)
 # Kernels whose tile does not depend on the output width: the weight gradients and combine.
 _NEVER_NARROWED = frozenset(
-    {"combine", "wgrad", "wgrad_in_loop", "wgrad_sweep", "megakernel_wgrad", "megakernel_down_dgrad",
-     "down_dgrad_epilogue"}
+    {"combine", "wgrad", "wgrad_in_loop", "wgrad_sweep", "wgrad_sweep_few_rows", "megakernel_wgrad",
+     "megakernel_down_dgrad", "down_dgrad_epilogue"}
 )  # fmt: skip
 _INTERPRETER = MoKTileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 _INTERPRETER_COMBINE = MoKTileConfig(block_m=8, block_n=32, block_k=1, num_warps=4, num_stages=1)
@@ -117,11 +123,15 @@ PRE_GATHER_MIN_WIDTH = 4096
 # program per tile would spend much of its time filling its pipeline and storing. The choice
 # changes no bits (the sweep sums every tile in the same order), only the time.
 SWEEP_MAX_ROWS = 1024
+# At most this many (T <= 512 with qwen3-30b-a3b's dimensions: 130-160), the sweep's small tiles.
+FEW_ROWS_MAX = 256
 
 
 def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
     """The table entry of a weight gradient whose by-row operand (w*A or dh) is this many columns
     wide, over a schedule of this many rows (padding included) per expert."""
+    if rows_per_expert <= FEW_ROWS_MAX:
+        return "wgrad_sweep_few_rows"
     if rows_per_expert <= SWEEP_MAX_ROWS:
         return "wgrad_sweep"
     return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
@@ -138,7 +148,7 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
 
     The only shape rule: a row-tile GEMM's BLOCK_N shrinks (to a power of two, at least 64) when
     the output is narrower than the table's tile, so small layers do not compute mostly-masked
-    tiles. The weight-gradient tiles never change (wgrad_kernel picks one of the three).
+    tiles. The weight-gradient tiles never change (wgrad_kernel picks one of the four).
 
     Raises:
         KeyError: an unknown kernel name.
