@@ -143,7 +143,7 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     powers = torch.exp2(torch.arange(fmt.min_normal_exponent, 16, dtype=torch.float32))
     g = torch.Generator().manual_seed(4)
     rand = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 16, (4096,), generator=g).float())
-    special = torch.tensor([0.0, -0.0, fmt.max, fmt.subnormal_step / 2, fmt.subnormal_step * 0.75, 1e-30])
+    special = torch.tensor([0.0, fmt.max, fmt.subnormal_step / 2, fmt.subnormal_step / 4, fmt.subnormal_step * 0.75, 1e-30])
     values = torch.cat([grid, mid, mid * (1 + eps), mid * (1 - eps), powers * (1 - eps), special, rand])
     values = torch.cat([values, -values]).clamp(-fmt.max, fmt.max)
     values = torch.nn.functional.pad(values, (0, -values.numel() % 1024), value=1.0).to(DEVICE)
@@ -152,7 +152,9 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
         values, rounded, scale, fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=1024
     )
     want = fp8_round(values.cpu(), fmt)
-    assert torch.equal(rounded.cpu(), want), f"{(rounded.cpu() != want).sum()} values rounded differently"
+    # bit patterns, not values: -0.0 (a tiny negative value rounded to zero) must stay -0.0
+    differ = rounded.cpu().view(torch.int32) != want.view(torch.int32)
+    assert not differ.any(), f"{differ.sum()} values rounded differently, e.g. {values.cpu()[differ][:4].tolist()}"
     assert torch.equal(rounded.cpu().to(fmt.dtype).float(), want)  # on the grid: the cast changes nothing
     assert torch.equal(scale.cpu(), block_scales(values.cpu().abs(), fmt, power_of_2))
 

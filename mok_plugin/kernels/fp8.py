@@ -40,7 +40,10 @@ def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NOR
     exponent = tl.maximum(exponent, MIN_NORMAL_EXPONENT)
     c = ((exponent - MANTISSA_BITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (magnitude + c) - c
-    return tl.where(v < 0, -rounded, rounded)
+    # v's sign bit put back by hand: a compiled `-rounded` is 0 - rounded, which loses -0.0 (a tiny
+    # negative value that rounds to zero), where the cast and the interpreter keep it
+    sign = v.to(tl.float32).to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
