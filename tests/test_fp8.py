@@ -143,7 +143,8 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     powers = torch.exp2(torch.arange(fmt.min_normal_exponent, 16, dtype=torch.float32))
     g = torch.Generator().manual_seed(4)
     rand = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 16, (4096,), generator=g).float())
-    special = torch.tensor([0.0, fmt.max, fmt.subnormal_step / 2, fmt.subnormal_step / 4, fmt.subnormal_step * 0.75, 1e-30])
+    step = fmt.subnormal_step
+    special = torch.tensor([0.0, fmt.max, step / 2, step / 4, step * 0.75, 1e-30])  # negated below: -0.0 too
     values = torch.cat([grid, mid, mid * (1 + eps), mid * (1 - eps), powers * (1 - eps), special, rand])
     values = torch.cat([values, -values]).clamp(-fmt.max, fmt.max)
     values = torch.nn.functional.pad(values, (0, -values.numel() % 1024), value=1.0).to(DEVICE)
