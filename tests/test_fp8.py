@@ -16,7 +16,15 @@ from mok_plugin.fp8.quantize import (
     quantize_2d,
 )
 from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
-from mok_plugin.kernels.fp8 import block_scale, quantize_rows, quantize_weights, round_to_fp8_grid
+from mok_plugin.kernels.fp8 import (
+    block_scale,
+    quantize_gathered_columns,
+    quantize_rows,
+    quantize_weights,
+    round_to_fp8_grid,
+    transposed_copy,
+)
+from mok_plugin.schedule import build_schedule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
@@ -187,3 +195,24 @@ def test_quantisation_kernels_are_the_quantisers_bit_for_bit(fmt, power_of_2):
         assert _same_bits(data, want[2]) and torch.equal(scale_inv.cpu(), want_inv[2])
     empty, empty_inv = quantize_rows(rows[:0].to(DEVICE), fmt)
     assert empty.shape == (0, 300) and empty_inv.shape == (0, 3)
+
+
+@FORMATS
+def test_gathered_rows_quantised_along_the_rows_per_expert_block_and_stored_transposed(fmt):
+    # The weight gradients' by-token operands: src[row_to_token[r]] in schedule order (zeros on
+    # padding rows), 128 x 1 blocks that start at each expert's first row, stored [N, R_pad].
+    g = torch.Generator().manual_seed(7)
+    T, N, E = 150, 72, 3
+    src = (torch.randn(T, N, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())).half()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    schedule = build_schedule(ids.to(DEVICE), E)
+    data_t, scale_inv = quantize_gathered_columns(src.to(DEVICE), schedule.row_to_token, fmt)
+    rows = schedule.row_to_token.cpu()
+    gathered = torch.where((rows >= 0)[:, None], src[rows.clamp(min=0)].float(), 0.0)
+    want, want_inv = quantize_1d(gathered, fmt, block=128, dim=0)
+    assert data_t.shape == (N, rows.numel()) and _same_bits(data_t.t(), want)
+    assert torch.equal(scale_inv.cpu(), want_inv)
+    # a weight's transposed copy: the same FP8 values and tile scales, transposed
+    data, inv = quantize_weights(src[:130].reshape(1, 130, N).to(DEVICE), fmt)
+    data_tt, inv_t = transposed_copy(data, inv)
+    assert _same_bits(data_tt.transpose(-1, -2), data) and torch.equal(inv_t.transpose(-1, -2), inv)

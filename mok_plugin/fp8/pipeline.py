@@ -6,6 +6,8 @@ forward:  x quantised per token, the weights per 128 x 128 tile (a glu's halves 
 backward: dO quantised per token; fc2's dgrad with dh (both ways), w*A (128 x 1) and the router
           partials in its epilogue; fc1's dgrad and the combine of dX; x and dO rows quantised
           128 x 1 in schedule order; the two weight gradients over those column-quantised operands.
+Every backward GEMM reads its operands K-major (the reduction dimension contiguous), which Hopper's
+FP8 MMA requires: the weights' transposed FP8 copies, and the 128 x 1 operands stored transposed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import torch
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
-from mok_plugin.kernels.fp8 import quantize_fc1, quantize_gathered_columns, quantize_rows, quantize_weights
+from mok_plugin.kernels.fp8 import (
+    quantize_fc1,
+    quantize_gathered_columns,
+    quantize_rows,
+    quantize_weights,
+    transposed_copy,
+)
 from mok_plugin.kernels.fp8_mlp import fp8_down_dgrad, fp8_down_fwd, fp8_gate_up_dgrad, fp8_gate_up_fwd, fp8_wgrad
 from mok_plugin.schedule import MoKSchedule
 
@@ -57,8 +65,10 @@ def fp8_experts_forward(
                      down_bias=down_bias)  # fmt: skip
     if saved is not None:
         has_bias = gate_up_bias is not None or down_bias is not None
-        saved.update(x=x, topk_weights=topk_weights, h=h, w13=(w13_q, w13_s), w2=(w2_q, w2_s), schedule=schedule,
-                     recipe=recipe, family=family, has_bias=has_bias)  # fmt: skip
+        # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values)
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13t=transposed_copy(w13_q, w13_s),
+                     w2t=transposed_copy(w2_q, w2_s), schedule=schedule, recipe=recipe, family=family,
+                     has_bias=has_bias)  # fmt: skip
     return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
 
 
@@ -76,11 +86,11 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
     down = fp8_down_dgrad(
-        d_o_q, d_o_s, *saved["w2"], saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
+        d_o_q, d_o_s, *saved["w2t"], saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
         offset=family.linear_offset,
     )  # fmt: skip
-    d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *saved["w13"], *rows, out_dtype=dtype,
+    d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *saved["w13t"], *rows, out_dtype=dtype,
                                  gated=family.gated)  # fmt: skip
     segments = (schedule.expert_offsets, schedule.tokens_per_expert)
     d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
@@ -88,6 +98,6 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
     return {
         "d_x": combine_rows(d_x_rows, schedule.tk_to_row, T, K),
         "d_topk_weights": reduce_router_grad(down["partial"], schedule.tk_to_row, T, K),
-        "d_gate_up_proj": fp8_wgrad(down["dh_col_q"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
-        "d_down_proj": fp8_wgrad(*d_o_col, down["wa_col_q"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
+        "d_gate_up_proj": fp8_wgrad(down["dh_colt"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
+        "d_down_proj": fp8_wgrad(*d_o_col, down["wa_colt"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
     }

@@ -19,6 +19,7 @@ from mok_plugin.kernels.launch import check_tensor
 
 __all__ = [
     "block_scale",
+    "transposed_copy",
     "quantize_block",
     "quantize_fc1",
     "quantize_gathered_columns",
@@ -195,7 +196,7 @@ def _quantize_gathered_columns_kernel(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK, cdiv(N, BLOCK_N)); program (b, n) quantises row block b of the gathered
-    rows (padding rows: zeros) in BLOCK x 1 blocks, columns n-block."""
+    rows (padding rows: zeros) in BLOCK x 1 blocks, columns n-block, and stores them transposed."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -203,7 +204,7 @@ def _quantize_gathered_columns_kernel(
     v = tl.load(src_ptr + tokens[:, None] * stride_src + cols[None, :], mask=(tokens >= 0)[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)  # fmt: skip
     q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 0)
-    tl.store(data_ptr + rows[:, None] * stride_data + cols[None, :], q.to(data_ptr.dtype.element_ty),
+    tl.store(data_ptr + cols[None, :] * stride_data + rows[:, None], q.to(data_ptr.dtype.element_ty),
              mask=col_ok[None, :])  # fmt: skip
     tl.store(scale_inv_ptr + tl.program_id(0) * stride_scale + cols, scale_inv, mask=col_ok)
 
@@ -211,15 +212,16 @@ def _quantize_gathered_columns_kernel(
 def quantize_gathered_columns(
     src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data [R_pad, N] in fmt.dtype, fp32 scale_inv [R_pad / block, N]): the rows of src [T, N] in
+    """(data [N, R_pad] in fmt.dtype, fp32 scale_inv [R_pad / block, N]): the rows of src [T, N] in
     schedule order (src[row_to_token[r]], zeros on padding rows), quantised in block x 1 blocks along
-    the rows: the weight gradients' by-token operands (x, dO). Segments must start at multiples of
-    `block`, so that a block holds one expert's rows."""
+    the rows and stored transposed (the rows contiguous: K-major for the weight gradients, which
+    reduce over them): their by-token operands x and dO. Segments must start at multiples of `block`,
+    so that a block holds one expert's rows."""
     check_tensor("src", src, 2)
     num_rows, N = row_to_token.shape[0], src.shape[1]
     if num_rows % block:
         raise ValueError(f"{num_rows} schedule rows: not a whole number of {block}-row blocks")
-    data = torch.empty(num_rows, N, dtype=fmt.dtype, device=src.device)
+    data = torch.empty(N, num_rows, dtype=fmt.dtype, device=src.device)
     scale_inv = torch.empty(num_rows // block, N, dtype=torch.float32, device=src.device)
     block_n = 32 if interpreter_on() else 64
     if num_rows and N:
@@ -228,3 +230,11 @@ def quantize_gathered_columns(
             fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=block, BLOCK_N=block_n,
         )  # fmt: skip
     return data, scale_inv
+
+
+def transposed_copy(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantised weight's transpose, the same FP8 values and 128 x 128 scales: (data [..., C, R],
+    scale_inv [..., cdiv(C, 128), cdiv(R, 128)]) of (data [..., R, C], scale_inv [..., cdiv(R, 128),
+    cdiv(C, 128)]). The backward's dgrads reduce over a weight's rows, and Hopper's FP8 MMA takes its
+    operands K-major only; made once with the weights' FP8 copies."""
+    return data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous()

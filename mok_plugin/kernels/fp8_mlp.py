@@ -277,16 +277,19 @@ def fp8_down_fwd(
 
 @triton.jit
 def _fp8_down_dgrad_kernel(
-    d_out_q, d_out_scale, w2_ptr, w2_scale_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
-    tile_to_expert_ptr, dh_q_ptr, dh_scale_ptr, dh_col_q_ptr, dh_col_scale_ptr, wa_col_q_ptr, wa_col_scale_ptr,
-    partial_ptr, H, I, stride_do_t, stride_do_scale, stride_w_e, stride_w_h, stride_ws_e, stride_ws_h, stride_h_r,
-    stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_col_scale, stride_wa_r, stride_wa_col_scale,
-    stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
-    CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr, F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr,
-    B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr, B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr,
+    d_out_q, d_out_scale, w2t_ptr, w2t_scale_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
+    tile_to_expert_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr,
+    partial_ptr, H, I, stride_do_t, stride_do_scale, stride_w_e, stride_w_i, stride_ws_e, stride_ws_i, stride_h_r,
+    stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, stride_wa_colt,
+    stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr, F_MANTISSA: tl.constexpr,
+    F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr, B_MIN_EXP: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block and I-block n:
-    dA' = dO_q W2_q (over H), then dh (gate and up columns n), w*A, and the router partial column n."""
+    """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
+    dA' = dO_q W2_q (over H, from W2's transposed copy W2^T [I, H]: both operands K-major, as Hopper's
+    FP8 MMA takes them), then dh (gate and up columns n), w*A, and the router partial column n. The
+    128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients."""
     num_pid_n = tl.cdiv(I, SCALE_BLOCK)
     pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, SCALE_BLOCK)
@@ -296,9 +299,9 @@ def _fp8_down_dgrad_kernel(
         valid = row_ok[:, None] & col_ok[None, :]
         # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
         every_row = (rows >= 0)[:, None] & col_ok[None, :]
-        d_a_prime = fp8_block_matmul(  # W2 [H, I]: k = h (rows), n = i (contiguous)
-            d_out_q, d_out_scale, tokens, row_ok, stride_do_t, stride_do_scale, w2_ptr + expert * stride_w_e,
-            w2_scale_ptr + expert * stride_ws_e, stride_w_h, 1, stride_ws_h, 1, cols, cols, col_ok, H, SCALE_BLOCK,
+        d_a_prime = fp8_block_matmul(  # W2^T [I, H]: k = h (contiguous), n = i
+            d_out_q, d_out_scale, tokens, row_ok, stride_do_t, stride_do_scale, w2t_ptr + expert * stride_w_e,
+            w2t_scale_ptr + expert * stride_ws_e, 1, stride_w_i, 1, stride_ws_i, cols, cols, col_ok, H, SCALE_BLOCK,
             SCALE_BLOCK, SCALE_BLOCK,
         )
         h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
@@ -316,7 +319,7 @@ def _fp8_down_dgrad_kernel(
                  mask=row_ok)  # fmt: skip
         # dh: 1 x 128 along each half's columns (dX), 128 x 1 along the rows (dW13)
         dh_rows = dh_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
-        dh_col_rows = dh_col_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
+        dh_col_rows = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]  # transposed
         dh_ty = dh_q_ptr.dtype.element_ty
         q, s = quantize_block(d_gate, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
         tl.store(dh_rows, q.to(dh_ty), mask=valid)
@@ -330,41 +333,42 @@ def _fp8_down_dgrad_kernel(
             tl.store(dh_rows + I, q.to(dh_ty), mask=valid)
             tl.store(dh_scale_ptr + rows * stride_dh_scale_r + stride_dh_scale_half + pid_n, s, mask=row_ok)
             q, s = quantize_block(d_up, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 0)
-            tl.store(dh_col_rows + I, q.to(dh_ty), mask=every_row)
+            tl.store(dh_col_rows + I * stride_dh_colt, q.to(dh_ty), mask=every_row)
             tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + I + cols, s, mask=col_ok)
         # w * A, 128 x 1 along the rows (dW2), from the unquantised A
         q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0)
-        tl.store(wa_col_q_ptr + rows[:, None] * stride_wa_r + cols[None, :], q.to(wa_col_q_ptr.dtype.element_ty),
+        tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q.to(wa_colt_ptr.dtype.element_ty),
                  mask=every_row)  # fmt: skip
         tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
 
 
 @triton.jit
 def _fp8_gate_up_dgrad_kernel(
-    dh_q_ptr, dh_scale_ptr, w13_ptr, w13_scale_ptr, dx_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_dh_r,
-    stride_dh_scale_r, stride_dh_scale_half, stride_w_e, stride_w_n, stride_ws_e, stride_ws_half, stride_ws_k,
+    dh_q_ptr, dh_scale_ptr, w13t_ptr, w13t_scale_ptr, dx_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_dh_r,
+    stride_dh_scale_r, stride_dh_scale_half, stride_w_e, stride_w_h, stride_ws_e, stride_ws_half, stride_ws_h,
     stride_dx_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     GATED: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),); program (m, n) owns dx rows[m-block, n-block]:
-    dh_q W13_q over fc1's rows, the gate half's blocks then the up half's."""
+    dh_q W13_q over fc1's rows, the gate half's blocks then the up half's, from W13's transposed copy
+    W13^T [H, N1] (K-major)."""
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
-        w13 = w13_ptr + expert * stride_w_e  # [N1, H]: k = the fc1 row, n = h (contiguous)
-        w13_scales = w13_scale_ptr + expert * stride_ws_e
+        w13t = w13t_ptr + expert * stride_w_e  # [H, N1]: k = the fc1 row (contiguous), n = h
+        w13t_scales = w13t_scale_ptr + expert * stride_ws_e
         acc = fp8_block_matmul(
-            dh_q_ptr, dh_scale_ptr, rows, row_ok, stride_dh_r, stride_dh_scale_r, w13, w13_scales, stride_w_n, 1,
-            stride_ws_k, 1, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+            dh_q_ptr, dh_scale_ptr, rows, row_ok, stride_dh_r, stride_dh_scale_r, w13t, w13t_scales, 1, stride_w_h, 1,
+            stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
         )
         if GATED:
             acc += fp8_block_matmul(
                 dh_q_ptr + I, dh_scale_ptr + stride_dh_scale_half, rows, row_ok, stride_dh_r, stride_dh_scale_r,
-                w13 + I * stride_w_n, w13_scales + stride_ws_half, stride_w_n, 1, stride_ws_k, 1, cols, cols, col_ok,
-                I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+                w13t + I, w13t_scales + stride_ws_half, 1, stride_w_h, 1, stride_ws_h, cols, cols, col_ok, I, BLOCK_M,
+                BLOCK_N, SCALE_BLOCK,
             )
         dx_tile = dx_ptr + rows[:, None] * stride_dx_r + cols[None, :]
         tl.store(dx_tile, acc.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -372,14 +376,15 @@ def _fp8_gate_up_dgrad_kernel(
 
 @triton.jit
 def _fp8_wgrad_kernel(
-    left_q, left_scale, right_q, right_scale, d_w_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT,
+    left_t, left_scale, right_t, right_scale, d_w_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT,
     stride_l, stride_ls, stride_r, stride_rs, stride_dw_e, stride_dw_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),); program (e, m, n) owns dW[e, m-block,
-    n-block] = sum over e's 128-row blocks, ascending, of left_q^T right_q scaled per (block, column)
-    on both sides; zeros for an expert with no rows. Both operands in schedule row order, quantised
-    128 x 1 along the rows (segments start at multiples of 128, so a block is one expert's)."""
+    n-block] = sum over e's 128-row blocks, ascending, of left^T right scaled per (block, column) on
+    both sides; zeros for an expert with no rows. Both operands quantised 128 x 1 along the schedule's
+    rows (segments start at multiples of 128, so a block is one expert's) and stored transposed,
+    [columns, R_pad]: the rows, the reduction, contiguous (K-major)."""
     num_pid_m, num_pid_n = tl.cdiv(M_OUT, BLOCK_M), tl.cdiv(N_OUT, BLOCK_N)
     pid = tl.program_id(0)
     expert = (pid // (num_pid_m * num_pid_n)).to(tl.int64)
@@ -392,55 +397,57 @@ def _fp8_wgrad_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, SCALE_BLOCK):
         rows = r0 + tl.arange(0, SCALE_BLOCK)
-        lhs = tl.load(left_q + rows[:, None] * stride_l + ms[None, :], mask=m_ok[None, :], other=0.0)
-        rhs = tl.load(right_q + rows[:, None] * stride_r + ns[None, :], mask=n_ok[None, :], other=0.0)
+        lhs = tl.load(left_t + ms[:, None] * stride_l + rows[None, :], mask=m_ok[:, None], other=0.0)
+        rhs = tl.load(right_t + ns[None, :] * stride_r + rows[:, None], mask=n_ok[None, :], other=0.0)
         block = r0 // SCALE_BLOCK
         l_scale = tl.load(left_scale + block * stride_ls + ms, mask=m_ok, other=0.0)
         r_scale = tl.load(right_scale + block * stride_rs + ns, mask=n_ok, other=0.0)
-        acc += tl.dot(tl.trans(lhs), rhs) * l_scale[:, None] * r_scale[None, :]
+        acc += tl.dot(lhs, rhs) * l_scale[:, None] * r_scale[None, :]
     d_w = d_w_ptr + expert * stride_dw_e + ms[:, None] * stride_dw_m + ns[None, :]
     tl.store(d_w, acc.to(d_w_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def fp8_down_dgrad(
-    d_out_q: torch.Tensor, d_out_scale_inv: torch.Tensor, w2_q: torch.Tensor, w2_scale_inv: torch.Tensor,
+    d_out_q: torch.Tensor, d_out_scale_inv: torch.Tensor, w2t_q: torch.Tensor, w2t_scale_inv: torch.Tensor,
     h: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor, row_to_token: torch.Tensor,
     tile_to_expert: torch.Tensor, tile_m: int, fwd: FP8Format, bwd: FP8Format, *, scale_block: int = 128,
     power_of_2: bool = True, activation: str = "silu", gated: bool = True, clamp: float | None = None,
     offset: float = 0.0,
 ) -> dict[str, torch.Tensor]:
-    """The FP8 backward through fc2 and the activation, from dO_q ([T, H], 1 x 128 scales), W2_q and
-    the forward's h: {"dh_q" [R_pad, N1] and "dh_scale_inv" [R_pad, halves, cdiv(I, 128)] (1 x 128 per
-    half, `bwd`), "dh_col_q" and "dh_col_scale_inv" [R_pad / 128, N1] (128 x 1, `bwd`), "wa_col_q"
-    [R_pad, I] and "wa_col_scale_inv" [R_pad / 128, I] (w * A, 128 x 1, `fwd`), "partial" fp32
-    [R_pad, cdiv(I, 128)] (the router gradient's per-block sums, for combine.reduce_router_grad)}."""
+    """The FP8 backward through fc2 and the activation, from dO_q ([T, H], 1 x 128 scales), W2's
+    transposed FP8 copy (`transposed_copy`: [E, I, H], scales [E, cdiv(I, 128), cdiv(H, 128)]) and the
+    forward's h: {"dh_q" [R_pad, N1] and "dh_scale_inv" [R_pad, halves, cdiv(I, 128)] (1 x 128 per
+    half, `bwd`), "dh_colt" [N1, R_pad] and "dh_col_scale_inv" [R_pad / 128, N1] (128 x 1, stored
+    transposed, `bwd`), "wa_colt" [I, R_pad] and "wa_col_scale_inv" [R_pad / 128, I] (w * A, likewise,
+    `fwd`), "partial" fp32 [R_pad, cdiv(I, 128)] (the router gradient's per-block sums, for
+    combine.reduce_router_grad)}."""
     topk_weights = routing_weights_arg(topk_weights)
     if tile_m % scale_block:
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
-    E, H, I = w2_q.shape
+    E, I, H = w2t_q.shape
     num_rows, n1 = row_to_token.shape[0], h.shape[1]
     halves, blocks = n1 // I, triton.cdiv(I, scale_block)
     dev = h.device
     out = {
         "dh_q": torch.empty(num_rows, n1, dtype=bwd.dtype, device=dev),
         "dh_scale_inv": torch.empty(num_rows, halves, blocks, dtype=torch.float32, device=dev),
-        "dh_col_q": torch.empty(num_rows, n1, dtype=bwd.dtype, device=dev),
+        "dh_colt": torch.empty(n1, num_rows, dtype=bwd.dtype, device=dev),
         "dh_col_scale_inv": torch.empty(num_rows // scale_block, n1, dtype=torch.float32, device=dev),
-        "wa_col_q": torch.empty(num_rows, I, dtype=fwd.dtype, device=dev),
+        "wa_colt": torch.empty(I, num_rows, dtype=fwd.dtype, device=dev),
         "wa_col_scale_inv": torch.empty(num_rows // scale_block, I, dtype=torch.float32, device=dev),
         "partial": torch.empty(num_rows, blocks, dtype=torch.float32, device=dev),
     }
     grid = (num_rows // scale_block * blocks,)
     if grid[0]:
         _fp8_down_dgrad_kernel[grid](
-            d_out_q, d_out_scale_inv, w2_q, w2_scale_inv, h, topk_weights, row_to_tk, row_to_token, tile_to_expert,
-            out["dh_q"], out["dh_scale_inv"], out["dh_col_q"], out["dh_col_scale_inv"], out["wa_col_q"],
+            d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, h, topk_weights, row_to_tk, row_to_token, tile_to_expert,
+            out["dh_q"], out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"],
             out["wa_col_scale_inv"], out["partial"], H, I, d_out_q.stride(0), d_out_scale_inv.stride(0),
-            w2_q.stride(0), w2_q.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1), h.stride(0),
+            w2t_q.stride(0), w2t_q.stride(1), w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), h.stride(0),
             out["dh_q"].stride(0), out["dh_scale_inv"].stride(0), out["dh_scale_inv"].stride(1),
-            out["dh_col_scale_inv"].stride(0), out["wa_col_q"].stride(0), out["wa_col_scale_inv"].stride(0),
-            out["partial"].stride(0), TILE_M=tile_m, SCALE_BLOCK=scale_block, ACT=activation, GATED=gated,
-            CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max, F_MANTISSA=fwd.mantissa_bits,
+            out["dh_colt"].stride(0), out["dh_col_scale_inv"].stride(0), out["wa_colt"].stride(0),
+            out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m, SCALE_BLOCK=scale_block,
+            ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max, F_MANTISSA=fwd.mantissa_bits,
             F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max, B_MANTISSA=bwd.mantissa_bits,
             B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, num_warps=8 if not interpreter_on() else 4,
             num_stages=1 if interpreter_on() else 3,
@@ -449,13 +456,14 @@ def fp8_down_dgrad(
 
 
 def fp8_gate_up_dgrad(
-    dh_q: torch.Tensor, dh_scale_inv: torch.Tensor, w13_q: torch.Tensor, w13_scale_inv: torch.Tensor,
+    dh_q: torch.Tensor, dh_scale_inv: torch.Tensor, w13t_q: torch.Tensor, w13t_scale_inv: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, *, out_dtype: torch.dtype,
     scale_block: int = 128, gated: bool = True,
 ) -> torch.Tensor:
-    """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half, W13 128 x 128 per
-    half, `quantize_fc1`); summed over k by combine.combine_rows."""
-    E, N1, H = w13_q.shape
+    """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half; W13's transposed
+    FP8 copy [E, H, N1], scales [E, halves, cdiv(H, 128), cdiv(I, 128)]); summed over k by
+    combine.combine_rows."""
+    E, H, N1 = w13t_q.shape
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
@@ -464,29 +472,31 @@ def fp8_gate_up_dgrad(
     grid = (num_rows // block_m * triton.cdiv(H, block_n),)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
-            dh_q, dh_scale_inv, w13_q, w13_scale_inv, dx, row_to_token, tile_to_expert, H, I, dh_q.stride(0),
-            dh_scale_inv.stride(0), dh_scale_inv.stride(1), w13_q.stride(0), w13_q.stride(1), w13_scale_inv.stride(0),
-            w13_scale_inv.stride(1), w13_scale_inv.stride(2), dx.stride(0), TILE_M=tile_m, BLOCK_M=block_m,
-            BLOCK_N=block_n, SCALE_BLOCK=scale_block, GATED=gated, num_warps=warps, num_stages=stages,
+            dh_q, dh_scale_inv, w13t_q, w13t_scale_inv, dx, row_to_token, tile_to_expert, H, I, dh_q.stride(0),
+            dh_scale_inv.stride(0), dh_scale_inv.stride(1), w13t_q.stride(0), w13t_q.stride(1),
+            w13t_scale_inv.stride(0), w13t_scale_inv.stride(1), w13t_scale_inv.stride(2), dx.stride(0), TILE_M=tile_m,
+            BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block, GATED=gated, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     return dx
 
 
 def fp8_wgrad(
-    left_q: torch.Tensor, left_scale_inv: torch.Tensor, right_q: torch.Tensor, right_scale_inv: torch.Tensor,
+    left_t: torch.Tensor, left_scale_inv: torch.Tensor, right_t: torch.Tensor, right_scale_inv: torch.Tensor,
     expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, *, out_dtype: torch.dtype, scale_block: int = 128,
 ) -> torch.Tensor:
-    """dW [E, M, N] in out_dtype, dW[e] = left[e's rows]^T right[e's rows], both in schedule row order,
-    quantised 128 x 1 along the rows (scales [R_pad / 128, M] and [R_pad / 128, N])."""
+    """dW [E, M, N] in out_dtype, dW[e] = left[e's rows]^T right[e's rows]: both operands quantised
+    128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
+    scales [R_pad / 128, M] and [R_pad / 128, N])."""
     E = tokens_per_expert.shape[0]
-    M, N = left_q.shape[1], right_q.shape[1]
-    d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_q.device)
+    M, N = left_t.shape[0], right_t.shape[0]
+    d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
     block_m, block_n = (32, 32) if interpreter_on() else (128, 128)
     grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     if grid[0]:
         _fp8_wgrad_kernel[grid](
-            left_q, left_scale_inv, right_q, right_scale_inv, d_w, expert_offsets, tokens_per_expert, M, N,
-            left_q.stride(0), left_scale_inv.stride(0), right_q.stride(0), right_scale_inv.stride(0), d_w.stride(0),
+            left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets, tokens_per_expert, M, N,
+            left_t.stride(0), left_scale_inv.stride(0), right_t.stride(0), right_scale_inv.stride(0), d_w.stride(0),
             d_w.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block,
             num_warps=4 if interpreter_on() else 8, num_stages=1 if interpreter_on() else 3,
         )  # fmt: skip
