@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
+from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward, fp8_moe_experts
 from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.schedule import build_schedule
@@ -104,3 +104,21 @@ def test_fp8_backward_of_biased_experts_is_refused_not_wrong():
     _run(functools.partial(fp8_experts_forward, saved=saved), inp, fam, BlockwiseFP8Recipe())
     with pytest.raises(NotImplementedError, match="biases"):
         fp8_experts_backward(inp["x"], saved)
+
+
+def test_fp8_experts_op_differentiates_through_the_fp8_backward():
+    # The autograd entry: torch.autograd.grad gives the FP8 backward's gradients (the reference's,
+    # within the kernels' tolerance), for x, the routing weights and both weights.
+    fam = EXPERT_FAMILIES["swiglu"]
+    recipe = BlockwiseFP8Recipe()
+    inp = _inputs(fam)
+    leaves = [inp[k].clone().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
+    out = fp8_moe_experts(*leaves, inp["schedule"], recipe, fam)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, DTYPE)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    cpu = _on_cpu(inp)
+    want = moe_experts_fp8_reference(cpu["x"], cpu["topk_weights"], cpu["gate_up_proj"], cpu["down_proj"],
+                                     cpu["schedule"], recipe, d_out.cpu(), fam)  # fmt: skip
+    assert _relative_error(out, want["out"]) < TOLERANCE
+    for name, grad in zip(("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"), grads, strict=True):
+        assert grad.shape == want[name].shape and _relative_error(grad, want[name]) < TOLERANCE, name

@@ -27,7 +27,7 @@ from mok_plugin.kernels.fp8 import (
 from mok_plugin.kernels.fp8_mlp import fp8_down_dgrad, fp8_down_fwd, fp8_gate_up_dgrad, fp8_gate_up_fwd, fp8_wgrad
 from mok_plugin.schedule import MoKSchedule
 
-__all__ = ["fp8_experts_backward", "fp8_experts_forward"]
+__all__ = ["fp8_experts_backward", "fp8_experts_forward", "fp8_moe_experts"]
 
 
 def fp8_experts_forward(
@@ -101,3 +101,39 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
         "d_gate_up_proj": fp8_wgrad(down["dh_colt"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
         "d_down_proj": fp8_wgrad(*d_o_col, down["wa_colt"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
     }
+
+
+class _FP8Experts(torch.autograd.Function):
+    """fp8_experts_forward with fp8_experts_backward as its gradient (x, the routing weights, both weights)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family):  # type: ignore[override]
+        saved: dict = {}
+        out = fp8_experts_forward(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, saved=saved)
+        ctx.saved = saved
+        ctx.weights_dtype = topk_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        grads = fp8_experts_backward(d_out.contiguous(), ctx.saved)
+        ctx.saved = None  # the FP8 copies and h go with the graph
+        d_topk = grads["d_topk_weights"].to(ctx.weights_dtype)
+        return grads["d_x"], d_topk, grads["d_gate_up_proj"], grads["d_down_proj"], None, None, None
+
+
+def fp8_moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    schedule: MoKSchedule,
+    recipe: BlockwiseFP8Recipe,
+    family: MoKExpertFamily = SWIGLU,
+) -> torch.Tensor:
+    """The routed experts under blockwise FP8, differentiable: the contract of `ops.moe_experts`
+    (x [T, H] in the params dtype, fp32 topk_weights [T, K], gate_up_proj [E, N1, H], down_proj
+    [E, H, I]; returns [T, H]) with the numbers of fp8/reference.py. Bias-free glu and mlp experts."""
+    x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
+    return _FP8Experts.apply(x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), schedule, recipe,
+                             family)  # fmt: skip
