@@ -22,7 +22,7 @@ from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import check_tensor, routing_weights_arg
-from mok_plugin.kernels.tiles import expert_activation, expert_activation_and_grad, routing_weights_of_rows, tile_rows
+from mok_plugin.kernels.tiles import activation_grad_of_rows, expert_activation, routing_weights_of_rows, tile_rows
 
 __all__ = ["fp8_block_matmul", "fp8_down_dgrad", "fp8_down_fwd", "fp8_gate_up_dgrad", "fp8_gate_up_fwd", "fp8_wgrad"]
 
@@ -178,10 +178,15 @@ def _fp8_down_fwd_kernel(
         tl.store(y_tile, (acc * w[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tiles(tile_m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, num_stages): small under the interpreter, 128 rows in 8 warps compiled."""
-    block_m = min(32 if interpreter_on() else 128, tile_m)
-    return block_m, (4 if interpreter_on() else 8), (1 if interpreter_on() else 3)
+def _row_tiles(num_rows: int, n_out: int, tile_m: int, block_n: int | None = None) -> tuple[tuple[int], dict, int]:
+    """(grid, launch meta, BLOCK_N) of a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N)
+    tiles: small tiles under the interpreter, 128 x 128 in 8 warps, 3 stages compiled (untuned)."""
+    interpreted = interpreter_on()
+    block_m = min(32 if interpreted else 128, tile_m)
+    block_n = block_n or (32 if interpreted else 128)
+    meta = {"TILE_M": tile_m, "BLOCK_M": block_m, "num_warps": 4 if interpreted else 8,
+            "num_stages": 1 if interpreted else 3}  # fmt: skip
+    return (num_rows // block_m * triton.cdiv(n_out, block_n),), meta, block_n
 
 
 def fp8_gate_up_fwd(
@@ -217,17 +222,15 @@ def fp8_gate_up_fwd(
     h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
     a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
     a_scale_inv = torch.empty(num_rows, triton.cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
-    block_m, warps, stages = _tiles(tile_m)
-    grid = (num_rows // block_m * triton.cdiv(I, scale_block),)
+    grid, meta, _ = _row_tiles(num_rows, I, tile_m, block_n=scale_block)
     if grid[0]:
         _fp8_gate_up_fwd_kernel[grid](
             x_q, x_scale_inv, w13_q, w13_scale_inv, gate_up_bias, h, a_q, a_scale_inv, row_to_token, tile_to_expert,
             H, I, x_q.stride(0), x_scale_inv.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale_inv.stride(0),
             w13_scale_inv.stride(1), w13_scale_inv.stride(2), 0 if gate_up_bias is None else gate_up_bias.stride(0),
-            h.stride(0), a_q.stride(0), a_scale_inv.stride(0), TILE_M=tile_m, BLOCK_M=block_m,
-            SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, MAX=fmt.max,
-            MANTISSA_BITS=fmt.mantissa_bits, MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2,
-            num_warps=warps, num_stages=stages,
+            h.stride(0), a_q.stride(0), a_scale_inv.stride(0), SCALE_BLOCK=scale_block, ACT=activation, GATED=gated,
+            CLAMP=clamp, OFFSET=offset, MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
+            MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2, **meta,
         )  # fmt: skip
     return h, a_q, a_scale_inv
 
@@ -255,15 +258,13 @@ def fp8_down_fwd(
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
-    block_m, warps, stages = _tiles(tile_m)
-    block_n = 32 if interpreter_on() else 128
-    grid = (num_rows // block_m * triton.cdiv(H, block_n),)
+    grid, meta, block_n = _row_tiles(num_rows, H, tile_m)
     if grid[0]:
         _fp8_down_fwd_kernel[grid](
             a_q, a_scale_inv, w2_q, w2_scale_inv, down_bias, topk_weights, row_to_tk, y, row_to_token, tile_to_expert,
             H, I, a_q.stride(0), a_scale_inv.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale_inv.stride(0),
-            w2_scale_inv.stride(1), 0 if down_bias is None else down_bias.stride(0), y.stride(0), TILE_M=tile_m,
-            BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages,
+            w2_scale_inv.stride(1), 0 if down_bias is None else down_bias.stride(0), y.stride(0), BLOCK_N=block_n,
+            SCALE_BLOCK=scale_block, **meta,
         )  # fmt: skip
     return y
 
@@ -304,13 +305,10 @@ def _fp8_down_dgrad_kernel(
             w2t_scale_ptr + expert * stride_ws_e, 1, stride_w_i, 1, stride_ws_i, cols, cols, col_ok, H, SCALE_BLOCK,
             SCALE_BLOCK, SCALE_BLOCK,
         )
-        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-        gate = tl.load(h_tile, mask=valid, other=0.0).to(tl.float32)
-        up = gate
-        if GATED:
-            up = tl.load(h_tile + I, mask=valid, other=0.0).to(tl.float32)
         w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-        a, d_gate, d_up = expert_activation_and_grad(gate, up, w[:, None] * d_a_prime, ACT, GATED, CLAMP, OFFSET)
+        a, d_gate, d_up = activation_grad_of_rows(
+            h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
+        )
         a = tl.where(valid, a, 0.0)
         d_gate = tl.where(valid, d_gate, 0.0)  # padding rows hold zeros for the weight gradients' blocks
         # router partial: <dA', A_q> over this I-block, A_q as the forward quantised it
@@ -467,16 +465,13 @@ def fp8_gate_up_dgrad(
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
-    block_m, warps, stages = _tiles(tile_m)
-    block_n = 32 if interpreter_on() else 128
-    grid = (num_rows // block_m * triton.cdiv(H, block_n),)
+    grid, meta, block_n = _row_tiles(num_rows, H, tile_m)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
             dh_q, dh_scale_inv, w13t_q, w13t_scale_inv, dx, row_to_token, tile_to_expert, H, I, dh_q.stride(0),
             dh_scale_inv.stride(0), dh_scale_inv.stride(1), w13t_q.stride(0), w13t_q.stride(1),
-            w13t_scale_inv.stride(0), w13t_scale_inv.stride(1), w13t_scale_inv.stride(2), dx.stride(0), TILE_M=tile_m,
-            BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block, GATED=gated, num_warps=warps,
-            num_stages=stages,
+            w13t_scale_inv.stride(0), w13t_scale_inv.stride(1), w13t_scale_inv.stride(2), dx.stride(0), BLOCK_N=block_n,
+            SCALE_BLOCK=scale_block, GATED=gated, **meta,
         )  # fmt: skip
     return dx
 

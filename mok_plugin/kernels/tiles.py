@@ -122,6 +122,22 @@ def expert_activation_and_grad(
 
 
 @triton.jit
+def activation_grad_of_rows(
+    h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a, ACT: tl.constexpr, GATED: tl.constexpr,
+    CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+):  # fmt: skip
+    """(A, d_gate, d_up) in fp32 of the saved h's rows and columns `cols` (gate; up at I + cols when
+    GATED), given d_a: `expert_activation_and_grad` of a loaded tile (masked: zeros)."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    up = gate
+    if GATED:
+        up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    return expert_activation_and_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
+
+
+@triton.jit
 def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of a 1-D tile index, GROUP_M row blocks sweeping the columns together, so
     consecutive programs share their rows and their weight panel in L2."""
@@ -403,15 +419,11 @@ def down_dgrad_epilogue(
         d_h_ptr: (R_pad, N1) out
         a_weighted_ptr: (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
         d_w_partial_ptr: (R_pad, J) fp32 out: <dA', A> per I-block"""
-    mask = row_ok[:, None] & col_ok[None, :]
-    h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
-    up = gate
-    if GATED:
-        up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
     w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-    d_a = d_a_prime * w[:, None]
-    a, d_gate, d_up = expert_activation_and_grad(gate, up, d_a, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
+    a, d_gate, d_up = activation_grad_of_rows(
+        h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT=ACT, GATED=GATED, CLAMP=CLAMP,
+        OFFSET=OFFSET,
+    )
     # A exactly as the forward stored it
     a = a.to(OUT_TY).to(tl.float32)
     partial = tl.sum(d_a_prime * a, axis=1)
