@@ -45,6 +45,14 @@ def test_megatron_flags_select_the_blockwise_recipe_or_are_refused_by_name():
         BlockwiseFP8Recipe(block=96)
 
 
+def test_every_megatron_fp8_recipe_has_an_answer():
+    # Megatron's own list of --fp8-recipe values against the recipe table (a new value must be decided)
+    enums = pytest.importorskip("megatron.core.enums", reason="megatron-core is not installed")
+    from mok_plugin.fp8.recipe import _MEGATRON_RECIPES
+
+    assert {recipe.value for recipe in enums.Fp8Recipe} == set(_MEGATRON_RECIPES)
+
+
 @FORMATS
 def test_formats_describe_torch_dtypes(fmt):
     info = torch.finfo(fmt.dtype)
