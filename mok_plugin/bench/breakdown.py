@@ -30,6 +30,9 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
     """
     from torch.profiler import ProfilerActivity, profile
 
+    # Settled like the timings: after the pause before profiling the clock is back at its idle high
+    # (the dense GEMM: ~780 against ~660 TFLOP/s settled), and the kernels' sum would undercut the
+    # timed call by up to a fifth.
     settle(work, settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):

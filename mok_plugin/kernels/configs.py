@@ -94,7 +94,7 @@ _TABLE: dict[str, MoKTileConfig] = {
     # The sweep when the experts have at most FEW_ROWS_MAX schedule rows each (small batches: one or
     # two K steps per tile, the time in the stores): 64x128 in 4 warps, twice the programs of 128x256
     # in 8. qwen3-30b-a3b's dimensions, dW13 / dW2 alone: T = 37 0.458 / 0.242 -> 0.379 / 0.258 ms,
-    # T = 512 0.390 / 0.232 -> 0.353 / 0.221 ms (BENCHMARKS.md, "Small batches on the GPU alone").
+    # T = 512 0.390 / 0.232 -> 0.353 / 0.221 ms (BENCHMARKS.md, "Where the time goes, settled").
     "wgrad_sweep_few_rows": MoKTileConfig(64, 128, 64, 4, 4, tma=True, sweep=True),
     # The megakernel's down-dgrad tasks run the GEMM and the epilogue in one tile (one launch has
     # no second kernel to hand dA' to): 128x64, the widest whose epilogue fits the registers.

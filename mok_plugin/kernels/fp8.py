@@ -19,13 +19,13 @@ from mok_plugin.kernels.launch import check_tensor
 
 __all__ = [
     "block_scale",
-    "transposed_copy",
     "quantize_block",
     "quantize_fc1",
     "quantize_gathered_columns",
     "quantize_rows",
     "quantize_weights",
     "round_to_fp8_grid",
+    "transposed_copy",
 ]
 
 
