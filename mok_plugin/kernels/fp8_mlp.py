@@ -1,15 +1,20 @@
-"""The experts' forward in blockwise FP8 (issue 25): fc1 with the activation's quantisation in its
-epilogue, and fc2, over the same row schedule as the bf16 kernels (grouped_mlp.py).
+"""The experts' GEMMs in blockwise FP8 (issue 25) over the same row schedule as the bf16 kernels
+(grouped_mlp.py); mok_plugin/fp8/reference.py defines their numbers, fp8/pipeline.py chains them.
 
-Math (mok_plugin/fp8/reference.py defines it; SB = the recipe's 128):
-    fp8_gate_up_fwd  h[r] = sum over K blocks kb of (x_q[t_r, kb] . W13_q[e, :, kb]) * sx[t_r, kb] * sw[e, n // SB, kb]
+Math (SB = the recipe's 128; sx, sw, ... the blocks' fp32 scale_inv):
+    fp8_gate_up_fwd  h[r] = sum over K blocks kb of (x_q[t_r, kb] . W13_q[e, n, kb]) sx[t_r, kb] sw[e, n // SB, kb]
                      (+ b1), stored in the params dtype; A = act(h) quantised in 1 x SB blocks: A_q, sA
-    fp8_down_fwd     y[r] = w_r * (sum over kb of (A_q[r, kb] . W2_q[e, :, kb]) * sA[r, kb] * sw2[...] + b2)
+    fp8_down_fwd     y[r] = w_r * (sum over kb of (A_q[r, kb] . W2_q[e, n, kb]) sA[r, kb] sw2[...] + b2)
+    fp8_down_dgrad   dA' = dO_q W2_q, then dh = act'(h) (w dA') and w*A quantised in its epilogue, and
+                     the router partials <dA', A_q> per I-block
+    fp8_gate_up_dgrad  dx rows = dh_q W13_q, the gate half's blocks then the up half's
+    fp8_wgrad        dW[e] = sum over e's 128-row blocks of left^T right, scaled per (block, column)
 
 Each K step is one scale block (BLOCK_K = SB): its FP8 product is summed by the MMA in fp32, then
 scaled and added to an fp32 accumulator in ascending block order (the recipe's promotion), so every
 output has one owner and one fixed order: bitwise repeatable. An fc1 tile is SB columns wide, so
 its A columns are exactly one quantisation block and the epilogue quantises them in registers.
+Untuned: pointer loads, 128 x 128 x 128 tiles compiled (BENCHMARKS.md, f0).
 """
 
 from __future__ import annotations
