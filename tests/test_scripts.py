@@ -22,6 +22,7 @@ THIN_SCRIPTS = {
     "bench_ep.py": "mok_plugin.bench.ep",
     "multi_gpu.py": "mok_plugin.bench.multi_gpu",
     "bench_generic.py": "mok_plugin.bench.generic",
+    "bench_fp8.py": "mok_plugin.bench.fp8",
     "patches.py": "mok_plugin.patching",
 }
 
