@@ -63,6 +63,18 @@ def fp8_block_matmul(
 
 
 @triton.jit
+def _row_tile(row_to_token_ptr, tile_to_expert_ptr, N, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """(expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n) of this program on a grid of
+    (R_pad / BLOCK_M) x cdiv(N, BLOCK_N) tiles, column blocks fastest; expert < 0: no work."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, tokens, row_ok, cols, cols < N, pid_m, pid_n
+
+
+@triton.jit
 def _fp8_gate_up_fwd_kernel(
     x_ptr,
     x_scale_ptr,
@@ -101,12 +113,10 @@ def _fp8_gate_up_fwd_kernel(
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block of h's gate and
     up columns n-block and of A_q, and A's scale column n."""
-    num_pid_n = tl.cdiv(I, SCALE_BLOCK)
-    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, BLOCK_M, SCALE_BLOCK
+    )
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-        col_ok = cols < I
         w13 = w13_ptr + expert * stride_w_e  # [N1, H]: k (H) contiguous, n = the fc1 row
         w13_scales = w13_scale_ptr + expert * stride_ws_e
         gate = fp8_block_matmul(
@@ -165,12 +175,10 @@ def _fp8_down_fwd_kernel(
     SCALE_BLOCK: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),); program (m, n) owns y[m-block, n-block]."""
-    num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, H, TILE_M, BLOCK_M, BLOCK_N
+    )
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < H
         acc = fp8_block_matmul(  # W2 [H, I]: k (I) contiguous, n = h
             a_ptr, a_scale_ptr, rows, row_ok, stride_a_r, stride_a_scale, w2_ptr + expert * stride_w_e,
             w2_scale_ptr + expert * stride_ws_e, 1, stride_w_h, 1, stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N,
@@ -296,12 +304,10 @@ def _fp8_down_dgrad_kernel(
     dA' = dO_q W2_q (over H, from W2's transposed copy W2^T [I, H]: both operands K-major, as Hopper's
     FP8 MMA takes them), then dh (gate and up columns n), w*A, and the router partial column n. The
     128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients."""
-    num_pid_n = tl.cdiv(I, SCALE_BLOCK)
-    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, SCALE_BLOCK)
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, SCALE_BLOCK, SCALE_BLOCK
+    )
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-        col_ok = cols < I
         valid = row_ok[:, None] & col_ok[None, :]
         # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
         every_row = (rows >= 0)[:, None] & col_ok[None, :]
@@ -355,12 +361,10 @@ def _fp8_gate_up_dgrad_kernel(
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),); program (m, n) owns dx rows[m-block, n-block]:
     dh_q W13_q over fc1's rows, the gate half's blocks then the up half's, from W13's transposed copy
     W13^T [H, N1] (K-major)."""
-    num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
-    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, H, TILE_M, BLOCK_M, BLOCK_N
+    )
     if expert >= 0:
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < H
         w13t = w13t_ptr + expert * stride_w_e  # [H, N1]: k = the fc1 row (contiguous), n = h
         w13t_scales = w13t_scale_ptr + expert * stride_ws_e
         acc = fp8_block_matmul(
