@@ -65,10 +65,8 @@ def fp8_experts_forward(
                      down_bias=down_bias)  # fmt: skip
     if saved is not None:
         has_bias = gate_up_bias is not None or down_bias is not None
-        # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values)
-        saved.update(x=x, topk_weights=topk_weights, h=h, w13t=transposed_copy(w13_q, w13_s),
-                     w2t=transposed_copy(w2_q, w2_s), schedule=schedule, recipe=recipe, family=family,
-                     has_bias=has_bias)  # fmt: skip
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13=(w13_q, w13_s), w2=(w2_q, w2_s), schedule=schedule,
+                     recipe=recipe, family=family, has_bias=has_bias)  # fmt: skip
     return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
 
 
@@ -85,12 +83,15 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
     T, K, dtype = x.shape[0], schedule.top_k, x.dtype
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
+    # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), made
+    # here, where they are used, so that a forward without a backward does not pay for them
+    w13t, w2t = transposed_copy(*saved["w13"]), transposed_copy(*saved["w2"])
     down = fp8_down_dgrad(
-        d_o_q, d_o_s, *saved["w2t"], saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
+        d_o_q, d_o_s, *w2t, saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
         offset=family.linear_offset,
     )  # fmt: skip
-    d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *saved["w13t"], *rows, out_dtype=dtype,
+    d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *w13t, *rows, out_dtype=dtype,
                                  gated=family.gated)  # fmt: skip
     segments = (schedule.expert_offsets, schedule.tokens_per_expert)
     d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)

@@ -236,5 +236,5 @@ def transposed_copy(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
     """A quantised weight's transpose, the same FP8 values and 128 x 128 scales: (data [..., C, R],
     scale_inv [..., cdiv(C, 128), cdiv(R, 128)]) of (data [..., R, C], scale_inv [..., cdiv(R, 128),
     cdiv(C, 128)]). The backward's dgrads reduce over a weight's rows, and Hopper's FP8 MMA takes its
-    operands K-major only; made once with the weights' FP8 copies."""
+    operands K-major only; made in the backward, from the forward's FP8 weights."""
     return data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous()

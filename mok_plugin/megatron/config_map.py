@@ -73,6 +73,7 @@ from mok_plugin.config import (
     host_read_settings,
     short_repr,
 )
+from mok_plugin.megatron.verdicts import VERDICTS
 from mok_plugin.routing import SCORE_FUNCTIONS
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
@@ -161,11 +162,7 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
     "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
-    "fp8": (
-        lambda v: v not in (None, False),
-        "MoK's layer runs bf16/fp16/fp32; its blockwise FP8 experts (mok_plugin.fp8, issue 25) are not selectable "
-        "until they are faster than bf16",
-    ),
+    "fp8": (lambda v: v not in (None, False), VERDICTS["fp8"].why),  # one text: the verdict table's
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "moe_expert_rank_capacity_factor": (
         lambda v: v is not None,
