@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mok_plugin.experts import FAMILY_FIELDS, ExpertKind, MoKExpertFamily, family_field_problems
 from mok_plugin.experts import Activation as ExpertActivation
+from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 
 __all__ = [
     "MoKConfig",
@@ -327,6 +328,12 @@ class MoKConfig(BaseModel):
         default="multi_kernel",
         description="Triton backend: one persistent launch per pass, or one launch per GEMM (same arithmetic).",
     )
+    fp8: Literal["e4m3", "hybrid"] | None = Field(
+        default=None,
+        description="Blockwise FP8 routed (and shared) experts (mok_plugin/fp8: 1 x 128 activation and gradient "
+        "blocks, 128 x 128 weight blocks, fp32 accumulation): e4m3 everywhere, or hybrid (E5M2 gradients), as "
+        "Megatron's --fp8-format with --fp8-recipe blockwise; None: the experts compute in the params dtype.",
+    )
     # MoK is deterministic by construction, so there is no `deterministic` switch (REMOVED_FIELDS).
     params_dtype: ParamsDtype = Field(
         default="float32", description="The parameters' dtype, by name; a torch.dtype is accepted and stored by name."
@@ -429,6 +436,22 @@ class MoKConfig(BaseModel):
                 f"mok.kernel_variant='megakernel' computes bias-free SwiGLU experts only, not "
                 f"{self.expert_family.describe()}; use kernel_variant='multi_kernel'"
             )
+        if self.fp8 is not None:
+            problems += self._fp8_problems()
+        return problems
+
+    def _fp8_problems(self) -> list[str]:
+        family = self.expert_family
+        problems = []
+        if family.kind == "linear":
+            problems.append("mok.fp8 covers glu and mlp experts; a linear expert (expert_kind='linear') has no fc1")
+        if family.fc1_bias or family.fc2_bias:
+            problems.append(
+                f"mok.fp8 with expert biases ({family.describe()}): their FP8 backward is not written yet; "
+                "drop mok.fp8 or the biases"
+            )
+        if self.kernel_variant == "megakernel":
+            problems.append("mok.fp8 runs the multi-kernel path; set mok.kernel_variant='multi_kernel'")
         return problems
 
     @property
@@ -442,6 +465,13 @@ class MoKConfig(BaseModel):
     def expert_family(self) -> MoKExpertFamily:
         """What each expert computes (experts.py), from the expert_* fields."""
         return MoKExpertFamily.from_config_fields({name: getattr(self, name) for name in FAMILY_FIELDS})
+
+    @property
+    def fp8_recipe(self) -> BlockwiseFP8Recipe | None:
+        """The blockwise FP8 recipe `fp8` selects (None: no FP8)."""
+        if self.fp8 is None:
+            return None
+        return BlockwiseFP8Recipe.from_megatron(self.fp8, "blockwise")
 
     @property
     def num_local_experts(self) -> int:

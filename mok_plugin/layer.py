@@ -23,6 +23,7 @@ from torch import nn
 
 from mok_plugin.config import MoKConfig, debug_checks_from_env, host_read_settings, triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
+from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.parallel.dispatch import (
     DispatchPlan,
     moe_experts_expert_parallel,
@@ -377,6 +378,9 @@ class MoKMoE(nn.Module):
         family = config.expert_family
         if experts is None:
             experts = MoKExperts(config.num_local_experts, H, I, dtype, device, family)
+        elif config.fp8 is not None:
+            raise ValueError("mok.fp8 quantises MoK's stacked expert weights; experts given as modules compute "
+                             "through their own experts_fn")  # fmt: skip
         self.experts = experts
         self.shared_experts = (
             MoKSharedExperts(
@@ -427,6 +431,11 @@ class MoKMoE(nn.Module):
         # Set (a DeferredWeightGrads) for Megatron's --delay-wgrad-compute: the routed experts'
         # backward then leaves their weight gradients in it, for `weight_grads.run()` (wgrad.py).
         self.weight_grads: DeferredWeightGrads | None = None
+        # mok.fp8: the experts' FP8 weight copies, kept between the forwards of one step when Megatron's
+        # schedule says which micro-batch is a step's first (set_is_first_microbatch sets this True on
+        # every module that has it, as on Transformer Engine's); None, its default: quantised every forward.
+        self.fp8_weight_copies = {"routed": FP8WeightCopies(), "shared": FP8WeightCopies()}
+        self.is_first_microbatch: bool | None = None
         self.reset_parameters(seed)
         self._select_backend()
 
@@ -452,6 +461,15 @@ class MoKMoE(nn.Module):
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
         if not isinstance(self.experts, MoKExperts):
             self._experts_fn = self.experts.experts_fn
+        recipe = self.config.fp8_recipe
+        if recipe is not None and self.backend != "unavailable":
+            from mok_plugin.fp8.experts import fp8_experts_function
+
+            # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).
+            copies = self.fp8_weight_copies
+            self._experts_fn = fp8_experts_function(recipe, self.backend, copies["routed"])
+            if self.shared_experts is not None:
+                self.shared_experts.experts_fn = fp8_experts_function(recipe, self.backend, copies["shared"])
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -581,6 +599,7 @@ class MoKMoE(nn.Module):
                 "(--delay-wgrad-compute) and never computed: the schedule must call the layer's backward_dw()"
             )
         self._check_not_captured_with_host_reads()
+        self._refresh_fp8_weight_copies()
         cfg = self.config
         x_TH = x.reshape(-1, cfg.hidden_size)
         routing = self.route(x_TH, debug=self.debug, num_sequences=num_sequences)
@@ -594,6 +613,15 @@ class MoKMoE(nn.Module):
                                        cfg.capacity_factor)  # fmt: skip
         shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
+
+    def _refresh_fp8_weight_copies(self) -> None:
+        """Drop the FP8 weight copies unless this forward is a later micro-batch of the step whose first
+        made them (is_first_microbatch False: Megatron set it True before the step's first forward)."""
+        if self.is_first_microbatch is not False:
+            for copies in self.fp8_weight_copies.values():
+                copies.clear()
+        if self.is_first_microbatch:
+            self.is_first_microbatch = False
 
     def _check_not_captured_with_host_reads(self) -> None:
         """A clear error instead of CUDA's when a graph captures a forward that reads the host: through

@@ -4,7 +4,7 @@ size, against the Megatron adapter.
 For each recipe, its TransformerConfig (the recipe's own settings and layout, bf16 as published)
 must build, and MoK's verdict on it follows from the recipe's own settings (LATER_OR_REFUSED):
   - the recipe as published is accepted, or refused naming exactly the flags of the settings later
-    issue takes (fp8: issue 25) or MoK refuses by design (expert TP > 1;
+    MoK refuses (FP8 recipes other than blockwise) or refuses by design (expert TP > 1;
     partial CUDA-graph capture of the MoE layer), and
     nothing else: tensor (with sequence), pipeline and context parallelism and any EP size are accepted;
   - the same recipe at TP = CP = PP = ETP = 1 (its EP kept): the same, less the layout flags;
@@ -119,7 +119,8 @@ def on_one_cpu(tc: TransformerConfig) -> TransformerConfig:
 
 
 # What the stock layer on the CPU uses instead: each has no effect on what the stock layer computes
-# (fp8 has one, but MoK refuses it, so no fp8 recipe reaches the comparison).
+# (fp8 has one, and the stock FP8 layer needs Transformer Engine: MoK's FP8 is compared with its own
+# oracle and with the stock bf16 layer in tests/test_fp8_layer.py and tests/test_megatron_fp8.py).
 _STOCK_CPU = dict(
     moe_token_dispatcher_type="allgather", moe_flex_dispatcher_backend=None, moe_permute_fusion=False,
     moe_router_fusion=False, moe_grouped_gemm=False, moe_shared_expert_overlap=False,
@@ -184,7 +185,11 @@ LATER_OR_REFUSED = [
         "--expert-tensor-parallel-size",
         "refused by design: MoK keeps each expert whole on one rank (the TP > 1 recipes pass ETP 1)",
     ),
-    (lambda tc: tc.fp8 not in (None, False), "--fp8", "issue 25 (FP8)"),
+    (
+        lambda tc: tc.fp8 not in (None, False) and str(getattr(tc.fp8_recipe, "value", tc.fp8_recipe)) != "blockwise",
+        "--fp8-recipe",
+        "MoK implements the blockwise FP8 recipe (mok.fp8); mxfp8, tensorwise, delayed and custom are refused",
+    ),
     (
         lambda tc: (
             tc.cuda_graph_impl in ("local", "transformer_engine")
@@ -254,7 +259,8 @@ def _stock_layer(recipe: Recipe, seed: int = 0):
 
 
 # The settings of LATER_OR_REFUSED switched off (their values without them), so that the layer
-# semantics of every recipe are compared with the stock layer, whatever MoK still refuses.
+# semantics of every recipe are compared with the stock layer, whatever MoK still refuses; and FP8,
+# which the stock layer on the CPU cannot run (tests/test_megatron_fp8.py compares MoK's).
 _WITHOUT_LATER = dict(
     fp8=None, moe_router_padding_for_fp8=False, moe_router_padding_for_quantization=False,
     overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False, cuda_graph_impl="none", cuda_graph_scope=None,
@@ -262,8 +268,8 @@ _WITHOUT_LATER = dict(
 
 
 def _mok_layer(recipe: Recipe):
-    """The MoK layer through the spec path, from the recipe's own settings (EP 1, fp32; those MoK
-    still refuses switched off: fp8, the EP overlap, partial CUDA graphs)."""
+    """The MoK layer through the spec path, from the recipe's own settings (EP 1, fp32; FP8 and those
+    MoK refuses switched off: the EP overlap, partial CUDA graphs)."""
     tc = recipe_config(recipe, reduced_layout(recipe))
     tc = on_one_cpu(tc)
     for field, value in _WITHOUT_LATER.items():

@@ -12,10 +12,14 @@ FP8 MMA requires: the weights' transposed FP8 copies, and the 128 x 1 operands s
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.kernels.combine import combine_rows, reduce_router_grad
 from mok_plugin.kernels.fp8 import (
     quantize_fc1,
@@ -26,6 +30,7 @@ from mok_plugin.kernels.fp8 import (
 )
 from mok_plugin.kernels.fp8_mlp import fp8_down_dgrad, fp8_down_fwd, fp8_gate_up_dgrad, fp8_gate_up_fwd, fp8_wgrad
 from mok_plugin.schedule import MoKSchedule
+from mok_plugin.wgrad import note_deferral
 
 __all__ = ["fp8_experts_backward", "fp8_experts_forward", "fp8_moe_experts"]
 
@@ -41,9 +46,11 @@ def fp8_experts_forward(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     saved: dict | None = None,
+    weight_copies: FP8WeightCopies | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype: the routed experts' output under `recipe`. With `saved` (a dict), what
-    fp8_experts_backward needs is put in it.
+    fp8_experts_backward needs is put in it; with `weight_copies`, the weights' FP8 copies are taken
+    from it (made there when missing) instead of made for this call alone.
 
     Raises:
         ValueError: a linear expert (no fc1), or a recipe whose block is not 128 (the kernels' tiles).
@@ -54,8 +61,10 @@ def fp8_experts_forward(
         raise ValueError(f"the FP8 kernels quantise in blocks of 128, not {recipe.block}")
     fmt, pow2 = recipe.forward, recipe.power_of_2_scales
     x_q, x_s = quantize_rows(x, fmt, power_of_2=pow2)
-    w13_q, w13_s = quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2)
-    w2_q, w2_s = quantize_weights(down_proj, fmt, power_of_2=pow2)
+    copies = FP8WeightCopies() if weight_copies is None else weight_copies
+    w13 = copies.get("w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2))
+    w2 = copies.get("w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2))
+    (w13_q, w13_s), (w2_q, w2_s) = w13, w2
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     h, a_q, a_s = fp8_gate_up_fwd(
         x_q, x_s, w13_q, w13_s, *rows, fmt, out_dtype=x.dtype, power_of_2=pow2, gate_up_bias=gate_up_bias,
@@ -65,13 +74,17 @@ def fp8_experts_forward(
                      down_bias=down_bias)  # fmt: skip
     if saved is not None:
         has_bias = gate_up_bias is not None or down_bias is not None
-        saved.update(x=x, topk_weights=topk_weights, h=h, w13=(w13_q, w13_s), w2=(w2_q, w2_s), schedule=schedule,
-                     recipe=recipe, family=family, has_bias=has_bias)  # fmt: skip
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13=w13, w2=w2, schedule=schedule,
+                     recipe=recipe, family=family, has_bias=has_bias, weight_copies=copies)  # fmt: skip
     return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
 
 
-def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Tensor]:
+def fp8_experts_backward(
+    d_out: torch.Tensor, saved: dict, defer: Callable[[Callable[[], tuple]], None] | None = None
+) -> dict[str, torch.Tensor | None]:
     """{"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"} from what fp8_experts_forward saved.
+    With `defer`, the two weight gradients are None and defer(compute) is given the function that
+    computes them, (d_gate_up_proj, d_down_proj), later.
 
     Raises:
         NotImplementedError: experts with biases (their FP8 backward is not written yet).
@@ -84,8 +97,11 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
     # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), made
-    # here, where they are used, so that a forward without a backward does not pay for them
-    w13t, w2t = transposed_copy(*saved["w13"]), transposed_copy(*saved["w2"])
+    # here, where they are used, so that a forward without a backward does not pay for them; from the
+    # copies this forward used (the kept ones may have been cleared or replaced since)
+    copies = saved["weight_copies"]
+    w13t = copies.derived("w13", saved["w13"], transposed_copy)
+    w2t = copies.derived("w2", saved["w2"], transposed_copy)
     down = fp8_down_dgrad(
         d_o_q, d_o_s, *w2t, saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
@@ -93,34 +109,47 @@ def fp8_experts_backward(d_out: torch.Tensor, saved: dict) -> dict[str, torch.Te
     )  # fmt: skip
     d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *w13t, *rows, out_dtype=dtype,
                                  gated=family.gated)  # fmt: skip
-    segments = (schedule.expert_offsets, schedule.tokens_per_expert)
-    d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
-    x_col = quantize_gathered_columns(x, schedule.row_to_token, fwd, power_of_2=pow2)
-    return {
+    grads = {
         "d_x": combine_rows(d_x_rows, schedule.tk_to_row, T, K),
         "d_topk_weights": reduce_router_grad(down["partial"], schedule.tk_to_row, T, K),
-        "d_gate_up_proj": fp8_wgrad(down["dh_colt"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
-        "d_down_proj": fp8_wgrad(*d_o_col, down["wa_colt"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
     }
+
+    def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
+        segments = (schedule.expert_offsets, schedule.tokens_per_expert)
+        d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
+        x_col = quantize_gathered_columns(x, schedule.row_to_token, fwd, power_of_2=pow2)
+        return (
+            fp8_wgrad(down["dh_colt"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
+            fp8_wgrad(*d_o_col, down["wa_colt"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
+        )
+
+    if defer is not None:  # --delay-wgrad-compute: computed when the queue runs (wgrad.py), the same kernels
+        defer(weight_grads)
+        return {**grads, "d_gate_up_proj": None, "d_down_proj": None}
+    grads["d_gate_up_proj"], grads["d_down_proj"] = weight_grads()
+    return grads
 
 
 class _FP8Experts(torch.autograd.Function):
     """fp8_experts_forward with fp8_experts_backward as its gradient (x, the routing weights, both weights)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family):  # type: ignore[override]
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, weight_copies):  # type: ignore[override]
         saved: dict = {}
-        out = fp8_experts_forward(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, saved=saved)
+        out = fp8_experts_forward(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, saved=saved,
+                                  weight_copies=weight_copies)  # fmt: skip
         ctx.saved = saved
         ctx.weights_dtype = topk_weights.dtype
+        note_deferral(ctx, gate_up_proj, down_proj)  # --delay-wgrad-compute (wgrad.py)
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
-        grads = fp8_experts_backward(d_out.contiguous(), ctx.saved)
+        defer = None if ctx.deferral is None else functools.partial(ctx.deferral.add, targets=ctx.weights)
+        grads = fp8_experts_backward(d_out.contiguous(), ctx.saved, defer)
         ctx.saved = None  # the FP8 copies and h go with the graph
         d_topk = grads["d_topk_weights"].to(ctx.weights_dtype)
-        return grads["d_x"], d_topk, grads["d_gate_up_proj"], grads["d_down_proj"], None, None, None
+        return grads["d_x"], d_topk, grads["d_gate_up_proj"], grads["d_down_proj"], None, None, None, None
 
 
 def fp8_moe_experts(
@@ -131,10 +160,20 @@ def fp8_moe_experts(
     schedule: MoKSchedule,
     recipe: BlockwiseFP8Recipe,
     family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    weight_copies: FP8WeightCopies | None = None,
 ) -> torch.Tensor:
     """The routed experts under blockwise FP8, differentiable: the contract of `ops.moe_experts`
     (x [T, H] in the params dtype, fp32 topk_weights [T, K], gate_up_proj [E, N1, H], down_proj
-    [E, H, I]; returns [T, H]) with the numbers of fp8/reference.py. Bias-free glu and mlp experts."""
+    [E, H, I]; returns [T, H]) with the numbers of fp8/reference.py; the weights' FP8 copies from
+    `weight_copies` when given (FP8WeightCopies).
+
+    Raises:
+        ValueError: expert biases (their FP8 backward is not written yet) or a linear expert.
+    """
+    if gate_up_bias is not None or down_bias is not None:
+        raise ValueError(f"blockwise FP8 experts with biases ({family.describe()}): their backward is not written yet")
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
     return _FP8Experts.apply(x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), schedule, recipe,
-                             family)  # fmt: skip
+                             family, weight_copies)  # fmt: skip

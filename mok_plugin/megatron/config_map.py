@@ -58,6 +58,7 @@ Routing semantics, matched to Megatron-Core 0.19's TopKRouter (router.py, moe_ut
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Any
 
@@ -73,7 +74,7 @@ from mok_plugin.config import (
     host_read_settings,
     short_repr,
 )
-from mok_plugin.megatron.verdicts import VERDICTS
+from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.routing import SCORE_FUNCTIONS
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
@@ -117,6 +118,7 @@ MEGATRON_SET = {
     "expert_fc2_bias": "--disable-bias-linear",
     # --add-bias-linear also gives Megatron's router a bias [E] on its logits (TopKRouter.bias)
     "router_bias": "--disable-bias-linear",
+    "fp8": "--fp8-format with --fp8-recipe blockwise",
 }
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -136,7 +138,7 @@ REPLACED = (
     # multiple of the fp8/fp4 GEMM alignment (pad_routing_map); the padded rows' probs are 0, so they
     # add exact zeros to the output and to every gradient, and routing, the counts for the expert
     # bias and the aux loss are all taken before the padding. MoK pads its own tiles. Megatron's
-    # config accepts the flag only with --fp8-format / --fp4-format, which MoK refuses (below).
+    # config accepts the flag only with --fp8-format / --fp4-format.
     "moe_router_padding_for_quantization",
     "moe_router_padding_for_fp8",  # Megatron's alias of moe_router_padding_for_quantization
 )
@@ -162,7 +164,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "moe_latent_size": (lambda v: v is not None, "latent projections are not implemented"),
     "moe_pad_expert_input_to_capacity": (bool, "MoK pads tiles itself; capacity padding is not implemented"),
     "moe_enable_routing_replay": (bool, "routing replay is not implemented"),
-    "fp8": (lambda v: v not in (None, False), VERDICTS["fp8"].why),  # one text: the verdict table's
     "fp4": (lambda v: v not in (None, False), "MoK's kernels are bf16/fp16/fp32"),
     "moe_expert_rank_capacity_factor": (
         lambda v: v is not None,
@@ -200,6 +201,8 @@ _FLAGS = {
     "bias_activation_fusion": "--no-bias-swiglu-fusion / --no-bias-gelu-fusion",
     "init_method": "--init-method-std",
     "output_layer_init_method": "--init-method-std",
+    "fp8": "--fp8-format",
+    "fp8_param": "--fp8-param-gather",
 }
 
 
@@ -623,6 +626,28 @@ def _ep_overlap_problems(tc: Any) -> list[str]:
     return problems
 
 
+def _fp8_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
+    """--fp8-format e4m3 / hybrid with --fp8-recipe blockwise: MoK's blockwise FP8 experts (mok.fp8),
+    Transformer Engine's Float8BlockScaling for the layer's GEMMs (power-of-two scales, its default).
+    The other recipes, FP8 parameters and fp32 scales are refused by name. Which layers run FP8
+    (--first-last-layers-bf16) is the layer's to say: MoKMoELayer knows its number."""
+    if getattr(tc, "fp8_param", False):
+        why = "MoK keeps the expert weights in the parameters' dtype and makes their FP8 copies once per step"
+        problems.append(_refuse("fp8_param", True, why))
+    if tc.fp8 in (None, False):
+        return {}
+    try:
+        BlockwiseFP8Recipe.from_megatron(tc.fp8, str(getattr(tc.fp8_recipe, "value", tc.fp8_recipe)))
+    except ValueError as error:
+        field = "fp8" if str(error).startswith("--fp8-format") else "fp8_recipe"
+        problems.append(_refuse(field, getattr(tc, field), str(error).split(": ", 1)[1]))
+        return {}
+    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1":
+        problems.append("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (fp32 block scales): not supported by MoK: its "
+                        "blockwise recipe takes Transformer Engine's default power-of-two scales")  # fmt: skip
+    return {"fp8": tc.fp8}
+
+
 def _init_problems(tc: Any) -> list[str]:
     """MoK draws every weight from N(0, std) (deterministically, the same for any EP size); an init
     callable of another kind (MuP-scaled ones are normals too) is refused by name."""
@@ -702,6 +727,7 @@ def mok_config_from_megatron(
     derived.update(_routing_fields(tc, problems))
     derived.update(_capacity_fields(tc, problems))
     derived.update(_expert_fields(tc, problems, stock_experts))
+    derived.update(_fp8_fields(tc, problems))
     if tc.moe_shared_expert_intermediate_size:
         derived.update(num_shared_experts=1, shared_ffn_hidden_size=tc.moe_shared_expert_intermediate_size)
         derived.update(_shared_expert_fields(tc))

@@ -130,6 +130,17 @@ class _ScheduleDispatcherStandIn:
         self._comm_manager = types.SimpleNamespace(get_number_of_tokens_per_expert=lambda: None)
 
 
+def _in_bf16_if_megatron_says(mok_config: MoKConfig, config, layer_number: int | None) -> MoKConfig:
+    """mok_config without FP8 where Megatron runs this layer in bf16 (--first-last-layers-bf16:
+    get_fp8_context gives layer `layer_number - 1`, a global index, no FP8 context); unchanged
+    elsewhere, and for a layer without a number (get_fp8_context's -1: FP8 everywhere)."""
+    if mok_config.fp8 is None or layer_number is None:
+        return mok_config
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    return mok_config.replace(fp8=None) if is_first_last_bf16_layer(config, layer_number - 1) else mok_config
+
+
 class MoKMoELayer(MoELayer):
     """Megatron-Core MoE layer running MoK. Built like `MoELayer` (the spec's partial passes
     `submodules`, which MoK ignores: its router, experts and shared experts are its own).
@@ -156,11 +167,11 @@ class MoKMoELayer(MoELayer):
         # The experts class the stock layer would build: some fused paths and TEGroupedMLP's
         # interleaved GLU rows in sharded checkpoints depend on it.
         self.stock_experts: str | None = stock_experts_class(submodules)
-        self.mok_config: MoKConfig = mok_config_from_megatron(
-            config,
-            _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides,
-            stock_experts=self.stock_experts,
+        # What Megatron's flags ask for; mok_config, this layer's, is that less FP8 in a bf16 layer.
+        self.flags_mok_config: MoKConfig = mok_config_from_megatron(
+            config, _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides, stock_experts=self.stock_experts
         )
+        self.mok_config = _in_bf16_if_megatron_says(self.flags_mok_config, config, layer_number)
         pg_collection = pg_collection or get_default_pg_collection()
         # BaseMoELayer sets the groups, local expert indices and layer number; MoELayer.__init__
         # would build the stock router, experts and dispatcher, which MoK replaces.
@@ -246,6 +257,10 @@ class MoKMoELayer(MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
         self.mok.random_stream_layer = layer_number
+        config = _in_bf16_if_megatron_says(self.flags_mok_config, self.config, layer_number)
+        if config != self.mok_config:  # --first-last-layers-bf16 at the new number
+            self.mok_config = self.mok.config = config
+            self.mok._select_backend()
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         """(output [S, B, H], None). Raises NotImplementedError for padding masks (packed sequences)."""

@@ -243,10 +243,25 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "settings that read the host raises naming them (not refused at build time: training never uses it)",
         "tests/test_layer.py::test_capture_of_a_forward_that_reads_the_host_is_named",
     ),
-    "fp8": _refused(
-        "MoK's layer runs bf16/fp16/fp32; its blockwise FP8 experts (mok_plugin.fp8, issue 25) are not "
-        "selectable until they are faster than bf16",
-        example="e4m3",
+    "fp8": _depends(
+        "e4m3 / hybrid with --fp8-recipe blockwise: MoK's blockwise FP8 experts (mok.fp8), routed and shared, "
+        "tested against MoK's FP8 oracle and the stock bf16 layer (Transformer Engine, which the stock FP8 layer "
+        "needs, is not installed here); with --fp8-param-gather or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 refused",
+        "tests/test_megatron_fp8.py::test_blockwise_flags_select_moks_fp8_experts",
+        "tests/test_megatron_fp8.py::test_what_fp8_does_not_cover_is_refused_by_flag",
+    ),
+    "fp8_recipe": _depends(
+        "blockwise honoured (with fp8); delayed, tensorwise, mxfp8 and custom refused by name",
+        "tests/test_megatron_fp8.py::test_what_fp8_does_not_cover_is_refused_by_flag",
+    ),
+    "fp8_param": _refused(
+        "MoK keeps the expert weights in the parameters' dtype and makes their FP8 copies once per step",
+        example=True,
+    ),
+    "first_last_layers_bf16": _honoured(
+        "the first / last layers (--num-layers-at-start-in-bf16, --num-layers-at-end-in-bf16) run MoK's experts "
+        "unquantised, where get_fp8_context gives no FP8 context",
+        "tests/test_megatron_fp8.py::test_first_and_last_layers_stay_in_bf16",
     ),
     "fp4": _refused("MoK's kernels are bf16/fp16/fp32", example="e2m1"),
     "overlap_moe_expert_parallel_comm": _honoured(
@@ -300,7 +315,6 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     "bias_dropout_fusion": _replaced(
         "the transformer layer's bias-dropout-add after the MLP: the MoE layer returns no bias"
     ),
-    "fp8_recipe": _replaced("read only with fp8, which is refused", example="mxfp8"),
     "fp4_recipe": _replaced("read only with fp4, which is refused", example="custom"),
     "transformer_impl": _depends(
         "transformer_engine and local honoured; inference_optimized refused",

@@ -1,0 +1,73 @@
+"""The blockwise-FP8 experts as a backend's experts function, the one MoKMoE calls (the contract of
+`ops.moe_experts`): the Triton kernels (`pipeline.fp8_moe_experts`) or, on the reference backend,
+the PyTorch oracle (`reference.moe_experts_fp8_reference`) made differentiable, so that a layer
+with mok.fp8 runs on the CPU too and computes the same numbers there."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from mok_plugin.experts import SWIGLU, MoKExpertFamily
+from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.reference import moe_experts_fp8_reference
+from mok_plugin.fp8.weight_copies import FP8WeightCopies
+from mok_plugin.schedule import MoKSchedule
+from mok_plugin.wgrad import note_deferral
+
+__all__ = ["fp8_experts_function", "moe_experts_fp8_reference_autograd"]
+
+
+class _FP8ReferenceExperts(torch.autograd.Function):
+    """The oracle's output, and its gradients from the oracle again (forward recomputed: it is the
+    CPU's reference, where memory matters more than time)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family):  # type: ignore[override]
+        ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj)
+        ctx.schedule, ctx.recipe, ctx.family = schedule, recipe, family
+        note_deferral(ctx, gate_up_proj, down_proj)  # --delay-wgrad-compute (wgrad.py)
+        return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe,
+                                         family=family)["out"]  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        x, topk_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
+                                          d_out=d_out, family=ctx.family)  # fmt: skip
+        d_topk = grads["d_topk_weights"].to(topk_weights.dtype)
+        weight_grads = grads["d_gate_up_proj"], grads["d_down_proj"]
+        if ctx.deferral is not None:  # handed over when the queue runs, as the other backends' are
+            ctx.deferral.add(functools.partial(tuple, weight_grads), ctx.weights)
+            weight_grads = None, None
+        return grads["d_x"], d_topk, *weight_grads, None, None, None
+
+
+def moe_experts_fp8_reference_autograd(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    schedule: MoKSchedule,
+    recipe: BlockwiseFP8Recipe,
+    family: MoKExpertFamily = SWIGLU,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_experts_fp8_reference`'s output, differentiable (bias-free experts, as fp8_moe_experts)."""
+    if gate_up_bias is not None or down_bias is not None:
+        raise ValueError(f"blockwise FP8 experts with biases ({family.describe()}): their backward is not written yet")
+    return _FP8ReferenceExperts.apply(x, topk_weights.float(), gate_up_proj, down_proj, schedule, recipe, family)
+
+
+def fp8_experts_function(recipe: BlockwiseFP8Recipe, backend: str, weight_copies: FP8WeightCopies) -> Callable:
+    """The experts function of `backend` ("triton" or "reference") under `recipe`: called as
+    f(x, topk_weights, gate_up_proj, down_proj, schedule, family=, gate_up_bias=, down_bias=). The
+    Triton one keeps the weights' FP8 copies in `weight_copies` (the oracle quantises every call)."""
+    if backend == "triton":
+        from mok_plugin.fp8.pipeline import fp8_moe_experts  # imports Triton, which the reference does not need
+
+        return functools.partial(fp8_moe_experts, recipe=recipe, weight_copies=weight_copies)
+    return functools.partial(moe_experts_fp8_reference_autograd, recipe=recipe)

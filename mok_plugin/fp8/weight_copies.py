@@ -1,0 +1,42 @@
+"""The FP8 copies of a layer's expert weights, kept between the forwards of one training step.
+
+Megatron quantises a step's weights once: its schedule calls set_is_first_microbatch() before a
+step's first micro-batch, which sets `is_first_microbatch` True on every module that has the
+attribute (Transformer Engine's linear layers reuse their FP8 weights until it is set again). MoKMoE
+has the attribute and keeps one FP8WeightCopies per weight set; no torch or Triton import here, so
+the layer holds them whatever its backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["FP8WeightCopies"]
+
+Copy = tuple  # (fp8 values, fp32 scales)
+
+
+class FP8WeightCopies:
+    """The FP8 copies of one set of expert weights, kept while the weights stay the same: "w13" and
+    "w2" (made by the forward) and copies derived from them, e.g. their transposes (made by the first
+    backward that needs them). `clear()` whenever the weights may have changed."""
+
+    def __init__(self) -> None:
+        self._copies: dict[str, Copy] = {}
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    def get(self, name: str, make: Callable[[], Copy]) -> Copy:
+        """The copy called `name`, made by make() if not kept yet."""
+        if name not in self._copies:
+            self._copies[name] = make()
+        return self._copies[name]
+
+    def derived(self, name: str, source: Copy, make: Callable[..., Copy]) -> Copy:
+        """make(*source), for `source` what get(name) gave a forward: kept beside it while it is still
+        the kept copy; made for this call alone once it is not (cleared or replaced since), so a
+        backward never takes a copy derived from other weights than its forward's."""
+        if self._copies.get(name) is not source:
+            return make(*source)
+        return self.get(f"{name} derived", lambda: make(*source))

@@ -1,0 +1,102 @@
+"""Megatron's FP8 flags with MoK (issue 25): --fp8-format e4m3 / hybrid with --fp8-recipe blockwise
+select MoK's blockwise FP8 experts; the other recipes, FP8 parameters and fp32 scales are refused
+naming their flag; --first-last-layers-bf16 keeps those layers unquantised; the schedule's
+set_is_first_microbatch() reaches the layer's FP8 weight copies.
+
+Megatron's TransformerConfig asks for Transformer Engine when FP8 meets MoE, and the stock FP8 layer
+runs through it: neither is installed here, so the FP8 fields are set after validation (as
+test_megatron_verdicts does) and the MoK layer is compared with MoK's FP8 oracle (through the layer:
+tests/test_fp8_layer.py) and with the stock layer in bf16's place, within FP8's error."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
+
+from test_megatron import H, _config, _fwd_bwd, _stock_and_mok, megatron_world  # noqa: E402, F401
+
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.megatron import mok_config_from_megatron  # noqa: E402
+from mok_plugin.testing import make_layer_inputs  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+def _with_fp8(tc=None, fp8="e4m3", recipe="blockwise", **fields):
+    tc = copy.copy(tc or _config())
+    for name, value in dict(fp8=fp8, fp8_recipe=recipe, **fields).items():
+        object.__setattr__(tc, name, value)
+    return tc
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.usefixtures("megatron_world")
+def test_blockwise_flags_select_moks_fp8_experts(fmt):
+    tc = _with_fp8(_config(moe_shared_expert_intermediate_size=24), fmt)
+    assert mok_config_from_megatron(tc).fp8 == fmt
+    assert mok_config_from_megatron(_config()).fp8 is None
+    stock, mok = _stock_and_mok(tc)  # the stock layer runs bf16's math (no Transformer Engine here)
+    assert mok.mok.config.fp8 == fmt
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
+    assert 1e-3 < _relative_error(got[0], want[0]) < 0.15 and 1e-3 < _relative_error(got[1], want[1]) < 0.15
+    for name, grad in want[2].items():
+        assert _relative_error(got[2][name], grad) < 0.15, name
+    assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
+
+
+REFUSALS = [
+    (dict(recipe="delayed"), "--fp8-recipe"),
+    (dict(recipe="tensorwise"), "--fp8-recipe"),
+    (dict(recipe="mxfp8"), "--fp8-recipe"),
+    (dict(recipe="custom"), "--fp8-recipe"),
+    (dict(fp8_param=True), "--fp8-param-gather"),
+    # MoKConfig's own refusals come back naming Megatron's flag
+    (dict(add_bias_linear=True), r"mok.fp8 \(--fp8-format with --fp8-recipe blockwise\) with expert biases"),
+]
+
+
+@pytest.mark.parametrize("fields, flag", REFUSALS, ids=[flag.split()[0] for _, flag in REFUSALS])
+def test_what_fp8_does_not_cover_is_refused_by_flag(fields, flag):
+    with pytest.raises(MoKConfigError, match=flag):
+        mok_config_from_megatron(_with_fp8(**fields))
+
+
+def test_fp32_block_scales_are_refused(monkeypatch):
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    with pytest.raises(MoKConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"):
+        mok_config_from_megatron(_with_fp8())
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_first_and_last_layers_stay_in_bf16():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from mok_plugin.megatron import use_mok
+
+    tc = _with_fp8(_config(num_layers=4), first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                   num_layers_at_end_in_bf16=1)  # fmt: skip
+    spec = use_mok(get_moe_module_spec(use_te=False, num_experts=tc.num_moe_experts, moe_grouped_gemm=False))
+    formats = [spec(config=tc, layer_number=n).mok.config.fp8 for n in (1, 2, 3, 4)]
+    assert formats == [None, "e4m3", "e4m3", None]
+    layer = spec(config=tc, layer_number=1)
+    layer.set_layer_number(2)  # (Megatron renumbers a layer after building it, e.g. for MTP)
+    assert layer.mok.config.fp8 == "e4m3" and layer.mok_config.fp8 == "e4m3"
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_the_schedules_first_microbatch_flag_reaches_the_fp8_weight_copies():
+    _, mok = _stock_and_mok(_with_fp8())
+    assert mok.mok.is_first_microbatch is None
+    mok.set_is_first_microbatch()  # what Megatron's forward_step does before a step's first micro-batch
+    assert mok.mok.is_first_microbatch is True
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    mok(x)
+    assert mok.mok.is_first_microbatch is False  # the step's later micro-batches reuse the copies
