@@ -11,12 +11,13 @@ apply() (or without it) warns that the stock layer runs. Nothing else in DeepSpe
 
 Needs deepspeed 0.19 (`pip install 'mok_plugin[deepspeed]'`)."""
 
-from mok_plugin.deepspeed.config import DeepSpeedMoKSettings, read_mok_settings
+from mok_plugin.deepspeed.config import DEEPSPEED_KNOBS, DeepSpeedMoKSettings, read_mok_settings
 from mok_plugin.deepspeed.experts import SwiGLUExpert
 from mok_plugin.deepspeed.layer import MoE
 from mok_plugin.deepspeed.switch import apply, build_moe, check_model, revert
 
 __all__ = [
+    "DEEPSPEED_KNOBS",
     "DeepSpeedMoKSettings",
     "MoE",
     "SwiGLUExpert",

@@ -9,10 +9,12 @@
         "ep_capacity_factor": 2.0,
         "ep_transport": "nccl",
         "debug_checks": false,
-        "random_seed": 0
+        "random_seed": 0,
+        "fp8": null                      # e4m3 | hybrid: blockwise FP8 experts (mok_plugin/fp8)
     }
 
-The knob keys are exactly MoKConfig's MOK_KNOBS, each with MoKConfig's own type and bounds (the block's
+The knob keys are MoKConfig's MOK_KNOBS and `fp8` (DeepSpeed's MoE has no precision option of its own,
+so the block chooses it; DEEPSPEED_KNOBS), each with MoKConfig's own type and bounds (the block's
 fields are derived from MoKConfig's field definitions, not repeated here), and the block is as strict
 as MoKConfig: booleans are only true/false (not 1, "yes", "on" or "true"), numbers are not read from
 strings ("2.0"), integers are not floats or booleans, and a knob given as null is an error (leave it
@@ -48,7 +50,12 @@ from mok_plugin.config import (
     short_repr,
 )
 
-__all__ = ["DeepSpeedMoKSettings", "read_mok_settings"]
+__all__ = ["DEEPSPEED_KNOBS", "DeepSpeedMoKSettings", "read_mok_settings"]
+
+# The MoKConfig fields the "mok" block (and a layer's mok_config) sets freely: MoK's own knobs, and
+# fp8, which Megatron's --fp8-format sets there but DeepSpeed's MoE has no option for. Every other
+# field follows DeepSpeed's arguments.
+DEEPSPEED_KNOBS = (*MOK_KNOBS, "fp8")
 
 
 def _unset_by_default(name: str) -> tuple[Any, FieldInfo]:
@@ -69,7 +76,7 @@ _MoKFields = create_model(
 
 
 class _MoKBlock(BaseModel):
-    """`enabled` and `config`; DeepSpeedMoKSettings adds the knobs (MOK_KNOBS) from MoKConfig."""
+    """`enabled` and `config`; DeepSpeedMoKSettings adds the knobs (DEEPSPEED_KNOBS) from MoKConfig."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -100,7 +107,7 @@ class _MoKBlock(BaseModel):
         """MoKConfig fields: those of the YAML file (read and checked with the block), then the knobs
         set in the block."""
         knobs = dict(self._file_knobs)
-        for key in MOK_KNOBS:
+        for key in DEEPSPEED_KNOBS:
             value = getattr(self, key)
             if value is not None:
                 knobs[key] = value
@@ -113,7 +120,7 @@ DeepSpeedMoKSettings = create_model(
     __module__=__name__,
     __doc__="""The validated `"mok"` block; `knobs()` are the MoKConfig fields it sets.
 
-    Fields: `enabled`, `config` and the knobs MOK_KNOBS, each a MoKConfig field (same type, bounds and
+    Fields: `enabled`, `config` and the knobs DEEPSPEED_KNOBS, each a MoKConfig field (same type, bounds and
     strictness) whose default None means "not set".
 
     Raises:
@@ -121,7 +128,7 @@ DeepSpeedMoKSettings = create_model(
             naming `mok.<key>`; a YAML file that cannot be read or holds a bad knob, naming
             `mok.config` and the file.
     """,
-    **{name: _unset_by_default(name) for name in MOK_KNOBS},
+    **{name: _unset_by_default(name) for name in DEEPSPEED_KNOBS},
 )
 
 

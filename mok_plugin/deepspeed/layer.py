@@ -55,8 +55,9 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
-from mok_plugin.config import MOK_KNOBS, MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
+from mok_plugin.config import MoKConfig, MoKConfigError, dtype_name, load_config, short_repr
 from mok_plugin.deepspeed.checkpoint import install_state_dict_hooks
+from mok_plugin.deepspeed.config import DEEPSPEED_KNOBS
 from mok_plugin.deepspeed.experts import ExpertLayout, ExpertNotRecognised, expert_layout
 from mok_plugin.deepspeed.gating import NOISY_GATE_POLICIES, DeepSpeedGate
 from mok_plugin.deepspeed.structure import build_stock_structure
@@ -65,7 +66,7 @@ from mok_plugin.module_experts import MoKModuleExperts
 
 __all__ = ["MoE", "set_default_knobs"]
 
-# A mok_config sets MOK_KNOBS freely; every other field follows DeepSpeed's arguments (or MoK's
+# A mok_config sets DEEPSPEED_KNOBS (MoK's knobs and fp8) freely; every other field follows DeepSpeed's arguments (or MoK's
 # default where DeepSpeed has no such option, e.g. shared experts), so a mok_config may only repeat
 # those values: it cannot add shared experts or change routing behind DeepSpeed's back.
 
@@ -184,11 +185,11 @@ class MoE(StockMoE):
         set_by_arguments = {
             field: derived.get(field, info.default)
             for field, info in MoKConfig.model_fields.items()
-            if field not in MOK_KNOBS
+            if field not in DEEPSPEED_KNOBS
         }
         conflicts = [
             f"mok.{key}={short_repr(knobs[key])} (the arguments give {set_by_arguments[key]!r}; "
-            f"a mok_config may set only {', '.join(MOK_KNOBS)})"
+            f"a mok_config may set only {', '.join(DEEPSPEED_KNOBS)})"
             for key in knobs
             if key in set_by_arguments and knobs[key] != set_by_arguments[key]
         ]

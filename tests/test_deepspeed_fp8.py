@@ -1,0 +1,68 @@
+"""DeepSpeed's `"mok": {"fp8": ...}` (issue 25): the ds_config's block selects MoK's blockwise FP8
+experts for every MoE layer it builds (DeepSpeed's MoE has no precision option of its own); against
+the stock layer in bf16's place, within FP8's error; experts FP8 does not cover are refused when the
+layer is built, naming mok.fp8."""
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e .[deepspeed])")
+
+from deepspeed.moe.layer import MoE as StockMoE  # noqa: E402
+from test_deepspeed import E, H, I, _layers, one_rank_world  # noqa: E402
+
+import mok_plugin.deepspeed as mds  # noqa: E402
+from mok_plugin.config import MoKConfigError  # noqa: E402
+from mok_plugin.testing import make_layer_inputs  # noqa: E402
+
+pytestmark = pytest.mark.deepspeed
+
+
+@pytest.fixture(scope="module")
+def ds_world():
+    yield from one_rank_world()
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _outputs(layer, x, probe):
+    x = x.clone().requires_grad_()
+    out, _, _ = layer(x)
+    (out * probe).sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_the_mok_block_selects_fp8_experts(ds_world, fmt):
+    assert mds.read_mok_settings({"mok": {"enabled": True, "fp8": fmt}}).knobs() == {"fp8": fmt}
+    stock, bf16 = _layers(2)
+    mok = mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2, drop_tokens=False, use_rts=False,
+                  top2_2nd_expert_sampling=False, mok_config={"fp8": fmt})  # fmt: skip
+    mok.load_state_dict(bf16.state_dict())
+    assert mok.mok.config.fp8 == fmt and bf16.mok.config.fp8 is None
+    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
+    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
+    want, got = _outputs(stock, x, probe), _outputs(mok, x, probe)
+    for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
+        assert 1e-3 < _relative_error(value, reference) < 0.15, name
+    assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+
+
+def test_apply_builds_every_layer_with_fp8(ds_world):
+    try:
+        mds.apply({"mok": {"enabled": True, "fp8": "hybrid"}})
+        layer = StockMoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2, drop_tokens=False)
+        assert isinstance(layer, mds.MoE) and layer.mok.config.fp8 == "hybrid"
+    finally:
+        mds.revert()
+
+
+def test_fp8_with_experts_it_does_not_cover_is_refused(ds_world):
+    with pytest.raises(MoKConfigError, match="mok.fp8 with expert biases"):
+        biased_gelu_mlp = nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H))
+        mds.MoE(H, biased_gelu_mlp, num_experts=E, k=1, drop_tokens=False, mok_config={"fp8": "e4m3"})
+    with pytest.raises(MoKConfigError, match=r"mok\.fp8='e5m2'"):
+        mds.read_mok_settings({"mok": {"enabled": True, "fp8": "e5m2"}})
