@@ -244,6 +244,33 @@ def test_report_says_when_losses_agree_and_when_training_diverged():
     assert "differ by up to 5.4e+03" in note and "training diverged at this learning rate" in note
 
 
+def test_report_measures_fp8_losses_against_the_target_from_step_50():
+    result = _result("megatron", 2, None, None)
+    result["meta"]["fp8"] = "e4m3"
+    bf16 = [6.0 - 0.01 * i for i in range(60)]
+    for run in result["runs"]:  # early steps far off (not counted), then 0.3 % off, 0.5 % at step 50
+        fp8 = [v * (1.2 if i < 49 else 1.005 if i == 49 else 1.003) for i, v in enumerate(bf16)]
+        run["losses"] = bf16 if run["variant"] == "stock" else fp8
+    assert agreement_note(result).endswith("from step 50 the losses differ by at most 0.50% (step 50), within the "
+                                           "1% target")  # fmt: skip
+    result["runs"][2]["losses"][54] *= 1.02
+    assert "(step 55), OUTSIDE the 1% target" in agreement_note(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed"])
+def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework):
+    pytest.importorskip({"megatron": "megatron.core", "deepspeed": "deepspeed"}[framework])
+    run = _compare(tmp_path, "--config", str(TINY), "--framework", framework, "--steps", "3", "--fp8", "hybrid")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "compare" / framework / "comparison.json").read_text())
+    assert result["meta"]["fp8"] == "hybrid" and result["bitwise"]["mok"] is True
+    assert "MoK's experts run blockwise FP8 (hybrid)" in run.stdout
+    stock, mok = result["runs"][0]["losses"], result["runs"][2]["losses"]
+    gaps = [abs(a - b) / b for a, b in zip(mok, stock, strict=True)]
+    assert 1e-6 < max(gaps) < 0.01, gaps  # quantised, not the unquantised layer, and close to it
+
+
 # ------------------------------------------------------------------------------------------------
 # The stock side: which stock path, said in the report; the grouped_mm stand-in
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Markdown report, a PNG plot and a log of the frameworks' own messages.
 
     mok compare --config configs/topologies/tiny_cpu.yaml        # = scripts/compare.py, the main job
     mok compare --config CONFIG --framework deepspeed --steps 20 --out out/compare/ds-20
+    mok compare --config CONFIG --fp8 e4m3 --steps 200    # MoK's experts in blockwise FP8
 
 The output folder defaults to out/compare/<framework>, so a Megatron and a DeepSpeed run do not
 overwrite each other. The console shows the progress bar and the table only: the frameworks'
@@ -53,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: out/compare/<framework>)")  # fmt: skip
+    parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None,
+                        help="MoK's experts in blockwise FP8 (the config's mok.fp8; Megatron's --fp8-format with "
+                             "--fp8-recipe blockwise): the report then gives its losses' distance from the stock "
+                             "layer's bf16 ones")  # fmt: skip
     return parser
 
 
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run = load_topology(args.config)
+        if args.fp8 is not None:
+            run = run.model_copy(update={"mok": {**run.mok, "fp8": args.fp8}})
         check_framework(run, args.framework)
     except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"{m.name}: {m.moe_layers} MoE layers, H={m.hidden_size}, I={m.ffn_hidden_size}, "
                  f"E={m.num_experts}, top-{m.top_k}, experts {cfg.expert_family.describe()}",
         "top_k": m.top_k, "aux_loss_coeff": cfg.aux_loss_coeff, "memory_kind": memory_source(device),
-        "log": str(log_path), "random_routing": [],
+        "log": str(log_path), "random_routing": [], "fp8": cfg.fp8,
     }  # fmt: skip
     if args.framework == "deepspeed":  # the gating both layers ran: the config's deepspeed section or the harness's
         gating = deepspeed_gating(run)

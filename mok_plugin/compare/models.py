@@ -31,6 +31,7 @@ under both frameworks.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -197,6 +198,11 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device, stock_
     spec = stock_moe_spec(cfg.num_experts, stock_path.transformer_engine and variant != "grouped_mm")
     if variant == "mok":
         set_default_mok_overrides({"backend": cfg.backend})
+        if cfg.fp8 is not None:
+            # Megatron's config asks for Transformer Engine when FP8 meets MoE (its FP8 layers run through
+            # it); this model has no layer but the MoE ones, so the flags are set after its checks.
+            config = copy.copy(config)
+            config.fp8, config.fp8_recipe = cfg.fp8, "blockwise"
         return functools.partial(use_mok(spec), config=config)
 
     def stock():
@@ -224,7 +230,8 @@ def _deepspeed_factory(run: RunConfig, variant: str):
         return FamilyExpert(m.hidden_size, m.ffn_hidden_size, cfg.expert_family)
 
     if variant == "mok":
-        return lambda: mds.MoE(m.hidden_size, expert(), **kwargs, mok_config={"backend": cfg.backend})
+        knobs = {"backend": cfg.backend, **({"fp8": cfg.fp8} if cfg.fp8 is not None else {})}
+        return lambda: mds.MoE(m.hidden_size, expert(), **kwargs, mok_config=knobs)
 
     def stock():
         layer = StockMoE(m.hidden_size, expert(), **kwargs)

@@ -74,6 +74,22 @@ def _loss_meaning(result: dict) -> str:
 AGREE_RELATIVE = 1e-4
 
 
+# Issue 25's target for MoK's FP8 experts: the loss within 1 % of bf16's at every step from step 50.
+FP8_LOSS_TARGET, FP8_FROM_STEP = 0.01, 50
+
+
+def fp8_loss_note(bf16_losses: list[float], fp8_losses: list[float], fp8: str) -> str:
+    """How far the FP8 run's losses are from the bf16 run's, relative, at every step from FP8_FROM_STEP
+    (from step 1 in a shorter run), against FP8_LOSS_TARGET."""
+    first = FP8_FROM_STEP if len(bf16_losses) >= FP8_FROM_STEP else 1
+    gaps = [abs(a - b) / abs(b) for a, b in zip(fp8_losses[first - 1 :], bf16_losses[first - 1 :], strict=True)]
+    worst = max(gaps)
+    verdict = "within" if worst <= FP8_LOSS_TARGET else "OUTSIDE"
+    at = gaps.index(worst) + first
+    return (f"MoK's experts run blockwise FP8 ({fp8}), the stock layer unquantised: from step {first} the losses "
+            f"differ by at most {worst:.2%} (step {at}), {verdict} the {FP8_LOSS_TARGET:.0%} target")  # fmt: skip
+
+
 def agreement_note(result: dict) -> str:
     """One sentence: how far apart the stock and MoK losses are, and, where they must differ, why."""
     runs = {(r["variant"], r["repeat"]): r for r in result["runs"]}
@@ -86,7 +102,9 @@ def agreement_note(result: dict) -> str:
                 "its own counter-based stream (the same draws in every run of MoK, not DeepSpeed's). With the "
                 "random options off in the config's deepspeed section, they agree.")  # fmt: skip
     scale = max(1.0, *(abs(v) for v in stock["losses"] + mok["losses"]))
-    if max(gaps) <= AGREE_RELATIVE * scale:
+    if meta.get("fp8"):
+        note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"])
+    elif max(gaps) <= AGREE_RELATIVE * scale:
         note = (f"the losses agree to {max(gaps):.1e} at every step (same weights, tokens and routing; the last "
                 "digits differ by the order of floating-point sums)")  # fmt: skip
     else:
