@@ -3,7 +3,10 @@
 Per shape: forward and forward + backward of the multi-kernel bf16 path (`mok-multi`) and of the FP8
 path (`fp8/pipeline.py`, quantisation of x, dO and the weights included), settled, one process; the
 FP8 path's kernels by GPU time; each gradient's relative difference from bf16's; whether two FP8
-runs are bitwise equal.
+runs are bitwise equal; and, where the float64 copies fit (not deepseek-v3: its weights alone take
+90 GB in fp64), each tensor's error against the unquantised float64 reference, for MoK's FP8 and for
+the separate-cast peer (`moe_experts_fp8_reference(separate_casts=True)`: every quantised tensor first
+stored in bf16, as a pipeline of separate quantisation kernels has it), on the same inputs.
 
     mok bench fp8 --shapes qwen3-30b-a3b deepseek-v3 --recipe e4m3 --out out/
 (`python scripts/bench_fp8.py ...` is the same command.)
@@ -24,6 +27,8 @@ from mok_plugin.bench.providers import PROVIDERS, fwd_bwd, leaves, make_inputs
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.reference import moe_experts_fp8_reference
+from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
 
@@ -79,7 +84,39 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     }
     again = fp8_both()
     row["bitwise"] = all(torch.equal(again[k], got[k]) for k in got)
+    del again, want
+    if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
+        row["error against float64"] = _errors(inputs, schedule, recipe, got)
     return row
+
+
+# The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
+# 6 copies of the experts' weights; up to 60 GB of them on the H200's 139 GB.
+FP64_BUDGET_BYTES = 60 * 2**30
+
+
+def _fp64_bytes(shape) -> int:
+    T, H, I, E, K = shape.as_tuple()
+    return 6 * 8 * E * 3 * I * H
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> dict[str, dict[str, float]]:
+    """{tensor: {"mok fp8": error, "separate-cast peer": error}}, each relative to the unquantised
+    float64 experts (reference.moe_experts_reference in fp64) on the same inputs."""
+    args = [inputs[k].double().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
+    out = moe_experts_reference(*args, schedule)
+    exact = [out.detach(), *torch.autograd.grad(out, args, inputs["d_out"].double())]
+    peer = moe_experts_fp8_reference(inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"],
+                                     schedule, recipe, inputs["d_out"], separate_casts=True)  # fmt: skip
+    names = ("out", *GRADIENTS)
+    return {
+        name: {"mok fp8": _relative_error(got[name], want), "separate-cast peer": _relative_error(peer[name], want)}
+        for name, want in zip(names, exact, strict=True)
+    }
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -104,5 +141,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               f"{worst[0]} {worst[1]:.4f}")  # fmt: skip
         for kernel in row["fp8 kernels"][:8]:
             print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {kernel['kernel'][:70]}")
+        errors = row.get("error against float64")
+        if errors is None:
+            print("    error against float64: not measured (the fp64 copies would not fit)")
+            continue
+        each = [f"{name} {e['mok fp8']:.4f} (peer {e['separate-cast peer']:.4f})" for name, e in errors.items()]
+        print("    error against float64 (relative, per tensor): " + ", ".join(each))
     print(f"details in {args.out / 'bench_fp8.json'}")
     return 0

@@ -77,9 +77,14 @@ def moe_experts_fp8_reference(
     family: MoKExpertFamily = SWIGLU,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    separate_casts: bool = False,
 ) -> FP8ExpertsResult:
     """The routed experts under blockwise FP8 (module docstring): {"out"}, and with d_out also
     {"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"}.
+
+    separate_casts: the peer of issue 25, a pipeline whose quantisation kernels are separate from its
+    GEMMs and activation (Transformer Engine's): every tensor a quantiser reads was first stored in
+    the params dtype, A, w*A, dA' and dh included, where MoK's epilogues quantise the fp32 values.
 
     Raises:
         ValueError: a linear expert (no fc1: nothing of it is quantised yet).
@@ -95,6 +100,9 @@ def moe_experts_fp8_reference(
     w2_q = _qdq_2d(down_proj, fwd, block, pow2)
     segments = expert_segments(schedule)
 
+    def stored(t: torch.Tensor) -> torch.Tensor:  # what a separate quantisation kernel reads
+        return t.to(dtype).double() if separate_casts else t
+
     h_R = x.new_zeros(schedule.num_rows, gate_up_proj.shape[1])
     y_R = x.new_zeros(schedule.num_rows, H)
     for e, s, n in segments:
@@ -103,7 +111,7 @@ def moe_experts_fp8_reference(
         if gate_up_bias is not None:
             h = h + gate_up_bias[e].double()
         h_R[s : s + n] = h.to(dtype)
-        a_q = _qdq(activation_fp64(h_R[s : s + n], family), fwd, block, -1, pow2)
+        a_q = _qdq(stored(activation_fp64(h_R[s : s + n], family)), fwd, block, -1, pow2)
         z = a_q @ w2_q[e].t()
         if down_bias is not None:
             z = z + down_bias[e].double()
@@ -122,18 +130,18 @@ def moe_experts_fp8_reference(
         tokens = schedule.row_to_token[s : s + n]
         w = w_R[s : s + n, None]
         h = h_R[s : s + n]
-        a = activation_fp64(h, family)
+        a = stored(activation_fp64(h, family))
         a_q = _qdq(a, fwd, block, -1, pow2)
-        d_a_prime = d_o_q[tokens] @ w2_q[e]
+        d_a_prime = stored(d_o_q[tokens] @ w2_q[e])
         d_w = (d_a_prime * a_q).sum(dim=-1)
         if down_bias is not None:
             d_w = d_w + d_o_q[tokens] @ down_bias[e].double()
         d_w_R[s : s + n] = d_w
-        d_h = activation_backward_fp64(h, w * d_a_prime, family)
+        d_h = stored(activation_backward_fp64(h, w * d_a_prime, family))
         d_x_R[s : s + n] = (_qdq_fc1_columns(d_h, bwd, block, pow2, family.gated) @ w13_q[e]).to(dtype)
         # weight gradients: both operands in 128-row blocks along the expert's rows
         d_o_rows = d_out[tokens].double()
-        d_down[e] = (_qdq(d_o_rows, bwd, block, 0, pow2).t() @ _qdq(w * a, fwd, block, 0, pow2)).to(dtype)
+        d_down[e] = (_qdq(d_o_rows, bwd, block, 0, pow2).t() @ _qdq(stored(w * a), fwd, block, 0, pow2)).to(dtype)
         d_gate_up[e] = (_qdq(d_h, bwd, block, 0, pow2).t() @ _qdq(x[tokens], fwd, block, 0, pow2)).to(dtype)
         if down_bias is not None:
             d_down_bias[e] = (w * d_o_rows).sum(dim=0).to(dtype)
