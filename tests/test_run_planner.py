@@ -134,3 +134,19 @@ def test_linear_family_by_hand():
 def test_layer_time_efficiency_in_zero_one(efficiency):
     with pytest.raises(ValueError, match="efficiency"):
         layer_time(load_topology(TOPOLOGIES / "tiny_cpu.yaml"), efficiency)
+
+
+def test_fp8_experts_take_the_fp8_rate_and_keep_weight_copies():
+    # mok.fp8: the expert GEMMs at the machine's dense FP8 rate (twice bf16 on the GB300), the
+    # exchange unchanged (bf16 rows: MoK quantises after dispatch), and 2 B per expert weight for the
+    # FP8 copies and their transposes, kept through a step.
+    data = _base()
+    bf16 = RunConfig(**data)
+    data["mok"]["fp8"] = "e4m3"
+    fp8 = RunConfig(**data)
+    t_bf16, t_fp8 = layer_time(bf16, efficiency=0.5), layer_time(fp8, efficiency=0.5)
+    assert t_fp8.expert_ms == pytest.approx(t_bf16.expert_ms / 2) and t_fp8.exchange_ms == t_bf16.exchange_ms
+    assert MACHINES["gb300-nvl72"].fp8_tflops == 2 * MACHINES["gb300-nvl72"].bf16_tflops
+    m_bf16, m_fp8 = memory_per_gpu(bf16), memory_per_gpu(fp8)
+    shared = 29 * 3 * 7168 * 2048
+    assert m_fp8.mok_buffers_gib - m_bf16.mok_buffers_gib == pytest.approx(2 * (m_bf16.expert_params + shared) / GIB)

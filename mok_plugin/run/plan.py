@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"linear {family.fc1_width(I)} rows, {family.gemm_macs_per_row(H, I) / 1e6:.2f} M multiply-adds per row"
     )
     print(
-        f"  rates    {hw.gpu}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.hbm_gib:g} GiB HBM, NVLink "
-        f"{hw.nvlink_gb_s:g} GB/s/dir in a {hw.nvlink_domain}-GPU domain, scale-out {hw.scale_out_gb_s:g} GB/s/dir"
+        f"  rates    {hw.gpu}: {hw.bf16_tflops:g} TFLOP/s dense bf16 ({hw.fp8_tflops:g} FP8), {hw.hbm_gib:g} GiB "
+        f"HBM, NVLink {hw.nvlink_gb_s:g} GB/s/dir in a {hw.nvlink_domain}-GPU domain, scale-out "
+        f"{hw.scale_out_gb_s:g} GB/s/dir"
     )
     # Wrapped between words only, so the sources' addresses stay whole (copyable).
     source = textwrap.fill(hw.source, width=110, initial_indent="           source: ", subsequent_indent=" " * 19,
@@ -84,14 +85,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     for label, value in (("weights (bf16)", mem.weights_gib), ("gradients (fp32)", mem.grads_gib),
                          ("optimizer (Adam fp32, sharded)", mem.optimizer_gib),
                          (f"activations ({p.activation_recompute} recompute)", mem.activations_gib),
-                         ("MoK exchange buffers", mem.mok_buffers_gib), ("total", mem.total_gib)):  # fmt: skip
+                         ("MoK buffers (exchange, FP8 copies)", mem.mok_buffers_gib),
+                         ("total", mem.total_gib)):  # fmt: skip
         print(f"    {label:<34} {value:>9.2f}")
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     print(f"    {'usable (' + f'{HBM_USABLE:.0%}' + ' of HBM)':<34} {mem.budget_gib:>9.2f}   -> {verdict}")
     print(f"    parameters here: {mem.expert_params / 1e9:.2f} B routed-expert, {mem.dense_params / 1e9:.2f} B other")
     print(f"\n  one MoE layer, forward + backward, one micro-batch ({T} tokens per GPU, top-{m.top_k})")
     at = f"at {args.efficiency:.0%} of peak"
-    print(f"    expert GEMMs   {t.expert_flops / 1e12:9.2f} TFLOP   {t.expert_ms:8.2f} ms {at}")
+    precision = "FP8" if run.mok_config().fp8 is not None else "bf16"
+    print(f"    expert GEMMs   {t.expert_flops / 1e12:9.2f} TFLOP   {t.expert_ms:8.2f} ms {at} ({precision})")
     print(f"    exchange       {t.exchange_bytes / 1e9:9.3f} GB      {t.exchange_ms:8.2f} ms over {t.link}"
           + (f" at {t.link_gb_s:g} GB/s" if t.link_gb_s else ""))  # fmt: skip
     per_mb = layers_here * (t.expert_ms + t.exchange_ms)

@@ -29,14 +29,16 @@ with the distributed optimizer):
                num_layers / pp x pp layers' worth
   MoK buffers  expert-parallel exchange buffers of one layer: rows x H x 2 B for send and receive,
                dispatch and combine (4 buffers), rows = T K x ep_capacity_factor (capacity exchange)
-               or T K (exact)
+               or T K (exact); with mok.fp8, the FP8 copies of the experts' weights (routed and shared)
+               kept through a step: 1 B per weight and 1 B for its transpose (fp8/weight_copies.py)
 It fits when the total is at most 90 % of the GPU's HBM (the rest: allocator slack, NCCL, CUDA
 context).
 
 Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
   expert FLOPs  3 passes x 2 FLOPs x T K rows x M / expert_tp (forward 2 M per row, backward twice
                 the forward: 18 T K H I for SwiGLU, 12 T K H I for a plain MLP; bias adds and the
-                activation are not counted), at `efficiency` x the machine's dense bf16 rate
+                activation are not counted), at `efficiency` x the machine's dense bf16 rate, or its
+                dense FP8 rate with mok.fp8 (the exchange stays bf16: MoK quantises after dispatch)
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
                 sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
                 scale-out network (per-direction datasheet rates, run/sections.py); a run whose exchange would
@@ -144,6 +146,7 @@ def memory_per_gpu(run: PlannedRun) -> MemoryEstimate:
     activations = m.num_layers * per_layer + m.moe_layers * moe_saved
     mok = run.mok_config()
     rows = T * K * (mok.ep_capacity_factor if mok.ep_exchange == "capacity" else 1.0) if p.ep > 1 else 0
+    fp8_copies = 2 * (routed + shared) if mok.fp8 is not None else 0
     return MemoryEstimate(
         expert_params=routed,
         dense_params=dense,
@@ -151,7 +154,7 @@ def memory_per_gpu(run: PlannedRun) -> MemoryEstimate:
         grads_gib=(routed + dense) * BYTES_GRAD / GIB,
         optimizer_gib=(routed / expert_dp + dense / p.dp) * BYTES_OPTIMIZER / GIB,
         activations_gib=activations / GIB,
-        mok_buffers_gib=4 * rows * H * 2 / GIB,
+        mok_buffers_gib=(4 * rows * H * 2 + fp8_copies) / GIB,
         budget_gib=HBM_USABLE * hw.hbm_gib,
     )
 
@@ -182,7 +185,8 @@ def layer_time(run: PlannedRun, efficiency: float = 0.6) -> LayerTime:
     p, m, hw = run.parallel, run.model, run.hardware
     T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
     flops = 3 * 2 * T * K * m.expert_family.gemm_macs_per_row(H, I) / p.expert_tp
-    expert_ms = flops / (efficiency * hw.bf16_tflops * 1e12) * 1e3
+    rate = hw.fp8_tflops if run.mok_config().fp8 is not None else hw.bf16_tflops
+    expert_ms = flops / (efficiency * rate * 1e12) * 1e3
     exchange = 4 * T * K * H * 2 * (p.ep - 1) / p.ep
     link, rate_field, rate = exchange_link(run)
     if link != "none" and rate <= 0:

@@ -45,6 +45,7 @@ class Machine(BaseModel):
     hbm_gib: float = Field(gt=0)
     hbm_tb_s: float = Field(gt=0)
     bf16_tflops: float = Field(gt=0, description="Dense bf16 tensor-core rate.")
+    fp8_tflops: float = Field(gt=0, description="Dense FP8 tensor-core rate (mok.fp8's expert GEMMs).")
     nvlink_gb_s: float = Field(ge=0, description="NVLink bandwidth per GPU, one direction.")
     scale_out_gb_s: float = Field(ge=0, description="Network bandwidth per GPU, one direction.")
     source: str
@@ -57,15 +58,15 @@ _GB300 = (
     "NVIDIA GB300 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb300-nvl72/) and 'Inside NVIDIA "
     "Blackwell Ultra' (https://developer.nvidia.com/blog/inside-nvidia-blackwell-ultra-the-chip-powering-the-ai-"
     "factory-era/): 72 GPUs on NVLink 5 at 1.8 TB/s per GPU (900 GB/s per direction), 288 GB HBM3e at 8 TB/s "
-    f"(284,208 MiB visible to CUDA); 2,500 TFLOP/s dense bf16 ({_AIC}gb300.yaml); one ConnectX-8 at 800 Gb/s per "
-    "GPU (NVL72 AI factory reference architecture, https://docs.nvidia.com/enterprise-reference-architectures/"
+    f"(284,208 MiB visible to CUDA); 2,500 TFLOP/s dense bf16 ({_AIC}gb300.yaml), dense FP8 taken as twice "
+    "that; one ConnectX-8 at 800 Gb/s per GPU (NVL72 AI factory reference architecture, https://docs.nvidia.com/enterprise-reference-architectures/"
     "nvl72-ai-factory/latest/components.html)"
 )
 _GB200 = (
     "NVIDIA GB200 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb200-nvl72/) and DGX GB200 user "
     "guide (https://docs.nvidia.com/dgx/dgxgb200-user-guide/hardware.html): 72 GPUs on NVLink 5 at 1.8 TB/s per "
     "GPU (900 GB/s per direction), 186 GB HBM3e at 8 TB/s (189,471 MiB visible to CUDA), one ConnectX-7 at "
-    f"400 Gb/s per GPU; 2,500 TFLOP/s dense bf16 ({_AIC}gb200.yaml)"
+    f"400 Gb/s per GPU; 2,500 TFLOP/s dense bf16 ({_AIC}gb200.yaml), dense FP8 taken as twice that"
 )
 _DGX_HOPPER = (
     "8 GPUs per node on NVLink 4, one ConnectX-7 at 400 Gb/s per GPU (DGX BasePOD reference architecture, "
@@ -75,30 +76,31 @@ _DGX_HOPPER = (
 _H200 = (
     "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): H200 SXM, 141 GB HBM3e at 4.8 TB/s, "
     "NVLink 900 GB/s (450 GB/s per direction), bf16 1,979 TFLOP/s with sparsity (989 dense, "
-    f"{_AIC}h200_sxm.yaml); " + _DGX_HOPPER
+    f"{_AIC}h200_sxm.yaml), FP8 3,958 with sparsity (1,979 dense); " + _DGX_HOPPER
 )
 _H100 = (
     "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/): H100 SXM, 80 GB HBM3 at 3.35 TB/s, "
     "NVLink 900 GB/s (450 GB/s per direction), bf16 1,979 TFLOP/s with sparsity (989 dense, "
-    f"{_AIC}h100_sxm.yaml); " + _DGX_HOPPER
+    f"{_AIC}h100_sxm.yaml), FP8 3,958 with sparsity (1,979 dense); " + _DGX_HOPPER
 )
 
 MACHINES: dict[str, Machine] = {
     m.name: m
     for m in (
         Machine(name="gb300-nvl72", gpu="GB300", nvlink_domain=72, hbm_gib=277.5, hbm_tb_s=8.0, bf16_tflops=2500,
-                nvlink_gb_s=900, scale_out_gb_s=100, source=_GB300),
+                fp8_tflops=5000, nvlink_gb_s=900, scale_out_gb_s=100, source=_GB300),
         Machine(name="gb200-nvl72", gpu="GB200", nvlink_domain=72, hbm_gib=185.0, hbm_tb_s=8.0, bf16_tflops=2500,
-                nvlink_gb_s=900, scale_out_gb_s=50, source=_GB200),
+                fp8_tflops=5000, nvlink_gb_s=900, scale_out_gb_s=50, source=_GB200),
         Machine(name="hgx-h200", gpu="H200", nvlink_domain=8, hbm_gib=141.0, hbm_tb_s=4.8, bf16_tflops=989,
-                nvlink_gb_s=450, scale_out_gb_s=50, source=_H200),
+                fp8_tflops=1979, nvlink_gb_s=450, scale_out_gb_s=50, source=_H200),
         Machine(name="hgx-h100", gpu="H100", nvlink_domain=8, hbm_gib=80.0, hbm_tb_s=3.35, bf16_tflops=989,
-                nvlink_gb_s=450, scale_out_gb_s=50, source=_H100),
+                fp8_tflops=1979, nvlink_gb_s=450, scale_out_gb_s=50, source=_H100),
         Machine(name="h200-measured", gpu="H200", nvlink_domain=1, hbm_gib=139.8, hbm_tb_s=4.1, bf16_tflops=742,
-                nvlink_gb_s=0, scale_out_gb_s=0,
-                source="measured on this project's H200: device copy 4.1 TB/s, dense bf16 GEMM 742 TFLOP/s"),
-        Machine(name="cpu", gpu="CPU", nvlink_domain=1, hbm_gib=16.0, hbm_tb_s=0.02, bf16_tflops=0.1, nvlink_gb_s=0,
-                scale_out_gb_s=0, source="a nominal 2-core CPU with 16 GiB for the quickstart (rough)"),
+                fp8_tflops=1484, nvlink_gb_s=0, scale_out_gb_s=0,
+                source="measured on this project's H200: device copy 4.1 TB/s, dense bf16 GEMM 742 TFLOP/s; FP8 not "
+                       "measured: twice the bf16 rate, as Hopper's datasheet peaks are"),
+        Machine(name="cpu", gpu="CPU", nvlink_domain=1, hbm_gib=16.0, hbm_tb_s=0.02, bf16_tflops=0.1, fp8_tflops=0.1,
+                nvlink_gb_s=0, scale_out_gb_s=0, source="a nominal 2-core CPU with 16 GiB for the quickstart (rough)"),
     )
 }  # fmt: skip
 
