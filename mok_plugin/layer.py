@@ -461,6 +461,8 @@ class MoKMoE(nn.Module):
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
         if not isinstance(self.experts, MoKExperts):
             self._experts_fn = self.experts.experts_fn
+        for copies in self.fp8_weight_copies.values():
+            copies.clear()  # made from the weights where they were (.to() moves or casts them)
         recipe = self.config.fp8_recipe
         if recipe is not None and self.backend != "unavailable":
             from mok_plugin.fp8.experts import fp8_experts_function
