@@ -14,7 +14,7 @@ Each K step is one scale block (BLOCK_K = SB): its FP8 product is summed by the 
 scaled and added to an fp32 accumulator in ascending block order (the recipe's promotion), so every
 output has one owner and one fixed order: bitwise repeatable. An fc1 tile is SB columns wide, so
 its A columns are exactly one quantisation block and the epilogue quantises them in registers.
-Untuned: pointer loads, 128 x 128 x 128 tiles compiled (BENCHMARKS.md, f0).
+Pointer loads; the tiles are TILES's (BENCHMARKS.md, f0).
 """
 
 from __future__ import annotations
@@ -203,15 +203,36 @@ def _fp8_down_fwd_kernel(
         tl.store(y_tile, (acc * w[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _row_tiles(num_rows: int, n_out: int, tile_m: int, block_n: int | None = None) -> tuple[tuple[int], dict, int]:
-    """(grid, launch meta, BLOCK_N) of a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N)
-    tiles: small tiles under the interpreter, 128 x 128 in 8 warps, 3 stages compiled (untuned)."""
-    interpreted = interpreter_on()
-    block_m = min(32 if interpreted else 128, tile_m)
-    block_n = block_n or (32 if interpreted else 128)
-    meta = {"TILE_M": tile_m, "BLOCK_M": block_m, "num_warps": 4 if interpreted else 8,
-            "num_stages": 1 if interpreted else 3}  # fmt: skip
-    return (num_rows // block_m * triton.cdiv(n_out, block_n),), meta, block_n
+# The compiled kernels' tiles, one entry per kernel: BLOCK_M (a divisor of the schedule's 128-row
+# segments), BLOCK_N where the kernel's epilogue does not fix it at the 128-wide quantisation block
+# (down_fwd, gate_up_dgrad, wgrad), warps and pipeline stages. Under the interpreter: small tiles.
+# A tile shape changes no sum's order (each K step is one scale block, added in ascending order), so
+# the values are the same bits for every entry; `mok bench fp8 --sweep` times the candidates.
+TILES: dict[str, dict[str, int]] = {
+    "gate_up_fwd": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3},
+    "down_fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    "down_dgrad": {"num_warps": 8, "num_stages": 3},
+    "gate_up_dgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+}
+_INTERPRETED = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+def _tiles(kernel: str) -> dict[str, int]:
+    """TILES[kernel] compiled, or the interpreter's small tiles."""
+    return {key: _INTERPRETED[key] for key in TILES[kernel]} if interpreter_on() else dict(TILES[kernel])
+
+
+def _row_tiles(
+    kernel: str, num_rows: int, n_out: int, tile_m: int, block_n: int | None = None
+) -> tuple[tuple[int], dict, int]:
+    """(grid, launch meta, BLOCK_N) of row-tile kernel `kernel` over (R_pad / BLOCK_M) x cdiv(n_out,
+    BLOCK_N) tiles (`_tiles`; block_n: fixed by the kernel's epilogue)."""
+    meta = _tiles(kernel)
+    meta["BLOCK_M"] = min(meta["BLOCK_M"], tile_m)
+    block_n = block_n or meta.pop("BLOCK_N")
+    meta.pop("BLOCK_N", None)
+    return (num_rows // meta["BLOCK_M"] * triton.cdiv(n_out, block_n),), {"TILE_M": tile_m, **meta}, block_n
 
 
 def fp8_gate_up_fwd(
@@ -247,7 +268,7 @@ def fp8_gate_up_fwd(
     h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
     a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
     a_scale_inv = torch.empty(num_rows, triton.cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
-    grid, meta, _ = _row_tiles(num_rows, I, tile_m, block_n=scale_block)
+    grid, meta, _ = _row_tiles("gate_up_fwd", num_rows, I, tile_m, block_n=scale_block)
     if grid[0]:
         _fp8_gate_up_fwd_kernel[grid](
             x_q, x_scale_inv, w13_q, w13_scale_inv, gate_up_bias, h, a_q, a_scale_inv, row_to_token, tile_to_expert,
@@ -283,7 +304,7 @@ def fp8_down_fwd(
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
-    grid, meta, block_n = _row_tiles(num_rows, H, tile_m)
+    grid, meta, block_n = _row_tiles("down_fwd", num_rows, H, tile_m)
     if grid[0]:
         _fp8_down_fwd_kernel[grid](
             a_q, a_scale_inv, w2_q, w2_scale_inv, down_bias, topk_weights, row_to_tk, y, row_to_token, tile_to_expert,
@@ -327,7 +348,7 @@ def _fp8_down_dgrad_kernel(
             d_out_q, d_out_scale, tokens, row_ok, stride_do_t, stride_do_scale, w2t_ptr + expert * stride_w_e,
             w2t_scale_ptr + expert * stride_ws_e, 1, stride_w_i, 1, stride_ws_i, cols, cols, col_ok, H, SCALE_BLOCK,
             SCALE_BLOCK, SCALE_BLOCK,
-        )
+        )  # fmt: skip
         w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
         a, d_gate, d_up = activation_grad_of_rows(
             h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
@@ -382,13 +403,13 @@ def _fp8_gate_up_dgrad_kernel(
         acc = fp8_block_matmul(
             dh_q_ptr, dh_scale_ptr, rows, row_ok, stride_dh_r, stride_dh_scale_r, w13t, w13t_scales, 1, stride_w_h, 1,
             stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
-        )
+        )  # fmt: skip
         if GATED:
             acc += fp8_block_matmul(
                 dh_q_ptr + I, dh_scale_ptr + stride_dh_scale_half, rows, row_ok, stride_dh_r, stride_dh_scale_r,
                 w13t + I, w13t_scales + stride_ws_half, 1, stride_w_h, 1, stride_ws_h, cols, cols, col_ok, I, BLOCK_M,
                 BLOCK_N, SCALE_BLOCK,
-            )
+            )  # fmt: skip
         dx_tile = dx_ptr + rows[:, None] * stride_dx_r + cols[None, :]
         tl.store(dx_tile, acc.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -432,7 +453,7 @@ def fp8_down_dgrad(
     tile_to_expert: torch.Tensor, tile_m: int, fwd: FP8Format, bwd: FP8Format, *, scale_block: int = 128,
     power_of_2: bool = True, activation: str = "silu", gated: bool = True, clamp: float | None = None,
     offset: float = 0.0,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """The FP8 backward through fc2 and the activation, from dO_q ([T, H], 1 x 128 scales), W2's
     transposed FP8 copy (`transposed_copy`: [E, I, H], scales [E, cdiv(I, 128), cdiv(H, 128)]) and the
     forward's h: {"dh_q" [R_pad, N1] and "dh_scale_inv" [R_pad, halves, cdiv(I, 128)] (1 x 128 per
@@ -468,8 +489,7 @@ def fp8_down_dgrad(
             out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m, SCALE_BLOCK=scale_block,
             ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max, F_MANTISSA=fwd.mantissa_bits,
             F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max, B_MANTISSA=bwd.mantissa_bits,
-            B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, num_warps=8 if not interpreter_on() else 4,
-            num_stages=1 if interpreter_on() else 3,
+            B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **_tiles("down_dgrad"),
         )  # fmt: skip
     return out
 
@@ -478,7 +498,7 @@ def fp8_gate_up_dgrad(
     dh_q: torch.Tensor, dh_scale_inv: torch.Tensor, w13t_q: torch.Tensor, w13t_scale_inv: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, *, out_dtype: torch.dtype,
     scale_block: int = 128, gated: bool = True,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half; W13's transposed
     FP8 copy [E, H, N1], scales [E, halves, cdiv(H, 128), cdiv(I, 128)]); summed over k by
     combine.combine_rows."""
@@ -486,7 +506,7 @@ def fp8_gate_up_dgrad(
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
-    grid, meta, block_n = _row_tiles(num_rows, H, tile_m)
+    grid, meta, block_n = _row_tiles("gate_up_dgrad", num_rows, H, tile_m)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
             dh_q, dh_scale_inv, w13t_q, w13t_scale_inv, dx, row_to_token, tile_to_expert, H, I, dh_q.stride(0),
@@ -500,20 +520,20 @@ def fp8_gate_up_dgrad(
 def fp8_wgrad(
     left_t: torch.Tensor, left_scale_inv: torch.Tensor, right_t: torch.Tensor, right_scale_inv: torch.Tensor,
     expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, *, out_dtype: torch.dtype, scale_block: int = 128,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """dW [E, M, N] in out_dtype, dW[e] = left[e's rows]^T right[e's rows]: both operands quantised
     128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
     scales [R_pad / 128, M] and [R_pad / 128, N])."""
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
-    block_m, block_n = (32, 32) if interpreter_on() else (128, 128)
+    tiles = _tiles("wgrad")
+    block_m, block_n = tiles.pop("BLOCK_M"), tiles.pop("BLOCK_N")
     grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     if grid[0]:
         _fp8_wgrad_kernel[grid](
             left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets, tokens_per_expert, M, N,
             left_t.stride(0), left_scale_inv.stride(0), right_t.stride(0), right_scale_inv.stride(0), d_w.stride(0),
-            d_w.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block,
-            num_warps=4 if interpreter_on() else 8, num_stages=1 if interpreter_on() else 3,
+            d_w.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=scale_block, **tiles,
         )  # fmt: skip
     return d_w
