@@ -25,6 +25,9 @@
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
+#   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
+#              deepseek-v3 (one process each: FP8 vs bf16 time, errors against float64 and the separate-cast
+#              peer); the harness for 200 steps with --fp8 e4m3 on the single-H200 config
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -121,6 +124,16 @@ for part in "${parts[@]}"; do
             run_part "families-$shape" python3 scripts/bench_layer.py --shapes "$shape" --expert "${families[@]}" \
                 --providers mok-multi torch --iters 10 --out "$out/families-$shape"
         done ;;
+    fp8)
+        spread=()
+        python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+        run_part fp8-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8.py \
+            tests/test_fp8_kernels.py tests/test_fp8_reference.py tests/test_fp8_layer.py tests/test_megatron_fp8.py
+        for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+            run_part "fp8-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --out "$out/fp8-$shape"
+        done
+        run_part fp8-compare python3 scripts/compare.py --config configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml \
+            --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done
