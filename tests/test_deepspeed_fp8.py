@@ -60,9 +60,17 @@ def test_apply_builds_every_layer_with_fp8(ds_world):
         mds.revert()
 
 
-def test_fp8_with_experts_it_does_not_cover_is_refused(ds_world):
-    with pytest.raises(MoKConfigError, match="mok.fp8 with expert biases"):
-        biased_gelu_mlp = nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H))
-        mds.MoE(H, biased_gelu_mlp, num_experts=E, k=1, drop_tokens=False, mok_config={"fp8": "e4m3"})
+def test_fp8_biased_experts_and_what_fp8_does_not_cover(ds_world):
+    # A biased GeLU MLP (Megatron-DeepSpeed's experts) runs FP8 too; experts no MoK family computes
+    # run as modules, which FP8 cannot quantise: refused when the layer is built.
+    torch.manual_seed(0)
+    biased_gelu_mlp = nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H))
+    layer = mds.MoE(H, biased_gelu_mlp, num_experts=E, k=1, drop_tokens=False, mok_config={"fp8": "e4m3"})
+    out, _, _ = layer(make_layer_inputs(40, H, seed=1).view(4, 10, H).requires_grad_())
+    out.sum().backward()
+    assert layer.mok.config.fp8 == "e4m3" and layer.mok.experts.gate_up_bias.grad is not None
+    residual = nn.Sequential(nn.LayerNorm(H), nn.Linear(H, H))
+    with pytest.raises(ValueError, match="mok.fp8 quantises MoK's stacked expert weights"):
+        mds.MoE(H, residual, num_experts=E, k=1, drop_tokens=False, mok_config={"fp8": "e4m3"})
     with pytest.raises(MoKConfigError, match=r"mok\.fp8='e5m2'"):
         mds.read_mok_settings({"mok": {"enabled": True, "fp8": "e5m2"}})

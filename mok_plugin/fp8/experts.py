@@ -25,23 +25,23 @@ class _FP8ReferenceExperts(torch.autograd.Function):
     CPU's reference, where memory matters more than time)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family):  # type: ignore[override]
-        ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj)
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, recipe, family):  # type: ignore[override]
+        ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
         ctx.schedule, ctx.recipe, ctx.family = schedule, recipe, family
-        note_deferral(ctx, gate_up_proj, down_proj)  # --delay-wgrad-compute (wgrad.py)
-        return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe,
-                                         family=family)["out"]  # fmt: skip
+        note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)  # --delay-wgrad-compute (wgrad.py)
+        return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family=family,
+                                         gate_up_bias=gate_up_bias, down_bias=down_bias)["out"]  # fmt: skip
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
-        x, topk_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        x, topk_weights, gate_up_proj, down_proj, b1, b2 = ctx.saved_tensors
         grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
-                                          d_out=d_out, family=ctx.family)  # fmt: skip
+                                          d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2)  # fmt: skip
         d_topk = grads["d_topk_weights"].to(topk_weights.dtype)
-        weight_grads = grads["d_gate_up_proj"], grads["d_down_proj"]
+        weight_grads = tuple(grads[k] for k in ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"))
         if ctx.deferral is not None:  # handed over when the queue runs, as the other backends' are
             ctx.deferral.add(functools.partial(tuple, weight_grads), ctx.weights)
-            weight_grads = None, None
+            weight_grads = (None,) * 4
         return grads["d_x"], d_topk, *weight_grads, None, None, None
 
 
@@ -56,10 +56,9 @@ def moe_experts_fp8_reference_autograd(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`moe_experts_fp8_reference`'s output, differentiable (bias-free experts, as fp8_moe_experts)."""
-    if gate_up_bias is not None or down_bias is not None:
-        raise ValueError(f"blockwise FP8 experts with biases ({family.describe()}): their backward is not written yet")
-    return _FP8ReferenceExperts.apply(x, topk_weights.float(), gate_up_proj, down_proj, schedule, recipe, family)
+    """`moe_experts_fp8_reference`'s output, differentiable (the contract of fp8_moe_experts)."""
+    return _FP8ReferenceExperts.apply(x, topk_weights.float(), gate_up_proj, down_proj, gate_up_bias, down_bias,
+                                      schedule, recipe, family)  # fmt: skip
 
 
 def fp8_experts_function(recipe: BlockwiseFP8Recipe, backend: str, weight_copies: FP8WeightCopies) -> Callable:

@@ -29,7 +29,8 @@ from mok_plugin.kernels.fp8 import (
     transposed_copy,
 )
 from mok_plugin.kernels.fp8_mlp import fp8_down_dgrad, fp8_down_fwd, fp8_gate_up_dgrad, fp8_gate_up_fwd, fp8_wgrad
-from mok_plugin.schedule import MoKSchedule
+from mok_plugin.kernels.grouped_mlp import expert_bias_grad
+from mok_plugin.schedule import MoKSchedule, values_per_row
 from mok_plugin.wgrad import note_deferral
 
 __all__ = ["fp8_experts_backward", "fp8_experts_forward", "fp8_moe_experts"]
@@ -73,25 +74,21 @@ def fp8_experts_forward(
     y = fp8_down_fwd(a_q, a_s, w2_q, w2_s, topk_weights, schedule.row_to_tk, *rows, out_dtype=x.dtype,
                      down_bias=down_bias)  # fmt: skip
     if saved is not None:
-        has_bias = gate_up_bias is not None or down_bias is not None
-        saved.update(x=x, topk_weights=topk_weights, h=h, w13=w13, w2=w2, schedule=schedule,
-                     recipe=recipe, family=family, has_bias=has_bias, weight_copies=copies)  # fmt: skip
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13=w13, w2=w2, schedule=schedule, recipe=recipe,
+                     family=family, gate_up_bias=gate_up_bias, down_bias=down_bias, weight_copies=copies)  # fmt: skip
     return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
 
 
 def fp8_experts_backward(
     d_out: torch.Tensor, saved: dict, defer: Callable[[Callable[[], tuple]], None] | None = None
 ) -> dict[str, torch.Tensor | None]:
-    """{"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"} from what fp8_experts_forward saved.
-    With `defer`, the two weight gradients are None and defer(compute) is given the function that
-    computes them, (d_gate_up_proj, d_down_proj), later.
-
-    Raises:
-        NotImplementedError: experts with biases (their FP8 backward is not written yet).
+    """{"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"} (the
+    biases' None without them) from what fp8_experts_forward saved. The bias gradients are sums of
+    unquantised values (dh; w dO), as fp8/reference.py has them. With `defer`, the weight and bias
+    gradients are None and defer(compute) is given the function that computes them, in that order, later.
     """
-    if saved["has_bias"]:
-        raise NotImplementedError("the FP8 backward of experts with biases is not implemented yet")
     x, schedule, recipe, family = saved["x"], saved["schedule"], saved["recipe"], saved["family"]
+    b1, b2 = saved["gate_up_bias"], saved["down_bias"]
     fwd, bwd, pow2 = recipe.forward, recipe.backward, recipe.power_of_2_scales
     T, K, dtype = x.shape[0], schedule.top_k, x.dtype
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
@@ -105,7 +102,7 @@ def fp8_experts_backward(
     down = fp8_down_dgrad(
         d_o_q, d_o_s, *w2t, saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
-        offset=family.linear_offset,
+        offset=family.linear_offset, gate_up_bias=b1 is not None, down_bias=b2,
     )  # fmt: skip
     d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *w13t, *rows, out_dtype=dtype,
                                  gated=family.gated)  # fmt: skip
@@ -114,33 +111,43 @@ def fp8_experts_backward(
         "d_topk_weights": reduce_router_grad(down["partial"], schedule.tk_to_row, T, K),
     }
 
-    def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
+    def weight_grads() -> tuple[torch.Tensor | None, ...]:
         segments = (schedule.expert_offsets, schedule.tokens_per_expert)
         d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
         x_col = quantize_gathered_columns(x, schedule.row_to_token, fwd, power_of_2=pow2)
+        d_b1 = d_b2 = None
+        if b1 is not None:
+            d_b1 = expert_bias_grad(down["dh"], schedule.row_to_token, *segments, by_token=False)
+        if b2 is not None:
+            w_rows = values_per_row(saved["topk_weights"], schedule.row_to_tk)
+            d_b2 = expert_bias_grad(d_out, schedule.row_to_token, *segments, by_token=True, scale=w_rows)
         return (
             fp8_wgrad(down["dh_colt"], down["dh_col_scale_inv"], *x_col, *segments, out_dtype=dtype),
             fp8_wgrad(*d_o_col, down["wa_colt"], down["wa_col_scale_inv"], *segments, out_dtype=dtype),
+            d_b1,
+            d_b2,
         )
 
+    names = ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias")
     if defer is not None:  # --delay-wgrad-compute: computed when the queue runs (wgrad.py), the same kernels
         defer(weight_grads)
-        return {**grads, "d_gate_up_proj": None, "d_down_proj": None}
-    grads["d_gate_up_proj"], grads["d_down_proj"] = weight_grads()
-    return grads
+        return {**grads, **dict.fromkeys(names)}
+    return {**grads, **dict(zip(names, weight_grads(), strict=True))}
 
 
 class _FP8Experts(torch.autograd.Function):
-    """fp8_experts_forward with fp8_experts_backward as its gradient (x, the routing weights, both weights)."""
+    """fp8_experts_forward with fp8_experts_backward as its gradient (x, the routing weights, the
+    weights and biases)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, weight_copies):  # type: ignore[override]
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, recipe, family,
+                weight_copies):  # type: ignore[override]  # fmt: skip
         saved: dict = {}
-        out = fp8_experts_forward(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, saved=saved,
-                                  weight_copies=weight_copies)  # fmt: skip
+        out = fp8_experts_forward(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family, gate_up_bias,
+                                  down_bias, saved=saved, weight_copies=weight_copies)  # fmt: skip
         ctx.saved = saved
         ctx.weights_dtype = topk_weights.dtype
-        note_deferral(ctx, gate_up_proj, down_proj)  # --delay-wgrad-compute (wgrad.py)
+        note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)  # --delay-wgrad-compute (wgrad.py)
         return out
 
     @staticmethod
@@ -149,7 +156,8 @@ class _FP8Experts(torch.autograd.Function):
         grads = fp8_experts_backward(d_out.contiguous(), ctx.saved, defer)
         ctx.saved = None  # the FP8 copies and h go with the graph
         d_topk = grads["d_topk_weights"].to(ctx.weights_dtype)
-        return grads["d_x"], d_topk, grads["d_gate_up_proj"], grads["d_down_proj"], None, None, None, None
+        weights = (grads[k] for k in ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"))
+        return grads["d_x"], d_topk, *weights, None, None, None, None
 
 
 def fp8_moe_experts(
@@ -167,13 +175,14 @@ def fp8_moe_experts(
     """The routed experts under blockwise FP8, differentiable: the contract of `ops.moe_experts`
     (x [T, H] in the params dtype, fp32 topk_weights [T, K], gate_up_proj [E, N1, H], down_proj
     [E, H, I]; returns [T, H]) with the numbers of fp8/reference.py; the weights' FP8 copies from
-    `weight_copies` when given (FP8WeightCopies).
+    `weight_copies` when given (FP8WeightCopies); with the family's biases gate_up_bias [E, N1] and
+    down_bias [E, H].
 
     Raises:
-        ValueError: expert biases (their FP8 backward is not written yet) or a linear expert.
+        ValueError: a linear expert (no fc1 to quantise).
     """
-    if gate_up_bias is not None or down_bias is not None:
-        raise ValueError(f"blockwise FP8 experts with biases ({family.describe()}): their backward is not written yet")
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
-    return _FP8Experts.apply(x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), schedule, recipe,
-                             family, weight_copies)  # fmt: skip
+    b1 = None if gate_up_bias is None else gate_up_bias.contiguous()
+    b2 = None if down_bias is None else down_bias.contiguous()
+    return _FP8Experts.apply(x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), b1, b2, schedule,
+                             recipe, family, weight_copies)  # fmt: skip

@@ -325,7 +325,7 @@ def fp8_down_fwd(
 @triton.jit
 def _fp8_down_dgrad_kernel(
     d_out_q, d_out_scale, w2t_ptr, w2t_scale_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
-    tile_to_expert_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr,
+    tile_to_expert_ptr, dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr,
     partial_ptr, H, I, stride_do_t, stride_do_scale, stride_w_e, stride_w_i, stride_ws_e, stride_ws_i, stride_h_r,
     stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, stride_wa_colt,
     stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr,
@@ -336,7 +336,8 @@ def _fp8_down_dgrad_kernel(
     """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
     dA' = dO_q W2_q (over H, from W2's transposed copy W2^T [I, H]: both operands K-major, as Hopper's
     FP8 MMA takes them), then dh (gate and up columns n), w*A, and the router partial column n. The
-    128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients."""
+    128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients. dh_ptr
+    (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its gradient."""
     expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
         row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, SCALE_BLOCK, SCALE_BLOCK
     )
@@ -363,6 +364,11 @@ def _fp8_down_dgrad_kernel(
         dh_rows = dh_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
         dh_col_rows = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]  # transposed
         dh_ty = dh_q_ptr.dtype.element_ty
+        if dh_ptr is not None:  # unquantised, for the fc1 bias's gradient
+            dh_plain = dh_ptr + rows[:, None] * stride_dh_r + cols[None, :]
+            tl.store(dh_plain, d_gate.to(dh_ptr.dtype.element_ty), mask=valid)
+            if GATED:
+                tl.store(dh_plain + I, tl.where(valid, d_up, 0.0).to(dh_ptr.dtype.element_ty), mask=valid)
         q, s = quantize_block(d_gate, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
         tl.store(dh_rows, q.to(dh_ty), mask=valid)
         tl.store(dh_scale_ptr + rows * stride_dh_scale_r + pid_n, s, mask=row_ok)
@@ -452,7 +458,7 @@ def fp8_down_dgrad(
     h: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor, row_to_token: torch.Tensor,
     tile_to_expert: torch.Tensor, tile_m: int, fwd: FP8Format, bwd: FP8Format, *, scale_block: int = 128,
     power_of_2: bool = True, activation: str = "silu", gated: bool = True, clamp: float | None = None,
-    offset: float = 0.0,
+    offset: float = 0.0, gate_up_bias: bool = False, down_bias: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The FP8 backward through fc2 and the activation, from dO_q ([T, H], 1 x 128 scales), W2's
     transposed FP8 copy (`transposed_copy`: [E, I, H], scales [E, cdiv(I, 128), cdiv(H, 128)]) and the
@@ -460,7 +466,9 @@ def fp8_down_dgrad(
     half, `bwd`), "dh_colt" [N1, R_pad] and "dh_col_scale_inv" [R_pad / 128, N1] (128 x 1, stored
     transposed, `bwd`), "wa_colt" [I, R_pad] and "wa_col_scale_inv" [R_pad / 128, I] (w * A, likewise,
     `fwd`), "partial" fp32 [R_pad, cdiv(I, 128)] (the router gradient's per-block sums, for
-    combine.reduce_router_grad)}."""
+    combine.reduce_router_grad)}. With gate_up_bias (True: the experts' fc1 has one) also "dh"
+    [R_pad, N1], unquantised in h's dtype; with down_bias (b2 [E, H]) one more partial column,
+    <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`)."""
     topk_weights = routing_weights_arg(topk_weights)
     if tile_m % scale_block:
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
@@ -475,13 +483,15 @@ def fp8_down_dgrad(
         "dh_col_scale_inv": torch.empty(num_rows // scale_block, n1, dtype=torch.float32, device=dev),
         "wa_colt": torch.empty(I, num_rows, dtype=fwd.dtype, device=dev),
         "wa_col_scale_inv": torch.empty(num_rows // scale_block, I, dtype=torch.float32, device=dev),
-        "partial": torch.empty(num_rows, blocks, dtype=torch.float32, device=dev),
+        "partial": torch.empty(num_rows, blocks + (down_bias is not None), dtype=torch.float32, device=dev),
     }
+    if gate_up_bias:
+        out["dh"] = torch.empty(num_rows, n1, dtype=h.dtype, device=dev)
     grid = (num_rows // scale_block * blocks,)
     if grid[0]:
         _fp8_down_dgrad_kernel[grid](
             d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, h, topk_weights, row_to_tk, row_to_token, tile_to_expert,
-            out["dh_q"], out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"],
+            out.get("dh"), out["dh_q"], out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"],
             out["wa_col_scale_inv"], out["partial"], H, I, d_out_q.stride(0), d_out_scale_inv.stride(0),
             w2t_q.stride(0), w2t_q.stride(1), w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), h.stride(0),
             out["dh_q"].stride(0), out["dh_scale_inv"].stride(0), out["dh_scale_inv"].stride(1),
@@ -491,7 +501,35 @@ def fp8_down_dgrad(
             F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max, B_MANTISSA=bwd.mantissa_bits,
             B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **_tiles("down_dgrad"),
         )  # fmt: skip
+    if down_bias is not None and num_rows:
+        _fp8_bias_router_kernel[(num_rows // scale_block,)](
+            d_out_q, d_out_scale_inv, down_bias, out["partial"], row_to_token, tile_to_expert, H, d_out_q.stride(0),
+            d_out_scale_inv.stride(0), down_bias.stride(0), out["partial"].stride(0), blocks, TILE_M=tile_m,
+            BLOCK_M=scale_block, SCALE_BLOCK=scale_block, num_warps=4,
+        )  # fmt: skip
     return out
+
+
+@triton.jit
+def _fp8_bias_router_kernel(
+    d_out_q, d_out_scale, b2_ptr, partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_do_t, stride_do_scale,
+    stride_b2_e, stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M,): the fc2 bias's share of the router gradient, <dO_q[t_r], b2_e> (dO as
+    the dgrad read it, quantised), into partial column `slot`: column n of the block sums the H
+    blocks in ascending order, then one sum over the columns; fp32."""
+    expert, rows, tokens, row_ok = tile_rows(tl.program_id(0), row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        acc = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
+        for k0 in range(0, H, SCALE_BLOCK):
+            cols = k0 + tl.arange(0, SCALE_BLOCK)
+            col_ok = cols < H
+            mask = row_ok[:, None] & col_ok[None, :]
+            d_o = tl.load(d_out_q + tokens[:, None] * stride_do_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(d_out_scale + tokens * stride_do_scale + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
+            b2 = tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc += d_o * scale[:, None] * b2[None, :]
+        tl.store(partial_ptr + rows * stride_part_r + slot, tl.sum(acc, axis=1), mask=row_ok)
 
 
 def fp8_gate_up_dgrad(
