@@ -251,10 +251,14 @@ def test_report_measures_fp8_losses_against_the_target_from_step_50():
     for run in result["runs"]:  # early steps far off (not counted), then 0.3 % off, 0.5 % at step 50
         fp8 = [v * (1.2 if i < 49 else 1.005 if i == 49 else 1.003) for i, v in enumerate(bf16)]
         run["losses"] = bf16 if run["variant"] == "stock" else fp8
-    assert agreement_note(result).endswith("from step 50 the losses differ by at most 0.50% (step 50), within the "
-                                           "1% target")  # fmt: skip
+    assert agreement_note(result).endswith("from step 50 its losses differ from the stock layer's (unquantised) by at "
+                                           "most 0.50% (step 50), within the 1% target")  # fmt: skip
     result["runs"][2]["losses"][54] *= 1.02
     assert "(step 55), OUTSIDE the 1% target" in agreement_note(result)
+    # with MoK's own bf16 run (deterministic: FP8 alone differs), the target is taken against it
+    result["fp8_reference"] = {"losses": [v * 1.001 for v in bf16]}
+    note = agreement_note(result)
+    assert "differ from MoK's bf16 run's by at most 2.20% (step 55), OUTSIDE the 1% target, and from the stock" in note
 
 
 @pytest.mark.slow
@@ -265,10 +269,14 @@ def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "compare" / framework / "comparison.json").read_text())
     assert result["meta"]["fp8"] == "hybrid" and result["bitwise"]["mok"] is True
-    assert "MoK's experts run blockwise FP8 (hybrid)" in run.stdout
+    assert "MoK's experts run blockwise FP8 (hybrid)" in run.stdout and "from MoK's bf16 run's" in run.stdout
     stock, mok = result["runs"][0]["losses"], result["runs"][2]["losses"]
-    gaps = [abs(a - b) / b for a, b in zip(mok, stock, strict=True)]
-    assert 1e-6 < max(gaps) < 0.01, gaps  # quantised, not the unquantised layer, and close to it
+    bf16 = result["fp8_reference"]["losses"]
+    assert result["fp8_reference"]["variant"] == "mok bf16" and len(bf16) == 3
+    for reference in (stock, bf16):  # quantised, not the unquantised layer, and close to it
+        gaps = [abs(a - b) / b for a, b in zip(mok, reference, strict=True)]
+        assert 1e-6 < max(gaps) < 0.01, gaps
+    assert max(abs(a - b) for a, b in zip(bf16, stock, strict=True)) < 1e-4  # MoK bf16 = stock on the CPU
 
 
 # ------------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = (f"the config's {run.model.moe_layers} MoE layers ({args.framework}'s stock layer vs MoK) in a small "
             f"language model on one {'GPU' if on_gpu else 'CPU process'}; "
             + ("fp32, the CPU runs no attention or full training loop" if not on_gpu else "bf16"))  # fmt: skip
-    runs = runs_planned(args.framework)
+    runs = runs_planned(args.framework, fp8=run.mok_config().fp8 is not None)
     which = "stock, MoK and the PyTorch grouped_mm path, twice each" if runs > 4 else "stock twice, MoK twice"
     print(f"compare: {args.config} with {args.framework}, {args.steps} steps x {tokens} tokens, {runs} runs "
           f"({which}) on {device.type}")  # fmt: skip

@@ -22,6 +22,7 @@ Memory (`peak_memory_mib`), per run:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -172,22 +173,24 @@ def _tracked_step(trainer: _Trainer, model: torch.nn.Module, tokens: torch.Tenso
     return int(peak.get(tokens.device, {}).get("Total", 0))
 
 
-def runs_planned(framework: str) -> int:
-    """How many training runs `run_comparison` makes: stock and MoK twice each, and with Megatron the
-    grouped_mm stand-in twice."""
-    return len(VARIANTS) + (2 if framework == "megatron" else 0)
+def runs_planned(framework: str, fp8: bool = False) -> int:
+    """How many training runs `run_comparison` makes: stock and MoK twice each, with Megatron the
+    grouped_mm stand-in twice, and with MoK in FP8 one more MoK run in bf16 (its reference)."""
+    return len(VARIANTS) + (2 if framework == "megatron" else 0) + (1 if fp8 else 0)
 
 
 def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.device,
                    progress: Callable[[str], None] | None = None) -> dict:  # fmt: skip
-    """Stock twice and MoK twice (and, with Megatron, the grouped_mm stand-in twice).
+    """Stock twice and MoK twice (and, with Megatron, the grouped_mm stand-in twice). With the run's
+    mok.fp8, MoK's runs are FP8 and one more MoK run in bf16 gives their reference: MoK is
+    deterministic, so the two differ by FP8 alone (the stock layer's runs also differ from each other).
 
     Args:
         progress: called after each training step with a message (`runs_planned` x steps calls at
             most; fewer where the stand-in cannot run).
     Returns:
         {"runs": [...], "bitwise": {...}, "summary": {...}, "data": {...}, "stock_path": {...},
-        "stand_in": {...}}.
+        "stand_in": {...}}, and with FP8 "fp8_reference": the bf16 MoK run's summary.
     """
     _init_distributed(framework, device)
     stock_path = select_stock_path(framework, device)
@@ -210,7 +213,7 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
             first_state[variant] = state
         else:
             bitwise[variant] = results[-2].losses == result.losses and _equal_states(first_state.pop(variant), state)
-    return {
+    result = {
         "runs": [r.summary() for r in results],
         "bitwise": bitwise,
         "summary": _summary(results, B * S),
@@ -218,6 +221,11 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
         "stock_path": stock_path.summary(),
         "stand_in": _stand_in(train, framework, stock_path, B * S),
     }
+    if run.mok_config().fp8 is not None:
+        bf16 = run.model_copy(update={"mok": {k: v for k, v in run.mok.items() if k != "fp8"}})
+        reference, _ = train("mok", 1, run=bf16)
+        result["fp8_reference"] = dataclasses.replace(reference, variant="mok bf16").summary()
+    return result
 
 
 def _train(variant: str, repeat: int, *, run: RunConfig, framework: str, device: torch.device,

@@ -78,16 +78,30 @@ AGREE_RELATIVE = 1e-4
 FP8_LOSS_TARGET, FP8_FROM_STEP = 0.01, 50
 
 
-def fp8_loss_note(bf16_losses: list[float], fp8_losses: list[float], fp8: str) -> str:
-    """How far the FP8 run's losses are from the bf16 run's, relative, at every step from FP8_FROM_STEP
-    (from step 1 in a shorter run), against FP8_LOSS_TARGET."""
-    first = FP8_FROM_STEP if len(bf16_losses) >= FP8_FROM_STEP else 1
-    gaps = [abs(a - b) / abs(b) for a, b in zip(fp8_losses[first - 1 :], bf16_losses[first - 1 :], strict=True)]
+def _largest_gap(losses: list[float], reference: list[float], first: int) -> tuple[float, int]:
+    """(the largest relative distance of losses from reference at steps first.., its step)."""
+    gaps = [abs(a - b) / abs(b) for a, b in zip(losses[first - 1 :], reference[first - 1 :], strict=True)]
     worst = max(gaps)
-    verdict = "within" if worst <= FP8_LOSS_TARGET else "OUTSIDE"
-    at = gaps.index(worst) + first
-    return (f"MoK's experts run blockwise FP8 ({fp8}), the stock layer unquantised: from step {first} the losses "
-            f"differ by at most {worst:.2%} (step {at}), {verdict} the {FP8_LOSS_TARGET:.0%} target")  # fmt: skip
+    return worst, gaps.index(worst) + first
+
+
+def fp8_loss_note(stock_losses: list[float], fp8_losses: list[float], fp8: str,
+                  mok_bf16_losses: list[float] | None = None) -> str:  # fmt: skip
+    """How far the FP8 run's losses are, relative, at every step from FP8_FROM_STEP (from step 1 in a
+    shorter run), from MoK's bf16 run's (when given: FP8 alone differs) and from the stock layer's,
+    against FP8_LOSS_TARGET."""
+    first = FP8_FROM_STEP if len(stock_losses) >= FP8_FROM_STEP else 1
+    note = f"MoK's experts run blockwise FP8 ({fp8}); from step {first} its losses differ"
+    if mok_bf16_losses is not None:
+        worst, at = _largest_gap(fp8_losses, mok_bf16_losses, first)
+        verdict = "within" if worst <= FP8_LOSS_TARGET else "OUTSIDE"
+        note += (f" from MoK's bf16 run's by at most {worst:.2%} (step {at}), {verdict} the "
+                 f"{FP8_LOSS_TARGET:.0%} target, and")  # fmt: skip
+    worst, at = _largest_gap(fp8_losses, stock_losses, first)
+    note += f" from the stock layer's (unquantised) by at most {worst:.2%} (step {at})"
+    if mok_bf16_losses is None:
+        note += f", {'within' if worst <= FP8_LOSS_TARGET else 'OUTSIDE'} the {FP8_LOSS_TARGET:.0%} target"
+    return note
 
 
 def agreement_note(result: dict) -> str:
@@ -103,7 +117,8 @@ def agreement_note(result: dict) -> str:
                 "random options off in the config's deepspeed section, they agree.")  # fmt: skip
     scale = max(1.0, *(abs(v) for v in stock["losses"] + mok["losses"]))
     if meta.get("fp8"):
-        note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"])
+        reference = result.get("fp8_reference")
+        note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"], reference and reference["losses"])
     elif max(gaps) <= AGREE_RELATIVE * scale:
         note = (f"the losses agree to {max(gaps):.1e} at every step (same weights, tokens and routing; the last "
                 "digits differ by the order of floating-point sums)")  # fmt: skip
