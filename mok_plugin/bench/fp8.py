@@ -9,6 +9,7 @@ the separate-cast peer (`moe_experts_fp8_reference(separate_casts=True)`: every 
 stored in bf16, as a pipeline of separate quantisation kernels has it), on the same inputs.
 
     mok bench fp8 --shapes qwen3-30b-a3b deepseek-v3 --recipe e4m3 --out out/
+    mok bench fp8 --shapes qwen3-30b-a3b --sweep      # each FP8 kernel under the tile candidates
 (`python scripts/bench_fp8.py ...` is the same command.)
 """
 
@@ -43,6 +44,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"],
                         help=f"named ({', '.join(sorted(NAMED_SHAPES))}) or T,H,I,E,K")  # fmt: skip
     parser.add_argument("--recipe", choices=["e4m3", "hybrid"], default="e4m3", help="Megatron's --fp8-format")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: time each FP8 kernel under the tile candidates of SWEEP (fp8_mlp.TILES), "
+                             "checking that each gives the default's bits")  # fmt: skip
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -89,6 +93,56 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     return row
 
 
+def _tiles(bm: int | None, bn: int | None, warps: int, stages: int) -> dict[str, int]:
+    tiles = {"num_warps": warps, "num_stages": stages}
+    tiles.update({key: value for key, value in (("BLOCK_M", bm), ("BLOCK_N", bn)) if value})
+    return tiles
+
+
+# Candidates per kernel (BLOCK_M, BLOCK_N where the kernel has it, warps, stages); what the H200 gave
+# on qwen3-30b-a3b is in BENCHMARKS.md ("FP8 selectable, K-major backward").
+SWEEP: dict[str, list[dict[str, int]]] = {
+    "gate_up_fwd": [_tiles(128, None, 8, 3), _tiles(64, None, 4, 3), _tiles(64, None, 4, 4), _tiles(128, None, 8, 4)],
+    "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
+    "down_dgrad": [_tiles(None, None, 8, 3), _tiles(None, None, 4, 3), _tiles(None, None, 8, 4)],
+    "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
+    "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],
+}
+
+
+def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list[dict]:
+    """Each kernel's GPU time in a forward + backward under each SWEEP candidate (the others at
+    TILES), and whether its results are the default tiles' bits."""
+    from mok_plugin.kernels import fp8_mlp
+
+    shape = parse_shape(name)
+    inputs = make_inputs(shape, "uniform", 0)
+    schedule = build_schedule(inputs["topk_ids"], shape.E)
+    call = (inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"], schedule, recipe)
+
+    def both() -> dict:
+        saved: dict = {}
+        out = fp8_experts_forward(*call, saved=saved)
+        return {"out": out, **fp8_experts_backward(inputs["d_out"], saved)}
+
+    want, rows = both(), []
+    for kernel, candidates in SWEEP.items():
+        default = fp8_mlp.TILES[kernel]
+        try:
+            for tiles in candidates:
+                fp8_mlp.TILES[kernel] = tiles
+                got = both()
+                same = all(torch.equal(got[k], v) for k, v in want.items() if v is not None)
+                breakdown, _ = kernel_breakdown(both, iters=3, settle_s=settle_s)
+                ms = sum(r["ms"] for r in breakdown if kernel in r["kernel"])
+                rows.append({"shape": name, "kernel": kernel, "tiles": tiles, "ms": ms, "same_bits": same,
+                             "default": tiles == default})  # fmt: skip
+                print(f"{name} {kernel:<14} {json.dumps(tiles):<62} {ms:8.3f} ms  same bits {same}", flush=True)
+        finally:
+            fp8_mlp.TILES[kernel] = default
+    return rows
+
+
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
 # 6 copies of the experts' weights; up to 60 GB of them on the H200's 139 GB.
 FP64_BUDGET_BYTES = 60 * 2**30
@@ -133,6 +187,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     recipe = BlockwiseFP8Recipe.from_megatron(args.recipe, "blockwise")
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        for name in args.shapes:
+            rows += _sweep_shape(name, recipe, args.settle_s)
+        (args.out / "bench_fp8_sweep.json").write_text(json.dumps(rows, indent=2))
+        print(f"details in {args.out / 'bench_fp8_sweep.json'}")
+        return 0
     for name in args.shapes:
         rows.append(_bench_shape(name, recipe, args.iters, args.settle_s))
         torch.cuda.empty_cache()
