@@ -110,6 +110,8 @@ def test_first_and_last_layers_stay_in_bf16():
     layer = spec(config=tc, layer_number=1)
     layer.set_layer_number(2)  # (Megatron renumbers a layer after building it, e.g. for MTP)
     assert layer.mok.config.fp8 == "e4m3" and layer.mok_config.fp8 == "e4m3"
+    # MTP layers: their block asks get_fp8_context without a layer number, so they stay in FP8
+    assert spec(config=tc, layer_number=1, is_mtp_layer=True).mok.config.fp8 == "e4m3"
 
 
 @pytest.mark.usefixtures("megatron_world")

@@ -133,7 +133,8 @@ class _ScheduleDispatcherStandIn:
 def _in_bf16_if_megatron_says(mok_config: MoKConfig, config, layer_number: int | None) -> MoKConfig:
     """mok_config without FP8 where Megatron runs this layer in bf16 (--first-last-layers-bf16:
     get_fp8_context gives layer `layer_number - 1`, a global index, no FP8 context); unchanged
-    elsewhere, and for a layer without a number (get_fp8_context's -1: FP8 everywhere)."""
+    elsewhere, and for a layer without a number: an MTP layer's (whose block asks get_fp8_context
+    without one, FP8 everywhere) or an unnumbered one."""
     if mok_config.fp8 is None or layer_number is None:
         return mok_config
     from megatron.core.fp8_utils import is_first_last_bf16_layer
@@ -171,7 +172,8 @@ class MoKMoELayer(MoELayer):
         self.flags_mok_config: MoKConfig = mok_config_from_megatron(
             config, _DEFAULT_OVERRIDES if mok_overrides is None else mok_overrides, stock_experts=self.stock_experts
         )
-        self.mok_config = _in_bf16_if_megatron_says(self.flags_mok_config, config, layer_number)
+        number = None if is_mtp_layer else layer_number
+        self.mok_config = _in_bf16_if_megatron_says(self.flags_mok_config, config, number)
         pg_collection = pg_collection or get_default_pg_collection()
         # BaseMoELayer sets the groups, local expert indices and layer number; MoELayer.__init__
         # would build the stock router, experts and dispatcher, which MoK replaces.
@@ -257,7 +259,8 @@ class MoKMoELayer(MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
         self.mok.random_stream_layer = layer_number
-        config = _in_bf16_if_megatron_says(self.flags_mok_config, self.config, layer_number)
+        number = None if getattr(self, "is_mtp_layer", False) else layer_number
+        config = _in_bf16_if_megatron_says(self.flags_mok_config, self.config, number)
         if config != self.mok_config:  # --first-last-layers-bf16 at the new number
             self.mok_config = self.mok.config = config
             self.mok._select_backend()
