@@ -1,7 +1,8 @@
 """Time MoK's blockwise-FP8 experts against its bf16 experts on one GPU (issue 25).
 
 Per shape: forward and forward + backward of the multi-kernel bf16 path (`mok-multi`) and of the FP8
-path (`fp8/pipeline.py`, quantisation of x, dO and the weights included), settled, one process; the
+path (`fp8/pipeline.py`, quantisation of x, dO and the weights included; and once more with the
+weights' FP8 copies kept across calls, as the layer keeps them within a step), settled, one process; the
 FP8 path's kernels by GPU time; each gradient's relative difference from bf16's; whether two FP8
 runs are bitwise equal; and, where the float64 copies fit (not deepseek-v3: its weights alone take
 90 GB in fp64), each tensor's error against the unquantised float64 reference, for MoK's FP8 and for
@@ -29,6 +30,7 @@ from mok_plugin.bench.timing import SETTLE_S, time_ms
 from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
+from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
@@ -65,9 +67,11 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
         with torch.no_grad():
             bf16(*args)
 
-    def fp8_both():
+    kept = FP8WeightCopies()  # the layer's within a step: the weights quantised and transposed once
+
+    def fp8_both(weight_copies: FP8WeightCopies | None = None):
         saved: dict = {}
-        out = fp8_experts_forward(*call, saved=saved)
+        out = fp8_experts_forward(*call, saved=saved, weight_copies=weight_copies)
         return {"out": out, **fp8_experts_backward(inputs["d_out"], saved)}
 
     passes = {
@@ -75,11 +79,12 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
         "fp8 forward": lambda: fp8_experts_forward(*call),
         "bf16 fwd+bwd": lambda: fwd_bwd(bf16, inputs),
         "fp8 fwd+bwd": fp8_both,
+        "fp8 fwd+bwd, weights kept": lambda: fp8_both(kept),
     }
     row: dict = {"shape": name, "dims": list(shape.as_tuple())}
     for label, work in passes.items():
         row[label] = statistics.median(time_ms(work, iters, settle_s=settle_s))
-        print(f"{name} {label:<14} {row[label]:8.3f} ms", flush=True)
+        print(f"{name} {label:<26} {row[label]:8.3f} ms", flush=True)
     row["fp8 kernels"], _ = kernel_breakdown(fp8_both, iters=2, settle_s=settle_s)
     got, want = fp8_both(), fwd_bwd(bf16, inputs)
     row["relative difference from bf16"] = {
@@ -199,12 +204,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         # written after each shape, so that a later shape's failure loses none of the earlier ones
         (args.out / "bench_fp8.json").write_text(json.dumps({"recipe": args.recipe, "rows": rows}, indent=2))
     print(f"\n{'shape':<16} {'fwd bf16':>9} {'fwd fp8':>9} {'fwd+bwd bf16':>13} {'fwd+bwd fp8':>12} {'fp8 vs bf16':>11}"
-          f"  bitwise  largest difference from bf16")  # fmt: skip
+          f" {'weights kept':>13}  bitwise  largest difference from bf16")  # fmt: skip
     for row in rows:
         worst = max(row["relative difference from bf16"].items(), key=lambda item: item[1])
+        kept = row["fp8 fwd+bwd, weights kept"]
         print(f"{row['shape']:<16} {row['bf16 forward']:9.3f} {row['fp8 forward']:9.3f} {row['bf16 fwd+bwd']:13.3f} "
-              f"{row['fp8 fwd+bwd']:12.3f} {row['bf16 fwd+bwd'] / row['fp8 fwd+bwd']:10.2f}x  {row['bitwise']!s:<7}  "
-              f"{worst[0]} {worst[1]:.4f}")  # fmt: skip
+              f"{row['fp8 fwd+bwd']:12.3f} {row['bf16 fwd+bwd'] / row['fp8 fwd+bwd']:10.2f}x {kept:13.3f}  "
+              f"{row['bitwise']!s:<7}  {worst[0]} {worst[1]:.4f}")  # fmt: skip
         for kernel in row["fp8 kernels"][:8]:
             print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {kernel['kernel'][:70]}")
         errors = row.get("error against float64")
