@@ -119,37 +119,25 @@ def _fp8_gate_up_fwd_kernel(
     if expert >= 0:
         w13 = w13_ptr + expert * stride_w_e  # [N1, H]: k (H) contiguous, n = the fc1 row
         w13_scales = w13_scale_ptr + expert * stride_ws_e
-        # One K loop for both halves, so each block of x is loaded once; the up half is fc1 rows I + n of
-        # the same weight, with its own scales (quantised apart). Each half sums in the recipe's order.
-        gate = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
-        gate_w = w13 + cols[None, :] * stride_w_n
-        gate_scales = w13_scales + pid_n * stride_ws_n
-        for k0 in range(0, H, SCALE_BLOCK):
-            ks = k0 + tl.arange(0, SCALE_BLOCK)
-            k_ok = ks < H
-            kb = k0 // SCALE_BLOCK
-            x_blk = tl.load(x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                            other=0.0)  # fmt: skip
-            x_scale = tl.load(x_scale_ptr + tokens * stride_x_scale + kb, mask=row_ok, other=0.0)[:, None]
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            w_blk = tl.load(gate_w + ks[:, None], mask=w_mask, other=0.0)
-            gate += tl.dot(x_blk, w_blk) * x_scale * tl.load(gate_scales + kb)
-            if GATED:
-                w_blk = tl.load(gate_w + I * stride_w_n + ks[:, None], mask=w_mask, other=0.0)
-                up += tl.dot(x_blk, w_blk) * x_scale * tl.load(gate_scales + stride_ws_half + kb)
+        gate = fp8_block_matmul(
+            x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13, w13_scales, 1, stride_w_n, 1,
+            stride_ws_n, cols, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
+        )  # fmt: skip
         if b1_ptr is not None:
             gate += tl.load(b1_ptr + expert * stride_b1_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_ty = h_ptr.dtype.element_ty
         mask = row_ok[:, None] & col_ok[None, :]
         h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
         tl.store(h_tile, gate.to(out_ty), mask=mask)
-        if GATED:
+        up = gate
+        if GATED:  # the up half: fc1 rows I + n of the same weight, with its own scales (quantised apart)
+            up = fp8_block_matmul(
+                x_ptr, x_scale_ptr, tokens, row_ok, stride_x_t, stride_x_scale, w13, w13_scales + stride_ws_half, 1,
+                stride_w_n, 1, stride_ws_n, cols + I, cols, col_ok, H, BLOCK_M, SCALE_BLOCK, SCALE_BLOCK,
+            )  # fmt: skip
+            if b1_ptr is not None:
+                up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(h_tile + I, up.to(out_ty), mask=mask)
-        else:
-            up = gate
         # A from the rounded h (as the backward recomputes it), quantised: its columns are one block
         a = expert_activation(gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32), ACT=ACT, GATED=GATED,
                               CLAMP=CLAMP, OFFSET=OFFSET)  # fmt: skip
