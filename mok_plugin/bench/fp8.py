@@ -55,25 +55,36 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> dict:
+def _fp8_case(name: str, recipe: BlockwiseFP8Recipe):
+    """(shape, inputs, schedule, call, fp8_both) of one shape: the FP8 experts' arguments, and their
+    forward + backward as one function of the weight copies to use (None: made in the call)."""
     shape = parse_shape(name)
     inputs = make_inputs(shape, "uniform", 0)
     schedule = build_schedule(inputs["topk_ids"], shape.E)
+    call = (inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"], schedule, recipe)
+
+    def fp8_both(weight_copies: FP8WeightCopies | None = None) -> dict:
+        saved: dict = {}
+        out = fp8_experts_forward(*call, saved=saved, weight_copies=weight_copies)
+        return {"out": out, **fp8_experts_backward(inputs["d_out"], saved)}
+
+    return shape, inputs, schedule, call, fp8_both
+
+
+def _same_bits(got: dict, want: dict) -> bool:
+    return all(torch.equal(got[k], v) for k, v in want.items() if v is not None)
+
+
+def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> dict:
+    shape, inputs, schedule, call, fp8_both = _fp8_case(name, recipe)
     bf16 = PROVIDERS["mok-multi"](inputs, shape)
     args = leaves(inputs)
-    call = (inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"], schedule, recipe)
 
     def bf16_forward():
         with torch.no_grad():
             bf16(*args)
 
     kept = FP8WeightCopies()  # the layer's within a step: the weights quantised and transposed once
-
-    def fp8_both(weight_copies: FP8WeightCopies | None = None):
-        saved: dict = {}
-        out = fp8_experts_forward(*call, saved=saved, weight_copies=weight_copies)
-        return {"out": out, **fp8_experts_backward(inputs["d_out"], saved)}
-
     passes = {
         "bf16 forward": bf16_forward,
         "fp8 forward": lambda: fp8_experts_forward(*call),
@@ -90,9 +101,8 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     row["relative difference from bf16"] = {
         name: _relative_error(got[name], ref) for name, ref in zip(("out", *GRADIENTS), want[:5], strict=True)
     }
-    again = fp8_both()
-    row["bitwise"] = all(torch.equal(again[k], got[k]) for k in got if got[k] is not None)
-    del again, want
+    row["bitwise"] = _same_bits(fp8_both(), got)
+    del want
     if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
         row["error against float64"] = _errors(inputs, schedule, recipe, got)
     return row
@@ -120,16 +130,7 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list
     TILES), and whether its results are the default tiles' bits."""
     from mok_plugin.kernels import fp8_mlp
 
-    shape = parse_shape(name)
-    inputs = make_inputs(shape, "uniform", 0)
-    schedule = build_schedule(inputs["topk_ids"], shape.E)
-    call = (inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"], schedule, recipe)
-
-    def both() -> dict:
-        saved: dict = {}
-        out = fp8_experts_forward(*call, saved=saved)
-        return {"out": out, **fp8_experts_backward(inputs["d_out"], saved)}
-
+    both = _fp8_case(name, recipe)[-1]
     want, rows = both(), []
     for kernel, candidates in SWEEP.items():
         default = fp8_mlp.TILES[kernel]
@@ -137,7 +138,7 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list
             for tiles in candidates:
                 fp8_mlp.TILES[kernel] = tiles
                 got = both()
-                same = all(torch.equal(got[k], v) for k, v in want.items() if v is not None)
+                same = _same_bits(got, want)
                 breakdown, _ = kernel_breakdown(both, iters=3, settle_s=settle_s)
                 ms = sum(r["ms"] for r in breakdown if kernel in r["kernel"])
                 rows.append({"shape": name, "kernel": kernel, "tiles": tiles, "ms": ms, "same_bits": same,

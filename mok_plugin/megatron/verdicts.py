@@ -263,6 +263,14 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "unquantised, where get_fp8_context gives no FP8 context",
         "tests/test_megatron_fp8.py::test_first_and_last_layers_stay_in_bf16",
     ),
+    "num_layers_at_start_in_bf16": _honoured(
+        "read with first_last_layers_bf16 (Megatron's is_first_last_bf16_layer)",
+        "tests/test_megatron_fp8.py::test_first_and_last_layers_stay_in_bf16",
+    ),
+    "num_layers_at_end_in_bf16": _honoured(
+        "read with first_last_layers_bf16 (Megatron's is_first_last_bf16_layer)",
+        "tests/test_megatron_fp8.py::test_first_and_last_layers_stay_in_bf16",
+    ),
     "fp4": _refused("MoK's kernels are bf16/fp16/fp32", example="e2m1"),
     "overlap_moe_expert_parallel_comm": _honoured(
         "the schedule drives MoKMoELayer's stage methods: bitwise the plain layer (MoE activation offload "
