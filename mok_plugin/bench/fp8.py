@@ -119,7 +119,8 @@ def _tiles(bm: int | None, bn: int | None, warps: int, stages: int) -> dict[str,
 SWEEP: dict[str, list[dict[str, int]]] = {
     "gate_up_fwd": [_tiles(128, None, 8, 3), _tiles(64, None, 4, 3), _tiles(64, None, 4, 4), _tiles(128, None, 8, 4)],
     "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
-    "down_dgrad": [_tiles(None, None, 8, 3), _tiles(None, None, 4, 3), _tiles(None, None, 8, 4)],
+    "down_dgrad_gemm": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4), _tiles(64, 256, 8, 3)],
+    "down_dgrad_epilogue": [_tiles(None, None, 8, 1), _tiles(None, None, 16, 1), _tiles(None, None, 4, 1)],
     "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
     "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],
 }

@@ -232,9 +232,35 @@ def quantize_gathered_columns(
     return data, scale_inv
 
 
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, stride_src_e, stride_src_r, stride_dst_e, stride_dst_c,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """Grid: (E, cdiv(R, BLOCK), cdiv(C, BLOCK)); program (e, i, j): dst[e, j-block, i-block] = src[e,
+    i-block, j-block]^T, bytes (the FP8 values moved, not converted)."""
+    e = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    tile = tl.load(src_ptr + e * stride_src_e + rows[:, None] * stride_src_r + cols[None, :], mask=mask)
+    tl.store(dst_ptr + e * stride_dst_e + cols[:, None] * stride_dst_c + rows[None, :], tl.trans(tile),
+             mask=tl.trans(mask))  # fmt: skip
+
+
 def transposed_copy(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A quantised weight's transpose, the same FP8 values and 128 x 128 scales: (data [..., C, R],
     scale_inv [..., cdiv(C, 128), cdiv(R, 128)]) of (data [..., R, C], scale_inv [..., cdiv(R, 128),
     cdiv(C, 128)]). The backward's dgrads reduce over a weight's rows, and Hopper's FP8 MMA takes its
-    operands K-major only; made in the backward, from the forward's FP8 weights."""
-    return data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous()
+    operands K-major only; made in the backward, from the forward's FP8 weights. The values by a
+    tiled kernel: torch's strided copy of one-byte elements took 3.4 ms for qwen3-30b-a3b's experts
+    on the H200 (f2), about 7x their bytes' time."""
+    check_tensor("data", data, data.dim())
+    matrices = data.reshape(-1, *data.shape[-2:]).view(torch.uint8)
+    E, R, C = matrices.shape
+    out = torch.empty(E, C, R, dtype=torch.uint8, device=data.device)
+    block = 32 if interpreter_on() else 64
+    if matrices.numel():
+        _transpose_kernel[(E, triton.cdiv(R, block), triton.cdiv(C, block))](
+            matrices, out, R, C, matrices.stride(0), matrices.stride(1), out.stride(0), out.stride(1), BLOCK=block
+        )
+    values = out.view(data.dtype).reshape(*data.shape[:-2], C, R)
+    return values, scale_inv.transpose(-1, -2).contiguous()

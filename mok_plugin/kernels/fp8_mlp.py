@@ -193,13 +193,15 @@ def _fp8_down_fwd_kernel(
 
 # The compiled kernels' tiles, one entry per kernel: BLOCK_M (a divisor of the schedule's 128-row
 # segments), BLOCK_N where the kernel's epilogue does not fix it at the 128-wide quantisation block
-# (down_fwd, gate_up_dgrad, wgrad), warps and pipeline stages. Under the interpreter: small tiles.
+# (down_fwd, down_dgrad_gemm, gate_up_dgrad, wgrad), warps and pipeline stages. Under the interpreter: small tiles.
 # A tile shape changes no sum's order (each K step is one scale block, added in ascending order), so
 # the values are the same bits for every entry; `mok bench fp8 --sweep` times the candidates.
 TILES: dict[str, dict[str, int]] = {
     "gate_up_fwd": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3},
     "down_fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    "down_dgrad": {"num_warps": 8, "num_stages": 3},
+    # fc2's dgrad as two kernels: the GEMM (dA' in fp32) and its epilogue (f3; fused, 6.5 ms on qwen3-30b-a3b)
+    "down_dgrad_gemm": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
@@ -312,21 +314,42 @@ def fp8_down_fwd(
 
 
 @triton.jit
-def _fp8_down_dgrad_kernel(
-    d_out_q, d_out_scale, w2t_ptr, w2t_scale_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
-    tile_to_expert_ptr, dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr,
-    partial_ptr, H, I, stride_do_t, stride_do_scale, stride_w_e, stride_w_i, stride_ws_e, stride_ws_i, stride_h_r,
-    stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, stride_wa_colt,
-    stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr,
-    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr, F_MANTISSA: tl.constexpr,
-    F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr, B_MIN_EXP: tl.constexpr,
-    POWER_OF_2: tl.constexpr,
+def _fp8_down_dgrad_gemm_kernel(
+    d_out_q, d_out_scale, w2t_ptr, w2t_scale_ptr, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_do_t,
+    stride_do_scale, stride_w_e, stride_w_i, stride_ws_e, stride_ws_i, stride_da_r, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),); program (m, n) owns dA'[m-block, n-block] = dO_q W2_q
+    over H, from W2's transposed copy W2^T [I, H] (both operands K-major, as Hopper's FP8 MMA takes
+    them), stored in fp32 for the epilogue kernel. Padding rows untouched."""
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, BLOCK_M, BLOCK_N
+    )
+    if expert >= 0:
+        d_a_prime = fp8_block_matmul(  # W2^T [I, H]: k = h (contiguous), n = i
+            d_out_q, d_out_scale, tokens, row_ok, stride_do_t, stride_do_scale, w2t_ptr + expert * stride_w_e,
+            w2t_scale_ptr + expert * stride_ws_e, 1, stride_w_i, 1, stride_ws_i, cols, cols, col_ok, H, BLOCK_M,
+            BLOCK_N, SCALE_BLOCK,
+        )  # fmt: skip
+        d_a_tile = d_a_ptr + rows[:, None] * stride_da_r + cols[None, :]
+        tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_down_dgrad_epilogue_kernel(
+    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr, dh_q_ptr,
+    dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I, stride_da_r,
+    stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale,
+    stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr,
+    F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr,
+    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
-    dA' = dO_q W2_q (over H, from W2's transposed copy W2^T [I, H]: both operands K-major, as Hopper's
-    FP8 MMA takes them), then dh (gate and up columns n), w*A, and the router partial column n. The
-    128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients. dh_ptr
-    (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its gradient."""
+    from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
+    n. The 128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients.
+    dh_ptr (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its
+    gradient. Apart from the GEMM (v10's split for bf16): fused, the epilogue's live tiles spilled."""
     expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
         row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, SCALE_BLOCK, SCALE_BLOCK
     )
@@ -334,49 +357,43 @@ def _fp8_down_dgrad_kernel(
         valid = row_ok[:, None] & col_ok[None, :]
         # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
         every_row = (rows >= 0)[:, None] & col_ok[None, :]
-        d_a_prime = fp8_block_matmul(  # W2^T [I, H]: k = h (contiguous), n = i
-            d_out_q, d_out_scale, tokens, row_ok, stride_do_t, stride_do_scale, w2t_ptr + expert * stride_w_e,
-            w2t_scale_ptr + expert * stride_ws_e, 1, stride_w_i, 1, stride_ws_i, cols, cols, col_ok, H, SCALE_BLOCK,
-            SCALE_BLOCK, SCALE_BLOCK,
-        )  # fmt: skip
         w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-        a, d_gate, d_up = activation_grad_of_rows(
+        # Three passes over the tile, each reloading dA' and h (from L2) and computing only what it
+        # stores (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
+        # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
+        #    w * A, 128 x 1 along the rows (dW2), from the unquantised A
+        d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
+        a, _, _ = activation_grad_of_rows(
             h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
         )
         a = tl.where(valid, a, 0.0)
-        d_gate = tl.where(valid, d_gate, 0.0)  # padding rows hold zeros for the weight gradients' blocks
-        # router partial: <dA', A_q> over this I-block, A_q as the forward quantised it
         a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
         tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
                  mask=row_ok)  # fmt: skip
-        # dh: 1 x 128 along each half's columns (dX), 128 x 1 along the rows (dW13)
-        dh_rows = dh_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
-        dh_col_rows = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]  # transposed
-        dh_ty = dh_q_ptr.dtype.element_ty
-        if dh_ptr is not None:  # unquantised, for the fc1 bias's gradient
-            dh_plain = dh_ptr + rows[:, None] * stride_dh_r + cols[None, :]
-            tl.store(dh_plain, d_gate.to(dh_ptr.dtype.element_ty), mask=valid)
-            if GATED:
-                tl.store(dh_plain + I, tl.where(valid, d_up, 0.0).to(dh_ptr.dtype.element_ty), mask=valid)
-        q, s = quantize_block(d_gate, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
-        tl.store(dh_rows, q.to(dh_ty), mask=valid)
-        tl.store(dh_scale_ptr + rows * stride_dh_scale_r + pid_n, s, mask=row_ok)
-        q, s = quantize_block(d_gate, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 0)
-        tl.store(dh_col_rows, q.to(dh_ty), mask=every_row)
-        tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + cols, s, mask=col_ok)
-        if GATED:
-            d_up = tl.where(valid, d_up, 0.0)
-            q, s = quantize_block(d_up, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
-            tl.store(dh_rows + I, q.to(dh_ty), mask=valid)
-            tl.store(dh_scale_ptr + rows * stride_dh_scale_r + stride_dh_scale_half + pid_n, s, mask=row_ok)
-            q, s = quantize_block(d_up, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 0)
-            tl.store(dh_col_rows + I * stride_dh_colt, q.to(dh_ty), mask=every_row)
-            tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + I + cols, s, mask=col_ok)
-        # w * A, 128 x 1 along the rows (dW2), from the unquantised A
         q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0)
         tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q.to(wa_colt_ptr.dtype.element_ty),
                  mask=every_row)  # fmt: skip
         tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
+        # 2. dh's gate columns (3. its up columns): 1 x 128 along the columns (dX), 128 x 1 along the
+        #    rows (dW13); zeros on padding rows (the weight gradients read whole blocks)
+        dh_rows = dh_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
+        dh_col_rows = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]  # transposed
+        dh_ty = dh_q_ptr.dtype.element_ty
+        for half in tl.static_range(2 if GATED else 1):
+            d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
+            _, d_gate, d_up = activation_grad_of_rows(
+                h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
+            )
+            d_h = tl.where(valid, d_gate if half == 0 else d_up, 0.0)
+            if dh_ptr is not None:  # unquantised, for the fc1 bias's gradient
+                dh_plain = dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :]
+                tl.store(dh_plain, d_h.to(dh_ptr.dtype.element_ty), mask=valid)
+            q, s = quantize_block(d_h, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
+            tl.store(dh_rows + half * I, q.to(dh_ty), mask=valid)
+            tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
+            q, s = quantize_block(d_h, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 0)
+            tl.store(dh_col_rows + half * I * stride_dh_colt, q.to(dh_ty), mask=every_row)
+            tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
 
 
 @triton.jit
@@ -478,19 +495,24 @@ def fp8_down_dgrad(
     }
     if gate_up_bias:
         out["dh"] = torch.empty(num_rows, n1, dtype=h.dtype, device=dev)
-    grid = (num_rows // scale_block * blocks,)
-    if grid[0]:
-        _fp8_down_dgrad_kernel[grid](
-            d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, h, topk_weights, row_to_tk, row_to_token, tile_to_expert,
-            out.get("dh"), out["dh_q"], out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"],
-            out["wa_col_scale_inv"], out["partial"], H, I, d_out_q.stride(0), d_out_scale_inv.stride(0),
-            w2t_q.stride(0), w2t_q.stride(1), w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), h.stride(0),
-            out["dh_q"].stride(0), out["dh_scale_inv"].stride(0), out["dh_scale_inv"].stride(1),
-            out["dh_colt"].stride(0), out["dh_col_scale_inv"].stride(0), out["wa_colt"].stride(0),
-            out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m, SCALE_BLOCK=scale_block,
-            ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max, F_MANTISSA=fwd.mantissa_bits,
-            F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max, B_MANTISSA=bwd.mantissa_bits,
-            B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **_tiles("down_dgrad"),
+    if num_rows:
+        d_a_prime = torch.empty(num_rows, I, dtype=torch.float32, device=dev)  # dA', between the two kernels
+        grid, meta, block_n = _row_tiles("down_dgrad_gemm", num_rows, I, tile_m)
+        _fp8_down_dgrad_gemm_kernel[grid](
+            d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token, tile_to_expert, H, I,
+            d_out_q.stride(0), d_out_scale_inv.stride(0), w2t_q.stride(0), w2t_q.stride(1), w2t_scale_inv.stride(0),
+            w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n, SCALE_BLOCK=scale_block, **meta,
+        )  # fmt: skip
+        _fp8_down_dgrad_epilogue_kernel[(num_rows // scale_block * blocks,)](
+            d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
+            out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
+            out["partial"], I, d_a_prime.stride(0), h.stride(0), out["dh_q"].stride(0), out["dh_scale_inv"].stride(0),
+            out["dh_scale_inv"].stride(1), out["dh_colt"].stride(0), out["dh_col_scale_inv"].stride(0),
+            out["wa_colt"].stride(0), out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m,
+            SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
+            F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
+            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
+            **_tiles("down_dgrad_epilogue"),
         )  # fmt: skip
     if down_bias is not None and num_rows:
         _fp8_bias_router_kernel[(num_rows // scale_block,)](
