@@ -1,4 +1,4 @@
-"""Blockwise FP8 (issue 25), the definition: the recipe Megatron's flags select, the PyTorch quantisers
+"""Blockwise FP8 (issue 25), the definition: the recipes Megatron's flags select, the PyTorch quantisers
 that define the numbers, and the Triton helpers the fused kernels will quantise with, which must give
 those numbers bit for bit (interpreted on the CPU, compiled on a GPU)."""
 
@@ -15,7 +15,14 @@ from mok_plugin.fp8.quantize import (
     quantize_1d,
     quantize_2d,
 )
-from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
+from mok_plugin.fp8.recipe import (
+    E4M3,
+    E5M2,
+    BlockwiseFP8Recipe,
+    MXFP8Recipe,
+    TensorwiseFP8Recipe,
+    fp8_recipe_from_megatron,
+)
 from mok_plugin.kernels.fp8 import (
     block_scale,
     quantize_gathered_columns,
@@ -30,17 +37,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 
 
-def test_megatron_flags_select_the_blockwise_recipe_or_are_refused_by_name():
+def test_megatron_flags_select_a_recipe_or_are_refused_by_name():
     assert BlockwiseFP8Recipe.from_megatron("e4m3", "blockwise") == BlockwiseFP8Recipe(E4M3, E4M3)
     hybrid = BlockwiseFP8Recipe.from_megatron("hybrid", "blockwise")
     assert (hybrid.forward, hybrid.backward, hybrid.block, hybrid.power_of_2_scales) == (E4M3, E5M2, 128, True)
-    for recipe in ("delayed", "tensorwise", "mxfp8", "custom"):
-        with pytest.raises(ValueError, match=f"--fp8-recipe {recipe}: .*blockwise recipe only"):
+    # tensorwise and mxfp8 (tests/test_fp8_recipes.py has their numbers), whichever class is asked
+    assert BlockwiseFP8Recipe.from_megatron("hybrid", "tensorwise") == TensorwiseFP8Recipe(E4M3, E5M2, False)
+    assert fp8_recipe_from_megatron("e4m3", "mxfp8") == MXFP8Recipe(E4M3, E4M3)
+    for recipe, why in (("delayed", "amax history"), ("custom", "quantiser factory")):
+        with pytest.raises(ValueError, match=f"--fp8-recipe {recipe}: .*{why}"):
             BlockwiseFP8Recipe.from_megatron("e4m3", recipe)
     with pytest.raises(ValueError, match="--fp8-recipe 'blockwize': unknown"):
         BlockwiseFP8Recipe.from_megatron("e4m3", "blockwize")
-    with pytest.raises(ValueError, match="--fp8-format 'e5m2': MoK's blockwise recipe takes e4m3 or hybrid"):
-        BlockwiseFP8Recipe.from_megatron("e5m2", "blockwise")
+    with pytest.raises(ValueError, match="--fp8-format 'e5m2': MoK's FP8 recipes take e4m3 or hybrid"):
+        fp8_recipe_from_megatron("e5m2", "mxfp8")
     with pytest.raises(ValueError, match="power of two"):
         BlockwiseFP8Recipe(block=96)
 
