@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mok_plugin.experts import FAMILY_FIELDS, ExpertKind, MoKExpertFamily, family_field_problems
 from mok_plugin.experts import Activation as ExpertActivation
-from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.recipe import FP8Recipe, FP8Scaling, fp8_recipe_from_megatron
 
 __all__ = [
     "MoKConfig",
@@ -330,9 +330,17 @@ class MoKConfig(BaseModel):
     )
     fp8: Literal["e4m3", "hybrid"] | None = Field(
         default=None,
-        description="Blockwise FP8 routed (and shared) experts (mok_plugin/fp8: 1 x 128 activation and gradient "
-        "blocks, 128 x 128 weight blocks, fp32 accumulation): e4m3 everywhere, or hybrid (E5M2 gradients), as "
-        "Megatron's --fp8-format with --fp8-recipe blockwise; None: the experts compute in the params dtype.",
+        description="FP8 routed (and shared) experts (mok_plugin/fp8, fp32 accumulation; scaled as fp8_scaling "
+        "says, by default blockwise: 1 x 128 activation and gradient blocks, 128 x 128 weight blocks): e4m3 "
+        "everywhere, or hybrid (E5M2 gradients), as Megatron's --fp8-format; None: the experts compute in the "
+        "params dtype.",
+    )
+    fp8_scaling: FP8Scaling = Field(
+        default="blockwise",
+        description="How mok.fp8 scales (read only with mok.fp8; Megatron's --fp8-recipe): blockwise (the Triton "
+        "kernels), tensorwise (Transformer Engine's Float8CurrentScaling: one scale per expert's rows and weights) "
+        "or mxfp8 (MXFP8BlockScaling: E8M0 scales per 32 values); the last two run MoK's PyTorch FP8 path "
+        "(fp8/reference.py) on every backend: the recipe's numbers, not fused kernels.",
     )
     # MoK is deterministic by construction, so there is no `deterministic` switch (REMOVED_FIELDS).
     params_dtype: ParamsDtype = Field(
@@ -462,11 +470,11 @@ class MoKConfig(BaseModel):
         return MoKExpertFamily.from_config_fields({name: getattr(self, name) for name in FAMILY_FIELDS})
 
     @property
-    def fp8_recipe(self) -> BlockwiseFP8Recipe | None:
-        """The blockwise FP8 recipe `fp8` selects (None: no FP8)."""
+    def fp8_recipe(self) -> FP8Recipe | None:
+        """The FP8 recipe `fp8` and `fp8_scaling` select (None: no FP8)."""
         if self.fp8 is None:
             return None
-        return BlockwiseFP8Recipe.from_megatron(self.fp8, "blockwise")
+        return fp8_recipe_from_megatron(self.fp8, self.fp8_scaling)
 
     @property
     def num_local_experts(self) -> int:
@@ -516,9 +524,12 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
         raise MoKConfigError(f"{path}: {error}") from None
 
 
-def host_read_settings(*, exact_ep_exchange: bool, reference_backend: bool, debug: bool) -> list[str]:
+def host_read_settings(
+    *, exact_ep_exchange: bool, reference_backend: bool, debug: bool, pytorch_fp8: str | None = None
+) -> list[str]:
     """The settings of a layer that make its forward read the host, each with what to set instead
-    (a CUDA graph cannot capture such a forward). Empty when it reads nothing."""
+    (a CUDA graph cannot capture such a forward). Empty when it reads nothing. pytorch_fp8: the
+    fp8_scaling that runs MoK's PyTorch FP8 path on a kernel backend (tensorwise, mxfp8), if any."""
     reads = []
     if exact_ep_exchange:
         reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
@@ -527,6 +538,9 @@ def host_read_settings(*, exact_ep_exchange: bool, reference_backend: bool, debu
         reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
     if debug:
         reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
+    if pytorch_fp8 is not None and not reference_backend:
+        reads.append(f"the {pytorch_fp8} FP8 recipe runs MoK's PyTorch FP8 path, which loops over the experts on the "
+                     "host (mok fp8_scaling: blockwise)")  # fmt: skip
     return reads
 
 

@@ -465,8 +465,14 @@ class MoKMoE(nn.Module):
             copies.clear()  # made from the weights where they were (.to() moves or casts them)
         recipe = self.config.fp8_recipe
         if recipe is not None and self.backend != "unavailable":
-            from mok_plugin.fp8.experts import fp8_experts_function
+            from mok_plugin.fp8.experts import fp8_experts_function, runs_pytorch_path
 
+            if self.backend == "triton" and runs_pytorch_path(recipe):
+                warnings.warn(
+                    f"mok.fp8_scaling={recipe.scaling!r} runs MoK's PyTorch FP8 path (fp8/reference.py): the "
+                    "recipe's numbers, not fused kernels (MoK's Triton FP8 kernels implement blockwise only)",
+                    stacklevel=1,  # always this line: Python's default filter shows it once per process
+                )
             # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).
             copies = self.fp8_weight_copies
             self._experts_fn = fp8_experts_function(recipe, self.backend, copies["routed"])
@@ -633,8 +639,11 @@ class MoKMoE(nn.Module):
             return  # (compiled: dynamo would break the graph on the capture query)
         if not torch.cuda.is_current_stream_capturing():
             return
+        recipe = self.config.fp8_recipe
+        pytorch_fp8 = recipe.scaling if recipe is not None and recipe.scaling != "blockwise" else None
         reads = host_read_settings(exact_ep_exchange=self.ep_group is not None and self.config.ep_exchange == "exact",
-                                   reference_backend=self.backend == "reference", debug=self.debug)  # fmt: skip
+                                   reference_backend=self.backend == "reference", debug=self.debug,
+                                   pytorch_fp8=pytorch_fp8)  # fmt: skip
         if reads:
             raise RuntimeError("MoK: a CUDA graph is capturing this layer, whose settings read the host: "
                                + "; ".join(reads))  # fmt: skip

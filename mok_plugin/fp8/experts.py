@@ -1,7 +1,12 @@
-"""The blockwise-FP8 experts as a backend's experts function, the one MoKMoE calls (the contract of
-`ops.moe_experts`): the Triton kernels (`pipeline.fp8_moe_experts`) or, on the reference backend,
-the PyTorch oracle (`reference.moe_experts_fp8_reference`) made differentiable, so that a layer
-with mok.fp8 runs on the CPU too and computes the same numbers there."""
+"""The FP8 experts as a backend's experts function, the one MoKMoE calls (the contract of
+`ops.moe_experts`): for the blockwise recipe the Triton kernels (`pipeline.fp8_moe_experts`) or, on
+the reference backend, the PyTorch oracle (`reference.moe_experts_fp8_reference`) made
+differentiable, so that a layer with mok.fp8 runs on the CPU too and computes the same numbers there.
+
+The tensorwise and mxfp8 recipes run the differentiable oracle on every backend, CUDA included (in
+fp32 on a GPU, fp64 on the CPU): the recipe's numbers, not fused kernels. The Triton kernels implement
+blockwise only; for mxfp8, Blackwell's block-scaled MMA kernel is not written (the numbers are TE's
+MXFP8 format, emulated by quantising and dequantising)."""
 
 from __future__ import annotations
 
@@ -11,13 +16,13 @@ from collections.abc import Callable
 import torch
 
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
-from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.recipe import FP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.schedule import MoKSchedule
 from mok_plugin.wgrad import note_deferral
 
-__all__ = ["fp8_experts_function", "moe_experts_fp8_reference_autograd"]
+__all__ = ["fp8_experts_function", "moe_experts_fp8_reference_autograd", "runs_pytorch_path"]
 
 
 class _FP8ReferenceExperts(torch.autograd.Function):
@@ -25,24 +30,27 @@ class _FP8ReferenceExperts(torch.autograd.Function):
     CPU's reference, where memory matters more than time)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, recipe, family):  # type: ignore[override]
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, recipe, family,  # type: ignore[override]
+                compute_dtype):  # fmt: skip
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-        ctx.schedule, ctx.recipe, ctx.family = schedule, recipe, family
+        ctx.schedule, ctx.recipe, ctx.family, ctx.compute_dtype = schedule, recipe, family, compute_dtype
         note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)  # --delay-wgrad-compute (wgrad.py)
         return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family=family,
-                                         gate_up_bias=gate_up_bias, down_bias=down_bias)["out"]  # fmt: skip
+                                         gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                         compute_dtype=compute_dtype)["out"]  # fmt: skip
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         x, topk_weights, gate_up_proj, down_proj, b1, b2 = ctx.saved_tensors
         grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
-                                          d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2)  # fmt: skip
+                                          d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2,
+                                          compute_dtype=ctx.compute_dtype)  # fmt: skip
         d_topk = grads["d_topk_weights"].to(topk_weights.dtype)
         weight_grads = tuple(grads[k] for k in ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"))
         if ctx.deferral is not None:  # handed over when the queue runs, as the other backends' are
             ctx.deferral.add(functools.partial(tuple, weight_grads), ctx.weights)
             weight_grads = (None,) * 4
-        return grads["d_x"], d_topk, *weight_grads, None, None, None
+        return grads["d_x"], d_topk, *weight_grads, None, None, None, None
 
 
 def moe_experts_fp8_reference_autograd(
@@ -51,20 +59,38 @@ def moe_experts_fp8_reference_autograd(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     schedule: MoKSchedule,
-    recipe: BlockwiseFP8Recipe,
+    recipe: FP8Recipe,
     family: MoKExpertFamily = SWIGLU,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = torch.float64,
 ) -> torch.Tensor:
-    """`moe_experts_fp8_reference`'s output, differentiable (the contract of fp8_moe_experts)."""
+    """`moe_experts_fp8_reference`'s output, differentiable (the contract of fp8_moe_experts).
+    compute_dtype None: float64 on the CPU, float32 on a GPU (`_runtime_compute_dtype`)."""
+    dtype = _runtime_compute_dtype(x.device) if compute_dtype is None else compute_dtype
     return _FP8ReferenceExperts.apply(x, topk_weights.float(), gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                      schedule, recipe, family)  # fmt: skip
+                                      schedule, recipe, family, dtype)  # fmt: skip
 
 
-def fp8_experts_function(recipe: BlockwiseFP8Recipe, backend: str, weight_copies: FP8WeightCopies) -> Callable:
+def _runtime_compute_dtype(device: torch.device) -> torch.dtype:
+    """fp64 where the oracle is the CPU's reference; fp32 on a GPU, where fp64 GEMMs are slow and every
+    dequantised operand twice the size (exact in fp32 for power-of-two scales; tensorwise's fp32
+    scale_inv times an FP8 value rounds once, at 2^-24)."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def runs_pytorch_path(recipe: FP8Recipe) -> bool:
+    """Whether `recipe` runs MoK's PyTorch FP8 path on every backend (no kernels for it)."""
+    return recipe.scaling != "blockwise"
+
+
+def fp8_experts_function(recipe: FP8Recipe, backend: str, weight_copies: FP8WeightCopies) -> Callable:
     """The experts function of `backend` ("triton" or "reference") under `recipe`: called as
     f(x, topk_weights, gate_up_proj, down_proj, schedule, family=, gate_up_bias=, down_bias=). The
-    Triton one keeps the weights' FP8 copies in `weight_copies` (the oracle quantises every call)."""
+    Triton one keeps the weights' FP8 copies in `weight_copies` (the oracle quantises every call).
+    tensorwise and mxfp8: the differentiable oracle on either backend (module docstring)."""
+    if runs_pytorch_path(recipe):
+        return functools.partial(moe_experts_fp8_reference_autograd, recipe=recipe, compute_dtype=None)
     if backend == "triton":
         from mok_plugin.fp8.pipeline import fp8_moe_experts  # imports Triton, which the reference does not need
 
