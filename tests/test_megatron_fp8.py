@@ -1,6 +1,7 @@
 """Megatron's FP8 flags with MoK (issue 25): --fp8-format e4m3 / hybrid with --fp8-recipe blockwise
-select MoK's blockwise FP8 experts; the other recipes, FP8 parameters and fp32 scales are refused
-naming their flag; --first-last-layers-bf16 keeps those layers unquantised; the schedule's
+select MoK's blockwise FP8 experts, with tensorwise or mxfp8 those recipes (mok.fp8_scaling, MoK's
+PyTorch FP8 path); delayed and custom, FP8 parameters and TE's scale options from the environment
+are refused naming their flag; --first-last-layers-bf16 keeps those layers unquantised; the schedule's
 set_is_first_microbatch() reaches the layer's FP8 weight copies.
 
 Megatron's TransformerConfig asks for Transformer Engine when FP8 meets MoE, and the stock FP8 layer
@@ -55,10 +56,36 @@ def test_blockwise_flags_select_moks_fp8_experts(fmt):
     assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
 
 
+@pytest.mark.parametrize("recipe, fmt", [("tensorwise", "hybrid"), ("mxfp8", "e4m3"), ("mxfp8", "hybrid")])
+@pytest.mark.usefixtures("megatron_world")
+def test_tensorwise_and_mxfp8_flags_select_their_recipe(recipe, fmt):
+    # gpt_oss_20b_mb_fp8cs runs hybrid + tensorwise; the MZ and kimi-k2 mxfp8 recipes e4m3 + mxfp8
+    tc = _with_fp8(
+        _config(moe_shared_expert_intermediate_size=24), fmt, recipe, moe_router_padding_for_quantization=True
+    )
+    mok_config = mok_config_from_megatron(tc)
+    assert (mok_config.fp8, mok_config.fp8_scaling, mok_config.fp8_recipe.scaling) == (fmt, recipe, recipe)
+    stock, mok = _stock_and_mok(tc)  # the stock layer runs bf16's math (no Transformer Engine here)
+    assert mok.mok.config.fp8_recipe == mok_config.fp8_recipe
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
+    assert 1e-3 < _relative_error(got[0], want[0]) < 0.15 and 1e-3 < _relative_error(got[1], want[1]) < 0.15
+    for name, grad in want[2].items():
+        assert _relative_error(got[2][name], grad) < 0.15, name
+    assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
+
+
+def test_a_captured_layer_with_the_pytorch_fp8_path_is_refused():
+    # a whole-layer CUDA graph cannot capture the expert loop on the host that tensorwise / mxfp8 run
+    for recipe in ("tensorwise", "mxfp8"):
+        with pytest.raises(MoKConfigError, match=f"--cuda-graph-impl .*the {recipe} FP8 recipe runs MoK's PyTorch"):
+            mok_config_from_megatron(_with_fp8(recipe=recipe, cuda_graph_impl="full_iteration"))
+    assert mok_config_from_megatron(_with_fp8(cuda_graph_impl="full_iteration")).fp8_scaling == "blockwise"
+
+
 REFUSALS = [
     (dict(recipe="delayed"), "--fp8-recipe"),
-    (dict(recipe="tensorwise"), "--fp8-recipe"),
-    (dict(recipe="mxfp8"), "--fp8-recipe"),
     (dict(recipe="custom"), "--fp8-recipe"),
     (dict(fp8_param=True), "--fp8-param-gather"),
 ]
@@ -71,8 +98,10 @@ def test_what_fp8_does_not_cover_is_refused_by_flag(fields, flag):
 
 
 def test_moks_own_fp8_refusals_name_megatrons_flag():
-    with pytest.raises(MoKConfigError, match=r"mok.fp8 \(--fp8-format with --fp8-recipe blockwise\) runs the multi"):
+    with pytest.raises(MoKConfigError, match=r"mok.fp8 \(--fp8-format\) runs the multi"):
         mok_config_from_megatron(_with_fp8(), {"kernel_variant": "megakernel"})
+    with pytest.raises(MoKConfigError, match=r"mok.fp8_scaling='mxfp8' conflicts with Megatron's setting 'blockwise'"):
+        mok_config_from_megatron(_with_fp8(), {"fp8_scaling": "mxfp8"})
 
 
 @pytest.mark.usefixtures("megatron_world")
@@ -90,10 +119,15 @@ def test_biased_experts_run_fp8_too():
         assert _relative_error(got[2][name], grad) < 0.15, name
 
 
-def test_fp32_block_scales_are_refused(monkeypatch):
-    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
-    with pytest.raises(MoKConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"):
-        mok_config_from_megatron(_with_fp8())
+@pytest.mark.parametrize(
+    "variable, recipe",
+    [("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "blockwise"), ("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "tensorwise")],
+)
+def test_te_scale_options_from_the_environment_are_refused(monkeypatch, variable, recipe):
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(MoKConfigError, match=f"{variable}=1"):
+        mok_config_from_megatron(_with_fp8(recipe=recipe))
+    mok_config_from_megatron(_with_fp8(recipe="mxfp8"))  # read by its own recipe only
 
 
 @pytest.mark.usefixtures("megatron_world")

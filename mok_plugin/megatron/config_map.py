@@ -74,7 +74,7 @@ from mok_plugin.config import (
     host_read_settings,
     short_repr,
 )
-from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
+from mok_plugin.fp8.recipe import fp8_recipe_from_megatron
 from mok_plugin.routing import SCORE_FUNCTIONS
 
 __all__ = ["MEGATRON_SET", "MOK_KNOBS", "mok_config_from_megatron", "megatron_flag"]
@@ -118,7 +118,8 @@ MEGATRON_SET = {
     "expert_fc2_bias": "--disable-bias-linear",
     # --add-bias-linear also gives Megatron's router a bias [E] on its logits (TopKRouter.bias)
     "router_bias": "--disable-bias-linear",
-    "fp8": "--fp8-format with --fp8-recipe blockwise",
+    "fp8": "--fp8-format",
+    "fp8_scaling": "--fp8-recipe",
 }
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -557,7 +558,7 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
     it is captured whole (an empty module list, `moe` (only with pad-to-capacity, which MoK
     refuses), or --cuda-graph-impl full_iteration) or runs eagerly. A captured layer must not read
     anything on the host: refused, naming the setting, where MoK would (the exact EP exchange,
-    the reference backend, debug checks).
+    the reference backend, debug checks, the tensorwise and mxfp8 FP8 recipes' PyTorch path).
     """
     impl = getattr(tc, "cuda_graph_impl", "none") or "none"
     if impl == "none":
@@ -581,6 +582,7 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
         host_reads = host_read_settings(
             exact_ep_exchange=derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact",
             reference_backend=derived.get("backend") == "reference", debug=bool(derived.get("debug_checks")),
+            pytorch_fp8=derived.get("fp8_scaling") if derived.get("fp8_scaling", "blockwise") != "blockwise" else None,
         )  # fmt: skip
         if host_reads:
             problems.append(
@@ -627,25 +629,35 @@ def _ep_overlap_problems(tc: Any) -> list[str]:
 
 
 def _fp8_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
-    """--fp8-format e4m3 / hybrid with --fp8-recipe blockwise: MoK's blockwise FP8 experts (mok.fp8),
-    Transformer Engine's Float8BlockScaling for the layer's GEMMs (power-of-two scales, its default).
-    The other recipes, FP8 parameters and fp32 scales are refused by name. Which layers run FP8
-    (--first-last-layers-bf16) is the layer's to say: MoKMoELayer knows its number."""
+    """--fp8-format e4m3 / hybrid with --fp8-recipe blockwise, tensorwise or mxfp8: MoK's FP8 experts
+    (mok.fp8, mok.fp8_scaling) with Transformer Engine's numbers for that recipe (fp8/recipe.py:
+    Float8BlockScaling with its power-of-two scales, Float8CurrentScaling, MXFP8BlockScaling).
+    delayed and custom, FP8 parameters and the scale options TE reads from the environment are
+    refused by name. Which layers run FP8 (--first-last-layers-bf16) is the layer's to say:
+    MoKMoELayer knows its number."""
     if getattr(tc, "fp8_param", False):
         why = "MoK keeps the expert weights in the parameters' dtype and makes their FP8 copies once per step"
         problems.append(_refuse("fp8_param", True, why))
     if tc.fp8 in (None, False):
         return {}
     try:
-        BlockwiseFP8Recipe.from_megatron(tc.fp8, str(getattr(tc.fp8_recipe, "value", tc.fp8_recipe)))
+        recipe = fp8_recipe_from_megatron(tc.fp8, str(getattr(tc.fp8_recipe, "value", tc.fp8_recipe)))
     except ValueError as error:
         field = "fp8" if str(error).startswith("--fp8-format") else "fp8_recipe"
         problems.append(_refuse(field, getattr(tc, field), str(error).split(": ", 1)[1]))
         return {}
-    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1":
-        problems.append("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (fp32 block scales): not supported by MoK: its "
-                        "blockwise recipe takes Transformer Engine's default power-of-two scales")  # fmt: skip
-    return {"fp8": tc.fp8}
+    for variable, scaling, why in _TE_SCALE_ENVIRONMENT:
+        if recipe.scaling == scaling and os.environ.get(variable, "0") == "1":
+            problems.append(f"{variable}=1 ({why}): not supported by MoK: its {scaling} recipe takes Transformer "
+                            "Engine's default scales")  # fmt: skip
+    return {"fp8": tc.fp8, "fp8_scaling": recipe.scaling}
+
+
+# Transformer Engine's recipes read these at import (common/recipe/__init__.py); MoK computes the defaults.
+_TE_SCALE_ENVIRONMENT = (
+    ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "blockwise", "fp32 block scales"),
+    ("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "tensorwise", "power-of-two current scales"),
+)
 
 
 def _init_problems(tc: Any) -> list[str]:

@@ -244,15 +244,24 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "tests/test_layer.py::test_capture_of_a_forward_that_reads_the_host_is_named",
     ),
     "fp8": _depends(
-        "e4m3 / hybrid with --fp8-recipe blockwise: MoK's blockwise FP8 experts (mok.fp8), routed and shared, "
-        "tested against MoK's FP8 oracle and the stock bf16 layer (Transformer Engine, which the stock FP8 layer "
-        "needs, is not installed here); with --fp8-param-gather or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 refused",
+        "e4m3 / hybrid with --fp8-recipe blockwise, tensorwise or mxfp8: MoK's FP8 experts (mok.fp8), routed and "
+        "shared, tested against MoK's FP8 oracle and the stock bf16 layer (Transformer Engine, which the stock FP8 "
+        "layer needs, is not installed here); with --fp8-param-gather, NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 "
+        "(blockwise) or NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1 (tensorwise) refused",
         "tests/test_megatron_fp8.py::test_blockwise_flags_select_moks_fp8_experts",
+        "tests/test_megatron_fp8.py::test_tensorwise_and_mxfp8_flags_select_their_recipe",
         "tests/test_megatron_fp8.py::test_what_fp8_does_not_cover_is_refused_by_flag",
     ),
     "fp8_recipe": _depends(
-        "blockwise honoured (with fp8); delayed, tensorwise, mxfp8 and custom refused by name",
+        "with fp8: blockwise (the Triton kernels), tensorwise (Transformer Engine's Float8CurrentScaling: per-expert "
+        "current scales) and mxfp8 (MXFP8BlockScaling: E8M0 scales per 32 values) honoured as mok.fp8_scaling, the "
+        "last two through MoK's PyTorch FP8 path (the recipe's numbers, not fused kernels; it reads the host, so a "
+        "whole-layer CUDA graph is refused with them); delayed (amax history) and custom (a user's quantiser "
+        "factory) refused by name",
+        "tests/test_megatron_fp8.py::test_tensorwise_and_mxfp8_flags_select_their_recipe",
         "tests/test_megatron_fp8.py::test_what_fp8_does_not_cover_is_refused_by_flag",
+        "tests/test_megatron_fp8.py::test_a_captured_layer_with_the_pytorch_fp8_path_is_refused",
+        "tests/test_fp8_recipes.py::test_layer_with_each_recipe_is_within_fp8s_margin_and_repeats_bitwise",
     ),
     "fp8_param": _refused(
         "MoK keeps the expert weights in the parameters' dtype and makes their FP8 copies once per step",
