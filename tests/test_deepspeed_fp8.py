@@ -1,7 +1,7 @@
-"""DeepSpeed's `"mok": {"fp8": ...}` (issue 25): the ds_config's block selects MoK's blockwise FP8
-experts for every MoE layer it builds (DeepSpeed's MoE has no precision option of its own); against
-the stock layer in bf16's place, within FP8's error; experts FP8 does not cover are refused when the
-layer is built, naming mok.fp8."""
+"""DeepSpeed's `"mok": {"fp8": ..., "fp8_scaling": ...}` (issue 25): the ds_config's block selects MoK's
+FP8 experts (blockwise, or the tensorwise / mxfp8 recipes) for every MoE layer it builds (DeepSpeed's
+MoE has no precision option of its own); against the stock layer in bf16's place, within FP8's
+error; experts FP8 does not cover are refused when the layer is built, naming mok.fp8."""
 
 import pytest
 import torch
@@ -49,6 +49,25 @@ def test_the_mok_block_selects_fp8_experts(ds_world, fmt):
     for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
         assert 1e-3 < _relative_error(value, reference) < 0.15, name
     assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+
+
+@pytest.mark.parametrize("fmt, scaling", [("hybrid", "tensorwise"), ("e4m3", "mxfp8")])
+def test_the_mok_block_selects_the_fp8_recipe(ds_world, fmt, scaling):
+    block = {"mok": {"enabled": True, "fp8": fmt, "fp8_scaling": scaling}}
+    assert mds.read_mok_settings(block).knobs() == {"fp8": fmt, "fp8_scaling": scaling}
+    stock, bf16 = _layers(2)
+    mok = mds.MoE(H, mds.SwiGLUExpert(H, I), num_experts=E, k=2, drop_tokens=False, use_rts=False,
+                  top2_2nd_expert_sampling=False, mok_config={"fp8": fmt, "fp8_scaling": scaling})  # fmt: skip
+    mok.load_state_dict(bf16.state_dict())
+    assert mok.mok.config.fp8_recipe.scaling == scaling
+    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
+    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
+    want, got = _outputs(stock, x, probe), _outputs(mok, x, probe)
+    for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
+        assert 1e-3 < _relative_error(value, reference) < 0.15, name
+    assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+    with pytest.raises(MoKConfigError, match=r"mok\.fp8_scaling"):
+        mds.read_mok_settings({"mok": {"enabled": True, "fp8": fmt, "fp8_scaling": "delayed"}})
 
 
 def test_apply_builds_every_layer_with_fp8(ds_world):

@@ -10,11 +10,13 @@
         "ep_transport": "nccl",
         "debug_checks": false,
         "random_seed": 0,
-        "fp8": null                      # e4m3 | hybrid: blockwise FP8 experts (mok_plugin/fp8)
+        "fp8": null,                     # e4m3 | hybrid: FP8 experts (mok_plugin/fp8)
+        "fp8_scaling": "blockwise"       # blockwise | tensorwise | mxfp8: Transformer Engine's recipe of that name
     }
 
-The knob keys are MoKConfig's MOK_KNOBS and `fp8` (DeepSpeed's MoE has no precision option of its own,
-so the block chooses it; DEEPSPEED_KNOBS), each with MoKConfig's own type and bounds (the block's
+The knob keys are MoKConfig's MOK_KNOBS, `fp8` and `fp8_scaling` (DeepSpeed's MoE has no precision
+option of its own, so the block chooses it; DEEPSPEED_KNOBS; tensorwise and mxfp8 run MoK's PyTorch
+FP8 path, fp8/experts.py), each with MoKConfig's own type and bounds (the block's
 fields are derived from MoKConfig's field definitions, not repeated here), and the block is as strict
 as MoKConfig: booleans are only true/false (not 1, "yes", "on" or "true"), numbers are not read from
 strings ("2.0"), integers are not floats or booleans, and a knob given as null is an error (leave it
@@ -53,9 +55,9 @@ from mok_plugin.config import (
 __all__ = ["DEEPSPEED_KNOBS", "DeepSpeedMoKSettings", "read_mok_settings"]
 
 # The MoKConfig fields the "mok" block (and a layer's mok_config) sets freely: MoK's own knobs, and
-# fp8, which Megatron's --fp8-format sets there but DeepSpeed's MoE has no option for. Every other
-# field follows DeepSpeed's arguments.
-DEEPSPEED_KNOBS = (*MOK_KNOBS, "fp8")
+# fp8 and fp8_scaling, which Megatron's --fp8-format / --fp8-recipe set there but DeepSpeed's MoE has
+# no option for. Every other field follows DeepSpeed's arguments.
+DEEPSPEED_KNOBS = (*MOK_KNOBS, "fp8", "fp8_scaling")
 
 
 def _unset_by_default(name: str) -> tuple[Any, FieldInfo]:

@@ -66,7 +66,7 @@ from mok_plugin.module_experts import MoKModuleExperts
 
 __all__ = ["MoE", "set_default_knobs"]
 
-# A mok_config sets DEEPSPEED_KNOBS (MoK's knobs and fp8) freely; every other field follows DeepSpeed's
+# A mok_config sets DEEPSPEED_KNOBS (MoK's knobs, fp8, fp8_scaling) freely; every other field follows DeepSpeed's
 # arguments (or MoK's default where DeepSpeed has no such option, e.g. shared experts), so a mok_config
 # may only repeat those values: it cannot add shared experts or change routing behind DeepSpeed's back.
 
