@@ -39,8 +39,8 @@ def ds_world():
 
 def test_the_block_has_exactly_the_knobs_with_mokconfigs_fields():
     fields = mds.DeepSpeedMoKSettings.model_fields
-    assert set(fields) == {"enabled", "config", *MOK_KNOBS, "fp8"}
-    assert {"random_seed", "debug_checks"} <= set(fields) and mds.DEEPSPEED_KNOBS == (*MOK_KNOBS, "fp8")
+    assert set(fields) == {"enabled", "config", *MOK_KNOBS, "fp8", "fp8_scaling"}
+    assert {"random_seed", "debug_checks"} <= set(fields) and mds.DEEPSPEED_KNOBS == (*MOK_KNOBS, "fp8", "fp8_scaling")
     for knob in mds.DEEPSPEED_KNOBS:
         assert fields[knob].annotation == MoKConfig.model_fields[knob].annotation, knob
         assert fields[knob].metadata == MoKConfig.model_fields[knob].metadata, knob
