@@ -446,6 +446,9 @@ class MoKConfig(BaseModel):
             )
         if self.fp8 is not None:
             problems += self._fp8_problems()
+        elif self.fp8_scaling != "blockwise":  # nothing accepted and ignored
+            problems.append(f"mok.fp8_scaling={self.fp8_scaling!r} scales FP8 experts, but mok.fp8 is not set "
+                            "(e4m3 or hybrid); set both, or neither")  # fmt: skip
         return problems
 
     def _fp8_problems(self) -> list[str]:

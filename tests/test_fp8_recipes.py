@@ -343,7 +343,7 @@ def test_layer_with_each_recipe_is_within_fp8s_margin_and_repeats_bitwise(fmt, s
                                        cfg.fp8_recipe, d_out)  # fmt: skip
     assert torch.equal(got["experts.gate_up_proj"], routed["d_gate_up_proj"])
     assert torch.equal(got["experts.down_proj"], routed["d_down_proj"])
-    unquantised = _train_step(MoKMoE(cfg.replace(fp8=None), seed=0), x)
+    unquantised = _train_step(MoKMoE(cfg.replace(fp8=None, fp8_scaling="blockwise"), seed=0), x)
     for name, value in got.items():
         assert 1e-3 < _relative_error(value, unquantised[name]) < 0.15, name
     again = _train_step(MoKMoE(cfg, seed=0), x)
@@ -381,4 +381,10 @@ def test_a_captured_pytorch_fp8_path_is_named(monkeypatch):
 def test_fp8_scaling_takes_the_three_recipes_only():
     with pytest.raises(MoKConfigError, match="mok.fp8_scaling"):
         MoKConfig(**CFG, fp8="e4m3", fp8_scaling="delayed")
-    assert MoKConfig(**CFG, fp8_scaling="mxfp8").fp8_recipe is None  # read only with mok.fp8
+    assert MoKConfig(**CFG).fp8_recipe is None
+
+
+def test_fp8_scaling_without_fp8_is_refused_not_ignored():
+    with pytest.raises(MoKConfigError, match=r"mok.fp8_scaling='mxfp8' scales FP8 experts, but mok.fp8 is not set"):
+        MoKConfig(**CFG, fp8_scaling="mxfp8")
+    assert MoKConfig(**CFG, fp8="hybrid", fp8_scaling="mxfp8").fp8_recipe.scaling == "mxfp8"

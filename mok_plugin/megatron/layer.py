@@ -139,7 +139,9 @@ def _in_bf16_if_megatron_says(mok_config: MoKConfig, config, layer_number: int |
         return mok_config
     from megatron.core.fp8_utils import is_first_last_bf16_layer
 
-    return mok_config.replace(fp8=None) if is_first_last_bf16_layer(config, layer_number - 1) else mok_config
+    if not is_first_last_bf16_layer(config, layer_number - 1):
+        return mok_config
+    return mok_config.replace(fp8=None, fp8_scaling="blockwise")  # (the default: no FP8, nothing to scale)
 
 
 class MoKMoELayer(MoELayer):
