@@ -6,6 +6,7 @@ when the config is built."""
 
 import pytest
 import torch
+from fp8_cases import train_step
 
 from mok_plugin.config import MoKConfig, MoKConfigError
 from mok_plugin.fp8.recipe import E4M3, E5M2
@@ -27,23 +28,13 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double().cpu() - want).norm() / want.norm()).item()
 
 
-def _train_step(layer: MoKMoE, x: torch.Tensor, seed: int = 5) -> dict[str, torch.Tensor]:
-    x = x.clone().requires_grad_()
-    out, aux = layer(x)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    (out * d_out).sum().add(aux).backward()
-    grads = {"out": out.detach(), "d_x": x.grad}
-    grads.update({name: p.grad for name, p in layer.named_parameters()})
-    return grads
-
-
 def test_fp8_layer_is_the_fp8_oracle_on_the_layers_routing():
     # Reference backend: the routed experts and the shared expert (one more expert every token takes
     # at weight 1) are MoK's FP8 experts, bit for bit; and not the unquantised layer.
     cfg = MoKConfig(**CFG, num_shared_experts=1, fp8="hybrid", backend="reference")
     layer = MoKMoE(cfg, seed=0)
     x = make_layer_inputs(40, 256, seed=1)
-    got = _train_step(layer, x)
+    got = train_step(layer, x)
     routing = layer.route(x)
     recipe, E = cfg.fp8_recipe, cfg.num_experts
     assert (recipe.forward, recipe.backward) == (E4M3, E5M2)
@@ -59,7 +50,7 @@ def test_fp8_layer_is_the_fp8_oracle_on_the_layers_routing():
     assert torch.equal(got["experts.gate_up_proj"], routed["d_gate_up_proj"])
     assert torch.equal(got["experts.down_proj"], routed["d_down_proj"])
     assert torch.equal(got["shared_experts.gate_up_proj"], shared["d_gate_up_proj"][0])
-    unquantised = _train_step(MoKMoE(cfg.replace(fp8=None), seed=0), x)
+    unquantised = train_step(MoKMoE(cfg.replace(fp8=None), seed=0), x)
     for name, value in got.items():
         assert 1e-3 < _relative_error(value, unquantised[name]) < 0.15, name
 
@@ -68,11 +59,11 @@ def test_fp8_layer_is_the_fp8_oracle_on_the_layers_routing():
 def test_fp8_layer_triton_backend_is_the_reference_backend():
     cfg = MoKConfig(**CFG, num_shared_experts=1, fp8="e4m3", params_dtype=DTYPE, backend="triton")
     x = make_layer_inputs(40, 256, dtype=getattr(torch, DTYPE), device=DEVICE, seed=1)
-    got = _train_step(MoKMoE(cfg, seed=0, device=DEVICE), x)
-    want = _train_step(MoKMoE(cfg.replace(backend="reference"), seed=0), x.cpu())
+    got = train_step(MoKMoE(cfg, seed=0, device=DEVICE), x)
+    want = train_step(MoKMoE(cfg.replace(backend="reference"), seed=0), x.cpu())
     for name, value in got.items():
         assert _relative_error(value, want[name]) < KERNEL_TOLERANCE, name
-    again = _train_step(MoKMoE(cfg, seed=0, device=DEVICE), x)
+    again = train_step(MoKMoE(cfg, seed=0, device=DEVICE), x)
     assert all(torch.equal(again[name], value) for name, value in got.items())
 
 
@@ -159,10 +150,10 @@ def test_deferred_weight_gradients_are_the_same_bits(backend):
     cfg = MoKConfig(**CFG, fp8="e4m3", params_dtype=DTYPE, backend=backend)
     device = DEVICE if backend == "triton" else "cpu"
     x = make_layer_inputs(40, 256, dtype=getattr(torch, DTYPE), device=device, seed=1)
-    want = _train_step(MoKMoE(cfg, seed=0, device=device), x)
+    want = train_step(MoKMoE(cfg, seed=0, device=device), x)
     layer = MoKMoE(cfg, seed=0, device=device)
     layer.weight_grads = DeferredWeightGrads()
-    got = _train_step(layer, x)
+    got = train_step(layer, x)
     assert got["experts.gate_up_proj"] is None and got["experts.down_proj"] is None and len(layer.weight_grads) == 1
     layer.weight_grads.run()
     for name, param in layer.named_parameters():

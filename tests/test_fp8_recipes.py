@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from fp8_cases import E, T, fp8_expert_inputs, train_step
 
 from mok_plugin.config import MoKConfig, MoKConfigError
 from mok_plugin.experts import SWIGLU, activation
@@ -40,7 +41,6 @@ RECIPES = {
     "mxfp8_e4m3": MXFP8Recipe(E4M3, E4M3),  # the MZ / kimi-k2 mxfp8 recipes
     "mxfp8_hybrid": MXFP8Recipe(E4M3, E5M2),
 }
-T, H, I, E, K = 96, 256, 192, 4, 2  # I = 6 MX blocks; 96 rows: an expert's rows end mid-block
 GRADS = ("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
 
 
@@ -195,24 +195,6 @@ def test_tensorwise_quantiser_is_the_plain_definition(fmt, power_of_2):
 # --- the experts under each recipe ---------------------------------------------------------------
 
 
-def _inputs(family=SWIGLU, seed=0, tokens=T, top_k=K, ids=None):
-    g = torch.Generator().manual_seed(seed)
-    fc1 = family.fc1_width(I)
-    if ids is None:
-        ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
-    return {
-        "ids": ids,
-        "x": torch.randn(tokens, H, generator=g).bfloat16(),
-        "topk_weights": torch.rand(tokens, top_k, generator=g).softmax(-1),
-        "gate_up_proj": (torch.randn(E, fc1, H, generator=g) / H**0.5).bfloat16(),
-        "down_proj": (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16(),
-        "gate_up_bias": (torch.randn(E, fc1, generator=g) * 0.1).bfloat16() if family.fc1_bias else None,
-        "down_bias": (torch.randn(E, H, generator=g) * 0.1).bfloat16() if family.fc2_bias else None,
-        "d_out": torch.randn(tokens, H, generator=g).bfloat16(),
-        "schedule": build_schedule(ids, E),
-    }
-
-
 def _fp8(inp, recipe, family=SWIGLU, compute_dtype=torch.float64):
     return moe_experts_fp8_reference(inp["x"], inp["topk_weights"], inp["gate_up_proj"], inp["down_proj"],
                                      inp["schedule"], recipe, inp["d_out"], family, inp["gate_up_bias"],
@@ -237,7 +219,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("scaling", ["tensorwise", "mxfp8"])
 def test_experts_under_each_recipe_are_within_fp8s_margin(scaling, family):
     fam = EXPERT_FAMILIES[family]
-    inp = _inputs(fam)
+    inp = fp8_expert_inputs(fam)
     want = _fp64_unquantised(inp, fam)
     recipe = TensorwiseFP8Recipe if scaling == "tensorwise" else MXFP8Recipe
     e4m3, hybrid = _fp8(inp, recipe(E4M3, E4M3), fam), _fp8(inp, recipe(E4M3, E5M2), fam)
@@ -266,7 +248,7 @@ def _quantised_forward(inp, quantise_x, quantise_w13, quantise_a, quantise_w2):
 
 
 def test_mxfp8_quantises_each_operand_along_its_gemms_reduction():
-    inp = _inputs(tokens=40, top_k=1, ids=torch.zeros(40, 1, dtype=torch.long))
+    inp = fp8_expert_inputs(tokens=40, top_k=1, ids=torch.zeros(40, 1, dtype=torch.long))
     got = _fp8(inp, MXFP8Recipe())["out"]
 
     def along(dim):
@@ -284,7 +266,7 @@ def test_mxfp8_quantises_each_operand_along_its_gemms_reduction():
 
 def test_tensorwise_scales_are_per_expert_and_mxfp8_is_batch_invariant():
     ids = torch.arange(T).remainder(E)[:, None]  # K = 1: token t on expert t % E
-    inp = _inputs(seed=5, top_k=1, ids=ids)
+    inp = fp8_expert_inputs(seed=5, top_k=1, ids=ids)
     louder = {**inp, "x": torch.where(ids != 0, inp["x"] * 64, inp["x"]),
               "d_out": torch.where(ids != 0, inp["d_out"] * 64, inp["d_out"])}  # fmt: skip
     on_0 = ids[:, 0] == 0
@@ -306,7 +288,7 @@ def test_tensorwise_scales_are_per_expert_and_mxfp8_is_batch_invariant():
 
 def test_fp32_compute_is_within_rounding_of_the_fp64_oracle():
     # what runs on a GPU: the same quantised operands, fp32 GEMMs
-    inp = _inputs(seed=6)
+    inp = fp8_expert_inputs(seed=6)
     for recipe in RECIPES.values():
         want, got = _fp8(inp, recipe), _fp8(inp, recipe, compute_dtype=torch.float32)
         for name in ("out", *GRADS):
@@ -318,23 +300,13 @@ def test_fp32_compute_is_within_rounding_of_the_fp64_oracle():
 CFG = dict(hidden_size=256, ffn_hidden_size=192, num_experts=4, top_k=2)
 
 
-def _train_step(layer: MoKMoE, x: torch.Tensor, seed: int = 5) -> dict[str, torch.Tensor]:
-    x = x.clone().requires_grad_()
-    out, aux = layer(x)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    (out * d_out).sum().add(aux).backward()
-    grads = {"out": out.detach(), "d_x": x.grad}
-    grads.update({name: p.grad for name, p in layer.named_parameters()})
-    return grads
-
-
 @pytest.mark.parametrize("fmt, scaling", [("hybrid", "tensorwise"), ("e4m3", "mxfp8")])
 def test_layer_with_each_recipe_is_within_fp8s_margin_and_repeats_bitwise(fmt, scaling):
     cfg = MoKConfig(**CFG, num_shared_experts=1, fp8=fmt, fp8_scaling=scaling, backend="reference")
     assert cfg.fp8_recipe.scaling == scaling
     x = make_layer_inputs(40, 256, seed=1)
     layer = MoKMoE(cfg, seed=0)
-    got = _train_step(layer, x)
+    got = train_step(layer, x)
     # the routed experts are the oracle's, bit for bit
     routing = layer.route(x)
     d_out = torch.randn(got["out"].shape, generator=torch.Generator().manual_seed(5))
@@ -343,10 +315,10 @@ def test_layer_with_each_recipe_is_within_fp8s_margin_and_repeats_bitwise(fmt, s
                                        cfg.fp8_recipe, d_out)  # fmt: skip
     assert torch.equal(got["experts.gate_up_proj"], routed["d_gate_up_proj"])
     assert torch.equal(got["experts.down_proj"], routed["d_down_proj"])
-    unquantised = _train_step(MoKMoE(cfg.replace(fp8=None, fp8_scaling="blockwise"), seed=0), x)
+    unquantised = train_step(MoKMoE(cfg.replace(fp8=None, fp8_scaling="blockwise"), seed=0), x)
     for name, value in got.items():
         assert 1e-3 < _relative_error(value, unquantised[name]) < 0.15, name
-    again = _train_step(MoKMoE(cfg, seed=0), x)
+    again = train_step(MoKMoE(cfg, seed=0), x)
     assert all(torch.equal(again[name], value) for name, value in got.items())
 
 

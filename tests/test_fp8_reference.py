@@ -4,6 +4,7 @@ forward batch-invariant; the weight gradients' 128-row blocks following each exp
 
 import pytest
 import torch
+from fp8_cases import E, H, K, T, fp8_expert_inputs
 
 from mok_plugin.experts import SWIGLU
 from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
@@ -12,25 +13,7 @@ from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import EXPERT_FAMILIES
 
-T, H, I, E, K = 96, 256, 192, 4, 2  # I = 1.5 blocks: a partial 1 x 128 and 128 x 128 block
 GRADS = ("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
-
-
-def _inputs(family=SWIGLU, seed=0, tokens=T, experts=E):
-    g = torch.Generator().manual_seed(seed)
-    fc1 = family.fc1_width(I)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(tokens)])  # of the first `experts`
-    return {
-        "ids": ids,
-        "x": torch.randn(tokens, H, generator=g).bfloat16(),
-        "topk_weights": torch.rand(tokens, K, generator=g).softmax(-1),
-        "gate_up_proj": (torch.randn(E, fc1, H, generator=g) / H**0.5).bfloat16(),
-        "down_proj": (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16(),
-        "gate_up_bias": (torch.randn(E, fc1, generator=g) * 0.1).bfloat16() if family.fc1_bias else None,
-        "down_bias": (torch.randn(E, H, generator=g) * 0.1).bfloat16() if family.fc2_bias else None,
-        "d_out": torch.randn(tokens, H, generator=g).bfloat16(),
-        "schedule": build_schedule(ids, E),
-    }
 
 
 def _bf16_reference(inp, family):
@@ -60,7 +43,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("family", ["swiglu", "glu_gelu_bias", "mlp_gelu_bias"])
 def test_fp8_experts_are_within_fp8s_margin_of_the_bf16_experts(family):
     fam = EXPERT_FAMILIES[family]
-    inp = _inputs(fam)
+    inp = fp8_expert_inputs(fam)
     want = _bf16_reference(inp, fam)
     e4m3 = _fp8(inp, BlockwiseFP8Recipe(E4M3, E4M3), fam)
     hybrid = _fp8(inp, BlockwiseFP8Recipe(E4M3, E5M2), fam)
@@ -82,13 +65,13 @@ def test_fp8_experts_are_within_fp8s_margin_of_the_bf16_experts(family):
 def test_fp8_forward_is_batch_invariant_and_weight_gradients_follow_the_experts_rows():
     # A token's output does not depend on the other tokens (its x and A blocks are its own).
     recipe = BlockwiseFP8Recipe()
-    whole = _inputs()
+    whole = fp8_expert_inputs()
     half = {**whole, "x": whole["x"][: T // 2], "topk_weights": whole["topk_weights"][: T // 2],
             "d_out": whole["d_out"][: T // 2], "schedule": build_schedule(whole["ids"][: T // 2], E)}  # fmt: skip
     assert torch.equal(_fp8(half, recipe, SWIGLU)["out"], _fp8(whole, recipe, SWIGLU)["out"][: T // 2])
     # An expert's weight gradient is made of its own rows' 128-row blocks: adding tokens routed to
     # other experts changes nothing of it.
-    lonely = _inputs(seed=3, experts=E - 1)  # expert E-1 gets nothing from these tokens
+    lonely = fp8_expert_inputs(seed=3, experts=E - 1)  # expert E-1 gets nothing from these tokens
     ids = lonely["ids"]
     more = {**lonely, "x": torch.cat([lonely["x"], torch.randn(8, H).bfloat16()]),
             "topk_weights": torch.cat([lonely["topk_weights"], torch.full((8, K), 0.5)]),
@@ -113,7 +96,7 @@ def test_linear_experts_are_refused():
 def test_separate_cast_peer_rounds_what_it_stores_and_errs_alike():
     # The peer of issue 25 (quantisers separate from the GEMMs: each reads a bf16 tensor) differs from
     # MoK's numbers in the last bits of the quantised blocks, and by FP8's margin from bf16, as MoK does.
-    inp, recipe = _inputs(), BlockwiseFP8Recipe()
+    inp, recipe = fp8_expert_inputs(), BlockwiseFP8Recipe()
     mok = _fp8(inp, recipe, SWIGLU)
     peer = moe_experts_fp8_reference(inp["x"], inp["topk_weights"], inp["gate_up_proj"], inp["down_proj"],
                                      inp["schedule"], recipe, inp["d_out"], separate_casts=True)  # fmt: skip
