@@ -35,6 +35,17 @@ def _outputs(layer, x, probe):
     return out.detach(), x.grad
 
 
+def _assert_within_fp8_of_stock_and_repeatable(stock, mok) -> None:
+    """MoK's FP8 layer against the stock bf16 layer: output and dX within FP8's error (and not equal:
+    FP8 ran), and the same bits twice."""
+    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
+    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
+    want, got = _outputs(stock, x, probe), _outputs(mok, x, probe)
+    for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
+        assert 1e-3 < _relative_error(value, reference) < 0.15, name
+    assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_the_mok_block_selects_fp8_experts(ds_world, fmt):
     assert mds.read_mok_settings({"mok": {"enabled": True, "fp8": fmt}}).knobs() == {"fp8": fmt}
@@ -43,12 +54,7 @@ def test_the_mok_block_selects_fp8_experts(ds_world, fmt):
                   top2_2nd_expert_sampling=False, mok_config={"fp8": fmt})  # fmt: skip
     mok.load_state_dict(bf16.state_dict())
     assert mok.mok.config.fp8 == fmt and bf16.mok.config.fp8 is None
-    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
-    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
-    want, got = _outputs(stock, x, probe), _outputs(mok, x, probe)
-    for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
-        assert 1e-3 < _relative_error(value, reference) < 0.15, name
-    assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+    _assert_within_fp8_of_stock_and_repeatable(stock, mok)
 
 
 @pytest.mark.parametrize("fmt, scaling", [("hybrid", "tensorwise"), ("e4m3", "mxfp8")])
@@ -60,12 +66,7 @@ def test_the_mok_block_selects_the_fp8_recipe(ds_world, fmt, scaling):
                   top2_2nd_expert_sampling=False, mok_config={"fp8": fmt, "fp8_scaling": scaling})  # fmt: skip
     mok.load_state_dict(bf16.state_dict())
     assert mok.mok.config.fp8_recipe.scaling == scaling
-    x = make_layer_inputs(40, H, seed=1).view(4, 10, H)
-    probe = make_layer_inputs(40, H, seed=2).view(4, 10, H)
-    want, got = _outputs(stock, x, probe), _outputs(mok, x, probe)
-    for name, value, reference in zip(("output", "d_x"), got, want, strict=True):
-        assert 1e-3 < _relative_error(value, reference) < 0.15, name
-    assert torch.equal(_outputs(mok, x, probe)[0], got[0])
+    _assert_within_fp8_of_stock_and_repeatable(stock, mok)
     with pytest.raises(MoKConfigError, match=r"mok\.fp8_scaling"):
         mds.read_mok_settings({"mok": {"enabled": True, "fp8": fmt, "fp8_scaling": "delayed"}})
 

@@ -39,6 +39,18 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+def _assert_within_fp8_of_stock_and_repeatable(stock, mok) -> None:
+    """MoK's FP8 layer against the stock bf16 layer: output, dX and every gradient within FP8's error
+    (and not equal: FP8 ran), and the same bits twice."""
+    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
+    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
+    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
+    assert 1e-3 < _relative_error(got[0], want[0]) < 0.15 and 1e-3 < _relative_error(got[1], want[1]) < 0.15
+    for name, grad in want[2].items():
+        assert _relative_error(got[2][name], grad) < 0.15, name
+    assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.usefixtures("megatron_world")
 def test_blockwise_flags_select_moks_fp8_experts(fmt):
@@ -47,13 +59,7 @@ def test_blockwise_flags_select_moks_fp8_experts(fmt):
     assert mok_config_from_megatron(_config()).fp8 is None
     stock, mok = _stock_and_mok(tc)  # the stock layer runs bf16's math (no Transformer Engine here)
     assert mok.mok.config.fp8 == fmt
-    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
-    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
-    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
-    assert 1e-3 < _relative_error(got[0], want[0]) < 0.15 and 1e-3 < _relative_error(got[1], want[1]) < 0.15
-    for name, grad in want[2].items():
-        assert _relative_error(got[2][name], grad) < 0.15, name
-    assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
+    _assert_within_fp8_of_stock_and_repeatable(stock, mok)
 
 
 @pytest.mark.parametrize("recipe, fmt", [("tensorwise", "hybrid"), ("mxfp8", "e4m3"), ("mxfp8", "hybrid")])
@@ -67,13 +73,7 @@ def test_tensorwise_and_mxfp8_flags_select_their_recipe(recipe, fmt):
     assert (mok_config.fp8, mok_config.fp8_scaling, mok_config.fp8_recipe.scaling) == (fmt, recipe, recipe)
     stock, mok = _stock_and_mok(tc)  # the stock layer runs bf16's math (no Transformer Engine here)
     assert mok.mok.config.fp8_recipe == mok_config.fp8_recipe
-    x = make_layer_inputs(24, H, seed=1).view(12, 2, H)
-    probe = make_layer_inputs(24, H, seed=2).view(12, 2, H)
-    want, got = _fwd_bwd(stock, x, probe), _fwd_bwd(mok, x, probe)
-    assert 1e-3 < _relative_error(got[0], want[0]) < 0.15 and 1e-3 < _relative_error(got[1], want[1]) < 0.15
-    for name, grad in want[2].items():
-        assert _relative_error(got[2][name], grad) < 0.15, name
-    assert torch.equal(_fwd_bwd(mok, x, probe)[0], got[0])
+    _assert_within_fp8_of_stock_and_repeatable(stock, mok)
 
 
 def test_a_captured_layer_with_the_pytorch_fp8_path_is_refused():
