@@ -528,11 +528,12 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
 
 
 def host_read_settings(
-    *, exact_ep_exchange: bool, reference_backend: bool, debug: bool, pytorch_fp8: str | None = None
+    *, exact_ep_exchange: bool, reference_backend: bool, debug: bool, fp8_scaling: str | None = None
 ) -> list[str]:
     """The settings of a layer that make its forward read the host, each with what to set instead
-    (a CUDA graph cannot capture such a forward). Empty when it reads nothing. pytorch_fp8: the
-    fp8_scaling that runs MoK's PyTorch FP8 path on a kernel backend (tensorwise, mxfp8), if any."""
+    (a CUDA graph cannot capture such a forward). Empty when it reads nothing. fp8_scaling: the
+    layer's mok.fp8_scaling when it runs FP8 (None: no FP8); all but blockwise run MoK's PyTorch FP8
+    path, on every backend (fp8/experts.py)."""
     reads = []
     if exact_ep_exchange:
         reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
@@ -541,8 +542,8 @@ def host_read_settings(
         reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
     if debug:
         reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
-    if pytorch_fp8 is not None and not reference_backend:
-        reads.append(f"the {pytorch_fp8} FP8 recipe runs MoK's PyTorch FP8 path, which loops over the experts on the "
+    if fp8_scaling not in (None, "blockwise") and not reference_backend:
+        reads.append(f"the {fp8_scaling} FP8 recipe runs MoK's PyTorch FP8 path, which loops over the experts on the "
                      "host (mok fp8_scaling: blockwise)")  # fmt: skip
     return reads
 

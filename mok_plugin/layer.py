@@ -639,11 +639,9 @@ class MoKMoE(nn.Module):
             return  # (compiled: dynamo would break the graph on the capture query)
         if not torch.cuda.is_current_stream_capturing():
             return
-        recipe = self.config.fp8_recipe
-        pytorch_fp8 = recipe.scaling if recipe is not None and recipe.scaling != "blockwise" else None
         reads = host_read_settings(exact_ep_exchange=self.ep_group is not None and self.config.ep_exchange == "exact",
                                    reference_backend=self.backend == "reference", debug=self.debug,
-                                   pytorch_fp8=pytorch_fp8)  # fmt: skip
+                                   fp8_scaling=self.config.fp8_scaling if self.config.fp8 else None)  # fmt: skip
         if reads:
             raise RuntimeError("MoK: a CUDA graph is capturing this layer, whose settings read the host: "
                                + "; ".join(reads))  # fmt: skip

@@ -582,7 +582,7 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
         host_reads = host_read_settings(
             exact_ep_exchange=derived.get("ep_size", 1) > 1 and derived.get("ep_exchange") == "exact",
             reference_backend=derived.get("backend") == "reference", debug=bool(derived.get("debug_checks")),
-            pytorch_fp8=derived.get("fp8_scaling") if derived.get("fp8_scaling", "blockwise") != "blockwise" else None,
+            fp8_scaling=derived.get("fp8_scaling"),  # (set only with --fp8-format)
         )  # fmt: skip
         if host_reads:
             problems.append(
