@@ -417,9 +417,11 @@ class MoKMoE(nn.Module):
         else:
             self.global_tokens_per_expert = self.ga_steps = None
         # The counter-based random stream of --moe-router-force-load-balancing: this layer's name in
-        # it (MoKMoELayer sets Megatron's layer number) and its calls so far (the stream's step).
+        # it (MoKMoELayer sets Megatron's layer number) and its calls so far (the stream's step). The
+        # count is a device buffer advanced in place: a CUDA graph that captured a draw then draws
+        # anew on every replay, as the eager layer does (a host int would be frozen into the graph).
         self.random_stream_layer = 0
-        self.random_calls = 0
+        self.register_buffer("random_calls", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         # Extension point: when set, `route` calls routing_fn(x_TH, router.weight, router.bias,
         # training=self.training) -> MoKRouting instead of routing.route (a framework's own gate, e.g.
         # mok_plugin.deepspeed.gating.DeepSpeedGate). Pairs it drops keep their expert at weight 0
@@ -512,7 +514,7 @@ class MoKMoE(nn.Module):
     def params_dtype(self) -> torch.dtype:
         return self._anchor.dtype
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def check_input(self, x: torch.Tensor) -> None:
         H = self.config.hidden_size
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -553,6 +555,11 @@ class MoKMoE(nn.Module):
             ValueError / TypeError: wrong last dimension, dtype or device.
         """
         step = self.begin(x, num_sequences=num_sequences, attach_losses=attach_losses)
+        return self.finish(step, self.run_routed_experts(step), step.shared_out)
+
+    def run_routed_experts(self, step: MoKForwardStep) -> torch.Tensor:
+        """The routed experts' output [T, H] for a step (dispatch, experts, combine); the pairs
+        dropped go to step.num_dropped."""
         routing, cfg = step.routing, self.config
         experts_fn, w13, w2 = self._experts_call()
         if self.ep_group is not None:
@@ -566,7 +573,7 @@ class MoKMoE(nn.Module):
             schedule = build_schedule(routing.topk_ids, cfg.num_experts, tile_m=DEFAULT_TILE_M, capacity=step.capacity)
             out = experts_fn(step.x_TH, routing.topk_weights, w13, w2, schedule)
             step.num_dropped = schedule.num_dropped
-        return self.finish(step, out, step.shared_out)
+        return out
 
     def _experts_call(self):
         """(the backend's experts function bound to the expert weights and biases, w13, w2)."""
@@ -596,9 +603,18 @@ class MoKMoE(nn.Module):
         experts, with or without overlap: the backward then runs its nodes in the same order either
         way, and x's gradient sums its parts (routed, shared, router) in the same order: the same
         bits. attach_losses(weights, losses) runs on the routing weights before anything uses them."""
+        self.prepare_forward(x)
+        self._check_not_captured_with_host_reads()
+        routing = self.route_step(x, num_sequences, attach_losses)
+        shared_out = self.start_shared_experts(x) if self.shared_experts is not None else None
+        return self._step(x, routing, shared_out)
+
+    def prepare_forward(self, x: torch.Tensor) -> None:
+        """What every forward checks and refreshes on the host before it runs (a CUDA graph that
+        replays the routing does not run it: `resume` calls it again, once per forward)."""
         if self._backend_error is not None:
             raise ValueError(self._backend_error)
-        self._check_input(x)
+        self.check_input(x)
         if self.weight_grads is not None and len(self.weight_grads) and torch.is_grad_enabled():
             # Nothing may be lost: a backward whose weight gradients were deferred must have them
             # computed (backward_dw) before the layer trains on.
@@ -606,20 +622,41 @@ class MoKMoE(nn.Module):
                 f"MoK: the weight gradients of {len(self.weight_grads)} expert backward pass(es) were deferred "
                 "(--delay-wgrad-compute) and never computed: the schedule must call the layer's backward_dw()"
             )
-        self._check_not_captured_with_host_reads()
         self._refresh_fp8_weight_copies()
-        cfg = self.config
-        x_TH = x.reshape(-1, cfg.hidden_size)
-        routing = self.route(x_TH, debug=self.debug, num_sequences=num_sequences)
+
+    def route_step(
+        self,
+        x: torch.Tensor,
+        num_sequences: int | None = None,
+        attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+    ) -> MoKRouting:
+        """Route x (`last_router_losses` set; attach_losses applied to the weights). Reads nothing on
+        the host (unless debug checks are on): Megatron's partial CUDA graphs capture it alone."""
+        routing = self.route(x.reshape(-1, self.config.hidden_size), debug=self.debug, num_sequences=num_sequences)
         self.last_router_losses = routing.losses
         if attach_losses is not None:
             routing = dataclasses.replace(routing, topk_weights=attach_losses(routing.topk_weights, routing.losses))
+        return routing
+
+    def start_shared_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, H], issued (on the side stream with shared_expert_overlap)."""
+        return self._start_shared_experts(x.reshape(-1, self.config.hidden_size))
+
+    def resume(self, x: torch.Tensor, routing: MoKRouting, shared_out: torch.Tensor | None) -> MoKForwardStep:
+        """The step of a forward routed by `route_step` in a CUDA graph replayed before this call: the
+        host's per-forward work (`prepare_forward`, which the replay skipped) and the step."""
+        self.prepare_forward(x)
+        return self._step(x, routing, shared_out)
+
+    def _step(self, x: torch.Tensor, routing: MoKRouting, shared_out: torch.Tensor | None) -> MoKForwardStep:
+        """The forward's step; its expert capacity may read the host (the exact EP exchange's token count)."""
+        cfg = self.config
+        x_TH = x.reshape(-1, cfg.hidden_size)
         capacity = None
         if cfg.capacity_factor is not None:
             # Over the global batch, so that every EP size keeps the same rows.
             capacity = expert_capacity(self._global_tokens(x_TH.shape[0]), cfg.top_k, cfg.num_experts,
                                        cfg.capacity_factor)  # fmt: skip
-        shared_out = self._start_shared_experts(x_TH) if self.shared_experts is not None else None
         return MoKForwardStep(tuple(x.shape), x_TH, routing, capacity, shared_out)
 
     def _refresh_fp8_weight_copies(self) -> None:
@@ -666,10 +703,16 @@ class MoKMoE(nn.Module):
         self, step: MoKForwardStep, routed_out: torch.Tensor, shared_out: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage: (routed + shared output shaped like x, aux_loss); the step's statistics."""
+        self.record_step(step)
+        return self.add_shared(routed_out, shared_out).view(step.x_shape), step.routing.aux_loss
+
+    def add_shared(self, routed_out: torch.Tensor, shared_out: torch.Tensor | None) -> torch.Tensor:
+        """routed + shared experts' output (taken from the side stream with shared_expert_overlap)."""
+        return routed_out if shared_out is None else routed_out + self._finish_shared_experts(shared_out)
+
+    def record_step(self, step: MoKForwardStep) -> None:
+        """The step's statistics (last_tokens_per_expert, last_num_dropped; the debug drop warning)."""
         cfg, routing = self.config, step.routing
-        out = routed_out
-        if shared_out is not None:
-            out = out + self._finish_shared_experts(shared_out)
         with torch.no_grad():
             self.last_tokens_per_expert.copy_(routing.tokens_per_expert)
             self.last_num_dropped.copy_(step.num_dropped)
@@ -681,7 +724,6 @@ class MoKMoE(nn.Module):
                         f"mok.capacity_factor={cfg.capacity_factor}; raise it or set it to null (dropless)",
                         stacklevel=2,
                     )
-        return out.view(step.x_shape), routing.aux_loss
 
     def _shared_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         return _side_stream(device) if self.config.shared_expert_overlap else None
@@ -787,22 +829,22 @@ class MoKMoE(nn.Module):
             return self.global_tokens_per_expert.float() / self.ga_steps.float()
         return (self.global_tokens_per_expert + counts).float() / (self.ga_steps + 1).float()
 
-    def forward_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    def forward_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """What a forward reads and advances besides its input: every buffer (the per-step
-        statistics, the global aux loss's running counts, the expert-bias counts), the last router
-        losses and the random stream's call count. An activation recomputation restores the state
-        its forward started from (`restore_forward_state`), so it computes the same values and
+        statistics, the global aux loss's running counts, the expert-bias counts, the random
+        stream's call count) and the last router losses. An activation recomputation restores the
+        state its forward started from (`restore_forward_state`), so it computes the same values and
         counts nothing twice."""
         buffers = {name: buffer.clone() for name, buffer in self.named_buffers()}
-        return buffers, self.last_router_losses, self.random_calls
+        return buffers, self.last_router_losses
 
     @torch.no_grad()
-    def restore_forward_state(self, state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]) -> None:
+    def restore_forward_state(self, state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
         """Put back a `forward_state()`."""
         buffers = dict(self.named_buffers())
         for name, value in state[0].items():
             buffers[name].copy_(value)
-        self.last_router_losses, self.random_calls = state[1], state[2]
+        self.last_router_losses = state[1]
 
     @torch.no_grad()
     def reset_global_aux_loss_tracker(self) -> None:
@@ -824,7 +866,8 @@ class MoKMoE(nn.Module):
         tokens = global_token_index(num_tokens, offset, device=self._anchor.device)
         stream = f"force_balance/layer={self.random_stream_layer}"
         noise = normal(self.config.random_seed, self.random_calls, stream, tokens, self.config.num_experts)
-        self.random_calls += 1
+        with torch.no_grad():
+            self.random_calls += 1
         return noise.double()
 
     def _check_finite_logits(self, router_logits: torch.Tensor) -> None:

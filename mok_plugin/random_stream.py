@@ -167,13 +167,16 @@ def philox4x32(
     return c0, c1, c2, c3
 
 
-def _check_key(seed: int, step: int, columns: int, token_index: torch.Tensor) -> None:
-    for name, value in (("seed", seed), ("step", step), ("columns", columns)):
+def _check_key(seed: int, step: int | torch.Tensor, columns: int, token_index: torch.Tensor) -> None:
+    ints = (("seed", seed), ("columns", columns)) + ((("step", step),) if not torch.is_tensor(step) else ())
+    for name, value in ints:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if torch.is_tensor(step) and (step.dim() != 0 or step.dtype != torch.int64):
+        raise TypeError(f"step must be an int or an int64 0-dim tensor, got {step.dtype} {tuple(step.shape)}")
     if not 0 <= seed < 1 << 64:
         raise ValueError(f"seed={seed} must lie in [0, 2**64)")
-    if not 0 <= step < 1 << 32:
+    if not torch.is_tensor(step) and not 0 <= step < 1 << 32:  # (a tensor is taken mod 2**32, unread)
         raise ValueError(f"step={step} must lie in [0, 2**32)")
     if not 0 <= columns <= 1 << 32:  # column indices are counter words, < 2**32
         raise ValueError(f"columns={columns} must lie in [0, 2**32]")
@@ -187,7 +190,7 @@ def _check_key(seed: int, step: int, columns: int, token_index: torch.Tensor) ->
 
 def philox_words(
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: str | int,
     token_index: torch.Tensor,
     columns: int,
@@ -197,7 +200,8 @@ def philox_words(
 
     Args:
         seed: int in [0, 2**64).
-        step: int in [0, 2**32), e.g. the training iteration.
+        step: int in [0, 2**32), e.g. the training iteration; or an int64 0-dim tensor on `device`,
+            taken modulo 2**32 and never read on the host (a counter a CUDA graph advances on replay).
         stream: the purpose, a name or a 32-bit id (`stream_id`).
         token_index: integer [T], global token indices (taken modulo 2**32).
         columns: number of columns C (experts), in [0, 2**32]; column e gets counter word e.
@@ -214,8 +218,10 @@ def philox_words(
     device = token_index.device if device is None else torch.device(device)
     tok = token_index.to(device=device, dtype=torch.int64)
     col = torch.arange(columns, dtype=torch.int64, device=device)
-    # Step and stream stay Python ints: round one handles them exactly on the host, and broadcasting
-    # makes the early rounds work on [T, 1] and [1, C] rather than [T, C].
+    # Stream (and an int step) stay Python ints: round one handles them exactly on the host, and
+    # broadcasting makes the early rounds work on [T, 1] and [1, C] rather than [T, C].
+    if torch.is_tensor(step):
+        step = step.to(device)
     words = philox4x32((col.unsqueeze(0), tok.unsqueeze(1), step, sid), (seed & _M32, seed >> 32))
     shape = (tok.shape[0], columns)
     return tuple(torch.as_tensor(w, dtype=torch.int64, device=device).expand(shape).contiguous() for w in words)
@@ -270,7 +276,7 @@ def _cos_turn_f64(word: torch.Tensor) -> torch.Tensor:
 
 def uniform(
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: str | int,
     token_index: torch.Tensor,
     columns: int,
@@ -280,7 +286,7 @@ def uniform(
 
     Args:
         seed: int in [0, 2**64); Philox key.
-        step: int in [0, 2**32); counter word 2.
+        step: int in [0, 2**32) or an int64 0-dim tensor (see `philox_words`); counter word 2.
         stream: purpose name or 32-bit id (`stream_id`); counter word 3.
         token_index: integer [T], global token indices; counter word 1 (modulo 2**32).
         columns: C, the number of columns (experts); column e is counter word 0.
@@ -298,7 +304,7 @@ def uniform(
 
 def normal(
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: str | int,
     token_index: torch.Tensor,
     columns: int,
@@ -326,7 +332,7 @@ def normal(
 
 def gumbel(
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: str | int,
     token_index: torch.Tensor,
     columns: int,

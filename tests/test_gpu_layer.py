@@ -179,6 +179,30 @@ def test_cuda_graph_capture_forward_backward():
         assert torch.equal(a, b), f"tensor {i}: graph replay differs from eager"
 
 
+def test_cuda_graph_replays_draw_new_force_balancing_noise():
+    # The force-balancing draw's step is a device counter the graph advances: each replay routes by
+    # new noise, the noise the eager layer draws on its next call (a host int would freeze it).
+    layer = _layer((512, 256, 128, 16, 4), "triton")
+    layer.config = layer.config.replace(force_load_balancing=True)
+    x = make_layer_inputs(512, 256, dtype=torch.bfloat16, device="cuda", seed=5)
+    with torch.no_grad():
+        layer(x)  # compile outside the capture
+        start = layer.random_calls.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, _ = layer(x)
+        replayed = []
+        for _ in range(2):
+            graph.replay()
+            replayed.append(out.clone())
+        assert int(layer.random_calls) == int(start) + 2
+        layer.random_calls.copy_(start)
+        eager = [layer(x)[0] for _ in range(2)]
+    assert not torch.equal(replayed[0], replayed[1]), "the two replays routed by the same noise"
+    for i in range(2):
+        assert torch.equal(replayed[i], eager[i]), f"replay {i} differs from the eager call"
+
+
 def test_megakernel_and_multi_kernel_agree():
     # The forward tiles are the same in both variants: bitwise equal outputs. In the backward the
     # multi-kernel variant computes dA' with a 128x256 GEMM tile and its epilogue in a second kernel,

@@ -193,6 +193,20 @@ def _worker(rank: int, world: int, port: int) -> None:
             if fields.get("moe_router_enable_expert_bias"):
                 counts = want[2]["buffer mlp.mok.local_tokens_per_expert"]
                 assert counts.sum() == 2 * MICRO_BATCHES * S * B  # K = 2, every micro-batch once
+        # TE's partial graphs (--cuda-graph-modules moe_router moe_preprocess) under the overlap: the
+        # plan replays the graph (test_megatron_graph_stages' stand-in runs what TE captures) and
+        # MoK's route stage resumes from its outputs; bitwise the plain layer without graphs.
+        from test_megatron_graph_stages import install_capture_stand_in
+
+        fields = dict(moe_shared_expert_intermediate_size=24, moe_router_enable_expert_bias=True,
+                      moe_router_score_function="sigmoid", moe_router_force_load_balancing=True)  # fmt: skip
+        graphs = dict(fields, cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router", "moe_preprocess"])
+        plain, graphed = _layer(fields, {}, world), _layer(graphs, {}, world)
+        graphed.load_state_dict(plain.state_dict())
+        capture = install_capture_stand_in(graphed)
+        graphed.current_microbatch = 0  # (set by the model's schedule: which of the layer's graphs replays)
+        _assert_same(_plain(plain, xs, gs, mask), _planned(graphed, xs, gs, mask), f"TE partial graphs, rank {rank}")
+        assert capture.calls == MICRO_BATCHES and graphed.mlp.cudagraph_tensor_store.is_empty()
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -403,16 +403,17 @@ def test_shared_expert_options_map():
 
 
 REFUSED_GRAPHS = {
-    "te_moe_router_preprocess": (
+    # The partial MoE scopes' own refusals: tests/test_megatron_graph_stages.py.
+    "te_moe_router_preprocess_debug": (
         dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router", "moe_preprocess"]),
-        r"--cuda-graph-modules / --cuda-graph-scope \(moe_preprocess, moe_router",
-        None,
+        r"--cuda-graph-modules moe_preprocess moe_router with --cuda-graph-impl transformer_engine.*debug checks",
+        {"debug_checks": True},
     ),
     # The deprecated --cuda-graph-scope, migrated by TransformerConfig to cuda_graph_modules.
-    "local_scope_moe_router": (
+    "local_scope_moe_router_debug": (
         dict(cuda_graph_impl="local", cuda_graph_scope=["moe_router"]),
-        r"--cuda-graph-scope \(moe_preprocess, moe_router with --cuda-graph-impl local\)",
-        None,
+        r"--cuda-graph-modules moe_preprocess moe_router with --cuda-graph-impl local.*debug checks",
+        {"debug_checks": True},
     ),
     # A whole-layer capture with the exact EP exchange, which reads counts on the host.
     "local_layer_ep_exact": (
@@ -442,8 +443,10 @@ def test_cuda_graph_settings_refused_by_name(case):
         (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"]), None),  # the MoE layer eager
         (dict(cuda_graph_impl="local", expert_model_parallel_size=2), {"ep_exchange": "capacity"}),
         (dict(cuda_graph_impl="full_iteration"), None),
+        (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router", "moe_preprocess"]), None),
+        (dict(cuda_graph_impl="local", cuda_graph_scope=["moe_router"], expert_model_parallel_size=2), None),
     ],
-    ids=["local_layer", "te_attn_only", "local_ep_capacity", "full_iteration"],
+    ids=["local_layer", "te_attn_only", "local_ep_capacity", "full_iteration", "te_partial", "local_partial_ep_exact"],
 )
 def test_cuda_graph_settings_accepted(fields, overrides):
     mok_config_from_megatron(_config(**fields), overrides)

@@ -193,14 +193,6 @@ LATER_OR_REFUSED = [
         "MoK computes the blockwise, tensorwise and mxfp8 FP8 recipes (mok.fp8, mok.fp8_scaling); delayed (an amax "
         "history) and custom (a user's quantiser factory) are refused",
     ),
-    (
-        lambda tc: (
-            tc.cuda_graph_impl in ("local", "transformer_engine")
-            and {"moe_router", "moe_preprocess"} & {str(getattr(m, "name", m)) for m in tc.cuda_graph_modules or ()}
-        ),
-        "--cuda-graph-modules / --cuda-graph-scope",
-        "refused by design: the partial MoE capture calls the stock router and dispatcher in stages",
-    ),
 ]
 
 
@@ -305,7 +297,7 @@ def _run(layer, x, probe):
     # each run from the start of the random stream (force load balancing), stock and MoK alike
     _STOCK_RANDOM_CALLS.clear()
     if isinstance(layer, MoKMoELayer):
-        layer.mok.random_calls = 0
+        layer.mok.random_calls.zero_()
     return _fwd_bwd(layer, x, probe)
 
 

@@ -312,6 +312,18 @@ def _mok_random_logits(layer_number: int, call: int, num_tokens: int) -> torch.T
     return random_stream.normal(0, call, f"force_balance/layer={layer_number}", tokens, E)
 
 
+def test_force_load_balancing_with_full_recompute_is_refused():
+    # A reentrant recomputation (full granularity) runs the forward again: MoK's draw advances per
+    # call, so it would route by new noise and the gradients would belong to another routing.
+    cfg = _config(moe_router_force_load_balancing=True, recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)  # fmt: skip
+    with pytest.raises(MoKConfigError, match="--moe-router-force-load-balancing with --recompute-granularity full"):
+        mok_config_from_megatron(cfg)
+    # The same with MoK's own (non-reentrant, state-restoring) moe recompute: accepted.
+    mok_config_from_megatron(_config(moe_router_force_load_balancing=True, recompute_granularity="selective",
+                                     recompute_modules=["moe"]))  # fmt: skip
+
+
 @pytest.mark.usefixtures("megatron_world", "cpu_buffers")
 def test_force_load_balancing(monkeypatch):
     # Megatron's RandomSTE routes by N(0, 1) logits from the CUDA RNG with the gradient straight
@@ -330,14 +342,14 @@ def test_force_load_balancing(monkeypatch):
     cfg = _config(moe_router_force_load_balancing=True, moe_z_loss_coeff=1e-3)
     stock, mok = _build(cfg)
     _assert_same(stock, mok)
-    assert len(calls) == MICRO_BATCHES and mok.mok.random_calls == MICRO_BATCHES
+    assert len(calls) == MICRO_BATCHES and int(mok.mok.random_calls) == MICRO_BATCHES
     # Repeatable: a second layer from the same weights routes its first calls by the same logits.
     again = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
     again.load_state_dict(mok.state_dict())
     again.set_layer_number(1)
     x = make_layer_inputs(S * B, H, seed=0).view(S, B, H)
     first = _fwd_bwd(again, x, x)
-    again.mok.random_calls = 0
+    again.mok.random_calls.zero_()
     assert all(torch.equal(a, b) for a, b in zip(first[:2], _fwd_bwd(again, x, x)[:2], strict=True))
     # Balanced: over many tokens every expert gets about T * K / E of them.
     counts = torch.zeros(E)

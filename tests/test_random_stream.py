@@ -242,6 +242,23 @@ def test_ep_split_matches_single_rank(tokens_per_rank):
     assert torch.equal(torch.cat(parts_tensor), expected)
 
 
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=FUNCTION_IDS)
+@pytest.mark.parametrize("step", [0, 5, (1 << 32) - 1])
+def test_a_tensor_step_draws_what_the_int_step_draws(fn, step):
+    # The layers keep their call count in an int64 buffer (a CUDA graph replays the draw with the
+    # count it advances); the draw must be the int key's, bit for bit. Beyond 2**32 the tensor wraps.
+    tokens = torch.arange(64)
+    assert torch.equal(fn(9, torch.tensor(step), "jitter", tokens, 5), fn(9, step, "jitter", tokens, 5))
+    assert torch.equal(fn(9, torch.tensor(step + (1 << 32)), "jitter", tokens, 5), fn(9, step, "jitter", tokens, 5))
+
+
+def test_a_tensor_step_must_be_an_int64_scalar():
+    with pytest.raises(TypeError, match="int64 0-dim tensor"):
+        rs.uniform(1, torch.tensor([1, 2]), "jitter", torch.arange(3), 2)
+    with pytest.raises(TypeError, match="int64 0-dim tensor"):
+        rs.uniform(1, torch.tensor(1, dtype=torch.int32), "jitter", torch.arange(3), 2)
+
+
 def test_different_keys_give_different_draws():
     tokens = torch.arange(4096)
     base = rs.uniform(1, 2, "jitter", tokens, 4)

@@ -301,6 +301,13 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
         "force_load_balancing": bool(getattr(tc, "moe_router_force_load_balancing", False)),
     }
     fields.update(_balancing_fields(tc, problems))
+    if fields["force_load_balancing"] and getattr(tc, "recompute_granularity", None) == "full":
+        problems.append(
+            "--moe-router-force-load-balancing with --recompute-granularity full: not supported by MoK: its noise "
+            "is a counter-based draw that advances with every call, so Megatron's reentrant recomputation would "
+            "route by new noise (the stock layer restores the CUDA RNG instead); recompute selectively "
+            "(--recompute-modules moe recomputes MoK's layer by the same noise)"
+        )
     # With --recompute-modules moe the stock layer's reentrant checkpoint runs the forward without
     # gradients (no loss, no counts) and takes global_aux_loss in the backward's recomputation. Each
     # stage runs its micro-batches' backwards in their forward order, so the running counts then hold
@@ -538,7 +545,8 @@ def _shared_expert_fields(tc: Any) -> dict[str, Any]:
 #                   there is nothing to switch.
 #   shared_experts  `_shared_expert_fields`.
 # --recompute-granularity full recomputes whole transformer layers in Megatron's block, around the
-# layer; MoK's forward is deterministic, so the recomputation gives the same values.
+# layer; MoK's forward is deterministic, so the recomputation gives the same values (but for the
+# force-balancing draw, which advances per call: refused together, `_routing_fields`).
 
 
 def _module_names(modules: Any) -> set[str]:
@@ -546,19 +554,29 @@ def _module_names(modules: Any) -> set[str]:
     return {str(getattr(module, "name", module)) for module in modules}
 
 
+def partial_graph_modules(tc: Any) -> set[str]:
+    """{"moe_router"} and / or "moe_preprocess" when Megatron captures the start of the MoE layer in
+    per-layer CUDA graphs (--cuda-graph-impl local or transformer_engine; graph_stages.py); else empty."""
+    if (getattr(tc, "cuda_graph_impl", "none") or "none") not in ("local", "transformer_engine"):
+        return set()
+    modules = _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(
+        getattr(tc, "cuda_graph_scope", None)
+    )
+    return modules & {"moe_router", "moe_preprocess"}
+
+
 def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
     """Why Megatron's CUDA-graph settings cannot run this MoK layer (empty when they can).
 
-    --cuda-graph-modules (--cuda-graph-scope, its deprecated name) moe_router / moe_preprocess,
-    with --cuda-graph-impl local or transformer_engine, capture part of the MoE layer: Megatron
-    calls MoELayer in stages (`intermediate_tensors`, `fwd_execution_map`: route and preprocess
-    in the graph, dispatch and experts eagerly, postprocess) and reads the stock router and token
-    dispatcher (`mlp.router`, the dispatcher's cudagraph_attrs). MoK fuses routing, dispatch,
-    experts and combine and has neither: refused. The other values call the layer as usual:
-    it is captured whole (an empty module list, `moe` (only with pad-to-capacity, which MoK
-    refuses), or --cuda-graph-impl full_iteration) or runs eagerly. A captured layer must not read
-    anything on the host: refused, naming the setting, where MoK would (the exact EP exchange,
-    the reference backend, debug checks, the tensorwise and mxfp8 FP8 recipes' PyTorch path).
+    --cuda-graph-modules (--cuda-graph-scope, its deprecated name) moe_router / moe_preprocess, with
+    --cuda-graph-impl local or transformer_engine, capture the start of the MoE layer and resume it
+    eagerly (graph_stages.py): MoK's routing and its shared experts (not overlapped) go in the
+    graph, the rest runs eagerly, so only the debug checks' host reads are in the way there. The
+    other values call the layer as usual: it is captured whole (an empty module list, `moe` (only
+    with pad-to-capacity, which MoK refuses), or --cuda-graph-impl full_iteration) or runs eagerly.
+    A captured layer must not read anything on the host: refused, naming the setting, where MoK
+    would (the exact EP exchange, the reference backend, debug checks, the tensorwise and mxfp8 FP8
+    recipes' PyTorch path).
     """
     impl = getattr(tc, "cuda_graph_impl", "none") or "none"
     if impl == "none":
@@ -566,17 +584,11 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
     modules = _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(
         getattr(tc, "cuda_graph_scope", None)
     )
-    problems = []
     per_layer = impl in ("local", "transformer_engine")
-    partial = sorted(modules & {"moe_router", "moe_preprocess"})
-    if per_layer and partial:
-        problems.append(
-            f"--cuda-graph-modules / --cuda-graph-scope ({', '.join(partial)} with --cuda-graph-impl {impl}): not "
-            "supported by MoK: the partial MoE capture calls the layer in stages (route and preprocess in the graph, "
-            "dispatch and experts outside, through intermediate_tensors) and reads the stock router and token "
-            "dispatcher; MoK runs routing, dispatch, experts and combine as one; capture the whole layer (no "
-            "--cuda-graph-modules) or attn only"
-        )
+    partial = partial_graph_modules(tc)
+    if partial:
+        return _partial_graph_problems(tc, derived, impl, partial)
+    problems = []
     captured = impl == "full_iteration" or (per_layer and (not modules or "moe" in modules))
     if captured:
         host_reads = host_read_settings(
@@ -589,6 +601,33 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
                 f"--cuda-graph-impl ({impl}, capturing the MoE layer): not supported by MoK with these settings: "
                 + "; ".join(host_reads)
             )
+    return problems
+
+
+def _partial_graph_problems(tc: Any, derived: dict[str, Any], impl: str, partial: set[str]) -> list[str]:
+    """What MoK cannot do under the partial MoE graphs (graph_stages.py), by flag."""
+    flag = f"--cuda-graph-modules {' '.join(sorted(partial))} with --cuda-graph-impl {impl}"
+    problems = []
+    if derived.get("debug_checks"):
+        problems.append(f"{flag}: not supported by MoK with debug checks, which read the router logits on the host "
+                        "inside the graph (mok debug_checks, MOK_PLUGIN_DEBUG)")  # fmt: skip
+    recompute = selective_recompute_modules(tc)
+    if "moe" in recompute:
+        problems.append(f"--recompute-modules moe with {flag}: not supported by MoK: its moe recomputation "
+                        "wraps the whole layer, which the graphs split (moe_act: MoK default)")  # fmt: skip
+    offloaded = set(getattr(tc, "offload_modules", None) or ()) & set(MOE_OFFLOAD_MODULES)
+    if getattr(tc, "fine_grained_activation_offloading", False) and offloaded:
+        problems.append(f"--offload-modules {' '.join(sorted(offloaded))} with {flag}: not supported by MoK: it "
+                        "offloads the whole layer's saved tensors, which these graphs split into stages")  # fmt: skip
+    if impl == "transformer_engine" and "moe_preprocess" in partial and "layernorm" in recompute:
+        # Megatron then recomputes the pre-MLP layer norm and frees its output when the graph is
+        # captured (TransformerLayer: can_recompute_pre_mlp_layernorm_for_cudagraph, with alltoall):
+        # MoK's graph returns that output itself (it has no permutation), which the eager part reads.
+        if tc.moe_token_dispatcher_type == "alltoall":
+            problems.append(f"--recompute-modules layernorm with {flag} and --moe-token-dispatcher-type alltoall: "
+                            "not supported by MoK: Megatron frees the pre-MLP layer norm's output inside the graph, "
+                            "which MoK's graph returns to the eager experts (use the flex dispatcher, or recompute "
+                            "without layernorm)")  # fmt: skip
     return problems
 
 

@@ -28,6 +28,9 @@ Megatron contracts it keeps:
   - the EP-overlap schedule (--overlap-moe-expert-parallel-comm) calls the stage methods
     (shared_experts_compute ... postprocess) instead of forward: the same MoK stages in the same
     order, so bitwise the same results;
+  - the partial CUDA graphs (--cuda-graph-modules moe_router / moe_preprocess, local or
+    transformer_engine) capture MoK's routing and resume the layer from the graph's outputs
+    (graph_stages.py), bitwise the layer called whole;
   - with gradient-accumulation fusion, expert weight gradients are added into `main_grad` (fp32)
     by the backward itself, in expert order, and `grad_added_to_main_grad` is set, as Megatron's
     fused linear layers do.
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -53,8 +55,10 @@ from mok_plugin.megatron.config_map import (
     MOE_OFFLOAD_MODULES,
     init_stds,
     mok_config_from_megatron,
+    partial_graph_modules,
     selective_recompute_modules,
 )
+from mok_plugin.megatron.graph_stages import DispatcherStandIn, PartialGraphStages
 from mok_plugin.parallel.dispatch import PROFILER_RANGES, exchange_pairs, return_pairs, sum_returned_pairs
 from mok_plugin.routing import LOSS_NAMES
 from mok_plugin.wgrad import DeferredWeightGrads
@@ -63,7 +67,11 @@ try:
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        MoECudaGraphTensorStore,
+        get_default_pg_collection,
+    )
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
     raise ImportError("mok_plugin.megatron needs megatron-core 0.19 (pip install 'mok_plugin[megatron]')") from error
 
@@ -122,14 +130,6 @@ def _used_on_this_stream(*tensors: torch.Tensor | None) -> None:
             tensor.record_stream(torch.cuda.current_stream())
 
 
-class _ScheduleDispatcherStandIn:
-    """What Megatron's EP-overlap schedule touches of a flex token dispatcher (fine_grained_callables:
-    `_comm_manager.token_probs`, `.dispatched_probs`, `.get_number_of_tokens_per_expert()`)."""
-
-    def __init__(self) -> None:
-        self._comm_manager = types.SimpleNamespace(get_number_of_tokens_per_expert=lambda: None)
-
-
 def _in_bf16_if_megatron_says(mok_config: MoKConfig, config, layer_number: int | None) -> MoKConfig:
     """mok_config without FP8 where Megatron runs this layer in bf16 (--first-last-layers-bf16:
     get_fp8_context gives layer `layer_number - 1`, a global index, no FP8 context); unchanged
@@ -144,7 +144,7 @@ def _in_bf16_if_megatron_says(mok_config: MoKConfig, config, layer_number: int |
     return mok_config.replace(fp8=None, fp8_scaling="blockwise")  # (the default: no FP8, nothing to scale)
 
 
-class MoKMoELayer(MoELayer):
+class MoKMoELayer(PartialGraphStages, MoELayer):
     """Megatron-Core MoE layer running MoK. Built like `MoELayer` (the spec's partial passes
     `submodules`, which MoK ignores: its router, experts and shared experts are its own).
 
@@ -207,8 +207,8 @@ class MoKMoELayer(MoELayer):
                 persistent=False,
             )
         # --recompute-granularity selective --recompute-modules moe: as MoELayer decides it (with
-        # --cuda-graph-impl local the stock layer leaves it to the transformer layer's partial
-        # graphs, which MoK refuses; so neither recomputes there).
+        # --cuda-graph-impl local the stock layer leaves it to MoETransformerLayer, whose partial
+        # graphs recompute the stages, which MoK refuses; so neither recomputes there).
         self.moe_layer_recompute = "moe" in selective_recompute_modules(config) and config.cuda_graph_impl != "local"
         # Megatron's expert linears use the expert groups (EP, ETP, expert DP) only when EP > 1 or
         # ETP != TP, and mark their parameters `allreduce=False` then, as MoK does: DDP reduces
@@ -228,11 +228,26 @@ class MoKMoELayer(MoELayer):
         self._wgrad_hooks: list[Callable[[], None]] = []
         self._defer_weight_grads_as_configured()
         self._overlap_step: MoKForwardStep | None = None  # one forward's state between the EP-overlap stages
-        if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            # With the flex dispatcher the schedule hands the stage's detached probabilities to the
-            # dispatcher's communication manager; MoK's exchange replaces the dispatcher (as without
-            # the overlap), so they go to a stand-in that nothing reads.
-            self.token_dispatcher = _ScheduleDispatcherStandIn()
+        # Megatron's partial CUDA graphs (graph_stages.py) call the layer by stages (fwd_execution_map)
+        # or resume it from the graph's outputs (cudagraph_tensor_store), as MoELayer.
+        self.partial_graphs = bool(partial_graph_modules(config))
+        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
+        self.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+        if getattr(config, "overlap_moe_expert_parallel_comm", False) or self.partial_graphs:
+            # With the flex dispatcher the EP-overlap schedule hands the stage's detached probabilities
+            # to the dispatcher's communication manager, and the partial graphs carry tensors across
+            # as the dispatcher's attributes; MoK's exchange replaces the dispatcher, so a stand-in.
+            self.token_dispatcher = DispatcherStandIn()
+
+    @property
+    def router(self) -> torch.nn.Module | None:
+        """MoK's router (Megatron's partial CUDA graphs list `mlp.router` among the graphed modules)."""
+        return self.mok.router if "mok" in self._modules else None
+
+    @router.setter
+    def router(self, value) -> None:
+        if value is not None:  # BaseMoELayer sets None; MoK's own is self.mok.router
+            raise AttributeError("MoKMoELayer.router is MoK's own (self.mok.router)")
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
@@ -268,10 +283,17 @@ class MoKMoELayer(MoELayer):
             self.mok._select_backend()
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        """(output [S, B, H], None). Raises NotImplementedError for padding masks (packed sequences)."""
+        """(output [S, B, H], None); under Megatron's partial CUDA graphs, a stage's outputs
+        (graph_stages.py). Raises NotImplementedError for padding masks (packed sequences)."""
+        if self.partial_graphs:
+            staged = self.graph_stage_output(hidden_states, intermediate_tensors, padding_mask)
+            if staged is not None:
+                return staged
         if intermediate_tensors is not None:
-            # Only the partial CUDA-graph scopes moe_router / moe_preprocess pass them (refused at build time).
-            raise NotImplementedError("MoKMoELayer does not support intermediate_tensors (partial CUDA-graph scopes)")
+            # Only the partial CUDA-graph scopes moe_router / moe_preprocess pass them.
+            raise NotImplementedError(
+                "MoKMoELayer: intermediate_tensors without --cuda-graph-modules moe_router / moe_preprocess"
+            )
         self._check_forward(hidden_states, padding_mask)
         output, _ = self._run_mok(hidden_states)
         self._count_and_log(self.mok.last_router_losses, self.mok.last_tokens_per_expert)
@@ -521,7 +543,9 @@ class MoKMoELayer(MoELayer):
         return step.shared_out
 
     def route(self, hidden_states: torch.Tensor, padding_mask=None):
-        """(routing weights [T, K], expert ids [T, K]) as shared_experts_compute routed."""
+        """(routing weights [T, K], expert ids [T, K]) as shared_experts_compute routed (or, after a
+        partial CUDA graph's replay, as the graph routed)."""
+        self._resume_overlap_step(hidden_states)
         routing = self._stage().routing
         return routing.topk_weights, routing.topk_ids
 

@@ -32,6 +32,7 @@ _ROUTING = "tests/test_megatron_routing.py"
 _OPTIONS = "tests/test_megatron_layer_options.py"
 _FAMILIES = "tests/test_megatron_families.py"
 _LAYER = "tests/test_megatron.py"
+_GRAPHS = "tests/test_megatron_graph_stages.py"
 _RECIPES = "tests/test_megatron_recipes.py"
 _TP = "tests/test_megatron_tensor_parallel.py"
 _OVERLAP_REFUSALS = "tests/test_megatron_ep_overlap.py::test_overlap_refuses_what_its_stages_cannot_do_by_name"
@@ -117,10 +118,12 @@ VERDICTS: dict[str, Verdict] = {
     "moe_router_quantile_balancing_ema": _replaced(
         "read only by the quantile_balancing load-balancing type, which is refused", example=0.5
     ),
-    "moe_router_force_load_balancing": _honoured(
+    "moe_router_force_load_balancing": _depends(
         "random N(0, 1) logits with a straight-through gradient, drawn from MoK's counter-based stream (the "
-        "distribution, not the CUDA RNG's values)",
+        "distribution, not the CUDA RNG's values; its step a device counter CUDA graphs advance); with "
+        "--recompute-granularity full refused (a reentrant recomputation would draw anew)",
         f"{_ROUTING}::test_force_load_balancing",
+        f"{_ROUTING}::test_force_load_balancing_with_full_recompute_is_refused",
     ),
     "moe_router_force_biased": _refused("a random logit bias from the CUDA RNG tracker (benchmark only)", example=0.1),
     "moe_router_topk_limited_devices": _refused(
@@ -232,11 +235,19 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
     ),
     "cuda_graph_impl": _depends(
-        "whole-layer capture honoured; partial MoE scopes refused",
+        "local / transformer_engine / full_iteration: the whole layer captured, or its start under the partial "
+        "scopes (cuda_graph_modules); settings that read the host inside the captured part refused by name",
         f"{_OPTIONS}::test_cuda_graph_settings_refused_by_name",
+        f"{_OPTIONS}::test_cuda_graph_settings_accepted",
     ),
     "cuda_graph_modules": _depends(
-        "moe_router / moe_preprocess refused", f"{_OPTIONS}::test_cuda_graph_settings_refused_by_name"
+        "moe_router / moe_preprocess: MoK's routing and its shared experts (not overlapped) in the graph, the "
+        "rest resumed eagerly from the graph's outputs, bitwise the layer called whole (graph_stages.py); with "
+        "debug checks, local graphs' moe recompute, MoE offloading, or layernorm recompute under TE's moe_preprocess "
+        "and the alltoall dispatcher refused",
+        f"{_GRAPHS}::test_te_partial_graph_protocol_is_bitwise_the_whole_layer",
+        f"{_GRAPHS}::test_local_partial_graph_stages_are_bitwise_the_whole_layer",
+        f"{_GRAPHS}::test_what_the_partial_graphs_cannot_take_is_refused_by_name",
     ),
     "inference_cuda_graph_scope": _depends(
         "layer / block (local graphs) capture the whole MoE layer in inference: honoured; a capture of "

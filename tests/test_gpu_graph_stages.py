@@ -1,0 +1,148 @@
+"""GPU only: Megatron's partial CUDA graphs of the MoE layer (--cuda-graph-impl transformer_engine,
+--cuda-graph-modules moe_router moe_preprocess) with MoKMoELayer, captured for real.
+
+Transformer Engine is not installed here, so torch.cuda.make_graphed_callables captures what TE's
+make_graphed_callables would (the layer's forward while Megatron's capture flag is up, the start of
+the MoE layer; forward and backward graphs), and Megatron's `_te_cuda_graph_replay` replays it and
+resumes MoK from its outputs. bf16, the triton backend, three micro-batches with force-balanced
+routing (the draw's counter advances inside the graph) and expert-bias counts, against the same layer
+called whole: the outputs bitwise; the gradients within bf16 rounding (inside the captured backward
+the norm output's gradient adds the graph-internal and the eager parts in the order of that graph,
+not of the eager autograd pass) and bitwise repeatable across two graphed runs.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.megatron,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("megatron.core", reason="needs megatron-core")
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer import cuda_graphs as megatron_cuda_graphs  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: E402
+from megatron.core.transformer.spec_utils import build_module  # noqa: E402
+
+from mok_plugin.megatron import use_mok  # noqa: E402
+from mok_plugin.testing import assert_close, free_port  # noqa: E402
+
+S, B, H, E, K = 256, 2, 512, 16, 4
+MICRO_BATCHES = 3
+FIELDS = dict(
+    num_layers=2, hidden_size=H, num_attention_heads=4, ffn_hidden_size=256, moe_ffn_hidden_size=256,
+    num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+    moe_token_dispatcher_type="alltoall", gradient_accumulation_fusion=False, moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=0.01, params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0, attention_dropout=0.0,
+    moe_shared_expert_intermediate_size=256, moe_router_force_load_balancing=True,
+    moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+)  # fmt: skip
+
+
+@pytest.fixture()
+def nccl_world():
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _layer(**fields):
+    spec = use_mok(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False))
+    spec.submodules.self_attention = IdentityOp  # the MoE layer is what is under test
+    spec.submodules.self_attn_bda = IdentityFuncOp
+    spec.submodules.input_layernorm = IdentityOp
+    torch.manual_seed(0)
+    return build_module(spec, config=TransformerConfig(**FIELDS, **fields), layer_number=1).cuda().train()
+
+
+class _Captured(torch.nn.Module):
+    """The callable TE's graph helper hands to make_graphed_callables: the layer while capturing."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states):
+        return tuple(self.layer._te_cuda_graph_capture(hidden_states))
+
+
+def _graphed(like):
+    layer = _layer(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router", "moe_preprocess"])
+    layer.load_state_dict(like.state_dict())
+    sample = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    megatron_cuda_graphs._set_capture_start()
+    try:
+        graphed = torch.cuda.make_graphed_callables(_Captured(layer), (sample,), allow_unused_input=True)
+    finally:
+        megatron_cuda_graphs._set_capture_end()
+    layer.cuda_graphs = [graphed]
+    # TransformerLayer's override imports TE; torch's graphed callable takes the hidden states only.
+    layer._get_te_cuda_graph_replay_args = lambda hidden_states: ((hidden_states,), {})
+    # The warm-up and capture calls advanced the counters: start where the whole layer starts.
+    with torch.no_grad():
+        for name, buffer in layer.named_buffers():
+            buffer.copy_(dict(like.named_buffers())[name])
+    layer.zero_grad(set_to_none=True)
+    return layer
+
+
+def _train(layer, xs, gs):
+    outs, dxs = [], []
+    for x, g in zip(xs, gs, strict=True):
+        x = x.clone().requires_grad_()
+        out = layer(x, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(g)
+        outs.append(out.detach())
+        dxs.append(x.grad)
+    torch.cuda.synchronize()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    return outs, dxs, grads, {name: b.clone() for name, b in layer.named_buffers()}
+
+
+def test_te_partial_graphs_captured_for_real(nccl_world):
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(S, B, H, device="cuda", generator=gen).bfloat16() for _ in range(MICRO_BATCHES)]
+    gs = [torch.randn(S, B, H, device="cuda", generator=gen).bfloat16() for _ in range(MICRO_BATCHES)]
+    whole = _layer()
+    start = {name: b.clone() for name, b in whole.named_buffers()}
+    want = _train(whole, xs, gs)
+    with torch.no_grad():
+        for name, buffer in whole.named_buffers():
+            buffer.copy_(start[name])
+    graphed = _graphed(whole)
+    got = _train(graphed, xs, gs)
+    for i in range(MICRO_BATCHES):
+        assert torch.equal(got[0][i], want[0][i]), f"output of micro-batch {i}"
+        assert_close(got[1][i], want[1][i], torch.bfloat16, f"input grad of micro-batch {i}")
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        assert_close(
+            got[2][name], want[2][name], torch.bfloat16 if got[2][name].dtype == torch.bfloat16 else torch.float32, name
+        )
+    for name in want[3]:  # the counts and the draw's counter, advanced by the replays
+        assert torch.equal(got[3][name], want[3][name]), name
+    # Deterministic: a second graphed run from the same state gives the same bits.
+    with torch.no_grad():
+        for name, buffer in graphed.named_buffers():
+            buffer.copy_(start[name])
+    again = _train(graphed, xs, gs)
+    for part in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(again[part], got[part], strict=True))
+    assert all(torch.equal(again[2][name], got[2][name]) for name in got[2])
