@@ -295,6 +295,34 @@ def test_fp32_compute_is_within_rounding_of_the_fp64_oracle():
             assert _relative_error(got[name], want[name]) < 5e-3, (recipe, name)
 
 
+def test_fp32_compute_keeps_tf32_off_and_restores_the_users_setting(monkeypatch):
+    # A user's TF32 (torch.set_float32_matmul_precision("high")) would round the dequantised operands
+    # to 10 mantissa bits; the PyTorch path turns it off around its GEMMs, forward and backward.
+    import mok_plugin.fp8.experts as fp8_experts
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return moe_experts_fp8_reference(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_experts, "moe_experts_fp8_reference", spy)
+    inp = fp8_expert_inputs(seed=7)
+    weights = {k: inp[k].float().requires_grad_() for k in ("x", "gate_up_proj", "down_proj")}
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        out = moe_experts_fp8_reference_autograd(
+            weights["x"], inp["topk_weights"], weights["gate_up_proj"], weights["down_proj"], inp["schedule"],
+            TensorwiseFP8Recipe(E4M3), compute_dtype=torch.float32,
+        )  # fmt: skip
+        out.backward(inp["d_out"].float())
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == ["highest", "highest"]
+
+
 # --- the layer -----------------------------------------------------------------------------------
 
 CFG = dict(hidden_size=256, ffn_hidden_size=192, num_experts=4, top_k=2)

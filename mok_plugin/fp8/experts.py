@@ -10,8 +10,9 @@ MXFP8 format, emulated by quantising and dequantising)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -35,22 +36,41 @@ class _FP8ReferenceExperts(torch.autograd.Function):
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
         ctx.schedule, ctx.recipe, ctx.family, ctx.compute_dtype = schedule, recipe, family, compute_dtype
         note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)  # --delay-wgrad-compute (wgrad.py)
-        return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family=family,
-                                         gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                         compute_dtype=compute_dtype)["out"]  # fmt: skip
+        with _full_fp32_gemms(compute_dtype):
+            return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family=family,
+                                             gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                             compute_dtype=compute_dtype)["out"]  # fmt: skip
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         x, topk_weights, gate_up_proj, down_proj, b1, b2 = ctx.saved_tensors
-        grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
-                                          d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2,
-                                          compute_dtype=ctx.compute_dtype)  # fmt: skip
+        with _full_fp32_gemms(ctx.compute_dtype):
+            grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
+                                              d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2,
+                                              compute_dtype=ctx.compute_dtype)  # fmt: skip
         d_topk = grads["d_topk_weights"].to(topk_weights.dtype)
         weight_grads = tuple(grads[k] for k in ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"))
         if ctx.deferral is not None:  # handed over when the queue runs, as the other backends' are
             ctx.deferral.add(functools.partial(tuple, weight_grads), ctx.weights)
             weight_grads = (None,) * 4
         return grads["d_x"], d_topk, *weight_grads, None, None, None, None
+
+
+@contextlib.contextmanager
+def _full_fp32_gemms(compute_dtype: torch.dtype) -> Iterator[None]:
+    """fp32 GEMMs without TF32 even where the user turned it on (torch.set_float32_matmul_precision,
+    allow_tf32): TF32 keeps 10 of a dequantised operand's 23 mantissa bits (tensorwise's scales are
+    not powers of two), where the recipe's FP8 GEMM multiplies the FP8 values exactly and accumulates
+    in fp32."""
+    if compute_dtype != torch.float32:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def moe_experts_fp8_reference_autograd(
