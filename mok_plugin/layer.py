@@ -31,6 +31,7 @@ from mok_plugin.parallel.dispatch import (
     run_received_pairs,
 )
 from mok_plugin.random_stream import global_token_index, normal, token_offset
+from mok_plugin.recompute_draws import RecomputeSteps
 from mok_plugin.reference import moe_experts_reference, shared_expert_forward, shared_expert_gate
 from mok_plugin.routing import MoKRouting, MoKTokenScope, route, straight_through, update_expert_bias
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, expert_capacity
@@ -422,6 +423,7 @@ class MoKMoE(nn.Module):
         # anew on every replay, as the eager layer does (a host int would be frozen into the graph).
         self.random_stream_layer = 0
         self.register_buffer("random_calls", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.recompute_steps: RecomputeSteps[torch.Tensor] = RecomputeSteps()  # reentrant recomputation's draws
         # Extension point: when set, `route` calls routing_fn(x_TH, router.weight, router.bias,
         # training=self.training) -> MoKRouting instead of routing.route (a framework's own gate, e.g.
         # mok_plugin.deepspeed.gating.DeepSpeedGate). Pairs it drops keep their expert at weight 0
@@ -865,10 +867,20 @@ class MoKMoE(nn.Module):
             offset = token_offset(num_tokens, self.ep_group, self._anchor.device)
         tokens = global_token_index(num_tokens, offset, device=self._anchor.device)
         stream = f"force_balance/layer={self.random_stream_layer}"
-        noise = normal(self.config.random_seed, self.random_calls, stream, tokens, self.config.num_experts)
-        with torch.no_grad():
-            self.random_calls += 1
+        noise = normal(self.config.random_seed, self._draw_step(), stream, tokens, self.config.num_experts)
         return noise.double()
+
+    def _draw_step(self) -> torch.Tensor:
+        """This call's step of the force-balancing stream: the count so far, then advanced; in training
+        through `recompute_steps`, so that a reentrant recomputation draws as its first pass did."""
+
+        def new_step() -> torch.Tensor:
+            step = self.random_calls.clone()
+            with torch.no_grad():
+                self.random_calls += 1
+            return step
+
+        return self.recompute_steps.take(new_step) if self.training else new_step()
 
     def _check_finite_logits(self, router_logits: torch.Tensor) -> None:
         """Debug check (syncs the host). Under expert parallelism every rank learns which ranks

@@ -258,6 +258,37 @@ def test_gate_is_bitwise_repeatable_and_advances_per_training_forward(k, kwargs)
     assert not (torch.equal(first.topk_ids, second.topk_ids) and torch.equal(first.topk_weights, second.topk_weights))
 
 
+RANDOM_OPTIONS = [(1, dict(noisy_gate_policy="RSample", use_rts=True)),
+                  (2, dict(top2_2nd_expert_sampling=True, noisy_gate_policy="Jitter"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("k, kwargs", RANDOM_OPTIONS)
+def test_reentrant_recomputation_draws_as_the_first_pass(ds_world, k, kwargs):
+    # Activation checkpointing (deepspeed.checkpointing.checkpoint, reentrant like torch's
+    # use_reentrant=True) runs the layer without gradients, then again in the backward: the
+    # recomputation must route by the first pass's noise, or the gradients belong to another routing.
+    # Three micro-batches, recomputed after all three forwards, against the layer without recompute.
+    _, mok = _layer_pair(k, **kwargs)
+    xs = [(make_layer_inputs(T, H, seed=20 + i) * 2).view(4, T // 4, H) for i in range(3)]
+
+    def train(recompute: bool):
+        mok.zero_grad(set_to_none=True)
+        mok.mok.routing_fn.step = 0
+        inputs = [x.clone().requires_grad_() for x in xs]
+        layer = lambda h: mok(h)[0]  # noqa: E731
+        outs = [torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=True) if recompute else layer(h)
+                for h in inputs]  # fmt: skip
+        for out in outs:
+            (out * out).sum().backward()
+        grads = [p.grad.clone() for p in mok.parameters() if p.grad is not None]
+        return [o.detach() for o in outs], [x.grad for x in inputs], grads, mok.mok.routing_fn.step
+
+    want, got = train(False), train(True)
+    assert got[3] == want[3] == 3 and len(mok.mok.routing_fn.recompute_steps) == 0
+    for part in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(got[part], want[part], strict=True)), part
+
+
 def test_draws_are_independent_of_the_ep_split(monkeypatch):
     full = draw_noise("rts", SEED, STEP, LAYER, _tokens(), E)
     splits = [10, 0, 30, 24]  # token counts of four simulated EP ranks

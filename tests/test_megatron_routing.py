@@ -312,16 +312,39 @@ def _mok_random_logits(layer_number: int, call: int, num_tokens: int) -> torch.T
     return random_stream.normal(0, call, f"force_balance/layer={layer_number}", tokens, E)
 
 
-def test_force_load_balancing_with_full_recompute_is_refused():
-    # A reentrant recomputation (full granularity) runs the forward again: MoK's draw advances per
-    # call, so it would route by new noise and the gradients would belong to another routing.
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_force_load_balancing_under_full_recompute_draws_as_the_forward(monkeypatch):
+    # --recompute-granularity full: Megatron's reentrant checkpoint (tensor_parallel.checkpoint) runs
+    # the layer without gradients, then again in the backward. The recomputation must route by the
+    # first pass's noise, or the gradients belong to another routing. Three micro-batches, each
+    # recomputed after all three forwards (the pipeline's order), against the layer without recompute.
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    monkeypatch.setattr(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: None)  # (CPU: no CUDA RNG)
+    monkeypatch.setattr(megatron_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
     cfg = _config(moe_router_force_load_balancing=True, recompute_granularity="full", recompute_method="uniform",
                   recompute_num_layers=1)  # fmt: skip
-    with pytest.raises(MoKConfigError, match="--moe-router-force-load-balancing with --recompute-granularity full"):
-        mok_config_from_megatron(cfg)
-    # The same with MoK's own (non-reentrant, state-restoring) moe recompute: accepted.
-    mok_config_from_megatron(_config(moe_router_force_load_balancing=True, recompute_granularity="selective",
-                                     recompute_modules=["moe"]))  # fmt: skip
+    layer = use_mok(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False))(config=cfg)
+    layer.set_layer_number(1)
+    xs = [make_layer_inputs(S * B, H, seed=10 + i).view(S, B, H) for i in range(3)]
+
+    def train(recompute: bool):
+        layer.zero_grad(set_to_none=True)
+        layer.mok.random_calls.zero_()
+        inputs = [x.clone().requires_grad_() for x in xs]
+        run = (lambda h: tensor_parallel.checkpoint(lambda t: layer(t)[0], False, h)) if recompute else (
+            lambda h: layer(h)[0])  # fmt: skip
+        outs = [run(x) for x in inputs]
+        for out in outs:
+            (out * out).sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        return [o.detach() for o in outs], [x.grad for x in inputs], grads
+
+    want, got = train(False), train(True)
+    assert len(layer.mok.recompute_steps) == 0  # every first pass was recomputed
+    for part in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(got[part], want[part], strict=True)), part
 
 
 @pytest.mark.usefixtures("megatron_world", "cpu_buffers")

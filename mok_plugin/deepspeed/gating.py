@@ -53,8 +53,8 @@ share the batch; the distributions are DeepSpeed's:
             training and eval, as DeepSpeed).
 The step is the gate's count of training forwards (each training forward draws at the current
 count, then advances it); eval forwards draw at the current count from their own streams
-("<purpose>/eval/layer=<n>"), so repeated evals route alike. Activation recomputation that repeats
-a training forward advances the count again (see DeepSpeedGate).
+("<purpose>/eval/layer=<n>"), so repeated evals route alike. A reentrant activation recomputation
+of a training forward draws at that forward's step (mok_plugin/recompute_draws.py).
 
 Does not own: the router weight (MoKMoE holds it), the experts, process groups (an EP group is
 passed in only to number the tokens globally: random_stream.token_offset).
@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from mok_plugin.random_stream import global_token_index, gumbel, token_offset, uniform
+from mok_plugin.recompute_draws import RecomputeSteps
 from mok_plugin.routing import MoKRouting, count_per_expert
 
 __all__ = [
@@ -382,9 +383,9 @@ class DeepSpeedGate:
         last: the last call's DeepSpeedGating (exp_counts in DeepSpeed's dtype, capacity).
         logits_dtype: float64 (MoK's batch-invariant router) or float32 (DeepSpeed's arithmetic).
 
-    Activation recomputation: a recomputed training forward is another call and advances `step`,
-    so its noise differs from the first forward's (DeepSpeed's checkpointing restores the torch
-    RNG instead). Not handled yet: avoid recomputing a layer that has random routing options.
+    Activation recomputation (deepspeed.checkpointing, reentrant): the recomputed training forward
+    draws at its first pass's step (`recompute_steps`, mok_plugin/recompute_draws.py), as
+    DeepSpeed's checkpointing restores the torch RNG for its own noise.
     """
 
     def __init__(
@@ -418,8 +419,13 @@ class DeepSpeedGate:
         self.seed, self.layer, self.token_group = seed, layer, token_group
         self.logits_dtype = logits_dtype
         self.step = 0
+        self.recompute_steps: RecomputeSteps[int] = RecomputeSteps()  # reentrant recomputation's draws
         self.used_token: torch.Tensor | None = None
         self.last: DeepSpeedGating | None = None
+
+    def _new_step(self) -> int:
+        step, self.step = self.step, self.step + 1
+        return step
 
     def _purposes(self, training: bool) -> tuple[str, ...]:
         purposes = []
@@ -439,9 +445,7 @@ class DeepSpeedGate:
         """x_TH [T, H] the gate input, weight [E, H] (bias [E]) the router: the routing decision."""
         T, H = x_TH.shape
         E = self.num_experts
-        step = self.step
-        if training:
-            self.step += 1
+        step = self.recompute_steps.take(self._new_step) if training else self.step
         purposes = self._purposes(training)
         noise: dict[str, torch.Tensor] = {}
         if purposes:

@@ -45,8 +45,10 @@ VERDICTS: dict[str, Verdict] = {
         f"{_STRUCTURE}::test_residual_moe_matches_the_stock_layer",
     ),
     "noisy_gate_policy": depends(
-        "None, RSample, Jitter honoured (drawn from the counter-based stream); any other value refused",
+        "None, RSample, Jitter honoured (drawn from the counter-based stream; a reentrant activation recomputation "
+        "draws at its first pass's step); any other value refused",
         f"{_GATING}::test_top1_rsample_and_rts",
+        f"{_GATING}::test_reentrant_recomputation_draws_as_the_first_pass",
         f"{_GATING}::test_topk_gate_train_eval_factors_and_jitter",
         f"{_LAYER}::test_random_and_unsupported_options_are_errors",
     ),

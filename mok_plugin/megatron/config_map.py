@@ -301,13 +301,6 @@ def _routing_fields(tc: Any, problems: list[str]) -> dict[str, Any]:
         "force_load_balancing": bool(getattr(tc, "moe_router_force_load_balancing", False)),
     }
     fields.update(_balancing_fields(tc, problems))
-    if fields["force_load_balancing"] and getattr(tc, "recompute_granularity", None) == "full":
-        problems.append(
-            "--moe-router-force-load-balancing with --recompute-granularity full: not supported by MoK: its noise "
-            "is a counter-based draw that advances with every call, so Megatron's reentrant recomputation would "
-            "route by new noise (the stock layer restores the CUDA RNG instead); recompute selectively "
-            "(--recompute-modules moe recomputes MoK's layer by the same noise)"
-        )
     # With --recompute-modules moe the stock layer's reentrant checkpoint runs the forward without
     # gradients (no loss, no counts) and takes global_aux_loss in the backward's recomputation. Each
     # stage runs its micro-batches' backwards in their forward order, so the running counts then hold
@@ -545,8 +538,8 @@ def _shared_expert_fields(tc: Any) -> dict[str, Any]:
 #                   there is nothing to switch.
 #   shared_experts  `_shared_expert_fields`.
 # --recompute-granularity full recomputes whole transformer layers in Megatron's block, around the
-# layer; MoK's forward is deterministic, so the recomputation gives the same values (but for the
-# force-balancing draw, which advances per call: refused together, `_routing_fields`).
+# layer; MoK's forward is deterministic, so the recomputation gives the same values (the
+# force-balancing draw's step too: mok_plugin/recompute_draws.py).
 
 
 def _module_names(modules: Any) -> set[str]:

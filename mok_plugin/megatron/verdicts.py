@@ -118,12 +118,12 @@ VERDICTS: dict[str, Verdict] = {
     "moe_router_quantile_balancing_ema": _replaced(
         "read only by the quantile_balancing load-balancing type, which is refused", example=0.5
     ),
-    "moe_router_force_load_balancing": _depends(
+    "moe_router_force_load_balancing": _honoured(
         "random N(0, 1) logits with a straight-through gradient, drawn from MoK's counter-based stream (the "
-        "distribution, not the CUDA RNG's values; its step a device counter CUDA graphs advance); with "
-        "--recompute-granularity full refused (a reentrant recomputation would draw anew)",
+        "distribution, not the CUDA RNG's values; its step a device counter CUDA graphs advance, and a reentrant "
+        "recomputation (--recompute-granularity full) draws at its first pass's step)",
         f"{_ROUTING}::test_force_load_balancing",
-        f"{_ROUTING}::test_force_load_balancing_with_full_recompute_is_refused",
+        f"{_ROUTING}::test_force_load_balancing_under_full_recompute_draws_as_the_forward",
     ),
     "moe_router_force_biased": _refused("a random logit bias from the CUDA RNG tracker (benchmark only)", example=0.1),
     "moe_router_topk_limited_devices": _refused(
