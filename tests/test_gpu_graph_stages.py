@@ -60,8 +60,10 @@ def nccl_world():
     dist.destroy_process_group()
 
 
-def _layer(**fields):
+def _layer(layer_class=None, **fields):
     spec = use_mok(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False))
+    if layer_class is not None:
+        spec.module = layer_class
     spec.submodules.self_attention = IdentityOp  # the MoE layer is what is under test
     spec.submodules.self_attn_bda = IdentityFuncOp
     spec.submodules.input_layernorm = IdentityOp
@@ -93,9 +95,7 @@ def _graphed(like):
     # TransformerLayer's override imports TE; torch's graphed callable takes the hidden states only.
     layer._get_te_cuda_graph_replay_args = lambda hidden_states: ((hidden_states,), {})
     # The warm-up and capture calls advanced the counters: start where the whole layer starts.
-    with torch.no_grad():
-        for name, buffer in layer.named_buffers():
-            buffer.copy_(dict(like.named_buffers())[name])
+    _restore(layer, dict(like.named_buffers()))
     layer.zero_grad(set_to_none=True)
     return layer
 
@@ -115,33 +115,70 @@ def _train(layer, xs, gs):
     return outs, dxs, grads, {name: b.clone() for name, b in layer.named_buffers()}
 
 
-def test_te_partial_graphs_captured_for_real(nccl_world):
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+def _inputs():
     gen = torch.Generator(device="cuda").manual_seed(1)
     xs = [torch.randn(S, B, H, device="cuda", generator=gen).bfloat16() for _ in range(MICRO_BATCHES)]
     gs = [torch.randn(S, B, H, device="cuda", generator=gen).bfloat16() for _ in range(MICRO_BATCHES)]
-    whole = _layer()
-    start = {name: b.clone() for name, b in whole.named_buffers()}
-    want = _train(whole, xs, gs)
+    return xs, gs
+
+
+def _restore(layer, buffers) -> None:
     with torch.no_grad():
-        for name, buffer in whole.named_buffers():
-            buffer.copy_(start[name])
-    graphed = _graphed(whole)
-    got = _train(graphed, xs, gs)
+        for name, buffer in layer.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def _assert_matches(got, want) -> None:
+    """Outputs and buffers bitwise, gradients within bf16 rounding (module docstring)."""
     for i in range(MICRO_BATCHES):
         assert torch.equal(got[0][i], want[0][i]), f"output of micro-batch {i}"
         assert_close(got[1][i], want[1][i], torch.bfloat16, f"input grad of micro-batch {i}")
     assert got[2].keys() == want[2].keys()
     for name in want[2]:
-        assert_close(
-            got[2][name], want[2][name], torch.bfloat16 if got[2][name].dtype == torch.bfloat16 else torch.float32, name
-        )
+        dtype = got[2][name].dtype if got[2][name].dtype == torch.bfloat16 else torch.float32
+        assert_close(got[2][name], want[2][name], dtype, name)
     for name in want[3]:  # the counts and the draw's counter, advanced by the replays
         assert torch.equal(got[3][name], want[3][name]), name
+
+
+def test_local_partial_graphs_captured_for_real(nccl_world):
+    # MoETransformerLayer's own graphs (--cuda-graph-impl local): the first training step runs eagerly
+    # and records, Megatron's create_cudagraphs() captures the router and postprocess stages, and
+    # the next steps replay them around MoK's eager experts.
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    tensor_parallel.model_parallel_cuda_manual_seed(123, use_cudagraphable_rng=True, force_reset_rng=True)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+    xs, gs = _inputs()
+    whole = _layer()
+    start = {name: b.clone() for name, b in whole.named_buffers()}
+    want = _train(whole, xs, gs)
+    local = _layer(MoETransformerLayer, cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"])
+    local.load_state_dict(whole.state_dict())
+    try:
+        _train(local, xs[:1], gs[:1])  # the recording step
+        megatron_cuda_graphs.create_cudagraphs()
+        assert megatron_cuda_graphs._CudagraphGlobalRecord.cudagraph_created
+        _restore(local, start)
+        got = _train(local, xs, gs)
+    finally:
+        megatron_cuda_graphs.delete_cuda_graphs()
+    _assert_matches(got, want)
+
+
+def test_te_partial_graphs_captured_for_real(nccl_world):
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+    xs, gs = _inputs()
+    whole = _layer()
+    start = {name: b.clone() for name, b in whole.named_buffers()}
+    want = _train(whole, xs, gs)
+    _restore(whole, start)
+    graphed = _graphed(whole)
+    got = _train(graphed, xs, gs)
+    _assert_matches(got, want)
     # Deterministic: a second graphed run from the same state gives the same bits.
-    with torch.no_grad():
-        for name, buffer in graphed.named_buffers():
-            buffer.copy_(start[name])
+    _restore(graphed, start)
     again = _train(graphed, xs, gs)
     for part in (0, 1):
         assert all(torch.equal(a, b) for a, b in zip(again[part], got[part], strict=True))
