@@ -68,7 +68,8 @@ def _layer(layer_class=None, **fields):
     spec.submodules.self_attn_bda = IdentityFuncOp
     spec.submodules.input_layernorm = IdentityOp
     torch.manual_seed(0)
-    return build_module(spec, config=TransformerConfig(**FIELDS, **fields), layer_number=1).cuda().train()
+    layer = build_module(spec, config=TransformerConfig(**FIELDS, **fields), layer_number=1)
+    return layer.cuda().bfloat16().train()  # (as Megatron's Float16Module casts the model)
 
 
 class _Captured(torch.nn.Module):
