@@ -108,7 +108,8 @@ def _train(layer, xs, gs):
     add the graphed parameters' into `main_grad`, as its DDP provides it)."""
     outs, dxs, grads = [], [], {}
     for param in layer.parameters():
-        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        if not hasattr(param, "main_grad"):  # kept for good: a captured graph adds into this very tensor
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
     for x, g in zip(xs, gs, strict=True):
         x = x.clone().requires_grad_()
         out = layer(x, attention_mask=None)
