@@ -19,14 +19,16 @@ from mok_plugin.config import MoKConfig, MoKConfigError
 from mok_plugin.experts import SWIGLU, activation
 from mok_plugin.fp8.experts import fp8_experts_function, moe_experts_fp8_reference_autograd
 from mok_plugin.fp8.quantize import (
+    dequantize_1d,
     dequantize_mxfp8,
     dequantize_tensorwise,
     e8m0_exponents,
     e8m0_values,
+    quantize_1d,
     quantize_mxfp8,
     quantize_tensorwise,
 )
-from mok_plugin.fp8.recipe import E4M3, E5M2, FP8Format, MXFP8Recipe, TensorwiseFP8Recipe
+from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe, FP8Format, MXFP8Recipe, TensorwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.layer import MoKMoE
@@ -284,6 +286,30 @@ def test_tensorwise_scales_are_per_expert_and_mxfp8_is_batch_invariant():
     # mxfp8's 32-value blocks belong to one token: the louder token changes its own output only
     mx = MXFP8Recipe()
     assert torch.equal(_fp8(one, mx)["out"][1:], _fp8(inp, mx)["out"][1:])
+
+
+def test_mxfp8_keeps_what_blockwise_flushes_where_a_block_spans_2_to_the_18():
+    # Where a 128-value block holds values 2^18 apart, blockwise's one scale pushes the small ones
+    # below E4M3's normals (and to zero), while mxfp8's 32-value blocks each get their own scale: the
+    # two recipes then give other numbers, mxfp8 the closer ones (on Gaussian data they agree).
+    inp = fp8_expert_inputs(seed=8)
+    loud = torch.ones(inp["x"].shape[1])
+    loud[:32] = 2.0**18  # the first 32 columns of x (its first 128-block)
+    x = (inp["x"].float() * loud).bfloat16()
+    small = slice(32, 128)
+    blockwise = dequantize_1d(*quantize_1d(x, E4M3), dim=-1)
+    mx = dequantize_mxfp8(*quantize_mxfp8(x, E4M3, -1), dim=-1)
+    exact = x.float()
+    assert _relative_error(mx[:, small], exact[:, small]) < 0.05
+    assert _relative_error(blockwise[:, small], exact[:, small]) > 0.5
+    # Through the experts, with fc1 blind to the loud columns (their weights zero): the output then
+    # rests on the small ones, which only mxfp8 kept.
+    w13 = inp["gate_up_proj"].clone()
+    w13[..., :32] = 0
+    wide = {**inp, "x": x, "gate_up_proj": w13}
+    want = _fp64_unquantised(wide, SWIGLU)["out"]
+    mx_err = _relative_error(_fp8(wide, MXFP8Recipe(E4M3, E4M3))["out"], want)
+    assert mx_err < 0.1 < _relative_error(_fp8(wide, BlockwiseFP8Recipe())["out"], want)
 
 
 def test_fp32_compute_is_within_rounding_of_the_fp64_oracle():
