@@ -39,8 +39,12 @@ MICRO_BATCHES = 2  # the global loss averages its counts over the micro-batches 
 @pytest.fixture()
 def cpu_buffers(monkeypatch):
     """The stock TopKRouter creates its expert-bias and global-loss buffers on
-    torch.cuda.current_device(); on a CPU-only machine they go to the CPU."""
+    torch.cuda.current_device(); here they go to the CPU. Its torch.compile'd helpers then run
+    eagerly: on a machine with a GPU, dynamo would look the CPU up among the CUDA devices."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    torch.compiler.set_stance("force_eager")
+    yield
+    torch.compiler.set_stance("default")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
