@@ -11,7 +11,6 @@ the norm output's gradient adds the graph-internal and the eager parts in the or
 not of the eager autograd pass) and bitwise repeatable across two graphed runs.
 """
 
-import os
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 
 from mok_plugin.megatron import use_mok  # noqa: E402
-from mok_plugin.testing import assert_close, free_port  # noqa: E402
+from mok_plugin.testing import assert_close  # noqa: E402
 
 S, B, H, E, K = 256, 2, 512, 16, 4
 MICRO_BATCHES = 3
@@ -44,20 +43,6 @@ FIELDS = dict(
     moe_shared_expert_intermediate_size=256, moe_router_force_load_balancing=True,
     moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
 )  # fmt: skip
-
-
-@pytest.fixture()
-def nccl_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(123)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _layer(layer_class=None, **fields):

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
 
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -32,7 +32,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noq
 from test_megatron import E, H, _config  # noqa: E402
 
 from mok_plugin.megatron import use_mok  # noqa: E402
-from mok_plugin.testing import free_port, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import make_layer_inputs  # noqa: E402
 
 pytestmark = [
     pytest.mark.megatron,
@@ -91,19 +91,6 @@ def fused_adam(monkeypatch):
     monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
     monkeypatch.setattr(distrib_optimizer, "Adam", StandIn)
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
-
-
-@pytest.fixture()
-def nccl_world():
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(123)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _trainer(build, cfg):
