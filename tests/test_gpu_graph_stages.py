@@ -11,7 +11,6 @@ the norm output's gradient adds the graph-internal and the eager parts in the or
 not of the eager autograd pass) and bitwise repeatable across two graphed runs.
 """
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +42,15 @@ FIELDS = dict(
     moe_shared_expert_intermediate_size=256, moe_router_force_load_balancing=True,
     moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
 )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics_tracker():
+    """Megatron's MoE metrics tracker is global: entries another test made on the CPU would meet
+    this test's CUDA losses."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
 
 
 def _layer(layer_class=None, **fields):

@@ -404,6 +404,7 @@ def _parallel_worker(rank: int, world: int, port: int) -> None:
     parallel_state.destroy_model_parallel()
     try:
         torch.cuda.current_device = lambda: "cpu"  # the stock router's buffers (see cpu_buffers)
+        torch.compiler.set_stance("force_eager")
         losses = {LB: ["aux_loss", "seq_aux_loss", "global_aux_loss"], "moe_aux_loss_coeff": [0.01, 0.02, 0.005],
                   "moe_z_loss_coeff": 1e-3}  # fmt: skip
         for cp, per_token in ((2, True), (1, False)):  # CP 2 (DP 1), then DP 2 (CP 1)
