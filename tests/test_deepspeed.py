@@ -272,6 +272,30 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, e
                f"{out}/rank{rank}.pt")  # fmt: skip
 
 
+def test_the_engine_says_when_the_weights_change(ds_world, tmp_path):
+    # MoK keeps its FP8 weight copies while `is_first_microbatch` is False (fp8/weight_copies.py);
+    # DeepSpeed never sets it, so mok_plugin's deepspeed.initialize has the engine set it True after
+    # each optimizer update and checkpoint load: two micro-batches a step share one set of copies.
+    torch.manual_seed(0)
+    model = TinyMoEModel(mds.MoE, 1)
+    config = {**_ds_config(0), "gradient_accumulation_steps": 2}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    layer = model.moe.mok
+    seen = []
+    for micro_batch in range(4):
+        assert layer.is_first_microbatch is (micro_batch % 2 == 0), micro_batch  # True: the weights changed
+        loss = engine(make_layer_inputs(2 * 8, H, seed=micro_batch).view(2, 8, H))
+        seen.append(layer.is_first_microbatch)
+        engine.backward(loss)
+        engine.step()  # an update on every second micro-batch (the accumulation boundary)
+    assert seen == [False] * 4 and engine.global_steps == 2
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    engine(make_layer_inputs(2 * 8, H, seed=9).view(2, 8, H))
+    assert layer.is_first_microbatch is False
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    assert layer.is_first_microbatch is True
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(

@@ -13,8 +13,9 @@ engine takes the model without a registration hook torch would call, and reads t
 without looking at the "mok" key. So importing mok_plugin.deepspeed wraps `deepspeed.initialize`
 (once; DeepSpeed's own stays at `deepspeed.initialize.__wrapped__`): the wrapper reads the "mok"
 block of the config it is given (a bad block is a MoKConfigError there), runs check_model on the
-model, then calls DeepSpeed's initialize with the same arguments. Code that took `initialize` from
-deepspeed before importing mok_plugin.deepspeed (`from deepspeed import initialize`) is not checked.
+model, then calls DeepSpeed's initialize with the same arguments, and gives the engine it returns
+the signal of when the weights change (weight_steps.py). Code that took `initialize` from deepspeed
+before importing mok_plugin.deepspeed (`from deepspeed import initialize`) is not checked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 from mok_plugin.config import short_repr
 from mok_plugin.deepspeed.config import DeepSpeedMoKSettings, read_mok_settings
 from mok_plugin.deepspeed.layer import MoE, set_default_knobs
+from mok_plugin.deepspeed.weight_steps import mark_weight_updates
 
 __all__ = ["apply", "build_moe", "check_model", "new_moe", "revert"]
 
@@ -175,7 +177,9 @@ def _wrap_initialize() -> None:
         model, config = arguments.get("model"), _load_ds_config(_initialize_config(arguments))
         if isinstance(model, nn.Module) and config is not None and "mok" in config:
             _check_model(model, read_mok_settings(config), stacklevel=3)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        mark_weight_updates(result[0])  # FP8 weight copies kept through a step (weight_steps.py)
+        return result
 
     initialize._mok_checks_the_model = True  # type: ignore[attr-defined]
     deepspeed.initialize = initialize
