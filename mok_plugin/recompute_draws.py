@@ -17,7 +17,8 @@ restores the layer's state itself; it never queues.
 
 A training call without gradients that is never recomputed leaves its step queued, and the next
 training call with gradients draws at it: the noise of an earlier call again, each call's forward
-and backward still consistent.
+and backward still consistent. The queue keeps the latest MAX_QUEUED steps (a pipeline has far fewer
+micro-batches of one layer between their forward and backward), so such calls cannot grow it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["RecomputeSteps"]
+__all__ = ["MAX_QUEUED", "RecomputeSteps"]
+
+MAX_QUEUED = 256
 
 
 class RecomputeSteps[Step]:
@@ -35,7 +38,7 @@ class RecomputeSteps[Step]:
     the current step and advances the layer's count."""
 
     def __init__(self) -> None:
-        self._queued: collections.deque = collections.deque()
+        self._queued: collections.deque = collections.deque(maxlen=MAX_QUEUED)
 
     def take(self, new_step: Callable[[], Step]) -> Step:
         if not torch.is_grad_enabled():  # a reentrant checkpoint's first pass (or a plain no-grad call)

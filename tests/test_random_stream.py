@@ -487,3 +487,20 @@ def test_cpu_and_cuda_agree_bitwise(fn):
     assert mismatch.numel() == 0, f"{mismatch.shape[0]} mismatches, first at {mismatch[0].tolist()}"
     # Tokens on the CPU, drawn on the GPU through the device argument.
     assert torch.equal(fn((1 << 63) + 5, 123, "jitter", tokens, 16, device="cuda").cpu(), on_cpu)
+
+
+def test_recompute_steps_pair_a_no_grad_pass_with_its_recomputation():
+    # (mok_plugin/recompute_draws.py) Two no-grad passes queue their steps; the next two calls with
+    # gradients take them in order; then new steps again. Never-recomputed passes cannot grow the queue.
+    from mok_plugin.recompute_draws import MAX_QUEUED, RecomputeSteps
+
+    counter = iter(range(10**6))
+    steps = RecomputeSteps()
+    with torch.no_grad():
+        first = [steps.take(lambda: next(counter)) for _ in range(2)]
+    assert first == [0, 1] and len(steps) == 2
+    assert [steps.take(lambda: next(counter)) for _ in range(3)] == [0, 1, 2]
+    with torch.no_grad():
+        for _ in range(MAX_QUEUED + 10):
+            steps.take(lambda: next(counter))
+    assert len(steps) == MAX_QUEUED
