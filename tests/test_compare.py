@@ -262,14 +262,19 @@ def test_report_measures_fp8_losses_against_the_target_from_step_50():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework", ["megatron", "deepspeed"])
-def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework):
+@pytest.mark.parametrize("framework, scaling", [("megatron", None), ("deepspeed", None), ("megatron", "mxfp8"),
+                                               ("deepspeed", "tensorwise")])  # fmt: skip
+def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework, scaling):
     pytest.importorskip({"megatron": "megatron.core", "deepspeed": "deepspeed"}[framework])
-    run = _compare(tmp_path, "--config", str(TINY), "--framework", framework, "--steps", "3", "--fp8", "hybrid")
+    recipe = [] if scaling is None else ["--fp8-scaling", scaling]
+    run = _compare(tmp_path, "--config", str(TINY), "--framework", framework, "--steps", "3", "--fp8", "hybrid",
+                   *recipe)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "compare" / framework / "comparison.json").read_text())
     assert result["meta"]["fp8"] == "hybrid" and result["bitwise"]["mok"] is True
-    assert "MoK's experts run blockwise FP8 (hybrid)" in run.stdout and "from MoK's bf16 run's" in run.stdout
+    assert result["meta"]["fp8_scaling"] == (scaling or "blockwise")
+    assert f"MoK's experts run {scaling or 'blockwise'} FP8 (hybrid)" in run.stdout
+    assert "from MoK's bf16 run's" in run.stdout
     stock, mok = result["runs"][0]["losses"], result["runs"][2]["losses"]
     bf16 = result["fp8_reference"]["losses"]
     assert result["fp8_reference"]["variant"] == "mok bf16" and len(bf16) == 3
@@ -277,6 +282,11 @@ def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework):
         gaps = [abs(a - b) / b for a, b in zip(mok, reference, strict=True)]
         assert 1e-6 < max(gaps) < 0.01, gaps
     assert max(abs(a - b) for a, b in zip(bf16, stock, strict=True)) < 1e-4  # MoK bf16 = stock on the CPU
+
+
+def test_compare_fp8_scaling_needs_fp8(tmp_path):
+    run = _compare(tmp_path, "--config", str(TINY), "--fp8-scaling", "tensorwise")
+    assert run.returncode == 2 and "--fp8-scaling tensorwise: needs --fp8" in run.stderr
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Markdown report, a PNG plot and a log of the frameworks' own messages.
     mok compare --config configs/topologies/tiny_cpu.yaml        # = scripts/compare.py, the main job
     mok compare --config CONFIG --framework deepspeed --steps 20 --out out/compare/ds-20
     mok compare --config CONFIG --fp8 e4m3 --steps 200    # MoK's experts in blockwise FP8
+    mok compare --config CONFIG --fp8 hybrid --fp8-scaling tensorwise   # ... or another FP8 recipe
 
 The output folder defaults to out/compare/<framework>, so a Megatron and a DeepSpeed run do not
 overwrite each other. The console shows the progress bar and the table only: the frameworks'
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="MoK's experts in blockwise FP8 (the config's mok.fp8; Megatron's --fp8-format with "
                              "--fp8-recipe blockwise): the report then gives its losses' distance from the stock "
                              "layer's bf16 ones")  # fmt: skip
+    parser.add_argument("--fp8-scaling", choices=["blockwise", "tensorwise", "mxfp8"], default=None,
+                        help="with --fp8: the FP8 recipe (the config's mok.fp8_scaling; Megatron's --fp8-recipe); "
+                             "tensorwise and mxfp8 run MoK's PyTorch FP8 path, slow")  # fmt: skip
     return parser
 
 
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: at least 2 (the first step is left out of the timing)")
+    if args.fp8_scaling is not None and args.fp8 is None:
+        parser.error(f"--fp8-scaling {args.fp8_scaling}: needs --fp8 (e4m3 or hybrid), whose recipe it chooses")
     import torch
     from tqdm import tqdm
 
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = load_topology(args.config)
         if args.fp8 is not None:
-            run = run.model_copy(update={"mok": {**run.mok, "fp8": args.fp8}})
+            scaling = {} if args.fp8_scaling is None else {"fp8_scaling": args.fp8_scaling}
+            run = run.model_copy(update={"mok": {**run.mok, "fp8": args.fp8, **scaling}})
         check_framework(run, args.framework)
     except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"E={m.num_experts}, top-{m.top_k}, experts {cfg.expert_family.describe()}",
         "top_k": m.top_k, "aux_loss_coeff": cfg.aux_loss_coeff, "memory_kind": memory_source(device),
         "log": str(log_path), "random_routing": [], "fp8": cfg.fp8,
+        "fp8_scaling": cfg.fp8_scaling if cfg.fp8 is not None else None,
     }  # fmt: skip
     if args.framework == "deepspeed":  # the gating both layers ran: the config's deepspeed section or the harness's
         gating = deepspeed_gating(run)

@@ -222,7 +222,7 @@ def run_comparison(run: RunConfig, framework: str, steps: int, device: torch.dev
         "stand_in": _stand_in(train, framework, stock_path, B * S),
     }
     if run.mok_config().fp8 is not None:
-        bf16 = run.model_copy(update={"mok": {k: v for k, v in run.mok.items() if k != "fp8"}})
+        bf16 = run.model_copy(update={"mok": {k: v for k, v in run.mok.items() if k not in ("fp8", "fp8_scaling")}})
         reference, _ = train("mok", 1, run=bf16)
         result["fp8_reference"] = dataclasses.replace(reference, variant="mok bf16").summary()
     return result

@@ -202,7 +202,7 @@ def _megatron_factory(run: RunConfig, variant: str, device: torch.device, stock_
             # Megatron's config asks for Transformer Engine when FP8 meets MoE (its FP8 layers run through
             # it); this model has no layer but the MoE ones, so the flags are set after its checks.
             config = copy.copy(config)
-            config.fp8, config.fp8_recipe = cfg.fp8, "blockwise"
+            config.fp8, config.fp8_recipe = cfg.fp8, cfg.fp8_scaling
         return functools.partial(use_mok(spec), config=config)
 
     def stock():
@@ -230,7 +230,8 @@ def _deepspeed_factory(run: RunConfig, variant: str):
         return FamilyExpert(m.hidden_size, m.ffn_hidden_size, cfg.expert_family)
 
     if variant == "mok":
-        knobs = {"backend": cfg.backend, **({"fp8": cfg.fp8} if cfg.fp8 is not None else {})}
+        fp8 = {"fp8": cfg.fp8, "fp8_scaling": cfg.fp8_scaling} if cfg.fp8 is not None else {}
+        knobs = {"backend": cfg.backend, **fp8}
         return lambda: mds.MoE(m.hidden_size, expert(), **kwargs, mok_config=knobs)
 
     def stock():

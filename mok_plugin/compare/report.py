@@ -86,12 +86,12 @@ def _largest_gap(losses: list[float], reference: list[float], first: int) -> tup
 
 
 def fp8_loss_note(stock_losses: list[float], fp8_losses: list[float], fp8: str,
-                  mok_bf16_losses: list[float] | None = None) -> str:  # fmt: skip
+                  mok_bf16_losses: list[float] | None = None, scaling: str = "blockwise") -> str:  # fmt: skip
     """How far the FP8 run's losses are, relative, at every step from FP8_FROM_STEP (from step 1 in a
     shorter run), from MoK's bf16 run's (when given: FP8 alone differs) and from the stock layer's,
     against FP8_LOSS_TARGET."""
     first = FP8_FROM_STEP if len(stock_losses) >= FP8_FROM_STEP else 1
-    note = f"MoK's experts run blockwise FP8 ({fp8}); from step {first} its losses differ"
+    note = f"MoK's experts run {scaling} FP8 ({fp8}); from step {first} its losses differ"
     if mok_bf16_losses is not None:
         worst, at = _largest_gap(fp8_losses, mok_bf16_losses, first)
         verdict = "within" if worst <= FP8_LOSS_TARGET else "OUTSIDE"
@@ -118,7 +118,8 @@ def agreement_note(result: dict) -> str:
     scale = max(1.0, *(abs(v) for v in stock["losses"] + mok["losses"]))
     if meta.get("fp8"):
         reference = result.get("fp8_reference")
-        note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"], reference and reference["losses"])
+        note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"], reference and reference["losses"],
+                             meta.get("fp8_scaling") or "blockwise")  # fmt: skip
     elif max(gaps) <= AGREE_RELATIVE * scale:
         note = (f"the losses agree to {max(gaps):.1e} at every step (same weights, tokens and routing; the last "
                 "digits differ by the order of floating-point sums)")  # fmt: skip
