@@ -552,10 +552,12 @@ def partial_graph_modules(tc: Any) -> set[str]:
     per-layer CUDA graphs (--cuda-graph-impl local or transformer_engine; graph_stages.py); else empty."""
     if (getattr(tc, "cuda_graph_impl", "none") or "none") not in ("local", "transformer_engine"):
         return set()
-    modules = _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(
-        getattr(tc, "cuda_graph_scope", None)
-    )
-    return modules & {"moe_router", "moe_preprocess"}
+    return _graph_module_names(tc) & {"moe_router", "moe_preprocess"}
+
+
+def _graph_module_names(tc: Any) -> set[str]:
+    """--cuda-graph-modules and its deprecated name --cuda-graph-scope, as names."""
+    return _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(getattr(tc, "cuda_graph_scope", None))
 
 
 def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
@@ -574,14 +576,12 @@ def _cuda_graph_problems(tc: Any, derived: dict[str, Any]) -> list[str]:
     impl = getattr(tc, "cuda_graph_impl", "none") or "none"
     if impl == "none":
         return []
-    modules = _module_names(getattr(tc, "cuda_graph_modules", None)) | _module_names(
-        getattr(tc, "cuda_graph_scope", None)
-    )
-    per_layer = impl in ("local", "transformer_engine")
     partial = partial_graph_modules(tc)
     if partial:
         return _partial_graph_problems(tc, derived, impl, partial)
+    modules = _graph_module_names(tc)
     problems = []
+    per_layer = impl in ("local", "transformer_engine")
     captured = impl == "full_iteration" or (per_layer and (not modules or "moe" in modules))
     if captured:
         host_reads = host_read_settings(

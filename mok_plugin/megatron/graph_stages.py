@@ -136,10 +136,8 @@ class PartialGraphStages:
         step = self._resumed_step(x, probs, None)
         with self._expert_weights_into_main_grad():
             routed = self.mok.run_routed_experts(step)
-        self.mok.record_step(step)
-        if not self._shared_in_graph():
-            routed = self.mok.add_shared(routed, step.shared_out)
-        return routed.view(step.x_shape), None
+        output, _ = self.mok.finish(step, routed, None if self._shared_in_graph() else step.shared_out)
+        return output, None
 
     def _resume_overlap_step(self, hidden_states: torch.Tensor) -> None:
         """Under the EP overlap, TE's replay calls `route` without `shared_experts_compute`: the step
