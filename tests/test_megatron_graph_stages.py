@@ -227,8 +227,12 @@ def test_whole_layer_call_still_works_with_partial_scopes():
             dict(recompute_granularity="selective", recompute_modules=["layernorm"]), None,
             r"--recompute-modules layernorm with .* alltoall",
         ),
+        (
+            dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), None,
+            r"--offload-modules expert_fc1 with --cuda-graph-modules",
+        ),
     ],
-    ids=["debug_checks", "moe_recompute", "layernorm_recompute_alltoall"],
+    ids=["debug_checks", "moe_recompute", "layernorm_recompute_alltoall", "moe_offloading"],
 )  # fmt: skip
 def test_what_the_partial_graphs_cannot_take_is_refused_by_name(fields, overrides, match):
     scopes = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router", "moe_preprocess"])

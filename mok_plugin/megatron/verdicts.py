@@ -229,10 +229,12 @@ SHARED_VERDICTS: dict[str, Verdict] = {
         "selective: see recompute_modules; full: Megatron recomputes around the layer",
         f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
     ),
-    "recompute_modules": _honoured(
+    "recompute_modules": _depends(
         "moe (the layer), moe_act (MoK's default: A is always recomputed), shared_experts; the others are "
-        "outside the MoE layer",
+        "outside the MoE layer; with the partial MoE CUDA graphs, moe under local graphs and layernorm under TE's "
+        "moe_preprocess with the alltoall dispatcher refused",
         f"{_OPTIONS}::test_moe_recompute_gives_the_same_gradients",
+        f"{_GRAPHS}::test_what_the_partial_graphs_cannot_take_is_refused_by_name",
     ),
     "cuda_graph_impl": _depends(
         "local / transformer_engine / full_iteration: the whole layer captured, or its start under the partial "
@@ -359,14 +361,17 @@ SHARED_VERDICTS: dict[str, Verdict] = {
     ),
     "fine_grained_activation_offloading": _depends(
         "with offload_modules naming an MoE module (expert_fc1, moe_act, fused_group_mlp): what MoK's layer saves "
-        "for the backward waits in host memory (torch's save_on_cpu); refused with the EP overlap",
+        "for the backward waits in host memory (torch's save_on_cpu); refused with the EP overlap and with the "
+        "partial MoE CUDA graphs",
         f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
         _OVERLAP_REFUSALS,
+        f"{_GRAPHS}::test_what_the_partial_graphs_cannot_take_is_refused_by_name",
     ),
     "offload_modules": _depends(
         "expert_fc1, moe_act, fused_group_mlp: see fine_grained_activation_offloading; others are outside the layer",
         f"{_OPTIONS}::test_moe_activation_offloading_keeps_saved_tensors_in_host_memory",
         _OVERLAP_REFUSALS,
+        f"{_GRAPHS}::test_what_the_partial_graphs_cannot_take_is_refused_by_name",
     ),
     "delay_offload_until_cuda_graph": _replaced("when the stock experts' offloading starts (a schedule choice)"),
     "overlap_dispatch_backward_with_experts_wgrad": _refused(
