@@ -26,6 +26,7 @@ __all__ = [
     "swap_pinned",
     "wgrad_config",
     "wgrad_kernel",
+    "HOPPER_WGRAD_REPLACES",
 ]
 
 
@@ -135,6 +136,15 @@ def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
     if rows_per_expert <= SWEEP_MAX_ROWS:
         return "wgrad_sweep"
     return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
+
+
+# Where the Gluon kernel for Hopper (wgrad_hopper.py, same bits) takes over from these entries:
+# measured faster where the Triton kernel copies the by-token rows anyway ("wgrad": mixtral-8x7b
+# 9.09 -> 8.05 ms) or sweeps few K steps per tile ("wgrad_sweep": deepseek-v3 16.35 -> 13.53 ms +
+# 1.25 ms of copies); slower where the Triton kernel gathers in its loop without a copy
+# ("wgrad_in_loop": qwen3-30b-a3b 2.21 -> 1.88 + 0.72 ms of copies). BENCHMARKS.md, "Weight
+# gradients in Gluon".
+HOPPER_WGRAD_REPLACES = frozenset({"wgrad", "wgrad_sweep"})
 
 
 def wgrad_config(by_row_width: int, num_rows: int, num_experts: int) -> MoKTileConfig:

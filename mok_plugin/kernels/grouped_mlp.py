@@ -26,11 +26,20 @@ schedule-ordered row buffers) go through TMA tensor descriptors where a config a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.configs import MoKTileConfig, kernel_config, wgrad_config
+from mok_plugin.kernels import wgrad_hopper
+from mok_plugin.kernels.configs import (
+    HOPPER_WGRAD_REPLACES,
+    MoKTileConfig,
+    kernel_config,
+    wgrad_config,
+    wgrad_kernel,
+)
 from mok_plugin.kernels.launch import (
     alignment,
     check_schedule,
@@ -480,6 +489,22 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     by_row_width = N if left_by_token else M
+    rows_per_expert = row_to_token.shape[0] // max(E, 1)
+    if (
+        config is None
+        and left_by_token != right_by_token
+        and wgrad_kernel(by_row_width, rows_per_expert) in HOPPER_WGRAD_REPLACES
+        and wgrad_hopper.usable(left, right, segment_align)
+    ):
+        d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
+        block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.BLOCK_N
+        for rows, c0, c1 in _gathered_column_blocks(left if left_by_token else right, row_to_token, block):
+            if left_by_token:
+                wgrad_hopper.expert_wgrad_hopper(rows, right, d_w[:, c0:c1], expert_offsets, tokens_per_expert)
+            else:
+                wgrad_hopper.expert_wgrad_hopper(left, rows, d_w[:, :, c0:c1], expert_offsets, tokens_per_expert)
+            del rows  # before the next block's copy: one copy at a time
+        return d_w
     cfg = config or wgrad_config(by_row_width, row_to_token.shape[0], E)
     cfg = stages_for(cfg, left.dtype)
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
@@ -502,15 +527,8 @@ def expert_wgrad(
     # contiguous and the K loop pipelines num_stages deep. The copy is made a column block at a
     # time, each block's weight gradient is a slice of d_w with the same row sums, so the result is
     # bitwise the same whatever the blocks, and the copy adds at most GATHER_CHUNK_BYTES to the peak.
-    by_token = left if left_by_token else right
-    if by_token.shape[0] == 0:
-        # No tokens, so no rows (an expert-parallel rank that received none): every expert's
-        # gradient is zero, and the copy below would index token 0 of an empty tensor.
-        return d_w.zero_()
-    order = row_to_token.clamp(min=0)
     block = cfg.block_m if left_by_token else cfg.block_n
-    for c0, c1 in gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block):
-        rows = by_token[:, c0:c1].index_select(0, order)
+    for rows, c0, c1 in _gathered_column_blocks(left if left_by_token else right, row_to_token, block):
         if left_by_token:
             _launch_wgrad(
                 rows, right, d_w[:, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
@@ -521,8 +539,24 @@ def expert_wgrad(
                 left, rows, d_w[:, :, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
                 segment_align, cfg,
             )
-        del rows
+        del rows  # before the next block's copy: one copy at a time
     return d_w
+
+
+def _gathered_column_blocks(
+    by_token: torch.Tensor, row_to_token: torch.Tensor, block: int
+) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """(rows, c0, c1): by_token's columns [c0, c1) copied into schedule row order, one column block
+    at a time (`gather_column_blocks`); a padding row copies token 0, which meets the other
+    operand's zero padding row. The caller computes each block's slice of dW from it. With no
+    tokens (an expert-parallel rank that received none) the one block is zeros, so that every
+    expert's gradient is zero (token 0 of an empty tensor does not exist)."""
+    if by_token.shape[0] == 0:
+        yield by_token.new_zeros(row_to_token.shape[0], by_token.shape[1]), 0, by_token.shape[1]
+        return
+    order = row_to_token.clamp(min=0)
+    for c0, c1 in gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block):
+        yield by_token[:, c0:c1].index_select(0, order), c0, c1
 
 
 # The most bytes a pre-gathered weight-gradient operand holds at once (see expert_wgrad). dW13's
