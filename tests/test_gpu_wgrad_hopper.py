@@ -42,6 +42,7 @@ def gluon_calls(monkeypatch):
     calls = []
     launch = wgrad_hopper.expert_wgrad_hopper
     monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_REPLACES", frozenset(PINNED_KERNELS))
+    monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_MIN_WIDTH", 0)
     monkeypatch.setattr(wgrad_hopper, "expert_wgrad_hopper", lambda *a: calls.append(1) or launch(*a))
     return calls
 

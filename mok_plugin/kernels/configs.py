@@ -26,6 +26,7 @@ __all__ = [
     "swap_pinned",
     "wgrad_config",
     "wgrad_kernel",
+    "HOPPER_WGRAD_MIN_WIDTH",
     "HOPPER_WGRAD_REPLACES",
 ]
 
@@ -138,13 +139,15 @@ def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
     return "wgrad" if by_row_width >= PRE_GATHER_MIN_WIDTH else "wgrad_in_loop"
 
 
-# Where the Gluon kernel for Hopper (wgrad_hopper.py, same bits) takes over from these entries:
-# measured faster where the Triton kernel copies the by-token rows anyway ("wgrad": mixtral-8x7b
-# 9.09 -> 8.05 ms) or sweeps few K steps per tile ("wgrad_sweep": deepseek-v3 16.35 -> 13.53 ms +
-# 1.25 ms of copies); slower where the Triton kernel gathers in its loop without a copy
-# ("wgrad_in_loop": qwen3-30b-a3b 2.21 -> 1.88 + 0.72 ms of copies). BENCHMARKS.md, "Weight
-# gradients in Gluon".
+# Where the Gluon kernel for Hopper (wgrad_hopper.py, same bits) takes over from these entries,
+# and from what width of the by-row operand: it needs the by-token rows copied into row order
+# first, which pays where the GEMM per row is wide. Measured in the layer (GPU time of the weight
+# gradients, Triton -> Gluon + copies, ms): deepseek-v3 16.35 -> 13.44 + 1.24, mixtral-8x7b 9.09
+# -> 8.27 + 0.14, gpt-oss-120b 6.67 -> 5.83 + 0.44 (by-row widths 2048 and more); slower on
+# 8192,3000,1000,160,6 (2.35 -> 2.32 + 0.36; widths 2000 and 1000) and on qwen3-30b-a3b's in-loop
+# gathers (2.21 -> 1.88 + 0.72). BENCHMARKS.md, "Weight gradients in Gluon".
 HOPPER_WGRAD_REPLACES = frozenset({"wgrad", "wgrad_sweep"})
+HOPPER_WGRAD_MIN_WIDTH = 2048
 
 
 def wgrad_config(by_row_width: int, num_rows: int, num_experts: int) -> MoKTileConfig:

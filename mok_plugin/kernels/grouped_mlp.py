@@ -34,6 +34,7 @@ import triton.language as tl
 
 from mok_plugin.kernels import wgrad_hopper
 from mok_plugin.kernels.configs import (
+    HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
     kernel_config,
@@ -494,6 +495,7 @@ def expert_wgrad(
         config is None
         and left_by_token != right_by_token
         and wgrad_kernel(by_row_width, rows_per_expert) in HOPPER_WGRAD_REPLACES
+        and by_row_width >= HOPPER_WGRAD_MIN_WIDTH
         and wgrad_hopper.usable(left, right, segment_align)
     ):
         d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
