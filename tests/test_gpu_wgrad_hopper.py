@@ -3,6 +3,11 @@ the Triton kernels' sums (which every pinned weight-gradient entry gives, so exp
 that pick different kernels agree), close to a float64 sum, bitwise repeatable, and the same over
 any column blocks of the gathered operand; off Hopper (and on the CPU) it is never chosen."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +19,7 @@ from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not on_hopper, reason="needs an sm_90 (Hopper) GPU")
 
@@ -114,3 +120,24 @@ def test_hopper_wgrad_is_not_chosen_off_hopper(monkeypatch):
     assert not wgrad_hopper.usable(rows, rows, 32)  # segments not padded to its 64-row steps
     monkeypatch.setenv("MOK_HOPPER_WGRAD", "0")
     assert not wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M)
+
+
+def test_hopper_wgrad_compiles_for_sm90_without_a_gpu():
+    # Compiled as its launcher specialises a bf16 call (outside the interpreter the test session
+    # turns on, so in its own process): its shared memory fits Hopper's 227 KiB, nothing spills,
+    # and each K step is four m64n256k16 wgmma per warpgroup on operands in shared memory.
+    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    code = (
+        "from mok_plugin.bench.inspect import compile_wgrad_hopper, resource_usage\n"
+        "k = compile_wgrad_hopper()\n"
+        "wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.m64n256k16')\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared, registers, stack, wgmma = map(int, run.stdout.split()[-4:])
+    assert shared <= 227 * 1024
+    assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
+    assert 0 < registers <= wgrad_hopper.MAX_REGS
+    assert wgmma == 4

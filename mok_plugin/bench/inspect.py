@@ -31,7 +31,14 @@ from mok_plugin.kernels import grouped_mlp as gm
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
 from mok_plugin.kernels.launch import is_size_or_stride
 
-__all__ = ["compile_for_hopper", "compile_jit_for_hopper", "main", "pipeline_report", "resource_usage"]
+__all__ = [
+    "compile_for_hopper",
+    "compile_jit_for_hopper",
+    "compile_wgrad_hopper",
+    "main",
+    "pipeline_report",
+    "resource_usage",
+]
 
 KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
 
@@ -129,6 +136,31 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
     source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_wgrad_hopper():
+    """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) compiled for sm_90 as its launcher
+    specialises a bf16 call: descriptors of its block shapes and shared layouts, 16-byte aligned
+    pointers, 32-bit sizes. Needs Triton's Gluon (ImportError without it)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mok_plugin.kernels import wgrad_hopper as wh
+
+    def descriptor(block: tuple[int, ...]) -> str:
+        return f"tensordesc<bf16{list(block)},{wh._layout(block, gl.bfloat16)!r}>"
+
+    blocks = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, wh.BLOCK_N),
+              "out_desc": (1, wh.BLOCK_M, wh.BLOCK_N)}  # fmt: skip
+    constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, wh.BLOCK_N), gl.bfloat16), "STAGES": wh.STAGES,
+                  "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS,
+                  "num_warps": wh.CONSUMER_WARPS}  # fmt: skip
+    signature = {name: descriptor(block) for name, block in blocks.items()}
+    signature |= {"offsets_ptr": "*i64", "counts_ptr": "*i64", "M": "i32", "N": "i32", "num_tiles": "i32"}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}  # the two pointers
+    source = GluonASTSource(wh._wgrad_kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options={"num_warps": wh.CONSUMER_WARPS, "maxnreg": wh.MAX_REGS})
 
 
 def pipeline_report(ttgir: str) -> dict:

@@ -17,6 +17,12 @@ ascending order with one fp32 accumulator: the same products in the same order a
 expert's count up to the next multiple of BLOCK_K are read as they are: the schedule pads segments
 to a multiple of BLOCK_K and the by-row operand holds zeros there (as with TMA in tiles.py).
 
+The by-token operand comes in already copied into row order because TMA cannot gather rows on
+Hopper; gathering them in the kernel with a loader warpgroup's cp.async was slower on every shape
+(the loader waits on each step's token indices), and a ping-pong of two MMA warpgroups (one's
+epilogue under the other's MMAs) failed to launch at larger shapes: BENCHMARKS.md, "Weight
+gradients in Gluon", and commits 89fa1b7 and 2d43b79 for their code.
+
 Only on sm_90 with 2-byte operands whose rows TMA can read; `usable()` says when, and the caller
 falls back to the Triton kernels. `MOK_HOPPER_WGRAD=0` in the environment turns it off (to time
 the Triton kernels against it).
@@ -102,7 +108,7 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def multiplier(out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps: gl.constexpr):
+    def multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps: gl.constexpr):
         l_bufs, r_bufs = bufs
         ready, empty = bars
         BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [E, M, N] in [1, BM, BN] blocks
@@ -153,7 +159,7 @@ if gluon is not None:
         bars = (ready, empty)
         gl.warp_specialize(
             [
-                (multiplier, (out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps)),
+                (multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps)),
                 (loader, (left_desc, right_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars)),
             ],
             [LOADER_WARPS],
@@ -173,12 +179,9 @@ def _num_sms(device_index: int | None) -> int:
 
 
 def expert_wgrad_hopper(
-    left: torch.Tensor,
-    right: torch.Tensor,
-    d_w: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor,
-) -> None:
+) -> None:  # fmt: skip
     """d_w [E, M, N] (unit column stride, e.g. a column block of a wider one) = per expert, the sum
     over its rows of left[r]^T right[r]; left [R, M] and right [R, N] in schedule row order. Call
     only where `usable(left, right, segment_align)`."""
@@ -196,18 +199,7 @@ def expert_wgrad_hopper(
     out_desc = desc(d_w, (1, BLOCK_M, BLOCK_N))
     programs = min(num_tiles, _num_sms(d_w.device.index))
     _wgrad_kernel[(programs,)](
-        left_desc,
-        right_desc,
-        out_desc,
-        expert_offsets,
-        tokens_per_expert,
-        M,
-        N,
-        num_tiles,
-        C_LAYOUT=_layout((BLOCK_M, BLOCK_N), element),
-        STAGES=STAGES,
-        LOADER_WARPS=LOADER_WARPS,
-        LOADER_REGS=LOADER_REGS,
-        num_warps=CONSUMER_WARPS,
-        maxnreg=MAX_REGS,
-    )
+        left_desc, right_desc, out_desc, expert_offsets, tokens_per_expert, M, N, num_tiles,
+        C_LAYOUT=_layout((BLOCK_M, BLOCK_N), element), STAGES=STAGES, LOADER_WARPS=LOADER_WARPS,
+        LOADER_REGS=LOADER_REGS, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGS,
+    )  # fmt: skip
