@@ -27,7 +27,13 @@ from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import check_tensor, routing_weights_arg
-from mok_plugin.kernels.tiles import activation_grad_of_rows, expert_activation, routing_weights_of_rows, tile_rows
+from mok_plugin.kernels.tiles import (
+    activation_grad_of_rows,
+    bias_router_grad_tile,
+    expert_activation,
+    routing_weights_of_rows,
+    tile_rows,
+)
 
 __all__ = ["fp8_block_matmul", "fp8_down_dgrad", "fp8_down_fwd", "fp8_gate_up_dgrad", "fp8_gate_up_fwd", "fp8_wgrad"]
 
@@ -540,20 +546,13 @@ def _fp8_bias_router_kernel(
     stride_b2_e, stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M,): the fc2 bias's share of the router gradient, <dO_q[t_r], b2_e> (dO as
-    the dgrad read it, quantised), into partial column `slot`: column n of the block sums the H
-    blocks in ascending order, then one sum over the columns; fp32."""
-    expert, rows, tokens, row_ok = tile_rows(tl.program_id(0), row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
-    if expert >= 0:
-        acc = tl.zeros((BLOCK_M, SCALE_BLOCK), dtype=tl.float32)
-        for k0 in range(0, H, SCALE_BLOCK):
-            cols = k0 + tl.arange(0, SCALE_BLOCK)
-            col_ok = cols < H
-            mask = row_ok[:, None] & col_ok[None, :]
-            d_o = tl.load(d_out_q + tokens[:, None] * stride_do_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale = tl.load(d_out_scale + tokens * stride_do_scale + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
-            b2 = tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += d_o * scale[:, None] * b2[None, :]
-        tl.store(partial_ptr + rows * stride_part_r + slot, tl.sum(acc, axis=1), mask=row_ok)
+    the dgrad read it, quantised), into partial column `slot`: the bf16 path's tile with dO's scales."""
+    bias_router_grad_tile(
+        tl.program_id(0), d_out_ptr=d_out_q, b2_ptr=b2_ptr, d_w_partial_ptr=partial_ptr,
+        row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, stride_d_out_t=stride_do_t,
+        stride_b2_e=stride_b2_e, stride_part_r=stride_part_r, slot=slot, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=SCALE_BLOCK, d_out_scale_ptr=d_out_scale, stride_scale_t=stride_do_scale,
+    )  # fmt: skip
 
 
 def fp8_gate_up_dgrad(

@@ -663,16 +663,19 @@ def bias_grad_tile(
 @triton.jit
 def bias_router_grad_tile(
     pid_m, d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
-    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, d_out_scale_ptr=None,
+    stride_scale_t=0,
 ):
     """The fc2 bias's share of the router gradient, <dO[t_r], b2_e>, into partial column `slot` of
     row block pid_m: column n of the block accumulates columns n, n + BLOCK_N, ... in ascending
-    order, then one sum over the block's columns; fp32.
+    order, then one sum over the block's columns; fp32. With d_out_scale_ptr, dO is FP8 with one
+    scale per token and BLOCK_N columns (the FP8 backward's 1 x 128 blocks), applied before b2.
 
     Arguments:
         d_out_ptr: (T, H)
         b2_ptr: (E, H)
-        d_w_partial_ptr: (R_pad, J) fp32"""
+        d_w_partial_ptr: (R_pad, J) fp32
+        d_out_scale_ptr: (T, cdiv(H, BLOCK_N)) fp32 or None"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # one sum over the columns at the end
@@ -681,8 +684,12 @@ def bias_router_grad_tile(
             col_ok = cols < H
             mask = row_ok[:, None] & col_ok[None, :]
             d_o = tl.load(d_out_ptr + tokens[:, None] * stride_d_out_t + cols[None, :], mask=mask, other=0.0)
+            d_o = d_o.to(tl.float32)
+            if d_out_scale_ptr is not None:
+                scale = tl.load(d_out_scale_ptr + tokens * stride_scale_t + n0 // BLOCK_N, mask=row_ok, other=0.0)
+                d_o = d_o * scale[:, None]
             b2 = tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc2 += d_o.to(tl.float32) * b2[None, :]
+            acc2 += d_o * b2[None, :]
         acc = tl.sum(acc2, axis=1)
         tl.store(d_w_partial_ptr + rows * stride_part_r + slot, acc, mask=row_ok)
 
