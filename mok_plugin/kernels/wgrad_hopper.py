@@ -21,7 +21,8 @@ The by-token operand comes in already copied into row order because TMA cannot g
 Hopper; gathering them in the kernel with a loader warpgroup's cp.async was slower on every shape
 (the loader waits on each step's token indices), and a ping-pong of two MMA warpgroups (one's
 epilogue under the other's MMAs) failed to launch at larger shapes: BENCHMARKS.md, "Weight
-gradients in Gluon", and commits 89fa1b7 and 2d43b79 for their code.
+gradients in Gluon"; their fixes, not yet run on a GPU, are on branches wip/gluon-wgrad-gather and
+wip/gluon-wgrad-pingpong.
 
 Only on sm_90 with 2-byte operands whose rows TMA can read; `usable()` says when, and the caller
 falls back to the Triton kernels. `MOK_HOPPER_WGRAD=0` in the environment turns it off (to time
