@@ -499,13 +499,9 @@ def expert_wgrad(
         and wgrad_hopper.usable(left, right, segment_align)
     ):
         d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
-        block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.BLOCK_N
-        for rows, c0, c1 in _gathered_column_blocks(left if left_by_token else right, row_to_token, block):
-            if left_by_token:
-                wgrad_hopper.expert_wgrad_hopper(rows, right, d_w[:, c0:c1], expert_offsets, tokens_per_expert)
-            else:
-                wgrad_hopper.expert_wgrad_hopper(left, rows, d_w[:, :, c0:c1], expert_offsets, tokens_per_expert)
-            del rows  # before the next block's copy: one copy at a time
+        wgrad_hopper.expert_wgrad_hopper(
+            left, right, d_w, row_to_token, expert_offsets, tokens_per_expert, left_by_token=left_by_token
+        )
         return d_w
     cfg = config or wgrad_config(by_row_width, row_to_token.shape[0], E)
     cfg = stages_for(cfg, left.dtype)
