@@ -167,6 +167,71 @@ if gluon is not None:
         )
 
 
+    @gluon.jit
+    def pingpong_multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, WHICH: gl.constexpr):
+        """One of two MMA warpgroups that take this program's tiles in turn (tile i: warpgroup i % 2),
+        so that one's epilogue runs while the other multiplies. Both walk the same ring of stages:
+        a warpgroup skips the other's tiles by their step counts."""
+        l_bufs, r_bufs = bufs
+        ready, empty = bars
+        BM: gl.constexpr = out_desc.block_type.shape[1]
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        BK: gl.constexpr = l_bufs.type.shape[1]
+        S: gl.constexpr = l_bufs.type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])  # fmt: skip
+        c = 0
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0 = tile_of(t, M, N, BM, BN)
+            steps = gl.cdiv(gl.load(counts_ptr + expert), BK).to(gl.int32)
+            if i % 2 == WHICH:
+                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                for s in range(steps):
+                    idx = (c + s) % S
+                    mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+                    acc = warpgroup_mma(l_bufs.index(idx).permute((1, 0)), r_bufs.index(idx), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
+                tma.store_wait(0)
+                c_smem.store(acc.to(out_desc.dtype))
+                fence_async_shared()
+                block = c_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+                tma.async_copy_shared_to_global(out_desc, [expert.to(gl.int32), m0, n0], block)
+            c += steps
+            i += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _wgrad_pingpong_kernel(
+        left_desc, right_desc, out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    ):  # fmt: skip
+        dtype: gl.constexpr = left_desc.dtype
+        l_bufs = gl.allocate_shared_memory(dtype, [STAGES] + left_desc.block_type.shape, left_desc.layout)
+        r_bufs = gl.allocate_shared_memory(dtype, [STAGES] + right_desc.block_type.shape, right_desc.layout)
+        c0_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c1_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        bufs = (l_bufs, r_bufs)
+        bars = (ready, empty)
+        gl.warp_specialize(
+            [
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c0_smem, 0)),
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c1_smem, 1)),
+                (loader, (left_desc, right_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars)),
+            ],
+            [4, 1],
+            [MMA_REGS, LOADER_REGS],
+        )
+
+
 # Cached: at ~230 us of host time a launch, building these anew each call was part of it.
 @functools.cache
 def _layout(block: tuple[int, ...], element):
@@ -186,7 +251,9 @@ def expert_wgrad_hopper(
     over its rows of left[r]^T right[r]; left [R, M] and right [R, N] in schedule row order. Call
     only where `usable(left, right, segment_align)`."""
     E, M, N = d_w.shape
-    num_tiles = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    pingpong = os.environ.get("MOK_HOPPER_WGRAD_PINGPONG", "0") == "1"
+    block_n = 128 if pingpong else BLOCK_N
+    num_tiles = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, block_n)
     if num_tiles == 0:
         return
     element = gl.bfloat16 if left.dtype == torch.bfloat16 else gl.float16
@@ -195,9 +262,16 @@ def expert_wgrad_hopper(
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
 
     left_desc = desc(left, (BLOCK_K, BLOCK_M))
-    right_desc = desc(right, (BLOCK_K, BLOCK_N))
-    out_desc = desc(d_w, (1, BLOCK_M, BLOCK_N))
+    right_desc = desc(right, (BLOCK_K, block_n))
+    out_desc = desc(d_w, (1, BLOCK_M, block_n))
     programs = min(num_tiles, _num_sms(d_w.device.index))
+    if pingpong:
+        _wgrad_pingpong_kernel[(programs,)](
+            left_desc, right_desc, out_desc, expert_offsets, tokens_per_expert, M, N, num_tiles,
+            C_LAYOUT=_layout((BLOCK_M, block_n), element), STAGES=4, LOADER_REGS=24, MMA_REGS=240, num_warps=4,
+            maxnreg=MAX_REGS,
+        )  # fmt: skip
+        return
     _wgrad_kernel[(programs,)](
         left_desc, right_desc, out_desc, expert_offsets, tokens_per_expert, M, N, num_tiles,
         C_LAYOUT=_layout((BLOCK_M, BLOCK_N), element), STAGES=STAGES, LOADER_WARPS=LOADER_WARPS,
