@@ -171,9 +171,13 @@ if gluon is not None:
     def pingpong_multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, WHICH: gl.constexpr):
         """One of two MMA warpgroups that take this program's tiles in turn (tile i: warpgroup i % 2),
         so that one's epilogue runs while the other multiplies. Both walk the same ring of stages:
-        a warpgroup skips the other's tiles by their step counts."""
+        a warpgroup skips the other's tiles by their step counts. Their main loops take turns
+        (`turn` barriers): a stage's ready barrier is waited on by parity, which tells phase k from
+        phase k - 2 but not from phase k - 1, so a warpgroup may not wait on a position while the
+        other has not yet waited on the position a ring before it (the first version let the second
+        warpgroup run ahead and failed to launch on the H200)."""
         l_bufs, r_bufs = bufs
-        ready, empty = bars
+        ready, empty, turn = bars
         BM: gl.constexpr = out_desc.block_type.shape[1]
         BN: gl.constexpr = out_desc.block_type.shape[2]
         BK: gl.constexpr = l_bufs.type.shape[1]
@@ -186,6 +190,9 @@ if gluon is not None:
             expert, m0, n0 = tile_of(t, M, N, BM, BN)
             steps = gl.cdiv(gl.load(counts_ptr + expert), BK).to(gl.int32)
             if i % 2 == WHICH:
+                k = i // 2  # this warpgroup's k-th tile: its main loop follows the other's k-th (WHICH 1) or
+                # (k-1)-th (WHICH 0; its first passes at once: a fresh barrier's parity-1 phase counts as done)
+                mbarrier.wait(turn.index(WHICH), (k & 1) ^ (1 - WHICH))
                 acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
                 for s in range(steps):
                     idx = (c + s) % S
@@ -195,6 +202,7 @@ if gluon is not None:
                     mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
+                mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's main loop may start
                 tma.store_wait(0)
                 c_smem.store(acc.to(out_desc.dtype))
                 fence_async_shared()
@@ -219,13 +227,15 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         bufs = (l_bufs, r_bufs)
-        bars = (ready, empty)
         gl.warp_specialize(
             [
-                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c0_smem, 0)),
-                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c1_smem, 1)),
-                (loader, (left_desc, right_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars)),
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, (ready, empty, turn), c0_smem, 0)),
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, (ready, empty, turn), c1_smem, 1)),
+                (loader, (left_desc, right_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, (ready, empty))),
             ],
             [4, 1],
             [MMA_REGS, LOADER_REGS],
