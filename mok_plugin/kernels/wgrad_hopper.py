@@ -24,7 +24,6 @@ epilogue under the other's MMAs) failed to launch at larger shapes: BENCHMARKS.m
 gradients in Gluon"; their fixes, not yet run on a GPU, are on branches wip/gluon-wgrad-gather and
 wip/gluon-wgrad-pingpong (commits 13e2b36, 5788411).
 
-
 Only on sm_90 with 2-byte operands whose rows TMA can read; `usable()` says when, and the caller
 falls back to the Triton kernels. `MOK_HOPPER_WGRAD=0` in the environment turns it off (to time
 the Triton kernels against it).
