@@ -38,7 +38,6 @@ from mok_plugin.kernels.configs import (
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
     kernel_config,
-    wgrad_config,
     wgrad_kernel,
 )
 from mok_plugin.kernels.launch import (
@@ -490,26 +489,21 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     by_row_width = N if left_by_token else M
-    rows_per_expert = row_to_token.shape[0] // max(E, 1)
+    entry = wgrad_kernel(by_row_width, row_to_token.shape[0] // max(E, 1))  # the table's choice for this shape
+    d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if (
         config is None
         and left_by_token != right_by_token
-        and wgrad_kernel(by_row_width, rows_per_expert) in HOPPER_WGRAD_REPLACES
+        and entry in HOPPER_WGRAD_REPLACES
         and by_row_width >= HOPPER_WGRAD_MIN_WIDTH
         and wgrad_hopper.usable(left, right, segment_align)
     ):
-        d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
         block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.BLOCK_N
-        for rows, c0, c1 in _gathered_column_blocks(left if left_by_token else right, row_to_token, block):
-            if left_by_token:
-                wgrad_hopper.expert_wgrad_hopper(rows, right, d_w[:, c0:c1], expert_offsets, tokens_per_expert)
-            else:
-                wgrad_hopper.expert_wgrad_hopper(left, rows, d_w[:, :, c0:c1], expert_offsets, tokens_per_expert)
-            del rows  # before the next block's copy: one copy at a time
+        for lhs, rhs, d_w_block in _pre_gathered_blocks(left, right, d_w, row_to_token, left_by_token, block):
+            wgrad_hopper.expert_wgrad_hopper(lhs, rhs, d_w_block, expert_offsets, tokens_per_expert)
+            del lhs, rhs  # before the next block's copy: one copy at a time
         return d_w
-    cfg = config or wgrad_config(by_row_width, row_to_token.shape[0], E)
-    cfg = stages_for(cfg, left.dtype)
-    d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
+    cfg = stages_for(config or kernel_config(entry, by_row_width), left.dtype)
     if right_by_token and not left_by_token and not cfg.gather_rows:
         # dW = (right^T left)^T: rows gathered in the K loop are faster as the left operand (dW13
         # on olmoe: 2.41 ms with x as the right, 2.10 swapped); the transposed store is once a tile.
@@ -524,41 +518,44 @@ def expert_wgrad(
             segment_align, cfg,
         )
         return d_w
-    # Pre-gathered rows: the by-token operand copied into schedule row order (a padding row copies
-    # token 0, which meets the other operand's zero padding row), so that both operands are
-    # contiguous and the K loop pipelines num_stages deep. The copy is made a column block at a
-    # time, each block's weight gradient is a slice of d_w with the same row sums, so the result is
-    # bitwise the same whatever the blocks, and the copy adds at most GATHER_CHUNK_BYTES to the peak.
     block = cfg.block_m if left_by_token else cfg.block_n
-    for rows, c0, c1 in _gathered_column_blocks(left if left_by_token else right, row_to_token, block):
-        if left_by_token:
-            _launch_wgrad(
-                rows, right, d_w[:, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
-                segment_align, cfg,
-            )
-        else:
-            _launch_wgrad(
-                left, rows, d_w[:, :, c0:c1], row_to_token, expert_offsets, tokens_per_expert, False, False,
-                segment_align, cfg,
-            )
-        del rows  # before the next block's copy: one copy at a time
+    for lhs, rhs, d_w_block in _pre_gathered_blocks(left, right, d_w, row_to_token, left_by_token, block):
+        _launch_wgrad(
+            lhs, rhs, d_w_block, row_to_token, expert_offsets, tokens_per_expert, False, False, segment_align, cfg
+        )
+        del lhs, rhs  # before the next block's copy: one copy at a time
     return d_w
 
 
-def _gathered_column_blocks(
-    by_token: torch.Tensor, row_to_token: torch.Tensor, block: int
-) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """(rows, c0, c1): by_token's columns [c0, c1) copied into schedule row order, one column block
-    at a time (`gather_column_blocks`); a padding row copies token 0, which meets the other
-    operand's zero padding row. The caller computes each block's slice of dW from it. With no
+def _pre_gathered_blocks(
+    left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, row_to_token: torch.Tensor, left_by_token: bool,
+    block: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(left, right, d_w block) per column block of the by-token operand, whose block is copied into
+    schedule row order, so that both operands are contiguous (`gather_column_blocks`: blocks of a
+    multiple of `block` columns, at most GATHER_CHUNK_BYTES a copy). A padding row copies token 0,
+    which meets the other operand's zero padding row; each block's weight gradient is a slice of
+    d_w with the same row sums, so the result is bitwise the same whatever the blocks. The caller
+    drops its references before asking for the next block, so one copy is alive at a time. With no
     tokens (an expert-parallel rank that received none) the one block is zeros, so that every
     expert's gradient is zero (token 0 of an empty tensor does not exist)."""
+    by_token = left if left_by_token else right
     if by_token.shape[0] == 0:
-        yield by_token.new_zeros(row_to_token.shape[0], by_token.shape[1]), 0, by_token.shape[1]
-        return
-    order = row_to_token.clamp(min=0)
-    for c0, c1 in gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block):
-        yield by_token[:, c0:c1].index_select(0, order), c0, c1
+        blocks = [(0, by_token.shape[1])]
+        order = None
+    else:
+        order = row_to_token.clamp(min=0)
+        blocks = gather_column_blocks(by_token.shape[1], order.shape[0] * by_token.element_size(), block)
+    for c0, c1 in blocks:
+        if order is None:
+            rows = by_token.new_zeros(row_to_token.shape[0], by_token.shape[1])
+        else:
+            rows = by_token[:, c0:c1].index_select(0, order)
+        if left_by_token:
+            yield rows, right, d_w[:, c0:c1]
+        else:
+            yield left, rows, d_w[:, :, c0:c1]
+        del rows  # this frame's reference, before the next block's copy
 
 
 # The most bytes a pre-gathered weight-gradient operand holds at once (see expert_wgrad). dW13's
