@@ -41,15 +41,15 @@ def _operands(T, H, I, E, K, kind, left_by_token, dtype, seed=5):
     return schedule, left, right
 
 
-@pytest.fixture
-def gluon_calls(monkeypatch):
-    """Route every weight gradient without a config to the Gluon kernel (not only the entries it
-    replaces by default) and count its launches."""
+@pytest.fixture(params=list(wgrad_hopper.SCHEDULES))
+def gluon_calls(request, monkeypatch):
+    """Route every weight gradient without a config to the Gluon kernel under one schedule (not
+    only the entries it replaces by default) and count its launches."""
     calls = []
     launch = wgrad_hopper.expert_wgrad_hopper
-    monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_REPLACES", frozenset(PINNED_KERNELS))
+    monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_REPLACES", dict.fromkeys(PINNED_KERNELS, request.param))
     monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_MIN_WIDTH", 0)
-    monkeypatch.setattr(wgrad_hopper, "expert_wgrad_hopper", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(wgrad_hopper, "expert_wgrad_hopper", lambda *a: calls.append(a[-1]) or launch(*a))
     return calls
 
 
@@ -81,7 +81,7 @@ def test_hopper_wgrad_is_bitwise_the_triton_kernels(shape, left_by_token, dtype,
     assert wgrad_hopper.usable(left, right, schedule.tile_m)
     gluon = _wgrad(schedule, left, right, left_by_token)
     again = _wgrad(schedule, left, right, left_by_token)
-    assert gluon_calls, "the Gluon kernel did not run"
+    assert gluon_calls and set(gluon_calls) == set(grouped_mlp.HOPPER_WGRAD_REPLACES.values()), "did not run"
     assert torch.equal(gluon, again), "not bitwise repeatable"
     by_row_width = right.shape[1] if left_by_token else left.shape[1]
     for name in ("wgrad_sweep", "wgrad", "wgrad_in_loop", "wgrad_sweep_few_rows"):
@@ -122,15 +122,23 @@ def test_hopper_wgrad_is_not_chosen_off_hopper(monkeypatch):
     assert not wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M)
 
 
-def test_hopper_wgrad_compiles_for_sm90_without_a_gpu():
+# Each K step's wgmma per warpgroup on operands in shared memory: the cooperative schedule's two
+# warpgroups each 64 rows of a 128 x 256 tile (4 of m64n256k16 in one function); each ping-pong
+# warpgroup a whole 128 x 128 tile (8 of m64n128k16 in each of its two functions).
+WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16)}
+
+
+@pytest.mark.parametrize("schedule", list(wgrad_hopper.SCHEDULES))
+def test_hopper_wgrad_compiles_for_sm90_without_a_gpu(schedule):
     # Compiled as its launcher specialises a bf16 call (outside the interpreter the test session
     # turns on, so in its own process): its shared memory fits Hopper's 227 KiB, nothing spills,
-    # and each K step is four m64n256k16 wgmma per warpgroup on operands in shared memory.
+    # and the MMAs are the wgmma its tiles need.
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    shape, count = WGMMA_PER_STEP[schedule]
     code = (
         "from mok_plugin.bench.inspect import compile_wgrad_hopper, resource_usage\n"
-        "k = compile_wgrad_hopper()\n"
-        "wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.m64n256k16')\n"
+        f"k = compile_wgrad_hopper({schedule!r})\n"
+        f"wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.{shape}')\n"
         "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -140,4 +148,4 @@ def test_hopper_wgrad_compiles_for_sm90_without_a_gpu():
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= wgrad_hopper.MAX_REGS
-    assert wgmma == 4
+    assert wgmma == count

@@ -138,10 +138,11 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_wgrad_hopper():
-    """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) compiled for sm_90 as its launcher
-    specialises a bf16 call: descriptors of its block shapes and shared layouts, 16-byte aligned
-    pointers, 32-bit sizes. Needs Triton's Gluon (ImportError without it)."""
+def compile_wgrad_hopper(schedule: str = "cooperative"):
+    """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) under one of its SCHEDULES,
+    compiled for sm_90 as its launcher specialises a bf16 call: descriptors of its block shapes
+    and shared layouts, 16-byte aligned pointers, 32-bit sizes. Needs Triton's Gluon (ImportError
+    without it)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -150,17 +151,20 @@ def compile_wgrad_hopper():
     def descriptor(block: tuple[int, ...]) -> str:
         return f"tensordesc<bf16{list(block)},{wh._layout(block, gl.bfloat16)!r}>"
 
-    blocks = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, wh.BLOCK_N),
-              "out_desc": (1, wh.BLOCK_M, wh.BLOCK_N)}  # fmt: skip
-    constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, wh.BLOCK_N), gl.bfloat16), "STAGES": wh.STAGES,
-                  "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS,
-                  "num_warps": wh.CONSUMER_WARPS}  # fmt: skip
+    plan = wh.SCHEDULES[schedule]
+    blocks = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, plan.block_n),
+              "out_desc": (1, wh.BLOCK_M, plan.block_n)}  # fmt: skip
+    constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, plan.block_n), gl.bfloat16), "STAGES": plan.stages,
+                  "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS}  # fmt: skip
+    num_warps = 4 if plan.pingpong else 8
+    constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": num_warps}
     signature = {name: descriptor(block) for name, block in blocks.items()}
     signature |= {"offsets_ptr": "*i64", "counts_ptr": "*i64", "M": "i32", "N": "i32", "num_tiles": "i32"}
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}  # the two pointers
-    source = GluonASTSource(wh._wgrad_kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": wh.CONSUMER_WARPS, "maxnreg": wh.MAX_REGS})
+    kernel = wh._wgrad_pingpong_kernel if plan.pingpong else wh._wgrad_kernel
+    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "maxnreg": wh.MAX_REGS})
 
 
 def pipeline_report(ttgir: str) -> dict:

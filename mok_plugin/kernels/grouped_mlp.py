@@ -498,9 +498,10 @@ def expert_wgrad(
         and by_row_width >= HOPPER_WGRAD_MIN_WIDTH
         and wgrad_hopper.usable(left, right, segment_align)
     ):
-        block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.BLOCK_N
+        schedule = HOPPER_WGRAD_REPLACES[entry]
+        block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.SCHEDULES[schedule].block_n
         for lhs, rhs, d_w_block in _pre_gathered_blocks(left, right, d_w, row_to_token, left_by_token, block):
-            wgrad_hopper.expert_wgrad_hopper(lhs, rhs, d_w_block, expert_offsets, tokens_per_expert)
+            wgrad_hopper.expert_wgrad_hopper(lhs, rhs, d_w_block, expert_offsets, tokens_per_expert, schedule)
             del lhs, rhs  # before the next block's copy: one copy at a time
         return d_w
     cfg = stages_for(config or kernel_config(entry, by_row_width), left.dtype)

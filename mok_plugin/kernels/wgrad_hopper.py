@@ -7,9 +7,12 @@ Why a second kernel: with ~256 rows per expert (deepseek-v3) every output tile r
 4-6 K steps, so Triton's kernels spend much of each tile filling their pipeline and storing the
 tile (the weight gradients ran at ~55 % of the dense GEMM). Triton 3.6's high-level language does
 not warp-specialise on Hopper; its Gluon dialect does. Here one loader warp streams both operands
-through TMA into a ring of shared-memory stages, running ahead across tile boundaries, while the
-MMA warps multiply and hand each finished tile to an asynchronous TMA store, so neither the next
-tile's loads nor the store wait on the MMAs.
+through TMA into a ring of shared-memory stages, running ahead across tile boundaries, while two
+MMA warpgroups multiply and hand each finished tile to an asynchronous TMA store, so neither the
+next tile's loads nor the store wait on the MMAs. Two schedules (`SCHEDULES`): cooperative (both
+warpgroups on one 128 x 256 tile) and ping-pong (each on alternate 128 x 128 tiles, so that one's
+epilogue runs under the other's MMAs: faster where a tile is only a few K steps, as on
+deepseek-v3; slower where tiles are long, as on mixtral-8x7b: BENCHMARKS.md).
 
 Determinism: each output tile has one owner, which sums its expert's rows BLOCK_K at a time in
 ascending order with one fp32 accumulator: the same products in the same order as
@@ -19,10 +22,8 @@ to a multiple of BLOCK_K and the by-row operand holds zeros there (as with TMA i
 
 The by-token operand comes in already copied into row order because TMA cannot gather rows on
 Hopper; gathering them in the kernel with a loader warpgroup's cp.async was slower on every shape
-(the loader waits on each step's token indices), and a ping-pong of two MMA warpgroups (one's
-epilogue under the other's MMAs) failed to launch at larger shapes: BENCHMARKS.md, "Weight
-gradients in Gluon"; their fixes, not yet run on a GPU, are on branches wip/gluon-wgrad-gather and
-wip/gluon-wgrad-pingpong (commits 13e2b36, 5788411).
+(89fa1b7: the loader waited on each step's token indices; 13e2b36, indices a step ahead: still
+15.1 ms on deepseek-v3 against 13.8 + 1.3 of copies), BENCHMARKS.md, "Weight gradients in Gluon".
 
 Only on sm_90 with 2-byte operands whose rows TMA can read; `usable()` says when, and the caller
 falls back to the Triton kernels. `MOK_HOPPER_WGRAD=0` in the environment turns it off (to time
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,13 +53,32 @@ try:  # Gluon is experimental: absent from older Triton, so this module works wi
 except ImportError:
     gluon = None
 
-__all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "expert_wgrad_hopper", "usable"]
+__all__ = ["BLOCK_K", "BLOCK_M", "SCHEDULES", "Schedule", "expert_wgrad_hopper", "usable"]
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB output tile: 208 KiB of Hopper's 227
-CONSUMER_WARPS = 8  # two warpgroups own the 128 x 256 fp32 accumulator (128 registers a thread)
+BLOCK_M, BLOCK_K = 128, 64
 LOADER_WARPS, LOADER_REGS = 1, 24
 MAX_REGS = 168  # per thread over the 12 warps (8 + the loader's warpgroup) that share an SM's 64 K
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the two MMA warpgroups share the work: on one 128 x block_n tile (cooperative, each
+    64 rows of it) or on alternate 128 x block_n tiles (ping-pong: one's epilogue under the
+    other's MMAs, which pays where a tile is only a few K steps). Either way 128 accumulator
+    registers a thread, and the same sums in the same order."""
+
+    block_n: int
+    stages: int
+    pingpong: bool
+
+
+SCHEDULES = {
+    # 3 x 48 KiB of operand stages + the 64 KiB output tile: 208 KiB of Hopper's 227
+    "cooperative": Schedule(block_n=256, stages=3, pingpong=False),
+    # 5 x 32 KiB of operand stages + two 32 KiB output tiles: 224 KiB
+    "pingpong": Schedule(block_n=128, stages=5, pingpong=True),
+}
+PINGPONG_MMA_REGS = 240  # a ping-pong warpgroup's: 2 x 240 + 24 (loader) of the 3 warpgroups' 3 x 168
 
 
 def usable(left: torch.Tensor, right: torch.Tensor, segment_align: int) -> bool:
@@ -109,55 +130,103 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps: gl.constexpr):
+    def accumulate(acc, bufs, bars, c, steps):
+        """acc plus one tile's `steps` K steps, read from the ring's positions c, c + 1, ...: async
+        wgmma with at most one in flight, each stage freed once the MMA after it is issued."""
         l_bufs, r_bufs = bufs
-        ready, empty = bars
+        ready, empty = bars[0], bars[1]
+        S: gl.constexpr = l_bufs.type.shape[0]
+        for s in range(steps):
+            idx = (c + s) % S
+            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+            acc = warpgroup_mma(l_bufs.index(idx).permute((1, 0)), r_bufs.index(idx), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous stage's MMA is done: free it
+            mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
+        return acc
+
+    @gluon.jit
+    def store_tile(out_desc, c_smem, acc, expert, m0, n0):
+        """The finished tile to dW by an asynchronous TMA store, once c_smem's previous store has
+        left; the store clips the tile at M and N."""
+        tma.store_wait(0)
+        c_smem.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        # the same bytes seen as the descriptor's 3-D block [1, BM, BN]
+        block = c_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        tma.async_copy_shared_to_global(out_desc, [expert.to(gl.int32), m0, n0], block)
+
+    @gluon.jit
+    def multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps: gl.constexpr):
+        """The cooperative schedule: all consumer warps share each tile's accumulator."""
         BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [E, M, N] in [1, BM, BN] blocks
         BN: gl.constexpr = out_desc.block_type.shape[2]
-        BK: gl.constexpr = l_bufs.type.shape[1]
-        S: gl.constexpr = l_bufs.type.shape[0]
+        BK: gl.constexpr = bufs[0].type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
         )
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0 = tile_of(t, M, N, BM, BN)
-            steps = gl.cdiv(gl.load(counts_ptr + expert), BK)
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-            for s in range(steps):
-                idx = c % S
-                mbarrier.wait(ready.index(idx), (c // S) & 1)
-                acc = warpgroup_mma(l_bufs.index(idx).permute((1, 0)), r_bufs.index(idx), acc, is_async=True)
-                # at most this MMA in flight: the previous stage's buffers are free again
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index((c + S - 1) % S), count=1, pred=s > 0)
-                c += 1
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((c + S - 1) % S), count=1, pred=steps > 0)
-            tma.store_wait(0)  # the previous tile's store has left c_smem
-            c_smem.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            # the same bytes seen as the descriptor's 3-D block: TMA clips the tile at M and N
-            block = c_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-            tma.async_copy_shared_to_global(out_desc, [expert.to(gl.int32), m0, n0], block)
+            steps = gl.cdiv(gl.load(counts_ptr + expert), BK).to(gl.int32)
+            acc = accumulate(gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout), bufs, bars, c, steps)
+            store_tile(out_desc, c_smem, acc, expert, m0, n0)
+            c += steps
         tma.store_wait(0)
+
+    @gluon.jit
+    def pingpong_multiplier(out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, WHICH: gl.constexpr):
+        """The ping-pong schedule: one of two MMA warpgroups that take this program's tiles in turn
+        (tile i: warpgroup i % 2), so that one's epilogue runs while the other multiplies. Both walk
+        the same ring of stages, each skipping the other's tiles by their step counts. Their main
+        loops take turns (`turn` barriers): a stage's ready barrier is waited on by parity, which
+        tells phase k from phase k - 2 but not from phase k - 1, so a warpgroup must not wait on a
+        position before the other has waited on the position a ring before it (a first version
+        without turns let the second warpgroup run ahead and failed on the H200)."""
+        turn = bars[2]
+        BM: gl.constexpr = out_desc.block_type.shape[1]
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        BK: gl.constexpr = bufs[0].type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])  # fmt: skip
+        c = 0
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0 = tile_of(t, M, N, BM, BN)
+            steps = gl.cdiv(gl.load(counts_ptr + expert), BK).to(gl.int32)
+            if i % 2 == WHICH:
+                # this warpgroup's k-th tile: its main loop follows the other's k-th (WHICH 1) or
+                # (k-1)-th (WHICH 0; its first passes at once: a fresh barrier's parity-1 phase counts as done)
+                k = i // 2
+                mbarrier.wait(turn.index(WHICH), (k & 1) ^ (1 - WHICH))
+                acc = accumulate(gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout), bufs, bars, c, steps)
+                mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's main loop may start
+                store_tile(out_desc, c_smem, acc, expert, m0, n0)
+            c += steps
+            i += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def ring(left_desc, right_desc, STAGES: gl.constexpr):
+        """The operands' shared-memory stages and their ready (loaded) and empty (consumed) barriers."""
+        dtype: gl.constexpr = left_desc.dtype
+        l_bufs = gl.allocate_shared_memory(dtype, [STAGES] + left_desc.block_type.shape, left_desc.layout)
+        r_bufs = gl.allocate_shared_memory(dtype, [STAGES] + right_desc.block_type.shape, right_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return (l_bufs, r_bufs), (ready, empty)
 
     @gluon.jit
     def _wgrad_kernel(
         left_desc, right_desc, out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, C_LAYOUT: gl.constexpr,
         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        dtype: gl.constexpr = left_desc.dtype
-        l_bufs = gl.allocate_shared_memory(dtype, [STAGES] + left_desc.block_type.shape, left_desc.layout)
-        r_bufs = gl.allocate_shared_memory(dtype, [STAGES] + right_desc.block_type.shape, right_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        bufs = (l_bufs, r_bufs)
-        bars = (ready, empty)
+        bufs, bars = ring(left_desc, right_desc, STAGES)
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         gl.warp_specialize(
             [
                 (multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, bars, c_smem, num_warps)),
@@ -165,6 +234,28 @@ if gluon is not None:
             ],
             [LOADER_WARPS],
             [LOADER_REGS],
+        )
+
+    @gluon.jit
+    def _wgrad_pingpong_kernel(
+        left_desc, right_desc, out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    ):  # fmt: skip
+        bufs, bars = ring(left_desc, right_desc, STAGES)
+        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        turns = (bars[0], bars[1], turn)
+        gl.warp_specialize(
+            [
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, turns, c0_smem, 0)),
+                (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, turns, c1_smem, 1)),
+                (loader, (left_desc, right_desc, offsets_ptr, counts_ptr, M, N, num_tiles, bufs, bars)),
+            ],
+            [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
+            [MMA_REGS, LOADER_REGS],
         )
 
 
@@ -181,13 +272,14 @@ def _num_sms(device_index: int | None) -> int:
 
 def expert_wgrad_hopper(
     left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, expert_offsets: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
+    tokens_per_expert: torch.Tensor, schedule: str = "cooperative",
 ) -> None:  # fmt: skip
     """d_w [E, M, N] (unit column stride, e.g. a column block of a wider one) = per expert, the sum
-    over its rows of left[r]^T right[r]; left [R, M] and right [R, N] in schedule row order. Call
-    only where `usable(left, right, segment_align)`."""
+    over its rows of left[r]^T right[r]; left [R, M] and right [R, N] in schedule row order, under
+    one of SCHEDULES. Call only where `usable(left, right, segment_align)`."""
+    plan = SCHEDULES[schedule]
     E, M, N = d_w.shape
-    num_tiles = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    num_tiles = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, plan.block_n)
     if num_tiles == 0:
         return
     element = gl.bfloat16 if left.dtype == torch.bfloat16 else gl.float16
@@ -195,12 +287,14 @@ def expert_wgrad_hopper(
     def desc(t: torch.Tensor, block: tuple[int, ...]):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
 
-    left_desc = desc(left, (BLOCK_K, BLOCK_M))
-    right_desc = desc(right, (BLOCK_K, BLOCK_N))
-    out_desc = desc(d_w, (1, BLOCK_M, BLOCK_N))
-    programs = min(num_tiles, _num_sms(d_w.device.index))
-    _wgrad_kernel[(programs,)](
-        left_desc, right_desc, out_desc, expert_offsets, tokens_per_expert, M, N, num_tiles,
-        C_LAYOUT=_layout((BLOCK_M, BLOCK_N), element), STAGES=STAGES, LOADER_WARPS=LOADER_WARPS,
-        LOADER_REGS=LOADER_REGS, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGS,
+    args = (
+        desc(left, (BLOCK_K, BLOCK_M)), desc(right, (BLOCK_K, plan.block_n)), desc(d_w, (1, BLOCK_M, plan.block_n)),
+        expert_offsets, tokens_per_expert, M, N, num_tiles,
     )  # fmt: skip
+    common = dict(C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), STAGES=plan.stages,
+                  LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, maxnreg=MAX_REGS)  # fmt: skip
+    grid = (min(num_tiles, _num_sms(d_w.device.index)),)
+    if plan.pingpong:
+        _wgrad_pingpong_kernel[grid](*args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=4, **common)
+    else:
+        _wgrad_kernel[grid](*args, num_warps=8, **common)
