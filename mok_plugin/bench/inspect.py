@@ -34,6 +34,7 @@ from mok_plugin.kernels.launch import is_size_or_stride
 __all__ = [
     "compile_for_hopper",
     "compile_jit_for_hopper",
+    "compile_down_fwd_hopper",
     "compile_wgrad_hopper",
     "main",
     "pipeline_report",
@@ -140,31 +141,56 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
 
 def compile_wgrad_hopper(schedule: str = "cooperative"):
     """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) under one of its SCHEDULES,
-    compiled for sm_90 as its launcher specialises a bf16 call: descriptors of its block shapes
-    and shared layouts, 16-byte aligned pointers, 32-bit sizes. Needs Triton's Gluon (ImportError
+    compiled for sm_90 as its launcher specialises a bf16 call. Needs Triton's Gluon (ImportError
     without it)."""
+    from mok_plugin.kernels import wgrad_hopper as wh
+
+    plan = wh.SCHEDULES[schedule]
+    descriptors = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, plan.block_n),
+                   "out_desc": (1, wh.BLOCK_M, plan.block_n)}  # fmt: skip
+    pointers = {"offsets_ptr": "*i64", "counts_ptr": "*i64"}
+    constexprs = {"STAGES": plan.stages, "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS}
+    num_warps = 4 if plan.pingpong else 8
+    constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": num_warps}
+    kernel = wh._wgrad_pingpong_kernel if plan.pingpong else wh._wgrad_kernel
+    return _compile_gluon(kernel, descriptors, pointers, ("M", "N", "num_tiles"), constexprs, num_warps,
+                          c_layout=(wh.BLOCK_M, plan.block_n))  # fmt: skip
+
+
+def compile_down_fwd_hopper():
+    """fc2's forward in Gluon (kernels/rows_hopper.py) compiled for sm_90 as its launcher
+    specialises a bf16 call. Needs Triton's Gluon (ImportError without it)."""
+    from mok_plugin.kernels import rows_hopper as rh
+    from mok_plugin.kernels import wgrad_hopper as wh
+
+    descriptors = {"a_desc": (rh.BLOCK_M, rh.BLOCK_K), "w_desc": (rh.BLOCK_N, rh.BLOCK_K),
+                   "y_desc": (rh.BLOCK_M, rh.BLOCK_N)}  # fmt: skip
+    pointers = {"tile_to_expert_ptr": "*i64", "topk_weights_ptr": "*fp32", "row_to_tk_ptr": "*i64"}
+    constexprs = {"STAGES": rh.STAGES, "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS, "num_warps": 8}
+    return _compile_gluon(rh._down_fwd_gluon_kernel, descriptors, pointers, ("H", "K_DIM", "num_tiles"), constexprs, 8)
+
+
+def _compile_gluon(kernel, descriptors: dict, pointers: dict, sizes: tuple[str, ...], constexprs: dict,
+                   num_warps: int, c_layout: tuple[int, ...] | None = None):  # fmt: skip
+    """A Gluon kernel of kernels/*_hopper.py compiled for sm_90 as its launcher specialises a bf16
+    call: descriptors of these block shapes with their shared layouts, 16-byte aligned pointers,
+    32-bit sizes, the launcher's register cap; c_layout: the output tile's shared layout, if the
+    kernel takes it as C_LAYOUT."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mok_plugin.kernels import wgrad_hopper as wh
+    from mok_plugin.kernels.wgrad_hopper import MAX_REGS, _layout
 
-    def descriptor(block: tuple[int, ...]) -> str:
-        return f"tensordesc<bf16{list(block)},{wh._layout(block, gl.bfloat16)!r}>"
-
-    plan = wh.SCHEDULES[schedule]
-    blocks = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, plan.block_n),
-              "out_desc": (1, wh.BLOCK_M, plan.block_n)}  # fmt: skip
-    constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, plan.block_n), gl.bfloat16), "STAGES": plan.stages,
-                  "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS}  # fmt: skip
-    num_warps = 4 if plan.pingpong else 8
-    constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": num_warps}
-    signature = {name: descriptor(block) for name, block in blocks.items()}
-    signature |= {"offsets_ptr": "*i64", "counts_ptr": "*i64", "M": "i32", "N": "i32", "num_tiles": "i32"}
+    signature = {name: f"tensordesc<bf16{list(block)},{_layout(block, gl.bfloat16)!r}>"
+                 for name, block in descriptors.items()}  # fmt: skip
+    signature |= pointers | dict.fromkeys(sizes, "i32")
+    if c_layout is not None:
+        constexprs = {"C_LAYOUT": _layout(c_layout, gl.bfloat16)} | constexprs
     signature |= dict.fromkeys(constexprs, "constexpr")
-    attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}  # the two pointers
-    kernel = wh._wgrad_pingpong_kernel if plan.pingpong else wh._wgrad_kernel
+    names = list(signature)
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "maxnreg": wh.MAX_REGS})
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "maxnreg": MAX_REGS})
 
 
 def pipeline_report(ttgir: str) -> dict:

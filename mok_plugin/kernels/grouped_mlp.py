@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels import wgrad_hopper
+from mok_plugin.kernels import rows_hopper, wgrad_hopper
 from mok_plugin.kernels.configs import (
+    HOPPER_DOWN_FWD_MIN_ROWS,
     HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
@@ -375,6 +376,9 @@ def down_fwd(
     cfg = config or kernel_config("down_fwd", H)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
+    if config is None and num_rows >= HOPPER_DOWN_FWD_MIN_ROWS and rows_hopper.usable(a, down_proj, tile_m, down_bias):
+        rows_hopper.down_fwd_hopper(a, down_proj, topk_weights, row_to_tk, tile_to_expert, y)  # same bits
+        return y
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,

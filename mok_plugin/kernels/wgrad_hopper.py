@@ -130,16 +130,24 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def accumulate(acc, bufs, bars, c, steps):
+    def accumulate(acc, bufs, bars, c, steps, K_INNER: gl.constexpr = False):
         """acc plus one tile's `steps` K steps, read from the ring's positions c, c + 1, ...: async
-        wgmma with at most one in flight, each stage freed once the MMA after it is issued."""
+        wgmma with at most one in flight, each stage freed once the MMA after it is issued. The
+        stages hold [BK, BM] and [BK, BN] blocks (weight gradients: rows are the reduced dimension)
+        or, with K_INNER, [BM, BK] and [BN, BK] (row GEMMs: rows times a weight's rows)."""
         l_bufs, r_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = l_bufs.type.shape[0]
         for s in range(steps):
             idx = (c + s) % S
             mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-            acc = warpgroup_mma(l_bufs.index(idx).permute((1, 0)), r_bufs.index(idx), acc, is_async=True)
+            if K_INNER:
+                lhs = l_bufs.index(idx)
+                rhs = r_bufs.index(idx).permute((1, 0))
+            else:
+                lhs = l_bufs.index(idx).permute((1, 0))
+                rhs = r_bufs.index(idx)
+            acc = warpgroup_mma(lhs, rhs, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous stage's MMA is done: free it
             mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
         acc = warpgroup_mma_wait(0, deps=(acc,))

@@ -1,0 +1,110 @@
+"""fc2's forward in Gluon for Hopper (kernels/rows_hopper.py): on an sm_90 GPU, bitwise the Triton
+kernel's rows (`tiles.down_tile`), close to a float64 product, bitwise repeatable; never chosen off
+Hopper, with the fc2 bias, or for small schedules; compiled for sm_90 without a GPU."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton backend needs triton")
+
+from triton_cases import crafted_routing  # noqa: E402
+
+from mok_plugin.kernels import grouped_mlp, rows_hopper  # noqa: E402
+from mok_plugin.kernels.configs import kernel_config  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not on_hopper, reason="needs an sm_90 (Hopper) GPU")
+
+SHAPES = [
+    pytest.param((512, 384, 256, 16, 2, "skewed"), id="skewed_empty_experts"),
+    pytest.param((2048, 1024, 768, 64, 8, "uniform"), id="qwen3_like"),
+    pytest.param((700, 1000, 200, 24, 3, "uniform"), id="H_I_not_tile_multiples"),
+    pytest.param((1, 512, 384, 32, 4, "uniform"), id="T1"),
+]
+
+
+def _inputs(T, H, I, E, K, kind, dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    schedule = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=DEFAULT_TILE_M)
+    a = torch.randn(schedule.num_rows, I, generator=g).cuda().to(dtype)
+    down_proj = (torch.randn(E, H, I, generator=g) / I**0.5).cuda().to(dtype)
+    topk_weights = torch.rand(T, K, generator=g).cuda()
+    return schedule, a, down_proj, topk_weights
+
+
+def _down_fwd(schedule, a, down_proj, topk_weights, config=None):
+    return grouped_mlp.down_fwd(
+        a, down_proj, topk_weights, schedule.row_to_tk, schedule.row_to_token, schedule.tile_to_expert,
+        schedule.tile_m, config,
+    )  # fmt: skip
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hopper_down_fwd_is_bitwise_the_triton_kernel(shape, dtype, monkeypatch):
+    calls = []
+    launch = rows_hopper.down_fwd_hopper
+    monkeypatch.setattr(grouped_mlp, "HOPPER_DOWN_FWD_MIN_ROWS", 0)
+    monkeypatch.setattr(rows_hopper, "down_fwd_hopper", lambda *a: calls.append(1) or launch(*a))
+    schedule, a, down_proj, topk_weights = _inputs(*shape, dtype)
+    assert rows_hopper.usable(a, down_proj, schedule.tile_m, None)
+    real = schedule.row_to_token >= 0  # padding rows: the Triton kernel leaves them unset
+    gluon = _down_fwd(schedule, a, down_proj, topk_weights)[real]
+    again = _down_fwd(schedule, a, down_proj, topk_weights)[real]
+    assert len(calls) == 2, "the Gluon kernel did not run"
+    assert torch.equal(gluon, again), "not bitwise repeatable"
+    triton_rows = _down_fwd(schedule, a, down_proj, topk_weights, kernel_config("down_fwd", down_proj.shape[1]))
+    assert len(calls) == 2
+    assert torch.equal(gluon, triton_rows[real]), "differs from the Triton kernel"
+    expected = torch.zeros(schedule.num_rows, down_proj.shape[1], dtype=torch.float64, device=a.device)
+    offsets = schedule.expert_offsets.tolist()
+    for e in range(down_proj.shape[0]):
+        expected[offsets[e] : offsets[e + 1]] = a[offsets[e] : offsets[e + 1]].double() @ down_proj[e].double().T
+    weights = topk_weights.reshape(-1)[schedule.row_to_tk[real]].double()
+    expected = expected[real] * weights[:, None]
+    scale = expected.abs().max().item()
+    assert scale > 0
+    err = (gluon.double() - expected).abs().max().item()
+    assert err <= 2**-7 * scale, f"max abs err {err:.3e} against a float64 product (scale {scale:.3e})"
+
+
+def test_hopper_down_fwd_is_not_chosen_off_hopper_or_with_a_bias(monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
+    w = torch.zeros(2, 256, 128, dtype=torch.bfloat16, device=device)
+    assert rows_hopper.usable(a, w, DEFAULT_TILE_M, None) == on_hopper
+    assert not rows_hopper.usable(a, w, DEFAULT_TILE_M, torch.zeros(2, 256, dtype=a.dtype, device=device))
+    assert not rows_hopper.usable(a.float(), w.float(), DEFAULT_TILE_M, None)
+    assert not rows_hopper.usable(a, w, 64, None)  # row tiles of the schedule other than its 128
+    monkeypatch.setenv("MOK_HOPPER_ROWS", "0")
+    assert not rows_hopper.usable(a, w, DEFAULT_TILE_M, None)
+
+
+def test_hopper_down_fwd_compiles_for_sm90_without_a_gpu():
+    # As the launcher specialises a bf16 call, in its own process (outside the interpreter the test
+    # session turns on): its shared memory fits Hopper's 227 KiB, nothing spills, and each K step
+    # is four m64n256k16 wgmma on operands in shared memory.
+    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    code = (
+        "from mok_plugin.bench.inspect import compile_down_fwd_hopper, resource_usage\n"
+        "k = compile_down_fwd_hopper()\n"
+        "wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.m64n256k16')\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared, registers, stack, wgmma = map(int, run.stdout.split()[-4:])
+    assert shared <= 227 * 1024
+    assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
+    assert 0 < registers <= rows_hopper.wgrad_hopper.MAX_REGS
+    assert wgmma == 4
