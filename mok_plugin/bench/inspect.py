@@ -32,9 +32,10 @@ from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_con
 from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = [
-    "compile_for_hopper",
-    "compile_jit_for_hopper",
     "compile_down_fwd_hopper",
+    "compile_for_hopper",
+    "compile_gate_up_fwd_hopper",
+    "compile_jit_for_hopper",
     "compile_wgrad_hopper",
     "main",
     "pipeline_report",
@@ -170,25 +171,47 @@ def compile_down_fwd_hopper():
     return _compile_gluon(rh._down_fwd_gluon_kernel, descriptors, pointers, ("H", "K_DIM", "num_tiles"), constexprs, 8)
 
 
+def compile_gate_up_fwd_hopper():
+    """fc1's GEMM in Gluon (kernels/rows_hopper.py), x's rows gathered by the loader warpgroup,
+    compiled for sm_90 as its launcher specialises a bf16 call with 16-element aligned sizes. Needs
+    Triton's Gluon (ImportError without it)."""
+    from triton.experimental.gluon import language as gl
+
+    from mok_plugin.kernels import rows_hopper as rh
+    from mok_plugin.kernels.wgrad_hopper import _layout
+
+    descriptors = {"w_desc": (rh.UP_BLOCK_N, rh.BLOCK_K), "h_desc": (rh.BLOCK_M, rh.UP_BLOCK_N)}
+    pointers = {"row_to_token_ptr": "*i64", "tile_to_expert_ptr": "*i64"}
+    constexprs = {"X_LAYOUT": _layout((rh.BLOCK_M, rh.BLOCK_K), gl.bfloat16), "GATHER_LAYOUT": rh._gather_layout(),
+                  "SUB": rh.GATHER_SUB, "ALIGN": 16, "STAGES": rh.STAGES, "LOADER_WARPS": rh.GATHER_WARPS,
+                  "LOADER_REGS": rh.GATHER_REGS, "num_warps": 8}  # fmt: skip
+    leading = {"x_ptr": "*bf16", "stride_x": "i32"}
+    return _compile_gluon(rh._gate_up_fwd_gluon_kernel, descriptors, pointers, ("H", "I", "num_tiles"), constexprs, 8,
+                          leading=leading, aligned=("x_ptr", "stride_x", "H", "I"))  # fmt: skip
+
+
 def _compile_gluon(kernel, descriptors: dict, pointers: dict, sizes: tuple[str, ...], constexprs: dict,
-                   num_warps: int, c_layout: tuple[int, ...] | None = None):  # fmt: skip
+                   num_warps: int, c_layout: tuple[int, ...] | None = None, leading: dict | None = None,
+                   aligned: tuple[str, ...] = ()):  # fmt: skip
     """A Gluon kernel of kernels/*_hopper.py compiled for sm_90 as its launcher specialises a bf16
-    call: descriptors of these block shapes with their shared layouts, 16-byte aligned pointers,
-    32-bit sizes, the launcher's register cap; c_layout: the output tile's shared layout, if the
-    kernel takes it as C_LAYOUT."""
+    call: (leading arguments,) descriptors of these block shapes with their shared layouts,
+    16-byte aligned pointers, 32-bit sizes (those in `aligned` known multiples of 16, as the
+    launcher specialises them), the launcher's register cap; c_layout: the output tile's shared
+    layout, if the kernel takes it as C_LAYOUT."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mok_plugin.kernels.wgrad_hopper import MAX_REGS, _layout
 
-    signature = {name: f"tensordesc<bf16{list(block)},{_layout(block, gl.bfloat16)!r}>"
-                 for name, block in descriptors.items()}  # fmt: skip
+    signature = dict(leading or {})
+    signature |= {name: f"tensordesc<bf16{list(block)},{_layout(block, gl.bfloat16)!r}>"
+                  for name, block in descriptors.items()}  # fmt: skip
     signature |= pointers | dict.fromkeys(sizes, "i32")
     if c_layout is not None:
         constexprs = {"C_LAYOUT": _layout(c_layout, gl.bfloat16)} | constexprs
     signature |= dict.fromkeys(constexprs, "constexpr")
     names = list(signature)
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in pointers}
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in [*pointers, *aligned]}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "maxnreg": MAX_REGS})
 

@@ -26,7 +26,7 @@ __all__ = [
     "swap_pinned",
     "wgrad_config",
     "wgrad_kernel",
-    "HOPPER_DOWN_FWD_MIN_ROWS",
+    "HOPPER_ROWS_MIN_ROWS",
     "HOPPER_WGRAD_MIN_WIDTH",
     "HOPPER_WGRAD_REPLACES",
 ]
@@ -151,10 +151,10 @@ def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
 # the GEMM gains. BENCHMARKS.md, "Weight gradients in Gluon".
 HOPPER_WGRAD_REPLACES = {"wgrad": "cooperative", "wgrad_sweep": "pingpong"}
 HOPPER_WGRAD_MIN_WIDTH = 2048
-# From how many schedule rows (R_pad) fc2's forward runs in the Gluon kernel for Hopper
+# From how many schedule rows (R_pad) the forward's row GEMMs run in the Gluon kernels for Hopper
 # (rows_hopper.py, same bits): below it a launch's ~230 us of host time (Gluon's binder) would
 # matter more than the GPU time it saves (small batches are host-bound).
-HOPPER_DOWN_FWD_MIN_ROWS = 16384
+HOPPER_ROWS_MIN_ROWS = 16384
 
 
 def wgrad_config(by_row_width: int, num_rows: int, num_experts: int) -> MoKTileConfig:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from mok_plugin.kernels import rows_hopper, wgrad_hopper
 from mok_plugin.kernels.configs import (
-    HOPPER_DOWN_FWD_MIN_ROWS,
+    HOPPER_ROWS_MIN_ROWS,
     HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
@@ -60,6 +60,7 @@ from mok_plugin.kernels.tiles import (
     down_dgrad_block,
     down_dgrad_epilogue,
     down_tile,
+    expert_activation,
     gate_up_dgrad_tile,
     gate_up_tile,
     grouped_pid,
@@ -70,6 +71,7 @@ from mok_plugin.kernels.tiles import (
 
 __all__ = [
     "gate_up_fwd",
+    "up_activation",
     "down_fwd",
     "down_dgrad",
     "gate_up_dgrad",
@@ -165,6 +167,30 @@ def _down_dgrad_gemm_kernel(
     if expert >= 0:
         d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
         tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(launch_metadata=launch_metadata("mok_up_activation"))
+def _up_activation_kernel(
+    h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, I, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+    OFFSET: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); A of block (m, n) from the stored (rounded) h, as
+    `tiles.gate_up_tile` computes it after its GEMM: for fc1 GEMMs that store h only."""
+    I = aligned(I, ALIGN)  # sizes and strides restated as multiples of ALIGN (tiles.aligned)
+    stride_h_r = aligned(stride_h_r, ALIGN)
+    stride_a_r = aligned(stride_a_r, ALIGN)
+    expert, rows, tokens, row_ok = tile_rows(tl.program_id(0), row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
+    if expert >= 0:
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+        up = gate  # unused when not GATED
+        if GATED:
+            up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+        a = expert_activation(gate, up, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
+        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_epilogue"))
@@ -343,6 +369,14 @@ def gate_up_fwd(
     cfg = config or kernel_config("gate_up_fwd" if gated else "mlp_up_fwd", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h = torch.empty(num_rows, N1, dtype=x.dtype, device=x.device)
+    if (
+        config is None
+        and num_rows >= HOPPER_ROWS_MIN_ROWS
+        and rows_hopper.gate_up_usable(x, gate_up_proj, tile_m, gated, gate_up_bias is not None)
+    ):
+        rows_hopper.gate_up_fwd_hopper(x, gate_up_proj, row_to_token, tile_to_expert, h)  # same bits
+        family = {"activation": activation, "gated": gated, "clamp": clamp, "offset": offset}
+        return h, up_activation(h, row_to_token, tile_to_expert, tile_m, **family)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
     _launch_row_tiles(
@@ -354,6 +388,25 @@ def gate_up_fwd(
         GATED=gated, CLAMP=clamp, OFFSET=offset,
     )
     return h, a
+
+
+def up_activation(
+    h: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, *,
+    activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """A [R_pad, I] = the family's activation of the stored h [R_pad, N1] on the rows in use, as
+    gate_up_fwd computes it (the same function of the same rounded values: the same bits)."""
+    num_rows, N1 = h.shape
+    I = N1 // 2 if gated else N1
+    a = torch.empty(num_rows, I, dtype=h.dtype, device=h.device)
+    epi = kernel_config("down_dgrad_epilogue", I)  # an elementwise pass over row blocks, as that one
+    block_m = min(epi.block_m, tile_m)
+    _up_activation_kernel[(num_rows // block_m, triton.cdiv(I, epi.block_n))](
+        h, a, row_to_token, tile_to_expert, I, h.stride(0), a.stride(0), TILE_M=tile_m, BLOCK_M=block_m,
+        BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,
+        ALIGN=alignment(I, h.stride(0), a.stride(0)), num_warps=epi.num_warps,
+    )  # fmt: skip
+    return a
 
 
 def _stride0(t: torch.Tensor | None) -> int:
@@ -376,7 +429,7 @@ def down_fwd(
     cfg = config or kernel_config("down_fwd", H)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
-    if config is None and num_rows >= HOPPER_DOWN_FWD_MIN_ROWS and rows_hopper.usable(a, down_proj, tile_m, down_bias):
+    if config is None and num_rows >= HOPPER_ROWS_MIN_ROWS and rows_hopper.usable(a, down_proj, tile_m, down_bias):
         rows_hopper.down_fwd_hopper(a, down_proj, topk_weights, row_to_tk, tile_to_expert, y)  # same bits
         return y
     tma = tma_ok(cfg, a, down_proj)
