@@ -426,6 +426,11 @@ def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU test (four gloo ranks on one machine): it failed on a one-GPU machine, where DeepSpeed's "
+    "accelerator is CUDA for every rank; the CPU CI runs it",
+)
 def test_random_gating_with_dropping_is_the_same_on_every_ep_size(tmp_path):
     run_ranks(_ep_worker, 4, args=(str(tmp_path),))
     for rank in range(4):
