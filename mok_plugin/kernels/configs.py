@@ -145,10 +145,10 @@ def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
 # rows copied into row order first, which pays where the GEMM per row is wide. Measured in the
 # layer (GPU time of the weight gradients, Triton -> Gluon + copies, ms): deepseek-v3 16.35 ->
 # 12.07 + 1.26 (ping-pong; 13.77 cooperative), mixtral-8x7b 9.09 -> 8.26 + 0.14 (cooperative;
-# 8.63 ping-pong), gpt-oss-120b 6.67 -> 5.81 + 0.43 (ping-pong; 5.87 cooperative) (by-row widths
+# 8.63 ping-pong), gpt-oss-120b 6.67 -> 5.56 + 0.44 (ping-pong; 5.87 cooperative) (by-row widths
 # 2048 and more); slower on 8192,3000,1000,160,6 (2.35 -> 2.36 + 0.35 ping-pong; widths 2000 and
 # 1000), qwen3-30b-a3b (2.21 -> 1.97 + 0.72) and olmoe (2.67 -> 2.43 + 0.68): the copies cost what
-# the GEMM gains. BENCHMARKS.md, "Weight gradients in Gluon".
+# the GEMM gains. BENCHMARKS.md, "Weight gradients in Gluon" and "Ping-pong weight gradients".
 HOPPER_WGRAD_REPLACES = {"wgrad": "cooperative", "wgrad_sweep": "pingpong"}
 HOPPER_WGRAD_MIN_WIDTH = 2048
 # From how many schedule rows (R_pad) the forward's row GEMMs run in the Gluon kernels for Hopper

@@ -23,7 +23,8 @@ to a multiple of BLOCK_K and the by-row operand holds zeros there (as with TMA i
 The by-token operand comes in already copied into row order because TMA cannot gather rows on
 Hopper; gathering them in the kernel with a loader warpgroup's cp.async was slower on every shape
 (89fa1b7: the loader waited on each step's token indices; 13e2b36, indices a step ahead: still
-15.1 ms on deepseek-v3 against 13.8 + 1.3 of copies), BENCHMARKS.md, "Weight gradients in Gluon".
+15.1 ms on deepseek-v3 against 13.8 + 1.3 of copies): BENCHMARKS.md, "Weight gradients in Gluon"
+and "Ping-pong weight gradients".
 
 Only on sm_90 with 2-byte operands whose rows TMA can read; `usable()` says when, and the caller
 falls back to the Triton kernels. `MOK_HOPPER_WGRAD=0` in the environment turns it off (to time
