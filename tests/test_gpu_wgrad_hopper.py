@@ -118,6 +118,9 @@ def test_hopper_wgrad_is_not_chosen_off_hopper(monkeypatch):
     assert wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M) == on_hopper
     assert not wgrad_hopper.usable(rows.float(), rows.float(), DEFAULT_TILE_M)  # fp32: the Triton kernels
     assert not wgrad_hopper.usable(rows, rows, 32)  # segments not padded to its 64-row steps
+    shifted = torch.zeros(256 * 128 + 1, dtype=rows.dtype, device=device)[1:].view(256, 128)
+    assert not wgrad_hopper.usable(rows, shifted, DEFAULT_TILE_M)  # a base 2 bytes off 16: no descriptor
+    assert not wgrad_hopper.usable(rows, rows.half(), DEFAULT_TILE_M)  # mixed dtypes
     monkeypatch.setenv("MOK_HOPPER_WGRAD", "0")
     assert not wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M)
 

@@ -54,7 +54,7 @@ try:  # Gluon is experimental: absent from older Triton, so this module works wi
 except ImportError:
     gluon = None
 
-__all__ = ["BLOCK_K", "BLOCK_M", "SCHEDULES", "Schedule", "expert_wgrad_hopper", "usable"]
+__all__ = ["BLOCK_K", "BLOCK_M", "SCHEDULES", "Schedule", "expert_wgrad_hopper", "tma_rows", "usable"]
 
 BLOCK_M, BLOCK_K = 128, 64
 LOADER_WARPS, LOADER_REGS = 1, 24
@@ -84,15 +84,23 @@ PINGPONG_MMA_REGS = 240  # a ping-pong warpgroup's: 2 x 240 + 24 (loader) of the
 
 def usable(left: torch.Tensor, right: torch.Tensor, segment_align: int) -> bool:
     """Whether this kernel can compute dW from these row operands (else the Triton kernels do)."""
-    if not (left.is_cuda and right.is_cuda) or torch.cuda.get_device_capability(left.device) != (9, 0):
-        return False
-    if left.dtype not in (torch.bfloat16, torch.float16) or right.dtype != left.dtype:
-        return False
     if segment_align % BLOCK_K or os.environ.get("MOK_HOPPER_WGRAD", "1") == "0":
         return False
-    return gluon is not None and all(
-        t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 for t in (left, right)
-    )
+    return tma_rows(left, right)
+
+
+def tma_rows(*tensors: torch.Tensor) -> bool:
+    """Whether Gluon's Hopper kernels can read (and write) these 2-D tensors' rows through TMA
+    descriptors: on an sm_90 GPU, all bf16 or all fp16, unit column stride, 16-byte aligned rows
+    and base (TensorDescriptor asserts both), and Triton with Gluon."""
+    first = tensors[0]
+    if gluon is None or not first.is_cuda or torch.cuda.get_device_capability(first.device) != (9, 0):
+        return False
+    return first.dtype in (torch.bfloat16, torch.float16) and all(
+        t.is_cuda and t.dtype == first.dtype and t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0
+        and t.data_ptr() % 16 == 0
+        for t in tensors
+    )  # fmt: skip
 
 
 if gluon is not None:
