@@ -13,11 +13,10 @@ are contiguous (A in schedule row order, W2 viewed as [E * H, I]), which is why 
 the first row GEMM here: fc1's forward and fc2's input gradient gather their rows by token.
 
 Determinism: one owner per output tile, the same BLOCK_K steps in ascending order into one fp32
-accumulator, then the same fp32 scaling and one rounding: bitwise `tiles.down_tile` (tested on the
-GPU). A weight block that runs past the expert's H rows reads the next expert's rows (or TMA's
+accumulator, then the same fp32 scaling and one rounding: bitwise `tiles.down_tile` (tests/test_gpu_rows_hopper.py;
+not yet run on a GPU). A weight block that runs past the expert's H rows reads the next expert's rows (or TMA's
 zeros after the last): they meet only output columns >= H, which the store clips. Padding rows
-are written (as w_r = 0 times whatever A holds there), where the Triton kernel leaves them unset:
-nothing reads them.
+are written with zeros, where the Triton kernel leaves them unset: nothing reads them.
 
 Only on sm_90, for bf16/fp16 without the fc2 bias, schedule tiles of 128 rows, and rows TMA can
 read; `usable()` says when. `MOK_HOPPER_ROWS=0` turns it off.
@@ -63,24 +62,23 @@ GATHER_WARPS, GATHER_REGS = 4, 96  # a loader warpgroup: 128 threads issue the g
 
 
 def usable(a: torch.Tensor, down_proj: torch.Tensor, tile_m: int, down_bias: torch.Tensor | None) -> bool:
-    """Whether this kernel can compute fc2's forward (else the Triton kernel does)."""
+    """Whether this kernel can compute fc2's forward (else the Triton kernel does): no fc2 bias,
+    the schedule's 128-row tiles, and A, W2 and y [R_pad, H] TMA-readable (`tma_rows`)."""
     if os.environ.get("MOK_HOPPER_ROWS", "1") == "0" or down_bias is not None or tile_m != BLOCK_M:
         return False
-    if not wgrad_hopper.usable(a, a, BLOCK_K):  # sm_90, 2-byte, TMA-readable rows, Gluon present
-        return False
-    w = down_proj.reshape(-1, down_proj.shape[-1])
-    return w.dtype == a.dtype and w.stride(1) == 1 and w.stride(0) * w.element_size() % 16 == 0
+    y_rows_ok = down_proj.shape[1] * a.element_size() % 16 == 0  # y is allocated [R_pad, H]
+    return y_rows_ok and wgrad_hopper.tma_rows(a, down_proj.reshape(-1, down_proj.shape[-1]))
 
 
 def gate_up_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, tile_m: int, gated: bool, has_bias: bool) -> bool:
     """Whether fc1's GEMM can run here (else the Triton kernel does): gated, no fc1 bias, I a
-    multiple of UP_BLOCK_N (a weight block never crosses from the gate half into the up half)."""
+    multiple of UP_BLOCK_N (a weight block never crosses from the gate half into the up half), x's
+    rows 16-byte aligned for the loader's 16-byte copies, W13 TMA-readable (`tma_rows`)."""
     if os.environ.get("MOK_HOPPER_ROWS", "1") == "0" or not gated or has_bias or tile_m != BLOCK_M:
         return False
-    if gate_up_proj.shape[1] // 2 % UP_BLOCK_N or not wgrad_hopper.usable(x, x, BLOCK_K):
+    if gate_up_proj.shape[1] // 2 % UP_BLOCK_N:
         return False
-    w = gate_up_proj.reshape(-1, gate_up_proj.shape[-1])
-    return w.dtype == x.dtype and w.stride(1) == 1 and w.stride(0) * w.element_size() % 16 == 0
+    return wgrad_hopper.tma_rows(x, gate_up_proj.reshape(-1, gate_up_proj.shape[-1]))
 
 
 if gluon is not None:
@@ -135,7 +133,8 @@ if gluon is not None:
                 rows = m_tile.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
                 tk = gl.load(row_to_tk_ptr + rows)
                 w = gl.load(topk_weights_ptr + tk, mask=tk >= 0, other=0.0)
-                y = acc * gl.expand_dims(w, 1)
+                # padding rows get zeros, not 0 * whatever A's unwritten rows hold (NaN stays NaN)
+                y = gl.where(gl.expand_dims(tk >= 0, 1), acc * gl.expand_dims(w, 1), 0.0)
                 tma.store_wait(0)  # the previous tile's store has left c_smem
                 c_smem.store(y.to(y_desc.dtype))
                 fence_async_shared()
