@@ -23,6 +23,13 @@ The ops are opaque `torch.library.custom_op`s with fake implementations: `torch.
 host, so a CUDA graph can capture them. Outside torch.compile `moe_experts` runs the same functions
 through plain autograd.Functions (`_autograd`), without the dispatcher's per-call host cost.
 
+Small batches keep h and dh one row per (token, k) pair between the two nodes (`compact_h`): the
+schedule's static row bound is mostly padding there (T = 37 with qwen3-30b-a3b's dimensions:
+16,640 rows for 296 pairs), and dh's padded rows were what made the backward's peak, at dW13's
+allocation, exceed the PyTorch path's. Each node widens them to rows for its kernels and narrows
+the result again; dW13 and the fc1 bias gradient read the pairs through row_to_tk. The same
+products in the same order: the same bits as the padded layout.
+
 Under `wgrad.deferring(queue)` (Megatron's --delay-wgrad-compute) the multi-kernel nodes' backward
 computes dx, dh and the routing-weight gradient and records the weight and bias gradients in the
 queue, with the same kernels on the same inputs; the megakernel's single pass computes them at once.
@@ -48,7 +55,7 @@ from mok_plugin.kernels.grouped_mlp import (
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.kernels.schedule import row_values
-from mok_plugin.schedule import MoKSchedule
+from mok_plugin.schedule import MoKSchedule, pairs_to_rows, rows_to_pairs
 from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts"]
@@ -205,6 +212,19 @@ _moe_experts_fwd_eager = _autograd(moe_experts_fwd, _setup_context, _backward)
 # ---- multi-kernel variant, node 1 of 2: x -> (h, A) -----------------------------------------
 # The family travels as scalars (ops take no config objects): activation, gated, clamp, offset.
 
+# h and dh go between the nodes one row per (token, k) pair where the schedule's row bound is at
+# least this many times the pairs (see the module docstring): the small batches.
+COMPACT_H_MIN_RATIO = 2
+
+
+def compact_h(num_rows: int, num_pairs: int) -> bool:
+    """Whether h and dh travel one row per pair (from sizes only: no host sync)."""
+    return num_rows >= COMPACT_H_MIN_RATIO * max(num_pairs, 1)
+
+
+def _is_compact(h_or_dh: torch.Tensor, row_to_token: torch.Tensor) -> bool:
+    return h_or_dh.shape[0] != row_to_token.shape[0]  # R_pad > T * K always (at least one tile more)
+
 
 @_op("expert_up_fwd")
 def expert_up_fwd(
@@ -212,6 +232,7 @@ def expert_up_fwd(
     gate_up_proj: torch.Tensor,
     gate_up_bias: torch.Tensor | None,
     row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
     tk_to_row: torch.Tensor,
     tile_to_expert: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -223,21 +244,25 @@ def expert_up_fwd(
     clamp: float | None,
     offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [R_pad, N1], A [R_pad, I]) of the gathered x rows (N1 = 2I gated, else I). The schedule
-    tensors that only the backward reads are inputs so that autograd saves them; top_k is passed,
-    not derived from tk_to_row's length, because T can be 0 (an expert-parallel rank that receives
-    no rows)."""
-    return gate_up_fwd(
+    """(h [R_pad, N1], or [T * K, N1] one row per pair where `compact_h`; A [R_pad, I]) of the
+    gathered x rows (N1 = 2I gated, else I). The schedule tensors that only the backward reads are
+    inputs so that autograd saves them; top_k is passed, not derived from tk_to_row's length,
+    because T can be 0 (an expert-parallel rank that receives no rows)."""
+    h, a = gate_up_fwd(
         x, gate_up_proj, row_to_token, tile_to_expert, tile_m, gate_up_bias=gate_up_bias, activation=activation,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
+    if compact_h(row_to_token.shape[0], tk_to_row.shape[0]):
+        h = rows_to_pairs(h, tk_to_row)
+    return h, a
 
 
 @expert_up_fwd.register_fake
-def _(x, gate_up_proj, gate_up_bias, row_to_token, *schedule_and_family):
+def _(x, gate_up_proj, gate_up_bias, row_to_token, row_to_tk, tk_to_row, *schedule_and_family):
     gated = schedule_and_family[-3]
     rows, n1 = row_to_token.shape[0], gate_up_proj.shape[1]
-    return x.new_empty(rows, n1), x.new_empty(rows, n1 // 2 if gated else n1)
+    h_rows = tk_to_row.shape[0] if compact_h(rows, tk_to_row.shape[0]) else rows
+    return x.new_empty(h_rows, n1), x.new_empty(rows, n1 // 2 if gated else n1)
 
 
 @_op("expert_up_bwd")
@@ -246,6 +271,7 @@ def expert_up_bwd(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
     row_to_token: torch.Tensor,
+    row_to_tk: torch.Tensor,
     tk_to_row: torch.Tensor,
     tile_to_expert: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -253,17 +279,26 @@ def expert_up_bwd(
     tile_m: int,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh."""
-    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, top_k)
-    return d_x, _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m)
+    """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh (rows,
+    or one per pair)."""
+    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
+    return d_x, _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m, top_k)
 
 
-def _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
+def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
+    if _is_compact(d_h, row_to_token):  # widened for the GEMM only, released on return (before dW13)
+        d_h = pairs_to_rows(d_h, row_to_tk)
     d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m)
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
 
-def _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m: int):
+def _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m: int, top_k: int):
+    if _is_compact(d_h, row_to_token):
+        # dh one row per pair, and x likewise (pair t * K + k is token t's): both read through
+        # row_to_tk, row by row in the schedule's order, as the padded layout reads them
+        x_pairs = x.repeat_interleave(top_k, dim=0)
+        return expert_wgrad(d_h, x_pairs, row_to_tk, expert_offsets, tokens_per_expert, left_by_token=True,
+                            right_by_token=True, segment_align=tile_m)  # fmt: skip
     return expert_wgrad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, left_by_token=False,
                         right_by_token=True, segment_align=tile_m)  # fmt: skip
 
@@ -302,28 +337,35 @@ def _setup_up(ctx, inputs, output):
 
 
 def _backward_up(ctx, d_h, _d_a):
-    x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = ctx.saved_tensors
-    has_bias, tile_m = ctx.has_bias, ctx.tile_m
+    x, gate_up_proj, *schedule = ctx.saved_tensors
+    row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
+    has_bias, tile_m, top_k = ctx.has_bias, ctx.tile_m, ctx.top_k
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW1 (and db1) in backward_dw (wgrad.py)
-        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, tile_m, ctx.top_k)
+        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
 
         def weight_grads():
-            eager = ctx.eager
-            d_bias = _up_bias_grad(eager, d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
-            return _up_weight_grad(d_h, x, row_to_token, expert_offsets, tokens_per_expert, tile_m), d_bias
+            d_bias = None
+            if has_bias:
+                d_bias = _up_bias_grad(ctx.eager, d_h, row_to_token, row_to_tk, expert_offsets, tokens_per_expert)
+            d_gate_up = _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m,
+                                        top_k)  # fmt: skip
+            return d_gate_up, d_bias
 
         ctx.deferral.add(weight_grads, ctx.weights)
-        return (d_x, None, None) + (None,) * 11
-    d_x, d_gate_up = _call(expert_up_bwd, ctx.eager)(
-        d_h, x, gate_up_proj, row_to_token, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert, tile_m,
-        ctx.top_k,
-    )  # fmt: skip
-    d_bias = _up_bias_grad(ctx.eager, d_h, row_to_token, expert_offsets, tokens_per_expert) if has_bias else None
-    return (d_x, d_gate_up, d_bias) + (None,) * 11
+        return (d_x, None, None) + (None,) * 12
+    d_x, d_gate_up = _call(expert_up_bwd, ctx.eager)(d_h, x, gate_up_proj, *schedule, tile_m, top_k)
+    d_bias = None
+    if has_bias:
+        d_bias = _up_bias_grad(ctx.eager, d_h, row_to_token, row_to_tk, expert_offsets, tokens_per_expert)
+    return (d_x, d_gate_up, d_bias) + (None,) * 12
 
 
-def _up_bias_grad(eager: bool, d_h, row_to_token, expert_offsets, tokens_per_expert):
-    return _call(expert_bias_grad_op, eager)(d_h, None, row_to_token, expert_offsets, tokens_per_expert, False)
+def _up_bias_grad(eager: bool, d_h, row_to_token, row_to_tk, expert_offsets, tokens_per_expert):
+    """db1 [E, N1]: per expert, the sum over its rows of dh (ascending row order), read through
+    row_to_tk when dh is one row per pair."""
+    compact = _is_compact(d_h, row_to_token)
+    rows_map = row_to_tk if compact else row_to_token
+    return _call(expert_bias_grad_op, eager)(d_h, None, rows_map, expert_offsets, tokens_per_expert, compact)
 
 
 _expert_up_fwd_eager = _autograd(expert_up_fwd, _setup_up, _backward_up)
@@ -430,13 +472,19 @@ def expert_down_bwd(
 
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
                      tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
-    """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward."""
+    """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward; dh one row
+    per pair where h came so (`compact_h`), widened to rows for the kernels and narrowed after."""
     T, K = topk_weights.shape
+    compact = _is_compact(h, row_to_token)
+    if compact:
+        h = pairs_to_rows(h, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
         activation=activation,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
+    if compact:
+        d_h = rows_to_pairs(d_h, tk_to_row)
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
 
@@ -543,8 +591,8 @@ def moe_experts(
         act = ("identity", False, None, 0.0)
     else:
         h, a = (_expert_up_fwd_eager if eager else expert_up_fwd)(
-            x, gate_up_proj.contiguous(), b1, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
-            s.tokens_per_expert, s.tile_m, s.top_k, *act,
+            x, gate_up_proj.contiguous(), b1, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
+            s.expert_offsets, s.tokens_per_expert, s.tile_m, s.top_k, *act,
         )  # fmt: skip
     return (_expert_down_fwd_eager if eager else expert_down_fwd)(
         h, a, topk_weights, down_proj, b2, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,

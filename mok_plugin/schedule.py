@@ -34,6 +34,8 @@ __all__ = [
     "build_schedule",
     "expert_capacity",
     "max_padded_rows",
+    "pairs_to_rows",
+    "rows_to_pairs",
     "sum_over_k",
     "values_per_row",
 ]
@@ -83,6 +85,20 @@ def values_per_row(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Te
     # A trailing zero serves every padding row, so no index is out of range even with no pairs.
     padded = torch.cat([values_TK.reshape(-1), values_TK.new_zeros(1)])
     return padded[torch.where(row_to_tk >= 0, row_to_tk, padded.shape[0] - 1)]
+
+
+def pairs_to_rows(pairs: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
+    """[num_rows, N]: pairs [T * K, N] (one row per (token, k)) placed in row order, zeros on
+    padding rows (also when T = 0)."""
+    padded = torch.cat([pairs, pairs.new_zeros(1, pairs.shape[1])])
+    return padded.index_select(0, torch.where(row_to_tk >= 0, row_to_tk, pairs.shape[0]))
+
+
+def rows_to_pairs(rows: torch.Tensor, tk_to_row: torch.Tensor) -> torch.Tensor:
+    """[T * K, N]: each (token, k) pair's row of rows [num_rows, N]. A pair without a row (dropped
+    by capacity) gets row 0's values, which nothing reads: `pairs_to_rows` and the kernels reach
+    pairs through row_to_tk, which names kept pairs only."""
+    return rows.index_select(0, tk_to_row.clamp(min=0))
 
 
 def sum_over_k(rows_TKH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

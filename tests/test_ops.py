@@ -54,9 +54,9 @@ def _op_calls():
     return [
         (ops.moe_experts_fwd, (t["x"], t["w"], t["w13"], t["w2"], s.row_to_token, s.row_to_tk, s.tk_to_row,
                                s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m)),
-        (ops.expert_up_fwd, (t["x"], t["w13"], None, s.row_to_token, s.tk_to_row, s.tile_to_expert, s.expert_offsets,
-                             s.tokens_per_expert, s.tile_m, s.top_k, *swiglu)),
-        (ops.expert_up_fwd, (t["x"], t["w13"], t["b1"], s.row_to_token, s.tk_to_row, s.tile_to_expert,
+        (ops.expert_up_fwd, (t["x"], t["w13"], None, s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
+                             s.expert_offsets, s.tokens_per_expert, s.tile_m, s.top_k, *swiglu)),
+        (ops.expert_up_fwd, (t["x"], t["w13"], t["b1"], s.row_to_token, s.row_to_tk, s.tk_to_row, s.tile_to_expert,
                              s.expert_offsets, s.tokens_per_expert, s.tile_m, s.top_k, *gpt_oss)),
         (ops.expert_down_fwd, (t["h"], t["a"], t["w"], t["w2"], None, s.row_to_token, s.row_to_tk, s.tk_to_row,
                                s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, s.tile_m, *swiglu)),
@@ -91,7 +91,8 @@ def test_ops_do_not_mutate_their_inputs(index):
     assert all(arg.alias_info is None for arg in op._opoverload._schema.arguments)
 
 
-def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkeypatch):
+@pytest.mark.parametrize("compact", [True, False], ids=["h_per_pair", "h_per_row"])
+def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkeypatch, compact):
     # The multi-kernel variant is two autograd nodes, so autograd releases the saved h [R_pad, 2I]
     # after the down node's backward: the up node's weight gradient (the backward's memory peak)
     # runs without it. Saved-tensor hooks box every saved tensor; h's box must be gone at dW13.
@@ -103,7 +104,11 @@ def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkey
             self.tensor = tensor
 
     t, s = _op_inputs()
-    h_shape = t["h"].shape
+    # this batch is small: h goes one row per (token, k) pair unless the ratio is set out of reach
+    monkeypatch.setattr(ops, "COMPACT_H_MIN_RATIO", ops.COMPACT_H_MIN_RATIO if compact else 10**9)
+    pairs = s.tk_to_row.shape[0]
+    assert ops.compact_h(s.row_to_token.shape[0], pairs) == compact
+    h_shape = (pairs, t["h"].shape[1]) if compact else t["h"].shape
     h_boxes, seen = [], {}
     real_wgrad = ops.expert_wgrad
 
