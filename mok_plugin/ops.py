@@ -25,8 +25,9 @@ through plain autograd.Functions (`_autograd`), without the dispatcher's per-cal
 
 Small batches keep h and dh one row per (token, k) pair between the two nodes (`compact_h`): the
 schedule's static row bound is mostly padding there (T = 37 with qwen3-30b-a3b's dimensions:
-16,640 rows for 296 pairs), and dh's padded rows were what made the backward's peak, at dW13's
-allocation, exceed the PyTorch path's. Each node widens them to rows for its kernels and narrows
+16,640 rows for 296 pairs), and dh's padded rows, alive at dW13's allocation (the backward's
+peak), account by their size for MoK's peak above the PyTorch path's there (BENCHMARKS.md, "Small
+batches' peak memory"). Each node widens them to rows for its kernels and narrows
 the result again; dW13 and the fc1 bias gradient read the pairs through row_to_tk. The same
 products in the same order: the same bits as the padded layout.
 
