@@ -3,9 +3,10 @@
 Owns: `moe_experts` (same signature as `reference.moe_experts_reference`), the ops, and which
 tensors are saved for backward: x, the routing weights, both weights, the schedule and the
 pre-activation h [R_pad, N1] (N1 = 2I for a glu expert, I for an mlp; a linear expert's gathered
-input rows). The down-projection output is not saved; A = act(h) is recomputed in the backward's
-dgrad epilogue. The expert family reaches the kernels as scalars (activation, gated, clamp,
-offset); the biases as optional tensors, their gradients from `expert_bias_grad` in fixed row order.
+input rows; at small batches one row per (token, k) pair, below). The down-projection output is
+not saved; A = act(h) is recomputed in the backward's dgrad epilogue. The expert family reaches
+the kernels as scalars (activation, gated, clamp, offset); the biases as optional tensors, their
+gradients from `expert_bias_grad` in fixed row order.
 
 Two kernel variants sit behind the ops; `kernel_variant` picks one.
 - multi_kernel (one launch per GEMM): two autograd nodes. `expert_up_fwd` (x -> h, A) and
