@@ -57,7 +57,7 @@ from mok_plugin.kernels.grouped_mlp import (
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.kernels.schedule import row_values
-from mok_plugin.schedule import MoKSchedule, pairs_to_rows, rows_to_pairs
+from mok_plugin.schedule import MoKSchedule, gather_rows_or_zeros, rows_to_pairs
 from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts"]
@@ -289,7 +289,7 @@ def expert_up_bwd(
 
 def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
     if _is_compact(d_h, row_to_token):  # widened for the GEMM only, released on return (before dW13)
-        d_h = pairs_to_rows(d_h, row_to_tk)
+        d_h = gather_rows_or_zeros(d_h, row_to_tk)
     d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m)
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
@@ -383,8 +383,7 @@ def expert_gather_rows(
     """[R_pad, H]: x[row_to_token[r]] per row, zeros on padding rows (a linear expert's A and h).
     Its backward sums each token's K row gradients in k order (`combine_rows`), never an atomic
     scatter."""
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return padded.index_select(0, torch.where(row_to_token >= 0, row_to_token, x.shape[0])).contiguous()
+    return gather_rows_or_zeros(x, row_to_token)
 
 
 @expert_gather_rows.register_fake
@@ -479,7 +478,7 @@ def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token,
     T, K = topk_weights.shape
     compact = _is_compact(h, row_to_token)
     if compact:
-        h = pairs_to_rows(h, row_to_tk)
+        h = gather_rows_or_zeros(h, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
         activation=activation,

@@ -33,8 +33,8 @@ __all__ = [
     "MoKSchedule",
     "build_schedule",
     "expert_capacity",
+    "gather_rows_or_zeros",
     "max_padded_rows",
-    "pairs_to_rows",
     "rows_to_pairs",
     "sum_over_k",
     "values_per_row",
@@ -82,21 +82,20 @@ def max_padded_rows(num_rows_routed: int, num_experts: int, tile_m: int, capacit
 
 def values_per_row(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
     """[num_rows]: values_TK [T, K] placed in row order, 0 on padding rows (also when T = 0)."""
-    # A trailing zero serves every padding row, so no index is out of range even with no pairs.
-    padded = torch.cat([values_TK.reshape(-1), values_TK.new_zeros(1)])
-    return padded[torch.where(row_to_tk >= 0, row_to_tk, padded.shape[0] - 1)]
+    return gather_rows_or_zeros(values_TK.reshape(-1, 1), row_to_tk).squeeze(1)
 
 
-def pairs_to_rows(pairs: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
-    """[num_rows, N]: pairs [T * K, N] (one row per (token, k)) placed in row order, zeros on
-    padding rows (also when T = 0)."""
-    padded = torch.cat([pairs, pairs.new_zeros(1, pairs.shape[1])])
-    return padded.index_select(0, torch.where(row_to_tk >= 0, row_to_tk, pairs.shape[0]))
+def gather_rows_or_zeros(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[len(index), N]: src[index[r]] for each r, zeros where index[r] < 0: rows of per-pair
+    tensors [T * K, N] placed in row order through row_to_tk, or of x [T, H] through row_to_token
+    (also when src has no rows: a trailing zero row serves every negative index)."""
+    padded = torch.cat([src, src.new_zeros(1, src.shape[1])])
+    return padded.index_select(0, torch.where(index >= 0, index, src.shape[0]))
 
 
 def rows_to_pairs(rows: torch.Tensor, tk_to_row: torch.Tensor) -> torch.Tensor:
     """[T * K, N]: each (token, k) pair's row of rows [num_rows, N]. A pair without a row (dropped
-    by capacity) gets row 0's values, which nothing reads: `pairs_to_rows` and the kernels reach
+    by capacity) gets row 0's values, which nothing reads: `gather_rows_or_zeros` and the kernels reach
     pairs through row_to_tk, which names kept pairs only."""
     return rows.index_select(0, tk_to_row.clamp(min=0))
 

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights  # noqa: E402
 
 from mok_plugin import ops  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, pairs_to_rows, rows_to_pairs  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros, rows_to_pairs  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES  # noqa: E402
 from mok_plugin.wgrad import DeferredWeightGrads, deferring  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_pairs_and_rows_round_trip():
     g = torch.Generator().manual_seed(2)
     schedule = build_schedule(crafted_routing(30, E, 2, "skewed", g), E, tile_m=DEFAULT_TILE_M, capacity=8)
     pairs = torch.randn(60, 5, generator=g)
-    rows = pairs_to_rows(pairs, schedule.row_to_tk)
+    rows = gather_rows_or_zeros(pairs, schedule.row_to_tk)
     padding = schedule.row_to_tk < 0
     assert torch.all(rows[padding] == 0)
     kept = schedule.tk_to_row >= 0  # capacity drops some pairs: they have no row

@@ -156,15 +156,14 @@ def compile_wgrad_hopper(schedule: str = "cooperative"):
               "out_desc": (1, wh.BLOCK_M, plan.block_n)}  # fmt: skip
     constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, plan.block_n), gl.bfloat16), "STAGES": plan.stages,
                   "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS}  # fmt: skip
-    num_warps = 4 if plan.pingpong else 8
-    constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": num_warps}
+    constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": plan.num_warps}
     signature = {name: descriptor(block) for name, block in blocks.items()}
     signature |= {"offsets_ptr": "*i64", "counts_ptr": "*i64", "M": "i32", "N": "i32", "num_tiles": "i32"}
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}  # the two pointers
     kernel = wh._wgrad_pingpong_kernel if plan.pingpong else wh._wgrad_kernel
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "maxnreg": wh.MAX_REGS})
+    return triton.compile(source, target=HOPPER, options={"num_warps": plan.num_warps, "maxnreg": wh.MAX_REGS})
 
 
 def pipeline_report(ttgir: str) -> dict:

@@ -72,6 +72,12 @@ class Schedule:
     stages: int
     pingpong: bool
 
+    @property
+    def num_warps(self) -> int:
+        """The launch's warps: the default partition, one MMA warpgroup in ping-pong (the other is a
+        worker partition), both in cooperative."""
+        return 4 if self.pingpong else 8
+
 
 SCHEDULES = {
     # 3 x 48 KiB of operand stages + the 64 KiB output tile: 208 KiB of Hopper's 227
@@ -304,6 +310,6 @@ def expert_wgrad_hopper(
                   LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, maxnreg=MAX_REGS)  # fmt: skip
     grid = (min(num_tiles, _num_sms(d_w.device.index)),)
     if plan.pingpong:
-        _wgrad_pingpong_kernel[grid](*args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=4, **common)
+        _wgrad_pingpong_kernel[grid](*args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=plan.num_warps, **common)
     else:
-        _wgrad_kernel[grid](*args, num_warps=8, **common)
+        _wgrad_kernel[grid](*args, num_warps=plan.num_warps, **common)
