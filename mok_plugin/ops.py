@@ -28,9 +28,9 @@ Small batches keep h and dh one row per (token, k) pair between the two nodes (`
 schedule's static row bound is mostly padding there (T = 37 with qwen3-30b-a3b's dimensions:
 16,640 rows for 296 pairs), and dh's padded rows, alive at dW13's allocation (the backward's
 peak), account by their size for MoK's peak above the PyTorch path's there (BENCHMARKS.md, "Small
-batches' peak memory"). Each node widens them to rows for its kernels and narrows
-the result again; dW13 and the fc1 bias gradient read the pairs through row_to_tk. The same
-products in the same order: the same bits as the padded layout.
+batches' peak memory"). The kernels store and read them at row row_to_tk[r] (`tiles.h_rows_of`);
+dW13 and the fc1 bias gradient read the pairs through row_to_tk. The same products in the same
+order: the same bits as the padded layout.
 
 Under `wgrad.deferring(queue)` (Megatron's --delay-wgrad-compute) the multi-kernel nodes' backward
 computes dx, dh and the routing-weight gradient and records the weight and bias gradients in the
@@ -57,7 +57,7 @@ from mok_plugin.kernels.grouped_mlp import (
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.kernels.schedule import row_values
-from mok_plugin.schedule import MoKSchedule, gather_rows_or_zeros, rows_to_pairs
+from mok_plugin.schedule import MoKSchedule, gather_rows_or_zeros
 from mok_plugin.wgrad import note_deferral
 
 __all__ = ["moe_experts"]
@@ -250,13 +250,12 @@ def expert_up_fwd(
     gathered x rows (N1 = 2I gated, else I). The schedule tensors that only the backward reads are
     inputs so that autograd saves them; top_k is passed, not derived from tk_to_row's length,
     because T can be 0 (an expert-parallel rank that receives no rows)."""
-    h, a = gate_up_fwd(
+    pairs = tk_to_row.shape[0]
+    return gate_up_fwd(
         x, gate_up_proj, row_to_token, tile_to_expert, tile_m, gate_up_bias=gate_up_bias, activation=activation,
         gated=gated, clamp=clamp, offset=offset,
+        h_pairs=(row_to_tk, pairs) if compact_h(row_to_token.shape[0], pairs) else None,
     )  # fmt: skip
-    if compact_h(row_to_token.shape[0], tk_to_row.shape[0]):
-        h = rows_to_pairs(h, tk_to_row)
-    return h, a
 
 
 @expert_up_fwd.register_fake
@@ -288,9 +287,8 @@ def expert_up_bwd(
 
 
 def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
-    if _is_compact(d_h, row_to_token):  # widened for the GEMM only, released on return (before dW13)
-        d_h = gather_rows_or_zeros(d_h, row_to_tk)
-    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m)
+    pair_map = row_to_tk if _is_compact(d_h, row_to_token) else None
+    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=pair_map)
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
 
@@ -474,18 +472,13 @@ def expert_down_bwd(
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
                      tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
     """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward; dh one row
-    per pair where h came so (`compact_h`), widened to rows for the kernels and narrowed after."""
+    per pair where h came so (`compact_h`: the kernels read and write them through row_to_tk)."""
     T, K = topk_weights.shape
-    compact = _is_compact(h, row_to_token)
-    if compact:
-        h = gather_rows_or_zeros(h, row_to_tk)
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
         activation=activation,
         gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
-    if compact:
-        d_h = rows_to_pairs(d_h, tk_to_row)
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
 

@@ -35,7 +35,6 @@ __all__ = [
     "expert_capacity",
     "gather_rows_or_zeros",
     "max_padded_rows",
-    "rows_to_pairs",
     "sum_over_k",
     "values_per_row",
 ]
@@ -91,13 +90,6 @@ def gather_rows_or_zeros(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor
     (also when src has no rows: a trailing zero row serves every negative index)."""
     padded = torch.cat([src, src.new_zeros(1, src.shape[1])])
     return padded.index_select(0, torch.where(index >= 0, index, src.shape[0]))
-
-
-def rows_to_pairs(rows: torch.Tensor, tk_to_row: torch.Tensor) -> torch.Tensor:
-    """[T * K, N]: each (token, k) pair's row of rows [num_rows, N]. A pair without a row (dropped
-    by capacity) gets row 0's values, which nothing reads: `gather_rows_or_zeros` and the kernels reach
-    pairs through row_to_tk, which names kept pairs only."""
-    return rows.index_select(0, tk_to_row.clamp(min=0))
 
 
 def sum_over_k(rows_TKH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights  # noqa: E402
 
 from mok_plugin import ops  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros, rows_to_pairs  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES  # noqa: E402
 from mok_plugin.wgrad import DeferredWeightGrads, deferring  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_per_pair_h_with_deferred_weight_gradients(monkeypatch):
         assert torch.equal(per_pair[name], want), name
 
 
-def test_pairs_and_rows_round_trip():
+def test_pairs_placed_in_row_order():
     g = torch.Generator().manual_seed(2)
     schedule = build_schedule(crafted_routing(30, E, 2, "skewed", g), E, tile_m=DEFAULT_TILE_M, capacity=8)
     pairs = torch.randn(60, 5, generator=g)
@@ -79,4 +79,4 @@ def test_pairs_and_rows_round_trip():
     assert torch.all(rows[padding] == 0)
     kept = schedule.tk_to_row >= 0  # capacity drops some pairs: they have no row
     assert 0 < kept.sum() < 60
-    assert torch.equal(rows_to_pairs(rows, schedule.tk_to_row)[kept], pairs[kept])
+    assert torch.equal(rows[schedule.tk_to_row[kept]], pairs[kept])

@@ -23,9 +23,10 @@ def _stub_kernels(monkeypatch):
     """The launchers ops.py calls, as allocations of their outputs (and of down_dgrad's fp32 dA',
     freed before it returns)."""
 
-    def gate_up_fwd(x, w13, row_to_token, tile_to_expert, tile_m, **family):
+    def gate_up_fwd(x, w13, row_to_token, tile_to_expert, tile_m, h_pairs=None, **family):
         rows = row_to_token.shape[0]
-        return x.new_empty(rows, w13.shape[1]), x.new_empty(rows, w13.shape[1] // 2)
+        h_rows = rows if h_pairs is None else h_pairs[1]
+        return x.new_empty(h_rows, w13.shape[1]), x.new_empty(rows, w13.shape[1] // 2)
 
     def down_fwd(a, w2, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, **bias):
         return a.new_empty(row_to_token.shape[0], w2.shape[1])
@@ -33,9 +34,9 @@ def _stub_kernels(monkeypatch):
     def down_dgrad(d_out, w2, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, **family):
         rows, inner = row_to_token.shape[0], w2.shape[2]
         d_a_prime = torch.empty(rows, inner, dtype=torch.float32)  # noqa: F841 (its bytes, until return)
-        return h.new_empty(rows, h.shape[1]), h.new_empty(rows, inner), torch.zeros(rows, 6, dtype=torch.float32)
+        return h.new_empty(h.shape), h.new_empty(rows, inner), torch.zeros(rows, 6, dtype=torch.float32)
 
-    def gate_up_dgrad(d_h, w13, row_to_token, tile_to_expert, tile_m):
+    def gate_up_dgrad(d_h, w13, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=None):
         return d_h.new_empty(row_to_token.shape[0], w13.shape[2])
 
     def expert_wgrad(left, right, row_to_token, offsets, counts, **layout):

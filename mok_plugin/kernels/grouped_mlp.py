@@ -85,11 +85,11 @@ __all__ = [
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_fwd"))
 def _gate_up_fwd_kernel(
-    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_x_t, stride_w_e,
-    stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    ALIGN: tl.constexpr,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
+    stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
@@ -104,10 +104,10 @@ def _gate_up_fwd_kernel(
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
         pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e,
-        stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED,
-        CLAMP=CLAMP, OFFSET=OFFSET,
+        row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t,
+        stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r,
+        stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
     )
 
 
@@ -172,7 +172,7 @@ def _down_dgrad_epilogue_kernel(
     tile_to_expert_ptr, I,
     stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    ALIGN: tl.constexpr,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs the down-dgrad epilogue on the
     dA' block (m, n), padding rows reading zeros, with router partial slot n."""
@@ -195,16 +195,16 @@ def _down_dgrad_epilogue_kernel(
             topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
             a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
-            OUT_TY=h_ptr.dtype.element_ty, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
+            OUT_TY=h_ptr.dtype.element_ty, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
         )
 
 
 @triton.jit(launch_metadata=launch_metadata("mok_gate_up_dgrad"))
 def _gate_up_dgrad_kernel(
-    d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r, stride_w_e,
-    stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r,
+    stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ALIGN: tl.constexpr,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
@@ -217,9 +217,9 @@ def _gate_up_dgrad_kernel(
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     gate_up_dgrad_tile(
         pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1, stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e,
-        stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1, stride_d_h_r=stride_d_h_r,
+        stride_w_e=stride_w_e, stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, H_BY_PAIR=H_BY_PAIR,
     )
 
 
@@ -328,9 +328,14 @@ def gate_up_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, gate_up_bias: torch.Tensor | None = None,
     activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
+    h_pairs: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R_pad, N1] (+ the fc1 bias) and A [R_pad, I] = the activation of h (params dtype) for the
-    gathered rows; N1 = 2I when gated, else I. Padding rows untouched."""
+    gathered rows; N1 = 2I when gated, else I. Padding rows untouched.
+
+    h_pairs: (the schedule's row_to_tk, T * K) to store h one row per (token, k) pair instead,
+    [T * K, N1], row r's at row_to_tk[r] (small batches: ops.compact_h); a pair dropped by capacity
+    keeps an unwritten row, which nothing reads."""
     check_tensor("x", x, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, x.dtype)
     E, N1, H = gate_up_proj.shape
@@ -341,16 +346,17 @@ def gate_up_fwd(
         check_tensor("gate_up_bias", gate_up_bias, 2, x.dtype)
     cfg = config or kernel_config("gate_up_fwd" if gated else "mlp_up_fwd", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
-    h = torch.empty(num_rows, N1, dtype=x.dtype, device=x.device)
+    row_to_tk, h_rows = (None, num_rows) if h_pairs is None else h_pairs
+    h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
     _launch_row_tiles(
         _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
         w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
-        h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
-        stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
+        h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
+        H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
         stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
-        GATED=gated, CLAMP=clamp, OFFSET=offset,
+        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None,
     )
     return h, a
 
@@ -397,7 +403,8 @@ def down_dgrad(
     """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J]).
 
     h is the saved pre-activation [R_pad, N1] (N1 = 2I when gated, else I; for a linear expert the
-    gathered input rows with activation "identity"). Two launches: a plain GEMM stores
+    gathered input rows with activation "identity"), or [T * K, N1] one row per (token, k) pair
+    (`gate_up_fwd`'s h_pairs), and then dh is too (padding rows have none). Two launches: a plain GEMM stores
     dA' = dO[t_r] @ W2_e in fp32, then an elementwise epilogue kernel fills dh, w*A and the router
     partials from it (kept apart, the GEMM keeps a plain epilogue and takes a 128x256 tile; fused,
     the epilogue's registers held it to 128x64). dA' is freed on return. Padding rows of every
@@ -407,6 +414,7 @@ def down_dgrad(
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
     check_tensor("h", h, 2, d_out.dtype)
+    num_pairs = topk_weights.numel()
     topk_weights = routing_weights_arg(topk_weights)
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, d_out.dtype)
@@ -414,7 +422,10 @@ def down_dgrad(
     cfg = config or kernel_config("down_dgrad", I)
     epi = kernel_config("down_dgrad_epilogue", I)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
-    d_h = torch.empty(num_rows, h.shape[1], dtype=d_out.dtype, device=d_out.device)
+    h_by_pair = h.shape[0] != num_rows
+    if h_by_pair and h.shape[0] != num_pairs:
+        raise ValueError(f"h has {h.shape[0]} rows: neither the schedule's {num_rows} nor one per pair ({num_pairs})")
+    d_h = torch.empty(h.shape[0], h.shape[1], dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     i_blocks = triton.cdiv(I, epi.block_n)
     partial = torch.zeros(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
@@ -435,7 +446,7 @@ def down_dgrad(
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
         stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
         BLOCK_M=block_m, BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,
-        ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps,
+        H_BY_PAIR=h_by_pair, ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps,
     )
     if down_bias is not None:
         _bias_router_grad_kernel[(num_rows // block_m,)](
@@ -448,23 +459,26 @@ def down_dgrad(
 
 def gate_up_dgrad(
     d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
-    tile_m: int, config: MoKTileConfig | None = None,
+    tile_m: int, config: MoKTileConfig | None = None, *, d_h_row_to_pair: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype (dh [R_pad, N1], W13 [E, N1, H])."""
+    """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype (dh [R_pad, N1], W13 [E, N1, H]).
+    d_h_row_to_pair: the schedule's row_to_tk when dh is one row per (token, k) pair ([T * K, N1]:
+    row r's at row_to_tk[r], read by pointer loads)."""
     check_tensor("d_h", d_h, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, N1, H = gate_up_proj.shape
     cfg = config or kernel_config("gate_up_dgrad", H)
     num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
-    tma = tma_ok(cfg, d_h, gate_up_proj)
+    by_pair = d_h_row_to_pair is not None
+    tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
-        d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h,
+        d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h,
         w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, d_x_rows_ptr=d_x_rows,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, N1=N1, stride_d_h_r=d_h.stride(0),
-        stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1), stride_d_x_r=d_x_rows.stride(0),
-        TMA=tma,
+        row_to_token_ptr=row_to_token, row_to_tk_ptr=d_h_row_to_pair, tile_to_expert_ptr=tile_to_expert, H=H, N1=N1,
+        stride_d_h_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1),
+        stride_d_x_r=d_x_rows.stride(0), TMA=tma, H_BY_PAIR=by_pair,
     )
     return d_x_rows
 

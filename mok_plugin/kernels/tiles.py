@@ -179,6 +179,16 @@ def routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok):
 
 
 @triton.jit
+def h_rows_of(rows, row_ok, row_to_tk_ptr, BY_PAIR: tl.constexpr):
+    """Where rows' h (and dh) live: the schedule rows themselves, or with BY_PAIR (small batches,
+    h one row per (token, k) pair: ops.compact_h) each row's pair row_to_tk[row], 0 on padding rows
+    (which every load and store masks)."""
+    if BY_PAIR:
+        rows = tl.load(row_to_tk_ptr + rows, mask=row_ok, other=0)
+    return rows
+
+
+@triton.jit
 def _weight_block(
     w, expert, stride_w_e, w_row0, k0, n0, ks, cols, k_ok, col_ok, stride_k, stride_n, N_MAJOR: tl.constexpr,
     TMA: tl.constexpr,
@@ -254,10 +264,11 @@ def _row_tile_matmul(
 
 @triton.jit
 def gate_up_tile(
-    pid_m, pid_n, x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_x_t,
-    stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr,
-    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    pid_m, pid_n, x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, H, I,
+    stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    H_BY_PAIR: tl.constexpr,
 ):
     """h[rows, n-block] (+ b1) of the gate and of the up half (GATED; else the one fc1 half), and
     A[rows, n-block] = the family's activation of the rounded h; reduces over H in ascending BLOCK_K
@@ -267,9 +278,10 @@ def gate_up_tile(
         x_ptr: (T, H) params dtype
         w13: (E, N1, H), N1 = 2I if GATED else I; with TMA a descriptor over it viewed (E * N1, H)
         b1_ptr: (E, N1) fc1 bias, or None
-        h_ptr: (R_pad, N1) out
+        h_ptr: (R_pad, N1) out; with H_BY_PAIR (T * K, N1), row row_to_tk[r] (`h_rows_of`)
         a_ptr: (R_pad, I) out
         row_to_token_ptr: (R_pad,) int64
+        row_to_tk_ptr: (R_pad,) int64 (read with H_BY_PAIR only)
         tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
@@ -307,7 +319,8 @@ def gate_up_tile(
         gate = acc_gate.to(out_ty)
         up = acc_up.to(out_ty)
         mask = row_ok[:, None] & col_ok[None, :]
-        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        h_rows = h_rows_of(rows, row_ok, row_to_tk_ptr, H_BY_PAIR)
+        h_tile = h_ptr + h_rows[:, None] * stride_h_r + cols[None, :]
         tl.store(h_tile, gate, mask=mask)
         if GATED:
             tl.store(h_tile + I, up, mask=mask)
@@ -394,13 +407,14 @@ def down_dgrad_block(
 def down_dgrad_epilogue(
     d_a_prime, rows, row_ok, cols, col_ok, slot, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr,
     d_w_partial_ptr, I, stride_h_r, stride_a_r, stride_part_r, OUT_TY: tl.constexpr, ACT: tl.constexpr,
-    GATED: tl.constexpr,
-    CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr,
 ):
     """From dA'[rows, cols] (fp32): the router partial <dA', A> into column `slot`, w*A, and dh of
     the gate and up columns (GATED; else of the one fc1 half; for a linear expert, h is its input
     and ACT "identity", so dh is w * dA'). Padding rows of an active row block store zeros in dh
     and w*A: the weight-gradient GEMMs may read them whole (through TMA) and must find finite values there.
+    With H_BY_PAIR, h and dh are one row per (token, k) pair (`h_rows_of`): padding rows have no dh
+    row (dW13 then reads dh through row_to_tk, kept pairs only).
 
     The row sum <dA', A> is reduced in the order of dA's register layout, so a fused tile (an MMA
     accumulator, the megakernel) and the epilogue kernel (a loaded block, the multi-kernel variant)
@@ -413,16 +427,17 @@ def down_dgrad_epilogue(
         cols: int64 [BLOCK_N] I columns
         col_ok: bool [BLOCK_N]
         slot: the router partial column this block writes
-        h_ptr: (R_pad, N1) saved pre-activation, N1 = 2I if GATED else I
+        h_ptr: (R_pad, N1) saved pre-activation, N1 = 2I if GATED else I ((T * K, N1) with H_BY_PAIR)
         topk_weights_ptr: (T * K,) fp32 routing weights
         row_to_tk_ptr: (R_pad,) int64
-        d_h_ptr: (R_pad, N1) out
+        d_h_ptr: (R_pad, N1) out ((T * K, N1) with H_BY_PAIR)
         a_weighted_ptr: (R_pad, I) out: w_r * A[r], the right operand of the down weight gradient
         d_w_partial_ptr: (R_pad, J) fp32 out: <dA', A> per I-block"""
     w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+    h_rows = h_rows_of(rows, row_ok, row_to_tk_ptr, H_BY_PAIR)
     a, d_gate, d_up = activation_grad_of_rows(
-        h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT=ACT, GATED=GATED, CLAMP=CLAMP,
-        OFFSET=OFFSET,
+        h_ptr, h_rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT=ACT, GATED=GATED,
+        CLAMP=CLAMP, OFFSET=OFFSET,
     )
     # A exactly as the forward stored it
     a = a.to(OUT_TY).to(tl.float32)
@@ -432,10 +447,13 @@ def down_dgrad_epilogue(
     a_w = (a * w[:, None]).to(OUT_TY)
     col_mask = col_ok[None, :]  # every row: padding rows store the zeros they computed
     tl.store(a_weighted_ptr + rows[:, None] * stride_a_r + cols[None, :], a_w, mask=col_mask)
-    d_h_tile = d_h_ptr + rows[:, None] * stride_h_r + cols[None, :]
-    tl.store(d_h_tile, d_gate.to(OUT_TY), mask=col_mask)
+    d_h_mask = col_mask
+    if H_BY_PAIR:
+        d_h_mask = row_ok[:, None] & col_ok[None, :]  # a padding row has no pair
+    d_h_tile = d_h_ptr + h_rows[:, None] * stride_h_r + cols[None, :]
+    tl.store(d_h_tile, d_gate.to(OUT_TY), mask=d_h_mask)
     if GATED:
-        tl.store(d_h_tile + I, d_up.to(OUT_TY), mask=col_mask)
+        tl.store(d_h_tile + I, d_up.to(OUT_TY), mask=d_h_mask)
 
 
 @triton.jit
@@ -472,35 +490,46 @@ def down_dgrad_tile(
             topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
             a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr,
             I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r, stride_part_r=stride_part_r,
-            OUT_TY=d_out_ptr.dtype.element_ty, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
+            OUT_TY=d_out_ptr.dtype.element_ty, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False,
         )
 
 
 @triton.jit
 def gate_up_dgrad_tile(
-    pid_m, pid_n, d_h, w13, d_x_rows_ptr, row_to_token_ptr, tile_to_expert_ptr, H, N1, stride_d_h_r, stride_w_e,
-    stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    pid_m, pid_n, d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, H, N1, stride_d_h_r,
+    stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, H_BY_PAIR: tl.constexpr,
 ):
     """dx[rows, n-block]; reduces over the N1 fc1 rows (2I for a glu) in ascending BLOCK_K order.
 
     Arguments:
-        d_h: (R_pad, N1); with TMA a descriptor over it
+        d_h: (R_pad, N1); with TMA a descriptor over it. With H_BY_PAIR (T * K, N1), read by pointer
+            at row row_to_tk[r] (`h_rows_of`); TMA then applies to w13 only
         w13: (E, N1, H); with TMA a descriptor over it viewed (E * N1, H)
         d_x_rows_ptr: (R_pad, H) out
         row_to_token_ptr: (R_pad,) int64
+        row_to_tk_ptr: (R_pad,) int64 (read with H_BY_PAIR only)
         tile_to_expert_ptr: (R_pad / TILE_M,) int64"""
     expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M)
     if expert >= 0:
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < H
-        acc = _row_tile_matmul(
-            a=d_h, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_d_h_r, w=w13, expert=expert,
-            stride_w_e=stride_w_e, w_row0=expert * N1, stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols,
-            col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=TMA, W_TMA=TMA,
-        )
+        if H_BY_PAIR:
+            acc = _row_tile_matmul(
+                a=d_h, a_row0=0, a_rows=h_rows_of(rows, row_ok, row_to_tk_ptr, True), a_row_ok=row_ok,
+                stride_a=stride_d_h_r, w=w13, expert=expert, stride_w_e=stride_w_e, w_row0=expert * N1,
+                stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols, col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=False,
+                W_TMA=TMA,
+            )
+        else:
+            acc = _row_tile_matmul(
+                a=d_h, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_d_h_r, w=w13,
+                expert=expert, stride_w_e=stride_w_e, w_row0=expert * N1, stride_w_k=stride_w_j, stride_w_n=1, n0=n0,
+                cols=cols, col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=TMA, W_TMA=TMA,
+            )
         d_x_tile = d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :]
         tl.store(d_x_tile, acc.to(d_x_rows_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
