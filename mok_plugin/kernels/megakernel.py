@@ -234,9 +234,10 @@ def _backward_megakernel(
             _wait_for(ready_rows_ptr + pid_m, n_i)
             gate_up_dgrad_tile(
                 pid_m, pid_n, d_h=d_h_ptr, w13=w13_ptr, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
-                row_to_tk_ptr=None, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=2 * I, stride_d_h_r=stride_h_r, stride_w_e=stride_w13_e,
-                stride_w_j=stride_w13_n, stride_d_x_r=stride_dxr_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BN_DX,
-                BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=False, H_BY_PAIR=False,
+                row_to_tk_ptr=None, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=2 * I, stride_d_h_r=stride_h_r,
+                stride_w_e=stride_w13_e, stride_w_j=stride_w13_n, stride_d_x_r=stride_dxr_r, TILE_M=TILE_M,
+                BLOCK_M=BLOCK_M, BLOCK_N=BN_DX, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=False,
+                H_BY_PAIR=False,
             )
             _signal(counters_ptr + 2)
         elif task < end_w13:
