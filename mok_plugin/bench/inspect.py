@@ -60,10 +60,13 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
-    if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's
-        return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0)
+    if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
+        return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
+                                         H_BY_PAIR=False)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
+    if kernel == "gate_up_dgrad":
+        return row_kernels[kernel], dict(row_tiles, H_BY_PAIR=False)
     if kernel in row_kernels:
         return row_kernels[kernel], row_tiles
     # expert_wgrad launches dW13 with its operands swapped, so the by-token one is the left in both;
