@@ -515,21 +515,13 @@ def gate_up_dgrad_tile(
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < H
-        if H_BY_PAIR:
-            acc = _row_tile_matmul(
-                a=d_h, a_row0=0, a_rows=h_rows_of(rows, row_ok, row_to_tk_ptr, True), a_row_ok=row_ok,
-                stride_a=stride_d_h_r, w=w13, expert=expert, stride_w_e=stride_w_e, w_row0=expert * N1,
-                stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols, col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M,
-                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=False,
-                W_TMA=TMA,
-            )
-        else:
-            acc = _row_tile_matmul(
-                a=d_h, a_row0=pid_m * BLOCK_M, a_rows=rows, a_row_ok=row_ok, stride_a=stride_d_h_r, w=w13,
-                expert=expert, stride_w_e=stride_w_e, w_row0=expert * N1, stride_w_k=stride_w_j, stride_w_n=1, n0=n0,
-                cols=cols, col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False, A_TMA=TMA, W_TMA=TMA,
-            )
+        acc = _row_tile_matmul(
+            a=d_h, a_row0=pid_m * BLOCK_M, a_rows=h_rows_of(rows, row_ok, row_to_tk_ptr, H_BY_PAIR), a_row_ok=row_ok,
+            stride_a=stride_d_h_r, w=w13, expert=expert, stride_w_e=stride_w_e, w_row0=expert * N1,
+            stride_w_k=stride_w_j, stride_w_n=1, n0=n0, cols=cols, col_ok=col_ok, K_DIM=N1, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, W_N_MAJOR=False,
+            A_TMA=TMA and not H_BY_PAIR, W_TMA=TMA,
+        )
         d_x_tile = d_x_rows_ptr + rows[:, None] * stride_d_x_r + cols[None, :]
         tl.store(d_x_tile, acc.to(d_x_rows_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
