@@ -183,6 +183,32 @@ def test_profile_lists_kernels_and_the_host_time(capsys):
     assert "timed fwd+bwd 2.40 ms; host 2.26 ms)" in out and "94.0% x2   _expert_wgrad_kernel" in out
 
 
+def _host_work_leaf(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_host_profile_ranks_the_functions_by_their_own_time_per_call(capsys):
+    # --host-profile: cProfile over the calls; per call of the work, each function's calls and own
+    # time, the heavy leaf first; printed under the row with the unprofiled host time.
+    from mok_plugin.bench.breakdown import host_profile, print_host_profile
+
+    def work():
+        _host_work_leaf(20000)
+        _host_work_leaf(10)
+        _host_work_leaf(10)
+
+    rows = host_profile(work, iters=4, top=50)
+    leaf = next(r for r in rows if r["function"].endswith("(_host_work_leaf)"))
+    assert leaf["calls"] == 3 and "tests/test_bench_layer.py:" in leaf["function"]
+    assert leaf is rows[0] or rows[0]["function"].endswith("(<genexpr>)")  # the leaf's sum is its own time
+    assert leaf["cum_us"] >= leaf["own_us"] > 0
+    assert len(host_profile(work, iters=1, top=2)) == 2
+    print_host_profile({"shape": "tiny", "routing": "uniform", "provider": "mok-multi", "host_ms": 1.25,
+                        "host_profile": rows[:1]})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "mok-multi: host time per forward + backward by function" in out and "host 1.25 ms unprofiled" in out
+
+
 def test_idle_gaps_sum_the_time_no_kernel_covers_by_the_kernels_around_it(capsys):
     # Two calls of three kernels (us): a 100 us wait before "b" each call, 20 us before "c" in the
     # second; "x" overlaps "a" on another stream (no gap). Per call: span, idle and the largest gap.

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mok_plugin import ops
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
@@ -54,22 +55,33 @@ def _stub_kernels(monkeypatch):
 
 class _PeakOfLiveTensors(TorchDispatchMode):
     """Bytes of the storages made under this mode that are still alive, and their peak. A storage
-    is alive while a tensor made with it is (torch keeps a tensor's Python object while the C++
-    tensor lives, so autograd's saved tensors count)."""
+    is alive while a tensor on it is (torch keeps a tensor's Python object while the C++ tensor
+    lives, so autograd's saved tensors count), views made later included: a reshape's copy is
+    returned as a view of it, and the copy's own tensor object dies at once."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors on it]
         self.peak = 0
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.live:
-                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-                self.live[key] = size
-                weakref.finalize(t, self.live.pop, key, None)
-        self.peak = max(self.peak, sum(self.live.values()))
+            if not torch.is_tensor(t):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.live and key in inputs:
+                continue  # a view of a tensor made before the mode (an input, a weight)
+            self.live.setdefault(key, [t.untyped_storage().nbytes(), 0])[1] += 1
+            weakref.finalize(t, self._release, key)
+        self.peak = max(self.peak, sum(size for size, _ in self.live.values()))
         return out
 
 

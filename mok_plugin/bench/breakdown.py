@@ -2,7 +2,8 @@
 
 `kernel_breakdown` says where a layer's time goes, kernel by kernel, and where the GPU sat idle
 between them (`idle_gaps`); `host_time` how long the host takes to issue it (where that exceeds the
-kernels' sum, the host bounds the layer: small batches). `range_times` reads the
+kernels' sum, the host bounds the layer: small batches), and `host_profile` where that host time
+goes, function by function (cProfile). `range_times` reads the
 `torch.profiler.record_function` ranges the layer opens around its expert-parallel stages
 (`mok_plugin.ep.dispatch`, `.experts`, `.combine`), one value per occurrence, so a benchmark gets
 per-stage times without a hook in the layer.
@@ -10,6 +11,8 @@ per-stage times without a hook in the layer.
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 from collections.abc import Callable, Iterable
 
@@ -17,7 +20,8 @@ import torch
 
 from mok_plugin.bench.timing import settle
 
-__all__ = ["host_time", "idle_gaps", "kernel_breakdown", "print_breakdown", "range_times"]
+__all__ = ["host_profile", "host_time", "idle_gaps", "kernel_breakdown", "print_breakdown", "print_host_profile",
+           "range_times"]
 
 
 def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float = 0.0) -> tuple[list[dict], dict]:
@@ -88,6 +92,48 @@ def host_time(work: Callable[[], object], iters: int = 20) -> float:
     host_ms = (time.perf_counter() - start) / iters * 1e3
     torch.cuda.synchronize()
     return host_ms
+
+
+def host_profile(work: Callable[[], object], iters: int = 100, top: int = 30) -> list[dict]:
+    """Where the host's time to issue `work` goes: cProfile over `iters` calls issued back to back
+    (as `host_time`), the `top` functions by their own time. cProfile adds a few microseconds to
+    every Python call, so the numbers rank the host's work rather than time it; `host_time` times it.
+
+    Returns:
+        [{"function": "file:line(name)", "calls": per call of work, "own_us": time in the function
+        itself per call of work, "cum_us": with what it calls}] largest own time first.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        work()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    rows = [
+        {"function": f"{_short_path(path)}:{line}({name})", "calls": calls / iters, "own_us": own / iters * 1e6,
+         "cum_us": cum / iters * 1e6}
+        for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(profiler).stats.items()  # type: ignore[attr-defined]
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+
+
+def _short_path(path: str) -> str:
+    """A source path from its package down (site-packages/torch/... -> torch/...), for a readable table."""
+    for marker in ("site-packages/", "mok_plugin/"):
+        if marker in path:
+            return ("mok_plugin/" if marker == "mok_plugin/" else "") + path.rsplit(marker, 1)[1]
+    return path
+
+
+def print_host_profile(row: dict) -> None:
+    """Print a layer-benchmark row's "host_profile" entry (`host_profile`)."""
+    print(f"\n{row['shape']} {row['routing']} {row['provider']}: host time per forward + backward by function "
+          f"(cProfile, own time; host {row.get('host_ms', float('nan')):.2f} ms unprofiled)")  # fmt: skip
+    for r in row["host_profile"]:
+        print(f"  {r['own_us']:7.1f} us own {r['cum_us']:8.1f} us cum x{r['calls']:<5g} {r['function'][:100]}")
 
 
 def print_breakdown(row: dict) -> None:

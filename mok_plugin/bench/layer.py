@@ -18,6 +18,7 @@ the same for every provider and are not timed (the megatron peer includes its ow
     mok bench layer --shape 4096,2880,1024,32,4 --routing skewed
     mok bench layer --shapes olmoe --providers mok-multi torch --profile   # time per kernel
     mok bench layer --shapes mixtral-8x7b --providers mok-multi torch --memory  # what sets the peak
+    mok bench layer --shape 1,2048,768,128,8 --providers mok-multi torch --host-profile  # host, by function
     mok bench layer --shape 16384,2880,2880,128,4 --expert gpt-oss swiglu --providers mok-multi torch
 (`python scripts/bench_layer.py ...` is the same command.)
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mok_plugin.bench.breakdown import host_time, kernel_breakdown, print_breakdown
+from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
 from mok_plugin.bench.families import EXPERT_FAMILIES
 from mok_plugin.bench.flops import moe_flops
@@ -189,6 +190,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "the host's (small batches are host-bound in eager mode)",
     )
     parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also list where each provider's host time goes, function by function (cProfile over --iters "
+        "forward + backward calls; small batches are host-bound)",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="also list the tensors live at each provider's peak, by the line that allocated them",
@@ -264,6 +271,8 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
     for row in rows:
         if "kernels" in row:
             print_breakdown(row)
+        if "host_profile" in row:
+            print_host_profile(row)
         if "memory" in row:
             print_memory(row)
     print(f"{dense_line}; details in {args.out / 'bench_layer.json'}")
@@ -295,6 +304,9 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             row["kernels"], row["idle"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs),
                                                            settle_s=args.settle_s)  # fmt: skip
             row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+        if args.host_profile and not row["error"]:
+            row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
+            row["host_profile"] = host_profile(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs), args.iters)
         if args.memory and not row["error"]:
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),

@@ -47,7 +47,6 @@ from mok_plugin.kernels.launch import (
     descriptor,
     dot_precision,
     is_size_or_stride,
-    launch_metadata,
     routing_weights_arg,
     stages_for,
     tma_ok,
@@ -83,7 +82,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_gate_up_fwd"))
+@triton.jit
 def _gate_up_fwd_kernel(
     x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
@@ -111,7 +110,7 @@ def _gate_up_fwd_kernel(
     )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_down_fwd"))
+@triton.jit
 def _down_fwd_kernel(
     a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
     stride_a_r, stride_w_e,
@@ -138,7 +137,7 @@ def _down_fwd_kernel(
     )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_gemm"))
+@triton.jit
 def _down_dgrad_gemm_kernel(
     d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
     stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -166,7 +165,7 @@ def _down_dgrad_gemm_kernel(
         tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_down_dgrad_epilogue"))
+@triton.jit
 def _down_dgrad_epilogue_kernel(
     d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
     tile_to_expert_ptr, I,
@@ -199,7 +198,7 @@ def _down_dgrad_epilogue_kernel(
         )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_gate_up_dgrad"))
+@triton.jit
 def _gate_up_dgrad_kernel(
     d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r,
     stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -223,7 +222,7 @@ def _gate_up_dgrad_kernel(
     )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_expert_wgrad"))
+@triton.jit
 def _expert_wgrad_kernel(
     left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT, stride_left,
     stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
@@ -271,7 +270,7 @@ def _expert_wgrad_kernel(
         )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_expert_bias_grad"))
+@triton.jit
 def _bias_grad_kernel(
     src, scale_ptr, d_b_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, N, stride_src,
     stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
@@ -288,7 +287,7 @@ def _bias_grad_kernel(
     )
 
 
-@triton.jit(launch_metadata=launch_metadata("mok_bias_router_grad"))
+@triton.jit
 def _bias_router_grad_kernel(
     d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
     stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
@@ -400,7 +399,7 @@ def down_dgrad(
     down_bias: torch.Tensor | None = None, activation: str = "silu", gated: bool = True, clamp: float | None = None,
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J]).
+    """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J], set on routed rows only).
 
     h is the saved pre-activation [R_pad, N1] (N1 = 2I when gated, else I; for a linear expert the
     gathered input rows with activation "identity"), or [T * K, N1] one row per (token, k) pair
@@ -428,7 +427,9 @@ def down_dgrad(
     d_h = torch.empty(h.shape[0], h.shape[1], dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
     i_blocks = triton.cdiv(I, epi.block_n)
-    partial = torch.zeros(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
+    # Written for every routed row (all that reduce_router_grad reads); padding rows' entries are
+    # left unset, which saved a fill launch (host time at small T).
+    partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
     _launch_row_tiles(

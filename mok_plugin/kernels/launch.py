@@ -1,9 +1,8 @@
 """Host-side helpers every launcher shares: argument checks, TMA descriptors, dot precision, ALIGN,
-pipelining depth per dtype, profiler names. No kernels, no autograd, no host synchronisation."""
+pipelining depth per dtype. No kernels, no autograd, no host synchronisation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -18,7 +17,6 @@ __all__ = [
     "descriptor",
     "dot_precision",
     "is_size_or_stride",
-    "launch_metadata",
     "routing_weights_arg",
     "stages_for",
     "tma_ok",
@@ -49,17 +47,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot`'s input precision for operands of `dtype`."""
     # fp32 operands would default to tf32 on the GPU; tests in fp32 need the full-precision path.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def launch_metadata(name: str) -> Callable[[tuple, object, dict], dict[str, str]]:
-    """A Triton `launch_metadata` hook that names the kernel with its sizes (H, I; a weight gradient's
-    M_OUT, N_OUT) in profiles."""
-
-    def metadata(grid, kernel, args):
-        shape = {k: args[k] for k in ("H", "I", "M_OUT", "N_OUT") if k in args}
-        return {"name": f"{name} {shape}"}
-
-    return metadata
 
 
 def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> None:
