@@ -20,8 +20,15 @@ import torch
 
 from mok_plugin.bench.timing import settle
 
-__all__ = ["host_profile", "host_time", "idle_gaps", "kernel_breakdown", "print_breakdown", "print_host_profile",
-           "range_times"]
+__all__ = [
+    "host_profile",
+    "host_time",
+    "idle_gaps",
+    "kernel_breakdown",
+    "print_breakdown",
+    "print_host_profile",
+    "range_times",
+]
 
 
 def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float = 0.0) -> tuple[list[dict], dict]:
