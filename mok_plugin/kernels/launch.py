@@ -3,6 +3,7 @@ pipelining depth per dtype. No kernels, no autograd, no host synchronisation."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -92,9 +93,16 @@ def tma_ok(cfg: MoKTileConfig, *tensors: torch.Tensor) -> bool:
     the same in every process; `descriptor` copies a tensor whose start is not 16-byte aligned."""
     if not cfg.tma:
         return False
-    if not interpreter_on() and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+    if not interpreter_on() and (not tensors[0].is_cuda or not _has_copy_engine(tensors[0].get_device())):
         return False
     return all(t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+@functools.cache
+def _has_copy_engine(device_index: int) -> bool:
+    """Whether CUDA device `device_index` has TMA (Hopper or newer); cached, as the launchers ask
+    at every launch (a device-properties call, a few us of host time)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
