@@ -144,7 +144,8 @@ def _group_limited_mask(selection_scores: torch.Tensor, n_group: int, topk_group
     chosen_groups = stable_topk(group_scores, topk_group)
     group_mask = torch.zeros(T, n_group, dtype=torch.bool, device=selection_scores.device)
     group_mask.scatter_(1, chosen_groups, True)
-    return group_mask.repeat_interleave(E // n_group, dim=1)
+    # expand, then one copy (Tensor.repeat_interleave with an int took ~50 us of host on the H200)
+    return group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
 
 
 def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:

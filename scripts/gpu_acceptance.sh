@@ -23,6 +23,9 @@
 #              perf-graphs  the same T = 1, 37, 512 with forward + backward also replayed from a CUDA graph
 #                           (--graphs): the GPU's time without the host's, against the floor of writing
 #                           every expert's weight gradient
+#              perf-host    T = 1, 37, 512 uniform, 3 rounds of both MoK variants and the PyTorch path, with
+#                           --host-profile: where the host's time goes, and whether the megakernel's three
+#                           launches a step (against the multi-kernel's eleven) pay at small T
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
@@ -103,6 +106,12 @@ for part in "${parts[@]}"; do
             run_part "perf-graphs-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
                 --routing uniform skewed --providers mok-multi torch --iters 20 --graphs \
                 --out "$out/perf-graphs-T$tokens"
+        done ;;
+    perf-host)
+        for tokens in 1 37 512; do
+            run_part "perf-host-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
+                --routing uniform --providers mok-multi mok-mega torch --iters 20 --rounds 3 --host-profile \
+                --out "$out/perf-host-T$tokens"
         done ;;
     perf | perf-coarse | perf-small)
         if [ "$part" != perf-small ]; then
