@@ -17,6 +17,11 @@ stamp="$venv/.mok_plugin_installed"
 want="$(cat "$repo_root/setup.cfg" "$repo_root/pyproject.toml" | sha256sum | cut -d' ' -f1) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "==> installing mok_plugin[$extras] into $venv (first time: torch is a few GB, about 2 minutes)"
+  # The CUDA build of torch and its libraries take ~6 GB in the venv, and pip unpacks them first.
+  free_kib="$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 {print $4}')"
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((10 * 1024 * 1024)) ]; then
+    echo "warning: $((free_kib / 1024)) MiB free under $(dirname "$venv"); the install needs about 10 GiB" >&2
+  fi
   log="$venv/install.log"
   # Two steps: DeepSpeed ships an sdist whose setup.py imports torch, so torch goes in first.
   # DS_BUILD_OPS=0: a pure-Python DeepSpeed; its ops compile on first use if ever needed.
