@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
-from mok_plugin.kernels.launch import check_tensor
+from mok_plugin.kernels.launch import cdiv, check_tensor
 
 __all__ = [
     "block_scale",
@@ -143,12 +143,12 @@ def quantize_rows(
     [M, cdiv(N, block)]) of a 2-D src whose rows are contiguous (x, dO: 1 x 128 blocks along H)."""
     check_tensor("src", src, 2)
     M, N = src.shape
-    blocks = triton.cdiv(N, block)
+    blocks = cdiv(N, block)
     data = torch.empty(M, N, dtype=fmt.dtype, device=src.device)
     scale_inv = torch.empty(M, blocks, dtype=torch.float32, device=src.device)
     block_m = 8 if interpreter_on() else 32
     if M and N:
-        _quantize_rows_kernel[(triton.cdiv(M, block_m), blocks)](
+        _quantize_rows_kernel[(cdiv(M, block_m), blocks)](
             src, data, scale_inv, M, N, src.stride(0), data.stride(0), scale_inv.stride(0), fmt.max,
             fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK_M=block_m, BLOCK=block,
         )  # fmt: skip
@@ -165,7 +165,7 @@ def quantize_weights(
     check_tensor("w", matrices, 3)
     E, R, C = matrices.shape
     data = torch.empty(E, R, C, dtype=fmt.dtype, device=w.device)
-    scale_inv = torch.empty(E, triton.cdiv(R, block), triton.cdiv(C, block), dtype=torch.float32, device=w.device)
+    scale_inv = torch.empty(E, cdiv(R, block), cdiv(C, block), dtype=torch.float32, device=w.device)
     if matrices.numel():
         _quantize_tiles_kernel[(E, scale_inv.shape[1], scale_inv.shape[2])](
             matrices, data, scale_inv, R, C, matrices.stride(0), matrices.stride(1), data.stride(0), data.stride(1),
@@ -225,7 +225,7 @@ def quantize_gathered_columns(
     scale_inv = torch.empty(num_rows // block, N, dtype=torch.float32, device=src.device)
     block_n = 32 if interpreter_on() else 64
     if num_rows and N:
-        _quantize_gathered_columns_kernel[(num_rows // block, triton.cdiv(N, block_n))](
+        _quantize_gathered_columns_kernel[(num_rows // block, cdiv(N, block_n))](
             src, row_to_token, data, scale_inv, N, src.stride(0), data.stride(0), scale_inv.stride(0), fmt.max,
             fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=block, BLOCK_N=block_n,
         )  # fmt: skip
@@ -259,7 +259,7 @@ def transposed_copy(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
     out = torch.empty(E, C, R, dtype=torch.uint8, device=data.device)
     block = 32 if interpreter_on() else 64
     if matrices.numel():
-        _transpose_kernel[(E, triton.cdiv(R, block), triton.cdiv(C, block))](
+        _transpose_kernel[(E, cdiv(R, block), cdiv(C, block))](
             matrices, out, R, C, matrices.stride(0), matrices.stride(1), out.stride(0), out.stride(1), BLOCK=block
         )
     values = out.view(data.dtype).reshape(*data.shape[:-2], C, R)

@@ -26,7 +26,7 @@ import triton.language as tl
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
-from mok_plugin.kernels.launch import check_tensor, routing_weights_arg
+from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
 from mok_plugin.kernels.tiles import (
     activation_grad_of_rows,
     bias_router_grad_tile,
@@ -240,7 +240,7 @@ def _row_tiles(
     meta["BLOCK_M"] = min(meta["BLOCK_M"], tile_m)
     block_n = block_n or meta.pop("BLOCK_N")
     meta.pop("BLOCK_N", None)
-    return (num_rows // meta["BLOCK_M"] * triton.cdiv(n_out, block_n),), {"TILE_M": tile_m, **meta}, block_n
+    return (num_rows // meta["BLOCK_M"] * cdiv(n_out, block_n),), {"TILE_M": tile_m, **meta}, block_n
 
 
 def fp8_gate_up_fwd(
@@ -270,12 +270,12 @@ def fp8_gate_up_fwd(
     check_tensor("w13_q", w13_q, 3, x_q.dtype)
     E, N1, H = w13_q.shape
     I = N1 // 2 if gated else N1
-    if x_q.shape[1] != H or x_scale_inv.shape != (x_q.shape[0], triton.cdiv(H, scale_block)):
+    if x_q.shape[1] != H or x_scale_inv.shape != (x_q.shape[0], cdiv(H, scale_block)):
         raise ValueError(f"x_q {tuple(x_q.shape)} / scales {tuple(x_scale_inv.shape)} do not match H={H}")
     num_rows = row_to_token.shape[0]
     h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
     a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
-    a_scale_inv = torch.empty(num_rows, triton.cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
+    a_scale_inv = torch.empty(num_rows, cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
     grid, meta, _ = _row_tiles("gate_up_fwd", num_rows, I, tile_m, block_n=scale_block)
     if grid[0]:
         _fp8_gate_up_fwd_kernel[grid](
@@ -499,7 +499,7 @@ def fp8_down_dgrad(
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
     E, I, H = w2t_q.shape
     num_rows, n1 = row_to_token.shape[0], h.shape[1]
-    halves, blocks = n1 // I, triton.cdiv(I, scale_block)
+    halves, blocks = n1 // I, cdiv(I, scale_block)
     dev = h.device
     out = {
         "dh_q": torch.empty(num_rows, n1, dtype=bwd.dtype, device=dev),
@@ -596,7 +596,7 @@ def fp8_wgrad(
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
     tiles = _tiles("wgrad")
     block_m, block_n = tiles.pop("BLOCK_M"), tiles.pop("BLOCK_N")
-    grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    grid = (E * cdiv(M, block_m) * cdiv(N, block_n),)
     if grid[0]:
         _fp8_wgrad_kernel[grid](
             left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets, tokens_per_expert, M, N,

@@ -42,6 +42,7 @@ from mok_plugin.kernels.configs import (
 )
 from mok_plugin.kernels.launch import (
     alignment,
+    cdiv,
     check_schedule,
     check_tensor,
     descriptor,
@@ -314,7 +315,7 @@ def _launch_row_tiles(
 ) -> None:
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
     cfg = stages_for(cfg, dtype)
-    grid = (num_rows // cfg.block_m * triton.cdiv(n_out, cfg.block_n),)
+    grid = (num_rows // cfg.block_m * cdiv(n_out, cfg.block_n),)
     sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernels restate
     kernel[grid](
         NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -426,7 +427,7 @@ def down_dgrad(
         raise ValueError(f"h has {h.shape[0]} rows: neither the schedule's {num_rows} nor one per pair ({num_pairs})")
     d_h = torch.empty(h.shape[0], h.shape[1], dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
-    i_blocks = triton.cdiv(I, epi.block_n)
+    i_blocks = cdiv(I, epi.block_n)
     # Written for every routed row (all that reduce_router_grad reads); padding rows' entries are
     # left unset, which saved a fill launch (host time at small T).
     partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
@@ -584,8 +585,8 @@ GATHER_CHUNK_BYTES = 128 * 2**20
 def gather_column_blocks(num_cols: int, bytes_per_col: int, block: int) -> list[tuple[int, int]]:
     """[c0, c1) column ranges of about equal width, each a multiple of block (but the last), whose
     gathered copies hold at most GATHER_CHUNK_BYTES (at least one block each)."""
-    count = max(1, triton.cdiv(num_cols * bytes_per_col, GATHER_CHUNK_BYTES))
-    width = max(block, triton.cdiv(triton.cdiv(num_cols, count), block) * block)
+    count = max(1, cdiv(num_cols * bytes_per_col, GATHER_CHUNK_BYTES))
+    width = max(block, cdiv(cdiv(num_cols, count), block) * block)
     return [(c0, min(c0 + width, num_cols)) for c0 in range(0, num_cols, width)]
 
 
@@ -597,7 +598,7 @@ def _launch_wgrad(
     """One weight-gradient launch into d_w [E, M, N] (any strides)."""
     E, M, N = d_w.shape
     transposed = d_w.stride(2) != 1  # dW13's swapped launch writes a transposed view
-    grid = (E * triton.cdiv(M, cfg.block_m) * (1 if cfg.sweep else triton.cdiv(N, cfg.block_n)),)
+    grid = (E * cdiv(M, cfg.block_m) * (1 if cfg.sweep else cdiv(N, cfg.block_n)),)
     by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]
     tma = bool(by_row) and segment_align % cfg.block_k == 0 and tma_ok(cfg, *by_row)
     _expert_wgrad_kernel[grid](
@@ -634,7 +635,7 @@ def expert_bias_grad(
     if E == 0 or N == 0:
         return d_b
     block_k, block_n = _BIAS_GRAD_BLOCK
-    _bias_grad_kernel[(E, triton.cdiv(N, block_n))](
+    _bias_grad_kernel[(E, cdiv(N, block_n))](
         src, scale, d_b, row_to_token, expert_offsets, tokens_per_expert, N, src.stride(0), d_b.stride(0),
         BY_TOKEN=by_token, BLOCK_K=block_k, BLOCK_N=block_n, ALIGN=alignment(N, src.stride(0), d_b.stride(0)),
         num_warps=4,

@@ -60,7 +60,14 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import interpreter_on, kernel_config
-from mok_plugin.kernels.launch import alignment, check_schedule, dot_precision, routing_weights_arg, stages_for
+from mok_plugin.kernels.launch import (
+    alignment,
+    cdiv,
+    check_schedule,
+    dot_precision,
+    routing_weights_arg,
+    stages_for,
+)
 from mok_plugin.kernels.tiles import (
     aligned,
     combine_tile,
@@ -344,7 +351,7 @@ def backward_megakernel(
     dev, dt = x.device, x.dtype
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
-    partial = torch.zeros(num_rows, triton.cdiv(I, dg.block_n), dtype=torch.float32, device=dev)
+    partial = torch.zeros(num_rows, cdiv(I, dg.block_n), dtype=torch.float32, device=dev)
     d_x_rows = torch.empty(num_rows, H, dtype=dt, device=dev)
     d_x = torch.empty(T, H, dtype=dt, device=dev)
     d_topk = torch.empty(T * top_k, dtype=torch.float32, device=dev)

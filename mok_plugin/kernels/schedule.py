@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mok_plugin.kernels.launch import cdiv, next_power_of_2
+
 __all__ = ["row_values", "schedule_maps"]
 
 
@@ -243,7 +245,7 @@ def schedule_maps(
     E = num_experts
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
-    C = max(1, triton.cdiv(R, _CHUNK))
+    C = max(1, cdiv(R, _CHUNK))
     # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1);
     # the counts, offsets and dropped count are written whole by the kernels.
     sizes = [R, num_rows, num_rows, num_rows // tile_m]
@@ -266,7 +268,7 @@ def schedule_maps(
             filled.split([E, E + 1, 1, *sizes])
         )
         num_dropped = num_dropped.view(())
-    e_pow2 = triton.next_power_of_2(E)
+    e_pow2 = next_power_of_2(E)
     sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
     cap = R if capacity is None else capacity
     if C == 1:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
@@ -308,5 +310,5 @@ def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor
         return torch.zeros(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
     out = torch.empty(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
     block = 1024
-    _row_values_kernel[(triton.cdiv(out.shape[0], block),)](values, row_to_tk, out, out.shape[0], BLOCK=block)
+    _row_values_kernel[(cdiv(out.shape[0], block),)](values, row_to_tk, out, out.shape[0], BLOCK=block)
     return out

@@ -38,7 +38,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from mok_plugin.kernels.launch import cdiv
 
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
@@ -294,7 +295,7 @@ def expert_wgrad_hopper(
     one of SCHEDULES. Call only where `usable(left, right, segment_align)`."""
     plan = SCHEDULES[schedule]
     E, M, N = d_w.shape
-    num_tiles = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, plan.block_n)
+    num_tiles = E * cdiv(M, BLOCK_M) * cdiv(N, plan.block_n)
     if num_tiles == 0:
         return
     element = gl.bfloat16 if left.dtype == torch.bfloat16 else gl.float16
