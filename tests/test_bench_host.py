@@ -36,6 +36,12 @@ def test_a_small_step_launches_eleven_kernels_and_the_schedule_takes_three_past_
     assert dict(counts) == large
 
 
+def test_the_megakernel_step_is_three_launches():
+    with host.stubbed_launches() as counts:
+        host.experts_step(MoEShape(1, 256, 128, 16, 4), "megakernel")()
+    assert dict(counts) == {"_schedule_one_chunk_kernel": 1, "_forward_megakernel": 1, "_backward_megakernel": 1}
+
+
 def test_the_stub_is_undone_on_exit_and_the_interpreter_switch_restored():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction

@@ -8,9 +8,12 @@ the tensors on torch's meta device (shapes, no memory): what is left is MoK's ow
 torch's dispatch, measured on any machine, and the number of launches a step. Not measured here:
 Triton's launch path (~12-25 us a launch on the H200's host), the TMA descriptors (meta tensors
 take the pointer path) and CUDA's allocator; `mok bench layer --host-profile` on a GPU sees them.
+Ops whose meta implementation is Python (`empty_like`, through torch._prims_common: ~50 us a call
+here) cost more than on a GPU, where they are C++.
 
     mok bench host                              # T = 1, 37, 512 with qwen3-30b-a3b's expert dimensions
     mok bench host --tokens 1 --profile         # + the 30 functions with the most own time (cProfile)
+    mok bench host --variant megakernel         # the persistent variant: 3 launches a step
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ def stubbed_launches() -> Iterator[Counter]:
             os.environ["TRITON_INTERPRET"] = interpret
 
 
-def experts_step(shape: MoEShape) -> Callable[[], object]:
-    """One eager forward + backward of the multi-kernel experts (the schedule built by its Triton
-    kernels' launcher, as on a GPU) on meta tensors of `shape`: no values, so every (stubbed) launch
-    sees the same sizes whatever the routing."""
+def experts_step(shape: MoEShape, variant: str = "multi_kernel") -> Callable[[], object]:
+    """One eager forward + backward of the bias-free SwiGLU experts in `variant` (the schedule
+    built by its Triton kernels' launcher, as on a GPU) on meta tensors of `shape`: no values, so
+    every (stubbed) launch sees the same sizes whatever the routing."""
     from mok_plugin import ops
     from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 
@@ -80,7 +83,7 @@ def experts_step(shape: MoEShape) -> Callable[[], object]:
 
     def step():
         schedule = build_schedule(ids, E, tile_m=DEFAULT_TILE_M, impl="triton")
-        out = ops.moe_experts(x, weights, w13, w2, schedule)
+        out = ops.moe_experts(x, weights, w13, w2, schedule, variant=variant)
         return torch.autograd.grad(out, [x, weights, w13, w2], d_out)
 
     return step
@@ -90,6 +93,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of `mok bench host`."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 37, 512], help="T values (default 1 37 512)")
+    parser.add_argument("--variant", choices=["multi_kernel", "megakernel"], default="multi_kernel",
+                        help="the experts' kernel variant (default multi_kernel)")  # fmt: skip
     parser.add_argument("--dims", default=DEFAULT_DIMS, help=f"H,I,E,K (default {DEFAULT_DIMS}: qwen3-30b-a3b)")
     parser.add_argument("--steps", type=int, default=1000, help="fwd+bwd calls per timing (default 1000)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per T; the best is reported (default 5)")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(f"{'T':>6} {'launches':>8} {'host us':>9}  launches by kernel (stubbed: counted, not run)")
     with stubbed_launches() as counts:
         for shape in shapes:
-            step = experts_step(shape)
+            step = experts_step(shape, args.variant)
             step()  # first call: imports and caches
             counts.clear()
             step()
