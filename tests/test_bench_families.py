@@ -5,7 +5,6 @@ provider that drops a bias failing the check, the MoK provider handing the famil
 the op, the peers that compute bias-free SwiGLU only skipped with their reason, `--expert` on the
 command line, and the family in the printed table."""
 
-import argparse
 import math
 
 import pytest
@@ -137,8 +136,9 @@ def test_layer_case_skips_what_cannot_run_the_family(monkeypatch, capsys):
         return {"provider": name, **providers.check_provider(fn, inputs, shape, expected, family)}
 
     monkeypatch.setattr(layer, "bench_provider", fake_bench)
-    args = argparse.Namespace(providers=["mok-mega", "mok-multi", "torch", "liger"], seed=0, iters=1, settle_s=0.0,
-                              profile=False, memory=False, rounds=1, graphs=False)  # fmt: skip
+    # the command line's defaults (so that a new option needs no edit here), then this case's values
+    args = layer.build_parser().parse_args(["--iters", "1", "--settle-s", "0"])
+    args.providers = ["mok-mega", "mok-multi", "torch", "liger"]
     rows = layer._bench_case(args, "small", SHAPE, "gpt-oss", GPT_OSS, "uniform")
     out = capsys.readouterr().out
     assert "small gpt-oss uniform mok-mega: skipped (the megakernel (mok-mega) computes bias-free SwiGLU" in out
