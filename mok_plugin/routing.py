@@ -144,7 +144,8 @@ def _group_limited_mask(selection_scores: torch.Tensor, n_group: int, topk_group
     chosen_groups = stable_topk(group_scores, topk_group)
     group_mask = torch.zeros(T, n_group, dtype=torch.bool, device=selection_scores.device)
     group_mask.scatter_(1, chosen_groups, True)
-    # expand, then one copy (Tensor.repeat_interleave with an int took ~50 us of host on the H200)
+    # expand, then one copy (Tensor.repeat_interleave with an int: 54 us of host on the H200 where
+    # ops.py used it, BENCHMARKS.md "Small batches: where the host's time goes")
     return group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
 
 

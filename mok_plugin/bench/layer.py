@@ -300,13 +300,13 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             print(f"  {case} {provider}: skipped (not implemented: {why})", flush=True)
             torch.cuda.empty_cache()
             continue
-        if args.profile and not row["error"]:
-            row["kernels"], row["idle"] = kernel_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs),
-                                                           settle_s=args.settle_s)  # fmt: skip
-            row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
-        if args.host_profile and not row["error"]:
-            row["host_ms"] = host_time(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
-            row["host_profile"] = host_profile(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs), args.iters)
+        if (args.profile or args.host_profile) and not row["error"]:
+            work = lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs)  # noqa: E731
+            if args.profile:
+                row["kernels"], row["idle"] = kernel_breakdown(work, settle_s=args.settle_s)
+            row["host_ms"] = host_time(work)
+            if args.host_profile:
+                row["host_profile"] = host_profile(work, args.iters)
         if args.memory and not row["error"]:
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
