@@ -91,14 +91,19 @@ def idle_gaps(spans: list[tuple[float, float, str]], iters: int, top: int = 5) -
 
 def host_time(work: Callable[[], object], iters: int = 20) -> float:
     """Host time per call of `work` in ms: `iters` calls issued back to back from an idle GPU,
-    without waiting for it (a few thousand kernels fit the launch queue)."""
-    torch.cuda.synchronize()
+    without waiting for it (a few thousand kernels fit the launch queue); without CUDA, plain calls."""
+    _synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         work()
     host_ms = (time.perf_counter() - start) / iters * 1e3
-    torch.cuda.synchronize()
+    _synchronize()
     return host_ms
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def host_profile(work: Callable[[], object], iters: int = 100, top: int = 30) -> list[dict]:
@@ -110,15 +115,13 @@ def host_profile(work: Callable[[], object], iters: int = 100, top: int = 30) ->
         [{"function": "file:line(name)", "calls": per call of work, "own_us": time in the function
         itself per call of work, "cum_us": with what it calls}] largest own time first.
     """
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    _synchronize()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(iters):
         work()
     profiler.disable()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    _synchronize()
     rows = [
         {"function": f"{_short_path(path)}:{line}({name})", "calls": calls / iters, "own_us": own / iters * 1e6,
          "cum_us": cum / iters * 1e6}

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
 
-from mok_plugin.bench.breakdown import host_profile
+from mok_plugin.bench.breakdown import host_profile, host_time, print_host_profile
 from mok_plugin.testing import MoEShape, parse_shape
 
 __all__ = ["build_parser", "main", "stubbed_launches", "experts_step"]
@@ -120,18 +119,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             counts.clear()
             step()
             launches = dict(counts)
-            best = min(_seconds(step, args.steps) for _ in range(args.repeats)) / args.steps
+            best_ms = min(host_time(step, args.steps) for _ in range(args.repeats))
             by_kernel = ", ".join(f"{name.strip('_')} {n}" for name, n in sorted(launches.items()))
-            print(f"{shape.T:>6} {sum(launches.values()):>8} {best * 1e6:>9.1f}  {by_kernel}", flush=True)
+            print(f"{shape.T:>6} {sum(launches.values()):>8} {best_ms * 1e3:>9.1f}  {by_kernel}", flush=True)
             if args.profile:
-                for row in host_profile(step, iters=min(args.steps, 200)):
-                    print(f"         {row['own_us']:7.1f} us own {row['cum_us']:8.1f} cum x{row['calls']:<4g} "
-                          f"{row['function'][:90]}")  # fmt: skip
+                profile = host_profile(step, min(args.steps, 200))
+                print_host_profile({"shape": f"T = {shape.T}", "routing": "(meta tensors)", "provider": args.variant,
+                                    "host_ms": best_ms, "host_profile": profile})  # fmt: skip
     return 0
-
-
-def _seconds(step: Callable[[], object], steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return time.perf_counter() - start
