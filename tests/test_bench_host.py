@@ -61,3 +61,16 @@ def test_the_command_prints_a_row_per_token_count(capsys):
     assert all(float(row[2]) > 0 for row in rows)
     with pytest.raises(SystemExit):
         host.main(["--steps", "0"])
+
+
+def test_the_launch_paths_are_compared_on_a_gpu_only(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        assert host.main(["--cuda", "--tokens", "1", "--steps", "2", "--repeats", "1"]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+        assert [row[0] for row in rows] == ["1"]
+    else:
+        with pytest.raises(SystemExit):
+            host.main(["--cuda"])
+        assert "--cuda needs a CUDA GPU" in capsys.readouterr().err

@@ -14,6 +14,8 @@ here) cost more than on a GPU, where they are C++.
     mok bench host                              # T = 1, 37, 512 with qwen3-30b-a3b's expert dimensions
     mok bench host --tokens 1 --profile         # + the 30 functions with the most own time (cProfile)
     mok bench host --variant megakernel         # the persistent variant: 3 launches a step
+    mok bench host --cuda                       # on a GPU: real launches, `launch`'s direct path against
+                                                # Triton's own, alternated in one process
 """
 
 from __future__ import annotations
@@ -64,21 +66,26 @@ def stubbed_launches() -> Iterator[Counter]:
             os.environ["TRITON_INTERPRET"] = interpret
 
 
-def experts_step(shape: MoEShape, variant: str = "multi_kernel") -> Callable[[], object]:
+def experts_step(shape: MoEShape, variant: str = "multi_kernel", device: str = "meta") -> Callable[[], object]:
     """One eager forward + backward of the bias-free SwiGLU experts in `variant` (the schedule
-    built by its Triton kernels' launcher, as on a GPU) on meta tensors of `shape`: no values, so
-    every (stubbed) launch sees the same sizes whatever the routing."""
+    built by its Triton kernels' launcher, as on a GPU) on tensors of `shape`. On the meta device
+    (the default) they have no values, so every (stubbed) launch sees the same sizes whatever the
+    routing; on a GPU, random values and uniform top-K routing."""
     from mok_plugin import ops
     from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 
     T, H, I, E, K = shape.as_tuple()
-    meta = torch.device("meta")  # shapes only: the torch ops dispatch but touch no memory, as on a GPU's host
-    ids = torch.empty(T, K, dtype=torch.int64, device=meta)
-    x = torch.empty(T, H, dtype=torch.bfloat16, device=meta, requires_grad=True)
-    weights = torch.empty(T, K, device=meta, requires_grad=True)
-    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=meta, requires_grad=True)
-    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=meta, requires_grad=True)
-    d_out = torch.empty(T, H, dtype=torch.bfloat16, device=meta)
+    if device == "meta":  # shapes only: the torch ops dispatch but touch no memory, as on a GPU's host
+        make = torch.empty
+        ids = torch.empty(T, K, dtype=torch.int64, device=device)
+    else:
+        make = torch.randn
+        ids = torch.rand(T, E, device=device).topk(K, dim=1).indices
+    x = make(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    weights = make(T, K, device=device).softmax(-1).requires_grad_()
+    w13 = (make(E, 2 * I, H, dtype=torch.bfloat16, device=device) / H**0.5).requires_grad_()
+    w2 = (make(E, H, I, dtype=torch.bfloat16, device=device) / I**0.5).requires_grad_()
+    d_out = make(T, H, dtype=torch.bfloat16, device=device)
 
     def step():
         schedule = build_schedule(ids, E, tile_m=DEFAULT_TILE_M, impl="triton")
@@ -98,6 +105,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=1000, help="fwd+bwd calls per timing (default 1000)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per T; the best is reported (default 5)")
     parser.add_argument("--profile", action="store_true", help="also list the functions with the most own time")
+    parser.add_argument("--cuda", action="store_true",
+                        help="on the GPU, launches real: the host time with `launch`'s direct path and with Triton's "
+                             "own, alternated --repeats times in this process (the host's speed drifts between "
+                             "processes)")  # fmt: skip
     return parser
 
 
@@ -111,6 +122,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         shapes = [parse_shape(f"{tokens},{args.dims}") for tokens in args.tokens]
     except ValueError as error:
         parser.error(str(error))
+    if args.cuda:
+        if not torch.cuda.is_available():
+            parser.error("--cuda needs a CUDA GPU")
+        return _compare_launch_paths(shapes, args)
     print(f"{'T':>6} {'launches':>8} {'host us':>9}  launches by kernel (stubbed: counted, not run)")
     with stubbed_launches() as counts:
         for shape in shapes:
@@ -126,4 +141,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 profile = host_profile(step, min(args.steps, 200))
                 print_host_profile({"shape": f"T = {shape.T}", "routing": "(meta tensors)", "provider": args.variant,
                                     "host_ms": best_ms, "host_profile": profile})  # fmt: skip
+    return 0
+
+
+def _compare_launch_paths(shapes: list[MoEShape], args: argparse.Namespace) -> int:
+    """`--cuda`: per T, the host time of a fwd+bwd with `launch`'s direct path and through Triton's
+    `kernel[grid]`, in turns; best and median of --repeats timings of --steps calls each."""
+    import statistics
+
+    from mok_plugin.kernels.launch import through_triton
+
+    print(f"{'T':>6} {'direct us':>17} {'Triton us':>17} {'saved us':>9}  (best / median of {args.repeats})")
+    for shape in shapes:
+        step = experts_step(shape, args.variant, device="cuda")
+        times: dict[str, list[float]] = {"direct": [], "triton": []}
+        for repeat in range(args.repeats + 1):  # the first round warms both paths up, untimed
+            for path in times:
+                with through_triton() if path == "triton" else contextlib.nullcontext():
+                    host_ms = host_time(step, args.steps if repeat else 3)
+                if repeat:
+                    times[path].append(host_ms * 1e3)
+        best = {path: min(values) for path, values in times.items()}
+        median = {path: statistics.median(values) for path, values in times.items()}
+        print(f"{shape.T:>6} {best['direct']:>8.1f} / {median['direct']:<6.1f} {best['triton']:>8.1f} / "
+              f"{median['triton']:<6.1f} {median['triton'] - median['direct']:>9.1f}", flush=True)  # fmt: skip
     return 0

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.configs import kernel_config
-from mok_plugin.kernels.launch import alignment, cdiv
+from mok_plugin.kernels.launch import alignment, cdiv, launch
 from mok_plugin.kernels.tiles import aligned, combine_tile, router_grad_tile
 
 __all__ = ["combine_rows", "reduce_router_grad"]
@@ -76,7 +76,7 @@ def combine_rows(rows: torch.Tensor, tk_to_row: torch.Tensor, num_tokens: int, t
         return out
     cfg = kernel_config("combine", H)
     grid = (cdiv(num_tokens, cfg.block_m), cdiv(H, cfg.block_n))
-    _combine_rows_kernel[grid](
+    launch(_combine_rows_kernel, grid,
         rows, tk_to_row, out, num_tokens, H, rows.stride(0), out.stride(0), K=top_k, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, ALIGN=alignment(H, rows.stride(0), out.stride(0)), num_warps=cfg.num_warps,
     )
@@ -94,7 +94,7 @@ def reduce_router_grad(partial: torch.Tensor, tk_to_row: torch.Tensor, num_token
     if TK == 0:
         return d_w.view(num_tokens, top_k)
     block = 128
-    _reduce_router_grad_kernel[(cdiv(TK, block),)](
+    launch(_reduce_router_grad_kernel, (cdiv(TK, block),),
         partial, tk_to_row, d_w, TK, partial.shape[1], partial.stride(0), BLOCK_M=block, num_warps=4,
     )
     return d_w.view(num_tokens, top_k)

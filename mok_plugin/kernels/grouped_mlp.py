@@ -48,6 +48,7 @@ from mok_plugin.kernels.launch import (
     descriptor,
     dot_precision,
     is_size_or_stride,
+    launch,
     routing_weights_arg,
     stages_for,
     tma_ok,
@@ -317,7 +318,7 @@ def _launch_row_tiles(
     cfg = stages_for(cfg, dtype)
     grid = (num_rows // cfg.block_m * cdiv(n_out, cfg.block_n),)
     sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernels restate
-    kernel[grid](
+    launch(kernel, grid,
         NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **args,
@@ -442,7 +443,7 @@ def down_dgrad(
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
-    _down_dgrad_epilogue_kernel[(num_rows // block_m, i_blocks)](
+    launch(_down_dgrad_epilogue_kernel, (num_rows // block_m, i_blocks),
         d_a_ptr=d_a, h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
         d_w_partial_ptr=partial,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
@@ -451,7 +452,7 @@ def down_dgrad(
         H_BY_PAIR=h_by_pair, ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps,
     )
     if down_bias is not None:
-        _bias_router_grad_kernel[(num_rows // block_m,)](
+        launch(_bias_router_grad_kernel, (num_rows // block_m,),
             d_out, down_bias, partial, row_to_token, tile_to_expert, H, d_out.stride(0), down_bias.stride(0),
             partial.stride(0), i_blocks, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=epi.block_n,
             ALIGN=alignment(H, d_out.stride(0), down_bias.stride(0)), num_warps=epi.num_warps,
@@ -601,7 +602,7 @@ def _launch_wgrad(
     grid = (E * cdiv(M, cfg.block_m) * (1 if cfg.sweep else cdiv(N, cfg.block_n)),)
     by_row = [t for t, by_token in ((left, left_by_token), (right, right_by_token)) if not by_token]
     tma = bool(by_row) and segment_align % cfg.block_k == 0 and tma_ok(cfg, *by_row)
-    _expert_wgrad_kernel[grid](
+    launch(_expert_wgrad_kernel, grid,
         descriptor(left, [cfg.block_k, cfg.block_m]) if tma and not left_by_token else left,
         descriptor(right, [cfg.block_k, cfg.block_n]) if tma and not right_by_token else right, d_w, row_to_token,
         expert_offsets, tokens_per_expert, M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(1),
@@ -635,7 +636,7 @@ def expert_bias_grad(
     if E == 0 or N == 0:
         return d_b
     block_k, block_n = _BIAS_GRAD_BLOCK
-    _bias_grad_kernel[(E, cdiv(N, block_n))](
+    launch(_bias_grad_kernel, (E, cdiv(N, block_n)),
         src, scale, d_b, row_to_token, expert_offsets, tokens_per_expert, N, src.stride(0), d_b.stride(0),
         BY_TOKEN=by_token, BLOCK_K=block_k, BLOCK_N=block_n, ALIGN=alignment(N, src.stride(0), d_b.stride(0)),
         num_warps=4,

@@ -1,12 +1,17 @@
 """Host-side helpers every launcher shares: argument checks, TMA descriptors, dot precision, ALIGN,
-pipelining depth per dtype. No kernels, no autograd, no host synchronisation."""
+pipelining depth per dtype, and `launch` (a Triton launch with less host work). No kernels, no
+autograd, no host synchronisation."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on
@@ -19,9 +24,11 @@ __all__ = [
     "descriptor",
     "dot_precision",
     "is_size_or_stride",
+    "launch",
     "next_power_of_2",
     "routing_weights_arg",
     "stages_for",
+    "through_triton",
     "tma_ok",
 ]
 
@@ -131,3 +138,67 @@ def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
     would ask for 384 KiB), so fp32 (tests, checks) runs unpipelined. Tiles and K order stay, so the
     results are the same as at any depth."""
     return replace(cfg, num_stages=1) if dtype.itemsize > 2 else cfg
+
+
+# Triton's own launch entry, to notice a stand-in (`mok bench host` replaces it to count launches).
+_TRITON_GETITEM = JITFunction.__getitem__
+# (kernel id, device, Triton's specialization of the arguments, the launch options) -> CompiledKernel
+_compiled: dict[tuple, object] = {}
+_direct = True  # False within `through_triton`
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` with less of Triton's per-launch Python on a GPU.
+
+    Small batches are bound by the host (BENCHMARKS.md, "Small batches: where the host's time
+    goes"): Triton 3.6's `JITFunction.run` reads its knobs from the environment, hashes the options,
+    checks the kernel's globals and builds a launch-metadata dict for hooks at every launch (~825 us
+    of 11 launches profiled at T = 1, a third of it the launch itself). Here the arguments are bound
+    and specialised by Triton's own binder (alignment, divisibility by 16, the value 1, dtypes:
+    exactly what picks Triton's binary), and a binary compiled for the same specialization and
+    options is launched directly. The first launch of each specialization, any launch with Triton's
+    launch hooks or pre-run hooks set (profilers), under the interpreter and for anything not a
+    plain `triton.jit` kernel, under torch.compile (which traces `kernel[grid]`) and within
+    `through_triton` go through `kernel[grid]` unchanged. Not seen after a specialization's first
+    launch: Triton's debug and instrumentation knobs changed mid-process."""
+    if (
+        torch.compiler.is_compiling()
+        or not _direct
+        or type(kernel) is not JITFunction
+        or JITFunction.__getitem__ is not _TRITON_GETITEM
+        or not _hooks_idle(kernel)
+    ):
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    bound, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
+    key = (id(kernel), device, *specialization, *options.items())
+    compiled = _compiled.get(key)
+    if compiled is None:
+        _compiled[key] = kernel[grid](*args, **kwargs)
+        return
+    grid_y = grid[1] if len(grid) > 1 else 1
+    grid_z = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())  # fmt: skip
+
+
+def _hooks_idle(kernel: JITFunction) -> bool:
+    """No pre-run hook on kernel and no launch hook in Triton's knobs (an empty chain or none)."""
+    if kernel.pre_run_hooks:
+        return False
+    runtime = knobs.runtime
+    return all(hook is None or not getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))  # fmt: skip
+
+
+@contextlib.contextmanager
+def through_triton() -> Iterator[None]:
+    """Within: every `launch` takes Triton's own path (`kernel[grid]`), to compare host times
+    (`mok bench host --cuda`) or to rule the direct launch out when chasing a problem."""
+    global _direct
+    saved, _direct = _direct, False
+    try:
+        yield
+    finally:
+        _direct = saved

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels.launch import cdiv, next_power_of_2
+from mok_plugin.kernels.launch import cdiv, launch, next_power_of_2
 
 __all__ = ["row_values", "schedule_maps"]
 
@@ -272,19 +272,19 @@ def schedule_maps(
     sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
     cap = R if capacity is None else capacity
     if C == 1:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
-        _schedule_one_chunk_kernel[(E,)](
+        launch(_schedule_one_chunk_kernel, (E,),
             ids, tokens_per_expert, expert_offsets, tk_to_row, row_to_tk, row_to_token, tile_to_expert, num_dropped, R,
             cap, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m, CHUNK=_CHUNK, SUB=sub, BLOCK=1024,
         )  # fmt: skip
     else:
         chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
         chunk_prefix = torch.empty(C, E, dtype=torch.int64, device=device)
-        _chunk_histogram_kernel[(C,)](ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
-        _expert_offsets_kernel[(E,)](
+        launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_CHUNK, SUB=sub)
+        launch(_expert_offsets_kernel, (E,),
             chunk_counts, chunk_prefix, tokens_per_expert, expert_offsets, tile_to_expert, num_dropped, C, cap,
             E=E, E_POW2=e_pow2, TILE_M=tile_m, BLOCK_C=max(1, 4096 // e_pow2),
         )  # fmt: skip
-        _schedule_scatter_kernel[(E, C)](
+        launch(_schedule_scatter_kernel, (E, C),
             ids, chunk_prefix, expert_offsets, tk_to_row, row_to_tk, row_to_token, R, cap, K=K, E=E, CHUNK=_CHUNK,
             BLOCK=1024,
         )  # fmt: skip
@@ -310,5 +310,5 @@ def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor
         return torch.zeros(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
     out = torch.empty(row_to_tk.shape[0], dtype=torch.float32, device=row_to_tk.device)
     block = 1024
-    _row_values_kernel[(cdiv(out.shape[0], block),)](values, row_to_tk, out, out.shape[0], BLOCK=block)
+    launch(_row_values_kernel, (cdiv(out.shape[0], block),), values, row_to_tk, out, out.shape[0], BLOCK=block)
     return out
