@@ -25,7 +25,8 @@
 #                           every expert's weight gradient
 #              perf-host    T = 1, 37, 512 uniform, 3 rounds of both MoK variants and the PyTorch path, with
 #                           --host-profile: where the host's time goes, and whether the megakernel's three
-#                           launches a step (against the multi-kernel's eleven) pay at small T
+#                           launches a step (against the multi-kernel's eleven) pay at small T; and `mok bench host
+#                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
@@ -112,7 +113,9 @@ for part in "${parts[@]}"; do
             run_part "perf-host-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
                 --routing uniform --providers mok-multi mok-mega torch --iters 20 --rounds 3 --host-profile \
                 --out "$out/perf-host-T$tokens"
-        done ;;
+        done
+        run_part perf-host-launch python3 -m mok_plugin.cli bench host --cuda --tokens 1 37 512 --steps 300 \
+            --repeats 5 ;;
     perf | perf-coarse | perf-small)
         if [ "$part" != perf-small ]; then
             for shape in 16384,2880,2880,128,4 4096,7168,2048,384,8 8192,3000,1000,160,6; do

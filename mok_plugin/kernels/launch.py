@@ -58,6 +58,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.cache  # asked for every argument of every row-tile launch (~64 names a small step)
 def is_size_or_stride(name: str) -> bool:
     """Whether a kernel argument is one of the sizes and strides the kernels restate through ALIGN
     (their names: H, I, N, N1, M_OUT, N_OUT and stride_*)."""
