@@ -148,20 +148,21 @@ _compiled: dict[tuple, object] = {}
 _direct = True  # False within `through_triton`
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` with less of Triton's per-launch Python on a GPU.
 
-    Small batches are bound by the host (BENCHMARKS.md, "Small batches: where the host's time
-    goes"): Triton 3.6's `JITFunction.run` reads its knobs from the environment, hashes the options,
-    checks the kernel's globals and builds a launch-metadata dict for hooks at every launch (~825 us
-    of 11 launches profiled at T = 1, a third of it the launch itself). Here the arguments are bound
-    and specialised by Triton's own binder (alignment, divisibility by 16, the value 1, dtypes:
-    exactly what picks Triton's binary), and a binary compiled for the same specialization and
-    options is launched directly. The first launch of each specialization, any launch with Triton's
-    launch hooks or pre-run hooks set (profilers), under the interpreter and for anything not a
-    plain `triton.jit` kernel, under torch.compile (which traces `kernel[grid]`) and within
-    `through_triton` go through `kernel[grid]` unchanged. Not seen after a specialization's first
-    launch: Triton's debug and instrumentation knobs changed mid-process."""
+    Small batches are bound by the host (BENCHMARKS.md, "Small batches with direct launches"):
+    Triton 3.6's `JITFunction.run` reads its knobs from the environment, hashes the options, checks
+    the kernel's globals and builds a launch-metadata dict for hooks at every launch. Here Triton's
+    own binder binds and specialises the arguments (alignment, divisibility by 16, the value 1,
+    dtypes: exactly what picks Triton's binary), and the binary Triton compiled for the same
+    specialization and options is launched directly: 21-29 us less a launch on the H200's host.
+
+    These go through `kernel[grid]` unchanged: the first launch of each specialization (Triton
+    compiles it), launches while Triton's launch hooks or the kernel's pre-run hooks are set
+    (profilers), anything not a plain `triton.jit` kernel (the interpreter's kernels, stand-ins),
+    tracing under torch.compile, and launches within `through_triton`. Not seen after a
+    specialization's first launch: Triton's debug and instrumentation knobs changed mid-process."""
     if (
         torch.compiler.is_compiling()
         or not _direct
