@@ -186,12 +186,15 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
 
 
 def _hooks_idle(kernel: JITFunction) -> bool:
-    """No pre-run hook on kernel and no launch hook in Triton's knobs (an empty chain or none)."""
-    if kernel.pre_run_hooks:
-        return False
+    """No pre-run hook on kernel and no launch hook in Triton's knobs (asked at every launch)."""
     runtime = knobs.runtime
-    return all(hook is None or not getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))  # fmt: skip
+    return not kernel.pre_run_hooks and _calls_nothing(runtime.launch_enter_hook) and (
+        _calls_nothing(runtime.launch_exit_hook))  # fmt: skip
+
+
+def _calls_nothing(hook: object) -> bool:
+    """A launch hook that calls nothing: none, or Triton's empty `HookChain` (3.6's default)."""
+    return hook is None or not getattr(hook, "calls", True)
 
 
 @contextlib.contextmanager
