@@ -136,6 +136,98 @@ def test_anything_but_a_jit_kernel_is_indexed_and_called():
     assert launch_module._TRITON_GETITEM is JITFunction.__getitem__
 
 
+class _Descriptor:
+    """Stands in for a TensorDescriptor (what `filled_descriptor` reads of one)."""
+
+    def __init__(self, base, block_shape) -> None:
+        self.base, self.shape, self.strides = base, base.shape, base.stride()
+        self.block_shape, self.padding = block_shape, "zero"
+
+
+@pytest.fixture
+def fills(monkeypatch):
+    """Triton's descriptor fill replaced by one that records what it filled."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    made = []
+
+    def make_tensordesc_arg(desc, metadata):
+        made.append((desc.base.data_ptr(), tuple(desc.block_shape), metadata))
+        return [f"map {len(made)}", *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", make_tensordesc_arg)
+    monkeypatch.setattr(launch_module, "_filled", {})
+    return made
+
+
+def test_a_descriptor_is_filled_once_per_address_shape_and_block(fills):
+    weights, other = torch.randn(4, 64), torch.randn(4, 64)
+    meta = {"swizzle": 128}
+    first = launch_module.filled_descriptor(_Descriptor(weights, [2, 32]), meta)
+    assert first == ("map 1", 4, 64, 64, 1)
+    assert launch_module.filled_descriptor(_Descriptor(weights, [2, 32]), meta) == first  # kept
+    launch_module.filled_descriptor(_Descriptor(other, [2, 32]), meta)  # another address
+    launch_module.filled_descriptor(_Descriptor(weights, [4, 32]), meta)  # another block
+    launch_module.filled_descriptor(_Descriptor(weights[:2], [2, 32]), meta)  # another shape
+    launch_module.filled_descriptor(_Descriptor(weights, [2, 32]), {"swizzle": 64})  # another kernel's layout
+    assert len(fills) == 5
+    for _ in range(2):  # no metadata: the arguments hold the tensor, so never kept
+        launch_module.filled_descriptor(_Descriptor(weights, [2, 32]), None)
+    assert len(fills) == 7 and len(launch_module._filled) == 5
+
+
+def test_the_kept_fills_are_bounded(fills, monkeypatch):
+    monkeypatch.setattr(launch_module, "_FILLED_MAX", 3)
+    base = torch.randn(16, 64)
+    for row in range(5):
+        launch_module.filled_descriptor(_Descriptor(base[row : row + 1], [1, 32]), {})
+    assert len(fills) == 5 and len(launch_module._filled) <= 3
+
+
+def test_tritons_cuda_launcher_is_unwrapped_to_its_c_function(fills, monkeypatch):
+    """With Triton 3.6's CudaLauncher (its descriptor wrapper imitated), a launch calls the C
+    function with the scratch, metadata and hook slots empty and each descriptor expanded."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    calls = []
+
+    def c_launch(*args):
+        calls.append(args)
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):  # 3.6's wrap_handle_tensordesc keeps these three names
+            return launcher, tensordesc_indices, tensordesc_meta
+
+        return inner
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self, launch) -> None:
+            self.launch = launch
+
+    monkeypatch.setattr(driver, "CudaLauncher", CudaLauncher, raising=False)
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    compiled = _Compiled()
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    compiled.run = CudaLauncher(wrap(c_launch, {1, 3}, metas))
+    a, b = torch.randn(4, 64), torch.randn(8, 32)
+    binary = launch_module._Binary(compiled)
+    binary.launch((5,), 7, ("x", _Descriptor(a, [2, 32]), 3, _Descriptor(b, [4, 32])))
+    assert calls == [
+        (5, 1, 1, 7, "function", False, True, None, None, "packed metadata", None, None, None,
+         "x", "map 2", 4, 64, 64, 1, 3, "map 1", 8, 32, 32, 1),
+    ]  # fmt: skip
+    assert fills == [(b.data_ptr(), (4, 32), metas[1]), (a.data_ptr(), (2, 32), metas[0])]
+
+    compiled.run = CudaLauncher(len)  # a kernel without descriptors: the C function itself
+    assert launch_module._Binary(compiled).run is len
+    compiled.run.global_scratch_size = 256  # scratch memory: Triton's launcher allocates it
+    assert launch_module._Binary(compiled).run is compiled.run
+    compiled.run = CudaLauncher(len)
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "another version's", raising=False)
+    assert launch_module._Binary(compiled).run is compiled.run
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_fast_launches_give_tritons_bits():
@@ -151,3 +243,48 @@ def test_on_the_gpu_fast_launches_give_tritons_bits():
             unaligned = torch.full((n + 1,), float("nan"), device="cuda")[1:]  # out's start not 16-byte aligned
             launch(kernel, (triton.cdiv(n, 128),), src, unaligned, n, factor, BLOCK=128)
             assert torch.equal(unaligned, src[:n] * factor)
+
+
+@triton.jit
+def _double_block_kernel(src, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out = 2 * src, src read through a TMA descriptor a [BLOCK_M, BLOCK_N] block a program."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    block = src.load([tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N])
+    tl.store(out_ptr + rows * N + cols, block * 2, mask=(rows < M) & (cols < N))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a GPU with TMA (Hopper)"
+)
+def test_on_the_gpu_kept_descriptors_read_the_tensor_at_hand():
+    """Kept descriptor fills: tensors at other addresses, of other shapes, and a new tensor at a freed
+    one's address are each read as they are, as Triton's own launch reads them."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel = JITFunction(_double_block_kernel.fn)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def doubled(src: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(src, float("nan"))
+        grid = (triton.cdiv(src.shape[0], 32), triton.cdiv(src.shape[1], 64))
+        launch(kernel, grid, TensorDescriptor.from_tensor(src, [32, 64]), out, *src.shape, BLOCK_M=32, BLOCK_N=64)
+        return out
+
+    a = torch.randn(96, 128, device="cuda", generator=generator)
+    b = torch.randn(100, 192, device="cuda", generator=generator)
+    for _ in range(3):  # Triton's path first, then direct launches with kept fills
+        for src in (a, b, a[:40], a):
+            assert torch.equal(doubled(src), src * 2)
+        address = b.data_ptr()
+        del b
+        b = torch.randn(100, 192, device="cuda", generator=generator)  # likely the freed address, new values
+        assert torch.equal(doubled(b), b * 2), f"same address: {b.data_ptr() == address}"
+    with through_triton():
+        assert torch.equal(doubled(a), a * 2)
+    binaries = [binary for key, binary in launch_module._binaries.items() if key[0] == id(kernel)]
+    assert binaries
+    if triton.__version__.startswith("3.6"):  # the C launcher with kept fills, not Triton's Python
+        assert all(binary.descriptors and binary.run.__class__.__name__ == "builtin_function_or_method"
+                   for binary in binaries)  # fmt: skip

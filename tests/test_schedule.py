@@ -98,12 +98,15 @@ def test_bad_arguments():
         pytest.param(1024, 2, 6, 32, None, "random", id="pairs_fill_one_chunk"),  # R = 2048: the one-launch path
         pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
         pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
+        pytest.param(40, 2, 5, 8, 3, "empty_slots", id="empty_slots_and_drops"),
+        pytest.param(20, 2, 16, 128, None, "one_expert", id="tail_past_one_block"),  # 1920 rows past the end
+        pytest.param(0, 2, 4, 8, None, "random", id="no_pairs"),  # an EP rank that receives none
     ],
 )
-def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
+def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind, monkeypatch):
     pytest.importorskip("triton", reason="the triton schedule needs triton")
     g = torch.Generator().manual_seed(T + E)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K).long()
     if kind == "one_expert":
         ids[:] = 3
     if kind == "empty_slots":
@@ -111,7 +114,10 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
     ids = ids.to(device)
     a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
+    fresh = torch.empty  # the one-chunk kernel writes every entry itself: poison what it is given
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: fresh(*args, **kwargs).fill_(7777))
     b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
+    monkeypatch.undo()
     for field in a.__slots__:
         x, y = getattr(a, field), getattr(b, field)
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field

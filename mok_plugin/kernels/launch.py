@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import types
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -114,7 +116,8 @@ def tma_ok(cfg: MoKTileConfig, *tensors: torch.Tensor) -> bool:
     the same in every process; `descriptor` copies a tensor whose start is not 16-byte aligned."""
     if not cfg.tma:
         return False
-    if not interpreter_on() and (not tensors[0].is_cuda or not _has_copy_engine(tensors[0].get_device())):
+    on_hopper = tensors[0].is_cuda and _has_copy_engine(tensors[0].get_device())
+    if not on_hopper and not interpreter_on():  # in this order: the environment read costs ~4 us on the H200's host
         return False
     return all(t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
@@ -143,8 +146,8 @@ def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
 
 # Triton's own launch entry, to notice a stand-in (`mok bench host` replaces it to count launches).
 _TRITON_GETITEM = JITFunction.__getitem__
-# (kernel id, device, Triton's specialization of the arguments, the launch options) -> CompiledKernel
-_compiled: dict[tuple, object] = {}
+# (kernel id, device, Triton's specialization of the arguments, the launch options) -> _Binary
+_binaries: dict[tuple, _Binary] = {}
 _direct = True  # False within `through_triton`
 
 
@@ -156,7 +159,8 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     the kernel's globals and builds a launch-metadata dict for hooks at every launch. Here Triton's
     own binder binds and specialises the arguments (alignment, divisibility by 16, the value 1,
     dtypes: exactly what picks Triton's binary), and the binary Triton compiled for the same
-    specialization and options is launched directly: 21-29 us less a launch on the H200's host.
+    specialization and options is launched directly (`_Binary`): 21-29 us less a launch on the
+    H200's host.
 
     These go through `kernel[grid]` unchanged: the first launch of each specialization (Triton
     compiles it), launches while Triton's launch hooks or the kernel's pre-run hooks are set
@@ -175,14 +179,94 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     device = torch.cuda.current_device()
     bound, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
     key = (id(kernel), device, *specialization, *options.items())
-    compiled = _compiled.get(key)
-    if compiled is None:
-        _compiled[key] = kernel[grid](*args, **kwargs)
+    binary = _binaries.get(key)
+    if binary is None:
+        _binaries[key] = _Binary(kernel[grid](*args, **kwargs))
         return
-    grid_y = grid[1] if len(grid) > 1 else 1
-    grid_z = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound.values())  # fmt: skip
+    binary.launch(grid, torch._C._cuda_getCurrentRawStream(device), bound.values())
+
+
+class _Binary:
+    """How one compiled kernel is launched directly.
+
+    Through its `run` (Triton's launcher object) in general. With Triton 3.6's CUDA launcher, through
+    the C function behind it, with the TMA descriptors' arguments filled once per (address, shape,
+    strides, block) and kept: the launcher's Python (scratch allocators, a loop over every argument
+    for the descriptors, a driver call per descriptor) cost 25-45 us a TMA launch on the H200's
+    host (cProfile). A descriptor's fill depends on those values only, never on the data, so a
+    kept one is the one Triton would fill."""
+
+    __slots__ = ("run", "head", "descriptors")
+
+    def __init__(self, compiled) -> None:
+        c_launch, descriptors = _c_launcher(compiled.run)
+        self.descriptors = descriptors  # (position among the arguments, Triton's metadata), last first
+        if c_launch is None:
+            self.run = compiled.run
+            self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        else:  # what CudaLauncher.__call__ passes its C function: no scratch, no launch metadata, no hooks
+            self.run = c_launch
+            self.head = (compiled.function, compiled.run.launch_cooperative_grid, compiled.run.launch_pdl, None, None,
+                         compiled.packed_metadata, None, None, None)  # fmt: skip
+
+    def launch(self, grid: tuple[int, ...], stream: int, values) -> None:
+        if self.descriptors:
+            values = list(values)
+            for position, metadata in self.descriptors:
+                values[position : position + 1] = filled_descriptor(values[position], metadata)
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        self.run(grid[0], grid_y, grid_z, stream, *self.head, *values)
+
+
+def _c_launcher(run: object) -> tuple[object | None, tuple[tuple[int, object], ...]]:
+    """(C launch function, ((argument position, descriptor metadata), ...) last first) behind
+    Triton 3.6's `CudaLauncher` `run`, or (None, ()) for any other launcher or Triton version, or a
+    kernel that needs scratch memory (those keep `run`)."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None, ()
+    if (
+        type(run) is not getattr(driver, "CudaLauncher", None)
+        or getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"  # 3.6's arguments ahead of the kernel's
+        or run.global_scratch_size
+        or run.profile_scratch_size
+    ):
+        return None, ()
+    if isinstance(run.launch, types.BuiltinFunctionType):  # no descriptor: the C function itself
+        return run.launch, ()
+    captured = inspect.getclosurevars(run.launch).nonlocals  # 3.6's wrap_handle_tensordesc
+    if set(captured) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None, ()
+    positions = sorted(captured["tensordesc_indices"])
+    metadata = captured["tensordesc_meta"] or [None] * len(positions)
+    return captured["launcher"], tuple(reversed(list(zip(positions, metadata, strict=True))))
+
+
+# (address, shape, strides, block, padding, id of Triton's metadata) -> the launcher's arguments
+_filled: dict[tuple, tuple] = {}
+_FILLED_MAX = 4096  # cleared when full: activations come and go at new addresses
+
+
+def filled_descriptor(desc: TensorDescriptor, metadata: object) -> tuple:
+    """Triton's arguments for descriptor `desc` of a kernel whose descriptor metadata is `metadata`
+    (`make_tensordesc_arg`: the filled CUtensorMap, shape, strides), kept per the values that fill
+    depends on. `metadata` is held by a `_Binary` for the process's life, so its id is stable.
+    Without metadata (a kernel that did not lower the descriptor to TMA) the arguments hold the
+    tensor itself: made afresh, never kept."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    if metadata is None:
+        return tuple(make_tensordesc_arg(desc, None))
+    key = (desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape), desc.padding,
+           id(metadata))  # fmt: skip
+    args = _filled.get(key)
+    if args is None:
+        if len(_filled) >= _FILLED_MAX:
+            _filled.clear()
+        args = _filled[key] = tuple(make_tensordesc_arg(desc, metadata))
+    return args
 
 
 def _hooks_idle(kernel: JITFunction) -> bool:

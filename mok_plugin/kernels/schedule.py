@@ -6,7 +6,7 @@ Math (R = T*K routed pairs, flat index tk = t*K + k, e = topk_ids[tk]):
     offsets[e]       = sum over e' < e of ceil(kept[e'] / TILE_M) * TILE_M
     rank(tk)         = #{tk' < tk : e_tk' = e_tk}
     tk_to_row[tk]    = offsets[e] + rank(tk) if rank(tk) < capacity else -1
-    row_to_tk[row]   = tk for every kept pair (padding rows keep the -1 they were filled with)
+    row_to_tk[row]   = tk for every kept pair, -1 on padding rows and rows past the last segment
 
 Tensors: topk_ids int [T*K]; chunk_counts and chunk_prefix int64 [C, E]; tokens_per_expert
 int64 [E]; expert_offsets int64 [E+1]; tk_to_row int64 [T*K]; row_to_tk and row_to_token int64
@@ -115,7 +115,8 @@ def _expert_layout(
     TILE_M: tl.constexpr,
 ):
     """From every expert's routed count (totals, int64 [E_POW2]): expert e's kept count, offset and
-    tiles; the last expert's program also the end offset and the dropped count. Returns e's offset."""
+    tiles; the last expert's program also the end offset and the dropped count. Returns (e's offset,
+    e's kept count, e's padded length, the end of the last segment)."""
     experts = tl.arange(0, E_POW2)
     kept = tl.minimum(totals, capacity)
     padded = (kept + TILE_M - 1) // TILE_M * TILE_M
@@ -128,7 +129,7 @@ def _expert_layout(
         tl.store(num_dropped_ptr, tl.sum(totals - kept))
     for tile in range(offset // TILE_M, (offset + my_padded) // TILE_M):
         tl.store(tile_to_expert_ptr + tile, e.to(tl.int64))
-    return offset
+    return offset, tl.sum(tl.where(experts == e, kept, 0)), my_padded, tl.sum(padded)
 
 
 @triton.jit
@@ -199,6 +200,7 @@ def _schedule_one_chunk_kernel(
     tile_to_expert_ptr,
     num_dropped_ptr,
     R,
+    num_rows,
     capacity,
     K: tl.constexpr,
     E: tl.constexpr,
@@ -210,11 +212,14 @@ def _schedule_one_chunk_kernel(
 ):
     """Grid: (E,). The three kernels in one launch when all pairs fit one chunk (R <= CHUNK): program
     e takes the histogram of every pair itself (no chunk counts to exchange), then owns expert e's
-    count, offset, tiles and map entries, as the offsets and scatter kernels' program e would."""
+    count, offset, tiles and map entries, as the offsets and scatter kernels' program e would. The
+    maps are not pre-filled here (one launch less in front of the first GEMM): program e also writes
+    the -1s of its segment's padding rows and, the programs taking turns a BLOCK at a time, those
+    of the rows and tiles past the last segment and of the empty slots' tk_to_row."""
     e = tl.program_id(0)
     zero = tl.zeros((), dtype=tl.int64)  # chunk 0, and no pairs of e before it (an int64 as in the scatter)
     totals = _chunk_histogram(ids_ptr, zero, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
-    offset = _expert_layout(
+    offset, kept, padded, end = _expert_layout(
         totals, e, capacity, tokens_per_expert_ptr, expert_offsets_ptr, tile_to_expert_ptr, num_dropped_ptr, E=E,
         E_POW2=E_POW2, TILE_M=TILE_M,
     )  # fmt: skip
@@ -222,6 +227,23 @@ def _schedule_one_chunk_kernel(
         ids_ptr, e, zero, zero, offset, tk_to_row_ptr, row_to_tk_ptr, row_to_token_ptr, R, capacity, K=K, CHUNK=CHUNK,
         BLOCK=BLOCK,
     )  # fmt: skip
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    empty = tl.full((BLOCK,), -1, dtype=tl.int64)
+    for p0 in range(0, TILE_M, BLOCK):  # e's padding rows
+        rows = offset + kept + p0 + lanes
+        tl.store(row_to_tk_ptr + rows, empty, mask=rows < offset + padded)
+        tl.store(row_to_token_ptr + rows, empty, mask=rows < offset + padded)
+    for r0 in range(end + e * BLOCK, num_rows, E * BLOCK):  # rows past the last segment
+        rows = r0 + lanes
+        tl.store(row_to_tk_ptr + rows, empty, mask=rows < num_rows)
+        tl.store(row_to_token_ptr + rows, empty, mask=rows < num_rows)
+    for t0 in range(end // TILE_M + e * BLOCK, num_rows // TILE_M, E * BLOCK):  # tiles past it
+        tiles = t0 + lanes
+        tl.store(tile_to_expert_ptr + tiles, empty, mask=tiles < num_rows // TILE_M)
+    for s0 in range(e * BLOCK, R, E * BLOCK):  # slots holding no expert (expert parallelism's)
+        tk = s0 + lanes
+        ids = tl.load(ids_ptr + tk, mask=tk < R, other=0)
+        tl.store(tk_to_row_ptr + tk, empty, mask=(tk < R) & ((ids < 0) | (ids >= E)))
 
 
 _CHUNK = 2048
@@ -246,8 +268,9 @@ def schedule_maps(
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
     C = max(1, cdiv(R, _CHUNK))
-    # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1);
-    # the counts, offsets and dropped count are written whole by the kernels.
+    # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1),
+    # written by the one-chunk kernel itself, else by a fill; the counts, offsets and dropped count
+    # are written whole by the kernels.
     sizes = [R, num_rows, num_rows, num_rows // tile_m]
     if torch.compiler.is_compiling():
         # A buffer each: under inductor, kernels writing views of one fill ran into an illegal
@@ -263,7 +286,9 @@ def schedule_maps(
         # Eagerly, one allocation and one fill with a view per tensor: with the dropped count from
         # the offsets kernel, 8 launches fewer in front of the first GEMM (host time 0.22 -> 0.10 ms,
         # olmoe, H200), and 3 allocations fewer (~8 us of host each on the H200 at T = 1).
-        filled = torch.full((2 * E + 2 + sum(sizes),), -1, dtype=torch.int64, device=device)
+        size = 2 * E + 2 + sum(sizes)
+        filled = torch.empty(size, dtype=torch.int64, device=device) if C == 1 else (
+            torch.full((size,), -1, dtype=torch.int64, device=device))  # fmt: skip
         tokens_per_expert, expert_offsets, num_dropped, tk_to_row, row_to_tk, row_to_token, tile_to_expert = (
             filled.split([E, E + 1, 1, *sizes])
         )
@@ -274,7 +299,7 @@ def schedule_maps(
     if C == 1:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
         launch(_schedule_one_chunk_kernel, (E,),
             ids, tokens_per_expert, expert_offsets, tk_to_row, row_to_tk, row_to_token, tile_to_expert, num_dropped, R,
-            cap, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m, CHUNK=_CHUNK, SUB=sub, BLOCK=1024,
+            num_rows, cap, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m, CHUNK=_CHUNK, SUB=sub, BLOCK=1024,
         )  # fmt: skip
     else:
         chunk_counts = torch.empty(C, E, dtype=torch.int64, device=device)
