@@ -228,6 +228,17 @@ def test_idle_gaps_sum_the_time_no_kernel_covers_by_the_kernels_around_it(capsys
     assert "idle between kernels 0.460 ms of a 0.65 ms span per call" in out and "after c  before a" in out
 
 
+def test_the_profile_keeps_the_kernels_after_the_mark_only():
+    # kernel_breakdown leaves its first profiled call out: torch.cuda._sleep's kernel marks where
+    # the measured calls begin; without a mark every event is kept (None tells the caller).
+    from mok_plugin.bench.breakdown import MARK_KERNEL, after_mark
+
+    events = [(0, "a"), (90, "b"), (200, f"void {MARK_KERNEL}(long)"), (300, "a"), (350, "b"), (400, "a")]
+    kept = after_mark(events, name=lambda e: e[1], start=lambda e: e[0])
+    assert kept == [(300, "a"), (350, "b"), (400, "a")]
+    assert after_mark(events[:2], name=lambda e: e[1], start=lambda e: e[0]) is None
+
+
 def test_graph_replay_rows_print_with_their_ratio_or_why_not(capsys):
     # --graphs: forward + backward replayed from a CUDA graph, a pass of its own with fwd+bwd's FLOPs
     # and its ratio to the PyTorch path's replay; a provider that cannot be captured says why.
