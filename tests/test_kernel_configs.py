@@ -7,6 +7,7 @@ import pytest
 
 from mok_plugin.kernels.configs import (
     FEW_ROWS_MAX,
+    FEW_ROWS_MAX_OUTPUT,
     PINNED_KERNELS,
     PRE_GATHER_MIN_WIDTH,
     SWEEP_MAX_ROWS,
@@ -81,13 +82,15 @@ def test_interpreter_uses_small_tiles(monkeypatch):
 def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands(pinned_table):
     # The copy costs the same at any width while the GEMM grows with it: narrow shapes (qwen3's
     # I = 768, olmoe's 2I = 2048) gather in the K loop, wide ones (mixtral's I = 14336) copy first.
-    many = SWEEP_MAX_ROWS + 1
-    assert wgrad_kernel(768, many) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1, many) == "wgrad_in_loop"
-    assert wgrad_kernel(PRE_GATHER_MIN_WIDTH, many) == wgrad_kernel(14336, many) == "wgrad"
+    many, small = SWEEP_MAX_ROWS + 1, 2048 * 768  # qwen3's dW2: 2048 x 768 per expert
+    assert wgrad_kernel(768, many, small) == wgrad_kernel(PRE_GATHER_MIN_WIDTH - 1, many, small) == "wgrad_in_loop"
+    assert wgrad_kernel(PRE_GATHER_MIN_WIDTH, many, small) == wgrad_kernel(14336, many, 4096 * 14336) == "wgrad"
     # Experts with few rows each (deepseek-v3: 383 schedule rows an expert) sweep, at any width, in
-    # smaller tiles at the fewest (small batches: 130-160 rows an expert at T = 37-512 on qwen3)
-    assert wgrad_kernel(768, SWEEP_MAX_ROWS) == wgrad_kernel(14336, FEW_ROWS_MAX + 1) == "wgrad_sweep"
-    assert wgrad_kernel(768, FEW_ROWS_MAX) == wgrad_kernel(14336, 128) == "wgrad_sweep_few_rows"
+    # smaller tiles at the fewest (small batches: 130-160 rows an expert at T = 37-512 on qwen3) when
+    # each expert's gradient is small; large ones (4096,7168,2048,384,8: 213 rows) keep the sweep's tiles
+    assert wgrad_kernel(768, SWEEP_MAX_ROWS, small) == wgrad_kernel(14336, FEW_ROWS_MAX + 1, small) == "wgrad_sweep"
+    assert wgrad_kernel(768, FEW_ROWS_MAX, small) == wgrad_kernel(2048, 128, 1536 * 2048) == "wgrad_sweep_few_rows"
+    assert wgrad_kernel(2048, 213, 7168 * 2048) == wgrad_kernel(7168, 213, FEW_ROWS_MAX_OUTPUT) == "wgrad_sweep"
     few, swept = kernel_config("wgrad_sweep_few_rows", 4096), kernel_config("wgrad_sweep", 4096)
     assert few.sweep and swept.sweep and not kernel_config("wgrad", 4096).sweep
     assert few.block_k == swept.block_k and few.block_m * few.block_n < swept.block_m * swept.block_n

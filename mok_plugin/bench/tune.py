@@ -109,14 +109,14 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
             lambda c: gm.expert_wgrad(
                 d_out, a2, *seg, left_by_token=True, right_by_token=False, segment_align=s.tile_m, config=c
             ),
-            wgrad_config(I, s.row_to_token.shape[0], E),
+            wgrad_config(I, s.row_to_token.shape[0], E, H * I),
         ),
         "wgrad_gate_up": (
             4 * T * K * H * I,
             lambda c: gm.expert_wgrad(
                 d_h, x, *seg, left_by_token=False, right_by_token=True, segment_align=s.tile_m, config=c
             ),
-            wgrad_config(2 * I, s.row_to_token.shape[0], E),
+            wgrad_config(2 * I, s.row_to_token.shape[0], E, 2 * I * H),
         ),
     }
     fixed = {

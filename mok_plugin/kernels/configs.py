@@ -19,6 +19,7 @@ __all__ = [
     "MoKTileConfig",
     "PINNED_KERNELS",
     "FEW_ROWS_MAX",
+    "FEW_ROWS_MAX_OUTPUT",
     "PRE_GATHER_MIN_WIDTH",
     "SWEEP_MAX_ROWS",
     "interpreter_on",
@@ -125,14 +126,21 @@ PRE_GATHER_MIN_WIDTH = 4096
 # program per tile would spend much of its time filling its pipeline and storing. The choice
 # changes no bits (the sweep sums every tile in the same order), only the time.
 SWEEP_MAX_ROWS = 1024
-# At most this many (T <= 512 with qwen3-30b-a3b's dimensions: 130-160), the sweep's small tiles.
+# At most this many (T <= 512 with qwen3-30b-a3b's dimensions: 130-160), the sweep's small tiles,
+# where each expert's gradient has fewer than FEW_ROWS_MAX_OUTPUT elements: their edge is more
+# programs on small matrices (qwen3-30b-a3b's 1536 x 2048 and 2048 x 768). On large ones
+# (4096,7168,2048,384,8: 213 rows an expert, 4096 x 7168 and 7168 x 2048) the weight gradients took
+# 18.6 ms with them, 17.6 with wgrad_sweep's tiles and 16.2 with wgrad_sweep and its Gluon kernel
+# for dW2; the layer 41.57 -> 38.71 ms (BENCHMARKS.md, "Where the time goes at 6e7755e").
 FEW_ROWS_MAX = 256
+FEW_ROWS_MAX_OUTPUT = 2**23
 
 
-def wgrad_kernel(by_row_width: int, rows_per_expert: int) -> str:
+def wgrad_kernel(by_row_width: int, rows_per_expert: int, output_per_expert: int) -> str:
     """The table entry of a weight gradient whose by-row operand (w*A or dh) is this many columns
-    wide, over a schedule of this many rows (padding included) per expert."""
-    if rows_per_expert <= FEW_ROWS_MAX:
+    wide, over a schedule of this many rows (padding included) per expert, each expert's gradient
+    having output_per_expert elements (M x N)."""
+    if rows_per_expert <= FEW_ROWS_MAX and output_per_expert < FEW_ROWS_MAX_OUTPUT:
         return "wgrad_sweep_few_rows"
     if rows_per_expert <= SWEEP_MAX_ROWS:
         return "wgrad_sweep"
@@ -152,10 +160,12 @@ HOPPER_WGRAD_REPLACES = {"wgrad": "cooperative", "wgrad_sweep": "pingpong"}
 HOPPER_WGRAD_MIN_WIDTH = 2048
 
 
-def wgrad_config(by_row_width: int, num_rows: int, num_experts: int) -> MoKTileConfig:
+def wgrad_config(by_row_width: int, num_rows: int, num_experts: int, output_per_expert: int) -> MoKTileConfig:
     """The pinned config of a weight gradient whose by-row operand is this many columns wide, over a
-    schedule of num_rows rows (R_pad, padding included) for num_experts experts."""
-    return kernel_config(wgrad_kernel(by_row_width, num_rows // max(num_experts, 1)), by_row_width)
+    schedule of num_rows rows (R_pad, padding included) for num_experts experts, each expert's
+    gradient having output_per_expert elements."""
+    entry = wgrad_kernel(by_row_width, num_rows // max(num_experts, 1), output_per_expert)
+    return kernel_config(entry, by_row_width)
 
 
 def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:

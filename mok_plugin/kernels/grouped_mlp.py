@@ -506,7 +506,7 @@ def expert_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left.shape[1], right.shape[1]
     by_row_width = N if left_by_token else M
-    entry = wgrad_kernel(by_row_width, row_to_token.shape[0] // max(E, 1))  # the table's choice for this shape
+    entry = wgrad_kernel(by_row_width, row_to_token.shape[0] // max(E, 1), M * N)  # the table's choice for this shape
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
     if (
         config is None
