@@ -59,8 +59,9 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
     device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     measured = after_mark(device_events, name=lambda e: e.name, start=lambda e: e.time_range.start)
     if measured is None:  # no mark seen: every call counts, the first one too
-        measured, iters = device_events, iters + 1
-    device_events = measured
+        iters += 1
+    else:
+        device_events = measured
     totals: dict[str, list[float]] = {}
     for event in device_events:
         entry = totals.setdefault(event.name, [0.0, 0])

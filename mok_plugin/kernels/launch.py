@@ -255,18 +255,23 @@ def filled_descriptor(desc: TensorDescriptor, metadata: object) -> tuple:
     depends on. `metadata` is held by a `_Binary` for the process's life, so its id is stable.
     Without metadata (a kernel that did not lower the descriptor to TMA) the arguments hold the
     tensor itself: made afresh, never kept."""
-    from triton.backends.nvidia.driver import make_tensordesc_arg
-
     if metadata is None:
-        return tuple(make_tensordesc_arg(desc, None))
+        return _fill(desc, None)
     key = (desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape), desc.padding,
            id(metadata))  # fmt: skip
     args = _filled.get(key)
     if args is None:
         if len(_filled) >= _FILLED_MAX:
             _filled.clear()
-        args = _filled[key] = tuple(make_tensordesc_arg(desc, metadata))
+        args = _filled[key] = _fill(desc, metadata)
     return args
+
+
+def _fill(desc: TensorDescriptor, metadata: object) -> tuple:
+    """Triton's own fill of a descriptor's arguments (imported here: only a kept fill's miss needs it)."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return tuple(make_tensordesc_arg(desc, metadata))
 
 
 def _hooks_idle(kernel: JITFunction) -> bool:
