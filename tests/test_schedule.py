@@ -99,6 +99,8 @@ def test_bad_arguments():
         pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
         pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
         pytest.param(40, 2, 5, 8, 3, "empty_slots", id="empty_slots_and_drops"),
+        pytest.param(40, 2, 5, 8, None, "empty_slots_past_e", id="empty_slots_past_e"),  # ids 6: under E_POW2
+        pytest.param(40, 2, 5, 8, 3, "empty_slots_past_e", id="empty_slots_past_e_and_drops"),
         pytest.param(20, 2, 16, 128, None, "one_expert", id="tail_past_one_block"),  # 1920 rows past the end
         pytest.param(0, 2, 4, 8, None, "random", id="no_pairs"),  # an EP rank that receives none
     ],
@@ -111,6 +113,8 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind, mo
         ids[:] = 3
     if kind == "empty_slots":
         ids[::3] = -1
+    if kind == "empty_slots_past_e":  # any id outside [0, E) is an empty slot, also one the histogram has a lane for
+        ids[::3] = E + 1
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
     ids = ids.to(device)
     a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")

@@ -118,18 +118,22 @@ def _expert_layout(
     tiles; the last expert's program also the end offset and the dropped count. Returns (e's offset,
     e's kept count, e's padded length, the end of the last segment)."""
     experts = tl.arange(0, E_POW2)
+    # Lanes E..E_POW2-1 count the empty slots whose id falls there (one-chunk histogram): no expert's.
+    totals = tl.where(experts < E, totals, 0)
     kept = tl.minimum(totals, capacity)
     padded = (kept + TILE_M - 1) // TILE_M * TILE_M
     offset = tl.sum(tl.where(experts < e, padded, 0))
     my_padded = tl.sum(tl.where(experts == e, padded, 0))
-    tl.store(tokens_per_expert_ptr + e, tl.sum(tl.where(experts == e, kept, 0)))
+    my_kept = tl.sum(tl.where(experts == e, kept, 0))
+    end = tl.sum(padded)  # the last segment's end
+    tl.store(tokens_per_expert_ptr + e, my_kept)
     tl.store(expert_offsets_ptr + e, offset)
     if e == E - 1:
-        tl.store(expert_offsets_ptr + E, offset + my_padded)
+        tl.store(expert_offsets_ptr + E, end)
         tl.store(num_dropped_ptr, tl.sum(totals - kept))
     for tile in range(offset // TILE_M, (offset + my_padded) // TILE_M):
         tl.store(tile_to_expert_ptr + tile, e.to(tl.int64))
-    return offset, tl.sum(tl.where(experts == e, kept, 0)), my_padded, tl.sum(padded)
+    return offset, my_kept, my_padded, end
 
 
 @triton.jit
