@@ -54,6 +54,7 @@ from mok_plugin.kernels.grouped_mlp import (
     expert_wgrad,
     gate_up_dgrad,
     gate_up_fwd,
+    pair_wgrad_hopper,
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
 from mok_plugin.kernels.schedule import row_values
@@ -294,7 +295,12 @@ def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile
 
 def _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m: int, top_k: int):
     if _is_compact(d_h, row_to_token):
-        # dh one row per pair, and x likewise (pair t * K + k is token t's): both read through
+        # On Hopper, where it fits the memory of the per-pair path below: Gluon's kernel over dh and
+        # x copied into row order a column block at a time (4096,7168,2048,384,8: BENCHMARKS.md)
+        d_w = pair_wgrad_hopper(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m)
+        if d_w is not None:
+            return d_w
+        # elsewhere dh one row per pair, and x likewise (pair t * K + k is token t's): both read through
         # row_to_tk, row by row in the schedule's order, as the padded layout reads them
         # (expand, then one copy: Tensor.repeat_interleave took 54 us of host time on the H200 at
         # T = 1, `mok bench layer --host-profile`)

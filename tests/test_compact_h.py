@@ -12,7 +12,9 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights  # noqa: E402
 
 from mok_plugin import ops  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros  # noqa: E402
+from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
+from mok_plugin.kernels.configs import PINNED_KERNELS  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros, max_padded_rows  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES  # noqa: E402
 from mok_plugin.wgrad import DeferredWeightGrads, deferring  # noqa: E402
 
@@ -25,7 +27,8 @@ CASES = [
 ]
 
 
-def _fwd_bwd(family, T, K, kind, capacity, dtype, compact, monkeypatch, deferred=False):
+def _fwd_bwd(family, T, K, kind, capacity, dtype, compact, monkeypatch, deferred=False, dims=(H, I, E)):
+    H, I, E = dims
     monkeypatch.setattr(ops, "COMPACT_H_MIN_RATIO", 2 if compact else 10**9)
     g = torch.Generator().manual_seed(17)
     ids = crafted_routing(T, E, K, kind, g).to(DEVICE) if T else torch.zeros(0, K, dtype=torch.int64, device=DEVICE)
@@ -68,6 +71,51 @@ def test_per_pair_h_with_deferred_weight_gradients(monkeypatch):
     per_row = _fwd_bwd(family, 40, 2, "skewed", None, torch.float32, False, monkeypatch)
     for name, want in per_row.items():
         assert torch.equal(per_pair[name], want), name
+
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_name", ["swiglu", "mlp_gelu_bias"])
+@pytest.mark.parametrize("T, into_rows", [(512, True), (40, False)], ids=["fits", "copies_too_large"])
+def test_per_pair_dh_takes_the_hopper_weight_gradient(family_name, T, into_rows, monkeypatch):
+    # Where Gluon's kernel computes dW13, per-pair dh and x go into row order a column block at a
+    # time (grouped_mlp.pair_wgrad_hopper) so that it does here too (routed to it at this small
+    # shape; swiglu's dh in two blocks); not where the copies would outgrow the per-pair path's.
+    calls, taken = [], []
+    launch, pair_wgrad = wgrad_hopper.expert_wgrad_hopper, ops.pair_wgrad_hopper
+    monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_REPLACES", dict.fromkeys(PINNED_KERNELS, "pingpong"))
+    monkeypatch.setattr(grouped_mlp, "HOPPER_WGRAD_MIN_WIDTH", 0)
+    monkeypatch.setattr(wgrad_hopper, "expert_wgrad_hopper", lambda *a: calls.append(a) or launch(*a))
+    monkeypatch.setattr(ops, "pair_wgrad_hopper", lambda *a: taken.append(pair_wgrad(*a)) or taken[-1])
+    family = EXPERT_FAMILIES[family_name]
+    dims = (4096, 1024, 8)
+    per_pair = _fwd_bwd(family, T, 2, "skewed", None, torch.bfloat16, True, monkeypatch, dims=dims)
+    assert [d_w is not None for d_w in taken] == [into_rows]
+    per_row = _fwd_bwd(family, T, 2, "skewed", None, torch.bfloat16, False, monkeypatch, dims=dims)
+    assert len(taken) == 1 and len(calls) >= 3, "dW2 (both layouts) or the padded dW13 not on the Gluon kernel"
+    for name, want in per_row.items():
+        assert torch.equal(per_pair[name], want), name
+    assert per_row["d_gate_up_proj"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "shape, blocks",
+    [((4096, 7168, 2048, 384, 8), (2048, 768)), ((4096, 7168, 2048, 256, 8), (2048, 1536)),
+     ((4096, 2880, 2880, 128, 4), None), ((512, 7168, 2048, 256, 8), None), ((2048, 7168, 2048, 256, 8), None),
+     ((256, 4096, 256, 4, 2), (512, 1536))],
+    ids=["E384", "deepseek_v3_dims", "gpt_oss_dims", "deepseek_v3_dims_T512", "x_blocks_too_narrow", "small"],
+)  # fmt: skip
+def test_pair_column_blocks_keep_the_per_pair_paths_memory(shape, blocks):
+    # The copies of dh and x alive at once never outgrow the per-pair path's copy of x (T * K x H).
+    T, H, I, E, K = shape
+    rows = max_padded_rows(T * K, E, DEFAULT_TILE_M)
+    budget = T * K * H * 2
+    assert grouped_mlp.pair_column_blocks(rows * 2, 2 * I, H, budget) == blocks
+    if blocks is not None:
+        assert rows * 2 * sum(blocks) <= budget and all(width % 128 == 0 or width in (2 * I, H) for width in blocks)
 
 
 def test_pairs_placed_in_row_order():

@@ -150,6 +150,33 @@ def test_row_values_kernel_equals_values_per_row(T, K, E, tile, capacity, dtype)
     assert (got[s.row_to_tk < 0] == 0).all() and (got[s.row_to_tk >= 0] > 0).all()
 
 
+@pytest.mark.parametrize(
+    "T, K, E, tile, capacity, width, dtype",
+    [(37, 2, 8, 16, None, 300, torch.float32), (30, 2, 4, 8, 12, 64, torch.float16),
+     (0, 2, 4, 8, None, 64, torch.float32), (600, 3, 6, 32, None, 40, torch.bfloat16)],
+    ids=["two_column_blocks", "capacity_drops", "no_pairs", "several_row_blocks_bf16"],
+)  # fmt: skip
+def test_pair_rows_kernel_equals_gather_rows_or_zeros(T, K, E, tile, capacity, width, dtype, monkeypatch):
+    # Per-pair dh placed in row order for the Hopper weight gradient (ops._up_weight_grad): bitwise
+    # the torch gather, zeros on padding rows and for pairs dropped by capacity, into fresh memory.
+    pytest.importorskip("triton", reason="the kernel needs triton")
+    from mok_plugin.kernels.schedule import pair_rows
+    from mok_plugin.schedule import gather_rows_or_zeros
+
+    g = torch.Generator().manual_seed(T + width)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K).long()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
+    s = build_schedule(ids.to(device), E, tile_m=tile, capacity=capacity)
+    pairs = (torch.randn(T * K, width, generator=g) + 3).to(dtype).to(device)  # never 0: a row left out shows
+    fresh = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fresh(self, *a, **k).fill_(7))
+    got = pair_rows(pairs, s.row_to_tk)
+    monkeypatch.undo()
+    assert torch.equal(got, gather_rows_or_zeros(pairs, s.row_to_tk))
+    assert (got[s.row_to_tk < 0] == 0).all() and (got[s.row_to_tk >= 0] != 0).all()
+    assert torch.equal(pair_rows(pairs, s.row_to_tk), got)  # bitwise repeatable
+
+
 def test_unknown_impl():
     with pytest.raises(ValueError, match="impl='cuda'"):
         build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, impl="cuda")

@@ -53,6 +53,7 @@ from mok_plugin.kernels.launch import (
     stages_for,
     tma_ok,
 )
+from mok_plugin.kernels.schedule import pair_rows
 from mok_plugin.kernels.tiles import (
     aligned,
     bias_grad_tile,
@@ -75,6 +76,8 @@ __all__ = [
     "gate_up_dgrad",
     "expert_wgrad",
     "expert_bias_grad",
+    "hopper_wgrad_schedule",
+    "pair_wgrad_hopper",
     "GATHER_CHUNK_BYTES",
 ]
 
@@ -508,14 +511,11 @@ def expert_wgrad(
     by_row_width = N if left_by_token else M
     entry = wgrad_kernel(by_row_width, row_to_token.shape[0] // max(E, 1), M * N)  # the table's choice for this shape
     d_w = torch.empty(E, M, N, dtype=left.dtype, device=left.device)
-    if (
-        config is None
-        and left_by_token != right_by_token
-        and entry in HOPPER_WGRAD_REPLACES
-        and by_row_width >= HOPPER_WGRAD_MIN_WIDTH
-        and wgrad_hopper.usable(left, right, segment_align)
-    ):
-        schedule = HOPPER_WGRAD_REPLACES[entry]
+    by_row, by_token = (right, left) if left_by_token else (left, right)
+    schedule = None
+    if config is None and left_by_token != right_by_token:
+        schedule = hopper_wgrad_schedule(by_row, by_token, row_to_token.shape[0], E, segment_align)
+    if schedule is not None:
         block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.SCHEDULES[schedule].block_n
         for lhs, rhs, d_w_block in _pre_gathered_blocks(left, right, d_w, row_to_token, left_by_token, block):
             wgrad_hopper.expert_wgrad_hopper(lhs, rhs, d_w_block, expert_offsets, tokens_per_expert, schedule)
@@ -543,6 +543,77 @@ def expert_wgrad(
         )
         del lhs, rhs  # before the next block's copy: one copy at a time
     return d_w
+
+
+def hopper_wgrad_schedule(
+    by_row: torch.Tensor, by_token: torch.Tensor, num_rows: int, num_experts: int, segment_align: int
+) -> str | None:
+    """Which of wgrad_hopper.SCHEDULES computes the weight gradient of a by-row operand [num_rows,
+    M] (w*A or dh) and a by-token one (x or dO), in place of the table's Triton kernel; None where
+    the Triton kernel stays (not Hopper, a narrow by-row operand, or an entry Gluon does not beat)."""
+    entry = wgrad_kernel(by_row.shape[1], num_rows // max(num_experts, 1), by_row.shape[1] * by_token.shape[1])
+    if (
+        entry in HOPPER_WGRAD_REPLACES
+        and by_row.shape[1] >= HOPPER_WGRAD_MIN_WIDTH
+        and wgrad_hopper.usable(by_row, by_token, segment_align)
+    ):
+        return HOPPER_WGRAD_REPLACES[entry]
+    return None
+
+
+def pair_wgrad_hopper(
+    d_h: torch.Tensor, x: torch.Tensor, row_to_token: torch.Tensor, row_to_tk: torch.Tensor,
+    expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, segment_align: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """dW13 [E, N1, H] of per-pair dh [T * K, N1] (ops.compact_h) and x [T, H] on Gluon's kernel, or
+    None where the Triton kernel that reads both by pair stays: not on Hopper, no tokens, or copies
+    that would not fit the memory below.
+
+    TMA reads rows in order, so dh goes into row order with zero padding rows (`pair_rows`) and x
+    is gathered, each a column block at a time, so that the two copies alive at once hold no more
+    than the per-pair path's own copy of x (one row per pair, T * K x H): this path's peak is that
+    path's, and a copy's blocks are wide enough to pay (`pair_column_blocks`). The result is bitwise
+    the padded layout's (any blocks, any kernel)."""
+    num_experts, num_rows = tokens_per_expert.shape[0], row_to_token.shape[0]
+    schedule = hopper_wgrad_schedule(d_h, x, num_rows, num_experts, segment_align)
+    if schedule is None or x.shape[0] == 0:
+        return None
+    x_pairs_bytes = d_h.shape[0] * x.shape[1] * x.element_size()
+    plan = pair_column_blocks(num_rows * x.element_size(), d_h.shape[1], x.shape[1], x_pairs_bytes)
+    if plan is None:
+        return None
+    dh_width, x_width = plan
+    d_w = x.new_empty(num_experts, d_h.shape[1], x.shape[1])
+    order = row_to_token.clamp(min=0)  # a padding row reads token 0, against dh's zero row
+    for m0 in range(0, d_h.shape[1], dh_width):
+        dh_rows = pair_rows(d_h[:, m0 : m0 + dh_width], row_to_tk)
+        for c0 in range(0, x.shape[1], x_width):
+            x_rows = x[:, c0 : c0 + x_width].index_select(0, order)
+            d_w_block = d_w[:, m0 : m0 + dh_width, c0 : c0 + x_width]
+            wgrad_hopper.expert_wgrad_hopper(dh_rows, x_rows, d_w_block, expert_offsets, tokens_per_expert, schedule)
+            del x_rows  # before the next block's copy
+        del dh_rows
+    return d_w
+
+
+# dh in at most two blocks (x is gathered once per dh block); x blocks of at least 768 columns:
+# 4096,7168,2048,384,8's (2048, 768) blocks took it from 38.44 to 35.28 ms, deepseek-v3's dimensions
+# at T = 4096 (2048, 1536) from 31.31 to 27.51, but at T = 2048 (2048, 256) from 23.30 to 24.37.
+PAIR_MAX_DH_BLOCKS = 2
+PAIR_MIN_X_BLOCK = 768
+
+
+def pair_column_blocks(bytes_per_col: int, dh_cols: int, x_cols: int, budget: int) -> tuple[int, int] | None:
+    """(dh block width, x block width), multiples of 128 but where a whole side fits, whose gathered
+    copies (bytes_per_col a column) hold at most `budget` bytes together: the fewest dh blocks (at
+    most PAIR_MAX_DH_BLOCKS), then the widest x blocks; None where none fits."""
+    for count in range(1, PAIR_MAX_DH_BLOCKS + 1):
+        dh_width = min(dh_cols, cdiv(cdiv(dh_cols, count), 128) * 128)
+        x_fit = (budget - dh_width * bytes_per_col) // bytes_per_col
+        x_width = x_cols if x_fit >= x_cols else x_fit // 128 * 128
+        if x_width >= min(x_cols, PAIR_MIN_X_BLOCK):
+            return dh_width, x_width
+    return None
 
 
 def _pre_gathered_blocks(
