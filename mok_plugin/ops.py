@@ -284,7 +284,9 @@ def expert_up_bwd(
     """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh (rows,
     or one per pair)."""
     d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
-    return d_x, _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m, top_k)
+    return d_x, _up_weight_grad(
+        d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets, tokens_per_expert, tile_m, top_k
+    )
 
 
 def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
@@ -293,11 +295,15 @@ def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
 
-def _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m: int, top_k: int):
+def _up_weight_grad(
+    d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets, tokens_per_expert, tile_m: int, top_k: int
+):
     if _is_compact(d_h, row_to_token):
         # On Hopper, where it fits the memory of the per-pair path below: Gluon's kernel over dh and
         # x copied into row order a column block at a time (4096,7168,2048,384,8: BENCHMARKS.md)
-        d_w = pair_wgrad_hopper(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m)
+        d_w = pair_wgrad_hopper(
+            d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets, tokens_per_expert, tile_m
+        )
         if d_w is not None:
             return d_w
         # elsewhere dh one row per pair, and x likewise (pair t * K + k is token t's): both read through
@@ -355,8 +361,8 @@ def _backward_up(ctx, d_h, _d_a):
             d_bias = None
             if has_bias:
                 d_bias = _up_bias_grad(ctx.eager, d_h, row_to_token, row_to_tk, expert_offsets, tokens_per_expert)
-            d_gate_up = _up_weight_grad(d_h, x, row_to_token, row_to_tk, expert_offsets, tokens_per_expert, tile_m,
-                                        top_k)  # fmt: skip
+            d_gate_up = _up_weight_grad(d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets,
+                                        tokens_per_expert, tile_m, top_k)  # fmt: skip
             return d_gate_up, d_bias
 
         ctx.deferral.add(weight_grads, ctx.weights)

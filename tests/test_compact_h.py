@@ -103,15 +103,17 @@ def test_per_pair_dh_takes_the_hopper_weight_gradient(family_name, T, into_rows,
 
 @pytest.mark.parametrize(
     "shape, blocks",
-    [((4096, 7168, 2048, 384, 8), (2048, 768)), ((4096, 7168, 2048, 256, 8), (2048, 1536)),
-     ((4096, 2880, 2880, 128, 4), None), ((512, 7168, 2048, 256, 8), None), ((2048, 7168, 2048, 256, 8), None),
-     ((256, 4096, 256, 4, 2), (512, 1536))],
-    ids=["E384", "deepseek_v3_dims", "gpt_oss_dims", "deepseek_v3_dims_T512", "x_blocks_too_narrow", "small"],
+    [((4096, 7168, 2048, 384, 8), (2048, 2048)), ((4096, 7168, 2048, 256, 8), (2048, 2688)),
+     ((2048, 7168, 2048, 256, 8), (2048, 1536)), ((2048, 7168, 2048, 384, 8), (2048, 768)),
+     ((4096, 2880, 2880, 128, 4), None), ((512, 7168, 2048, 256, 8), None), ((256, 4096, 256, 4, 2), (512, 2176))],
+    ids=["E384", "deepseek_v3_dims", "deepseek_v3_dims_T2048", "E384_T2048", "gpt_oss_dims", "deepseek_v3_dims_T512",
+         "small"],
 )  # fmt: skip
 def test_pair_column_blocks_keep_the_per_pair_paths_memory(shape, blocks):
-    # The copies of dh and x alive at once never outgrow the per-pair path's copy of x (T * K x H).
+    # The copies of dh and x alive at once (rows in segments padded to the Gluon kernel's 64-row K
+    # step) never outgrow the per-pair path's copy of x (T * K x H).
     T, H, I, E, K = shape
-    rows = max_padded_rows(T * K, E, DEFAULT_TILE_M)
+    rows = max_padded_rows(T * K, E, wgrad_hopper.BLOCK_K)
     budget = T * K * H * 2
     assert grouped_mlp.pair_column_blocks(rows * 2, 2 * I, H, budget) == blocks
     if blocks is not None:

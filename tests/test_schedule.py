@@ -3,6 +3,8 @@ within an expert, capacity drops, empty experts, T = 1, and no host sync (it run
 device tensors built only from integer ops); `sum_over_k` adds a token's rows in ascending k in fp32
 (fp64 for fp64 rows) and rounds once."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -151,30 +153,42 @@ def test_row_values_kernel_equals_values_per_row(T, K, E, tile, capacity, dtype)
 
 
 @pytest.mark.parametrize(
-    "T, K, E, tile, capacity, width, dtype",
-    [(37, 2, 8, 16, None, 300, torch.float32), (30, 2, 4, 8, 12, 64, torch.float16),
-     (0, 2, 4, 8, None, 64, torch.float32), (600, 3, 6, 32, None, 40, torch.bfloat16)],
-    ids=["two_column_blocks", "capacity_drops", "no_pairs", "several_row_blocks_bf16"],
+    "T, K, E, tile, align, capacity, width, dtype",
+    [(37, 2, 8, 16, 8, None, 300, torch.float32), (30, 2, 4, 16, 4, 12, 64, torch.float16),
+     (600, 3, 6, 32, 8, None, 40, torch.bfloat16), (50, 2, 6, 16, 16, None, 24, torch.float32)],
+    ids=["two_column_blocks", "capacity_drops", "several_row_blocks_bf16", "align_is_the_tile"],
 )  # fmt: skip
-def test_pair_rows_kernel_equals_gather_rows_or_zeros(T, K, E, tile, capacity, width, dtype, monkeypatch):
-    # Per-pair dh placed in row order for the Hopper weight gradient (ops._up_weight_grad): bitwise
-    # the torch gather, zeros on padding rows and for pairs dropped by capacity, into fresh memory.
+def test_dense_rows_kernel_moves_each_segment(T, K, E, tile, align, capacity, width, dtype, monkeypatch):
+    # Per-pair dh and x placed in row order for the Hopper weight gradient (grouped_mlp.pair_wgrad_hopper),
+    # each expert's segment cut to a multiple of `align` rows and moved to dense_segments' offsets:
+    # bitwise the torch gather's rows, zeros on padding rows and for pairs dropped by capacity.
     pytest.importorskip("triton", reason="the kernel needs triton")
-    from mok_plugin.kernels.schedule import pair_rows
+    from mok_plugin.kernels.schedule import dense_rows, dense_segments
     from mok_plugin.schedule import gather_rows_or_zeros
 
     g = torch.Generator().manual_seed(T + width)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K).long()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
     s = build_schedule(ids.to(device), E, tile_m=tile, capacity=capacity)
     pairs = (torch.randn(T * K, width, generator=g) + 3).to(dtype).to(device)  # never 0: a row left out shows
+    x = (torch.randn(T, width, generator=g) - 3).to(dtype).to(device)
+    offsets = dense_segments(s.tokens_per_expert, align)
+    counts = s.tokens_per_expert.tolist()
+    assert offsets.tolist() == [0] + list(itertools.accumulate(-(-c // align) * align for c in counts))
+    num_rows = (T * K // align + min(E, T * K)) * align
+    assert offsets[-1] <= num_rows
     fresh = torch.Tensor.new_empty
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fresh(self, *a, **k).fill_(7))
-    got = pair_rows(pairs, s.row_to_tk)
-    monkeypatch.undo()
-    assert torch.equal(got, gather_rows_or_zeros(pairs, s.row_to_tk))
-    assert (got[s.row_to_tk < 0] == 0).all() and (got[s.row_to_tk >= 0] != 0).all()
-    assert torch.equal(pair_rows(pairs, s.row_to_tk), got)  # bitwise repeatable
+    for src, index in ((pairs, s.row_to_tk), (x, s.row_to_token)):
+        got = dense_rows(src, index, s.tile_to_expert, s.expert_offsets, offsets, num_rows, tile)
+        again = dense_rows(src, index, s.tile_to_expert, s.expert_offsets, offsets, num_rows, tile)
+        want = gather_rows_or_zeros(src, index)
+        for e in range(E):
+            start, end = offsets[e].item(), offsets[e + 1].item()
+            first = s.expert_offsets[e].item()
+            assert torch.equal(got[start:end], want[first : first + end - start]), e
+            assert (got[start : start + counts[e]] != 0).all() and (got[start + counts[e] : end] == 0).all()
+        assert torch.equal(got[: offsets[-1]], again[: offsets[-1]])  # bitwise repeatable
 
 
 def test_unknown_impl():

@@ -53,7 +53,7 @@ from mok_plugin.kernels.launch import (
     stages_for,
     tma_ok,
 )
-from mok_plugin.kernels.schedule import pair_rows
+from mok_plugin.kernels.schedule import dense_rows, dense_segments
 from mok_plugin.kernels.tiles import (
     aligned,
     bias_grad_tile,
@@ -563,34 +563,42 @@ def hopper_wgrad_schedule(
 
 def pair_wgrad_hopper(
     d_h: torch.Tensor, x: torch.Tensor, row_to_token: torch.Tensor, row_to_tk: torch.Tensor,
-    expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, segment_align: int,
+    tile_to_expert: torch.Tensor, expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, tile_m: int,
 ) -> torch.Tensor | None:  # fmt: skip
     """dW13 [E, N1, H] of per-pair dh [T * K, N1] (ops.compact_h) and x [T, H] on Gluon's kernel, or
     None where the Triton kernel that reads both by pair stays: not on Hopper, no tokens, or copies
     that would not fit the memory below.
 
-    TMA reads rows in order, so dh goes into row order with zero padding rows (`pair_rows`) and x
-    is gathered, each a column block at a time, so that the two copies alive at once hold no more
-    than the per-pair path's own copy of x (one row per pair, T * K x H): this path's peak is that
-    path's, and a copy's blocks are wide enough to pay (`pair_column_blocks`). The result is bitwise
-    the padded layout's (any blocks, any kernel)."""
-    num_experts, num_rows = tokens_per_expert.shape[0], row_to_token.shape[0]
-    schedule = hopper_wgrad_schedule(d_h, x, num_rows, num_experts, segment_align)
+    TMA reads rows in order, so dh (zeros on padding rows) and x are copied into row order, each a
+    column block at a time (`dense_rows`), in a layout of their own whose segments are padded to the
+    kernel's 64-row K step rather than the schedule's tile_m (4096,7168,2048,384,8: 57k rows, not
+    82k): the same rows in the same K steps, so the same bits as the padded layout. The two copies
+    alive at once hold no more than the per-pair path's own copy of x (one row per pair, T * K x H):
+    this path's peak is that path's, and a copy's blocks are wide enough to pay
+    (`pair_column_blocks`)."""
+    num_experts, num_pairs = tokens_per_expert.shape[0], d_h.shape[0]
+    schedule = hopper_wgrad_schedule(d_h, x, row_to_token.shape[0], num_experts, tile_m)
     if schedule is None or x.shape[0] == 0:
         return None
-    x_pairs_bytes = d_h.shape[0] * x.shape[1] * x.element_size()
+    align = wgrad_hopper.BLOCK_K
+    num_rows = (num_pairs // align + min(num_experts, num_pairs)) * align  # Σ ceil(count / align) * align at most
+    x_pairs_bytes = num_pairs * x.shape[1] * x.element_size()
     plan = pair_column_blocks(num_rows * x.element_size(), d_h.shape[1], x.shape[1], x_pairs_bytes)
     if plan is None:
         return None
     dh_width, x_width = plan
+    offsets = dense_segments(tokens_per_expert, align)
+
+    def rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return dense_rows(src, index, tile_to_expert, expert_offsets, offsets, num_rows, tile_m)
+
     d_w = x.new_empty(num_experts, d_h.shape[1], x.shape[1])
-    order = row_to_token.clamp(min=0)  # a padding row reads token 0, against dh's zero row
     for m0 in range(0, d_h.shape[1], dh_width):
-        dh_rows = pair_rows(d_h[:, m0 : m0 + dh_width], row_to_tk)
+        dh_rows = rows(d_h[:, m0 : m0 + dh_width], row_to_tk)
         for c0 in range(0, x.shape[1], x_width):
-            x_rows = x[:, c0 : c0 + x_width].index_select(0, order)
+            x_rows = rows(x[:, c0 : c0 + x_width], row_to_token)
             d_w_block = d_w[:, m0 : m0 + dh_width, c0 : c0 + x_width]
-            wgrad_hopper.expert_wgrad_hopper(dh_rows, x_rows, d_w_block, expert_offsets, tokens_per_expert, schedule)
+            wgrad_hopper.expert_wgrad_hopper(dh_rows, x_rows, d_w_block, offsets, tokens_per_expert, schedule)
             del x_rows  # before the next block's copy
         del dh_rows
     return d_w

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from mok_plugin.kernels.launch import cdiv, launch, next_power_of_2
 
-__all__ = ["pair_rows", "row_values", "schedule_maps"]
+__all__ = ["dense_rows", "dense_segments", "row_values", "schedule_maps"]
 
 
 @triton.jit
@@ -344,30 +344,48 @@ def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
-def _pair_rows_kernel(
-    src_ptr, row_to_tk_ptr, out_ptr, num_rows, N, stride_src, stride_out, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Grid: (cdiv(R_pad, BLOCK_R), cdiv(N, BLOCK_N)). out[r] = src[row_to_tk[r]], 0 on padding rows."""
+def _dense_rows_kernel(
+    src_ptr, index_ptr, tile_to_expert_ptr, offsets_ptr, dense_offsets_ptr, out_ptr, num_rows, N, stride_src,
+    stride_out, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid: (cdiv(R_pad, BLOCK_R), cdiv(N, BLOCK_N)). Schedule row r, local row r - offsets[e] of
+    expert e's segment, goes to row dense_offsets[e] + local while local is under the dense
+    segment's length: src[index[r]], 0 where index[r] < 0."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_range = r < num_rows
-    tk = tl.load(row_to_tk_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    expert = tl.load(tile_to_expert_ptr + r // TILE_M, mask=r < num_rows, other=-1)
+    has_expert = expert >= 0
+    expert = tl.where(has_expert, expert, 0)
+    local = r - tl.load(offsets_ptr + expert, mask=has_expert, other=0)
+    start = tl.load(dense_offsets_ptr + expert, mask=has_expert, other=0)
+    keep = has_expert & (local < tl.load(dense_offsets_ptr + expert + 1, mask=has_expert, other=0) - start)
+    index = tl.load(index_ptr + r, mask=keep, other=-1).to(tl.int64)
     cols = n[None, :] < N
-    rows = tl.load(src_ptr + tk[:, None] * stride_src + n[None, :], mask=(tk >= 0)[:, None] & cols, other=0.0)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + n[None, :], rows, mask=in_range[:, None] & cols)
+    rows = tl.load(src_ptr + index[:, None] * stride_src + n[None, :], mask=(index >= 0)[:, None] & cols, other=0.0)
+    dest = (start + local).to(tl.int64)
+    tl.store(out_ptr + dest[:, None] * stride_out + n[None, :], rows, mask=keep[:, None] & cols)
 
 
-def pair_rows(src: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
-    """[R_pad, N]: the rows of a per-pair tensor src [T * K, N] placed in row order, zeros on padding
-    rows: `schedule.gather_rows_or_zeros` in one launch, without a second pass over the copy to zero
-    its padding rows (torch's masked_fill_ took 0.9 ms on 4096,7168,2048,384,8's 640 MiB dh) or a
-    copy of src with a zero row appended."""
-    if src.shape[0] == 0:
-        return src.new_zeros(row_to_tk.shape[0], src.shape[1])
+def dense_segments(tokens_per_expert: torch.Tensor, align: int) -> torch.Tensor:
+    """int64 [E + 1]: where each expert's segment starts in a layout whose segments are padded to a
+    multiple of `align` rows (fewer than the schedule's tile_m), and the end."""
+    padded = (tokens_per_expert + align - 1) // align * align
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+
+
+def dense_rows(
+    src: torch.Tensor, index: torch.Tensor, tile_to_expert: torch.Tensor, expert_offsets: torch.Tensor,
+    dense_offsets: torch.Tensor, num_dense_rows: int, tile_m: int,
+) -> torch.Tensor:  # fmt: skip
+    """[num_dense_rows, N]: for each schedule row r, src[index[r]] (zeros where index[r] < 0: a
+    per-pair tensor through row_to_tk, or x through row_to_token), with each expert's segment moved
+    to start at dense_offsets[e] and cut to its length there (`dense_segments`). Rows past the last
+    segment are left unwritten. One launch, no pass to zero the padding rows (torch's masked_fill_
+    took 0.9 ms over 4096,7168,2048,384,8's 640 MiB dh)."""
     src = src if src.stride(1) == 1 else src.contiguous()
-    out = src.new_empty(row_to_tk.shape[0], src.shape[1])
+    out = src.new_empty(num_dense_rows, src.shape[1])
     block_r, block_n = 32, 256
-    grid = (cdiv(out.shape[0], block_r), cdiv(out.shape[1], block_n))
-    launch(_pair_rows_kernel, grid, src, row_to_tk, out, out.shape[0], out.shape[1], src.stride(0), out.stride(0),
-           BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
+    grid = (cdiv(index.shape[0], block_r), cdiv(src.shape[1], block_n))
+    launch(_dense_rows_kernel, grid, src, index, tile_to_expert, expert_offsets, dense_offsets, out, index.shape[0],
+           src.shape[1], src.stride(0), out.stride(0), TILE_M=tile_m, BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
     return out
