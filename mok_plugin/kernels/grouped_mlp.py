@@ -604,9 +604,12 @@ def pair_wgrad_hopper(
     return d_w
 
 
-# dh in at most two blocks (x is gathered once per dh block); x blocks of at least 768 columns:
-# 4096,7168,2048,384,8's (2048, 768) blocks took it from 38.44 to 35.28 ms, deepseek-v3's dimensions
-# at T = 4096 (2048, 1536) from 31.31 to 27.51, but at T = 2048 (2048, 256) from 23.30 to 24.37.
+# dh in at most two blocks (x is gathered once per dh block); x blocks of at least 768 columns.
+# Measured with the copies in the schedule's layout (128-row segments): 4096,7168,2048,384,8's
+# (2048, 768) blocks took it from 38.44 to 35.28 ms, deepseek-v3's dimensions at T = 4096 (2048,
+# 1536) from 31.31 to 27.51, but at T = 2048 (2048, 256) from 23.30 to 24.37. In the 64-row layout:
+# (2048, 2048) 34.89 ms, and at T = 2048 (2048, 1536) 22.72 and, with 384 experts, (2048, 768)
+# 33.15 -> 32.04 (BENCHMARKS.md, "dW13 of per-pair dh on Hopper").
 PAIR_MAX_DH_BLOCKS = 2
 PAIR_MIN_X_BLOCK = 768
 
