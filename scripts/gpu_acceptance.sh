@@ -16,8 +16,9 @@
 #              scripts/pretrain_gpt.py, two EP ranks sharing the GPU over gloo; stock and MoK, plain,
 #              --overlap-moe-expert-parallel-comm, and with --delay-wgrad-compute too (needs TE)
 #   perf       issue 24's table, one process per shape, MoK (multi-kernel) against the PyTorch path, settled:
-#              perf-coarse  gpt-oss-120b (H, I not multiples of 128) and two shapes of the issue's class:
-#                           4096,7168,2048,384,8 (E 384, Kimi-K2-like) and 8192,3000,1000,160,6 (odd H and I)
+#              perf-coarse  gpt-oss-120b (H, I not multiples of 128) and three shapes of the issue's class:
+#                           4096,7168,2048,384,8 (E 384, Kimi-K2-like), 4096,7168,2048,256,8 (deepseek-v3's
+#                           dimensions at T = 4096: both with h per pair) and 8192,3000,1000,160,6 (odd H and I)
 #              perf-small   qwen3-30b-a3b's dimensions at T = 1, 37, 512, 4096, uniform and skewed routing,
 #                           3 rounds of the two providers in turn (host-bound: the host's speed drifts)
 #              perf-graphs  the same T = 1, 37, 512 with forward + backward also replayed from a CUDA graph
@@ -119,7 +120,9 @@ for part in "${parts[@]}"; do
             --repeats 5 ;;
     perf | perf-coarse | perf-small)
         if [ "$part" != perf-small ]; then
-            for shape in 16384,2880,2880,128,4 4096,7168,2048,384,8 8192,3000,1000,160,6; do
+            for shape in 16384,2880,2880,128,4 4096,7168,2048,384,8 4096,7168,2048,256,8 8192,3000,1000,160,6; do
+                # as BENCHMARKS.md's current table: the largest shapes' peaks without fragmentation
+                PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
                 run_part "perf-${shape//,/x}" python3 scripts/bench_layer.py --shape "$shape" --providers mok-multi torch \
                     --iters 10 --out "$out/perf-${shape//,/x}"
             done
