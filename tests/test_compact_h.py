@@ -14,6 +14,7 @@ from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights  # noqa
 from mok_plugin import ops  # noqa: E402
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS  # noqa: E402
+from mok_plugin.kernels.schedule import dense_segments  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros, max_padded_rows  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES  # noqa: E402
 from mok_plugin.wgrad import DeferredWeightGrads, deferring  # noqa: E402
@@ -118,6 +119,49 @@ def test_pair_column_blocks_keep_the_per_pair_paths_memory(shape, blocks):
     assert grouped_mlp.pair_column_blocks(rows * 2, 2 * I, H, budget) == blocks
     if blocks is not None:
         assert rows * 2 * sum(blocks) <= budget and all(width % 128 == 0 or width in (2 * I, H) for width in blocks)
+
+
+def test_pair_wgrad_hopper_reads_every_row_it_copies(monkeypatch):
+    # grouped_mlp.pair_wgrad_hopper anywhere (Triton's interpreter on the CPU): the Gluon kernel stood
+    # in for by torch reading what it reads (ceil(count / 64) steps of 64 rows from the offsets it is
+    # given), every allocation NaN (a row the copies leave out would show), dh in two blocks and x in
+    # four, skewed routing (segments of 64 rows and of more), capacity drops, an empty expert and
+    # empty slots; against a float64 sum over each expert's kept pairs.
+    T, H, N1, E, K, tile = 300, 1024, 512, 8, 2, 128
+
+    def gluon_stand_in(left, right, d_w, offsets, counts, schedule):
+        for e in range(d_w.shape[0]):
+            start, rows = offsets[e].item(), -(-counts[e].item() // 64) * 64
+            d_w[e] = (left[start : start + rows].double().T @ right[start : start + rows].double()).to(d_w.dtype)
+
+    monkeypatch.setattr(grouped_mlp, "hopper_wgrad_schedule", lambda *a: "pingpong")
+    monkeypatch.setattr(grouped_mlp, "PAIR_MIN_X_BLOCK", 128)
+    monkeypatch.setattr(wgrad_hopper, "expert_wgrad_hopper", gluon_stand_in)
+    g = torch.Generator().manual_seed(3)
+    ids = crafted_routing(T, E, K, "skewed", g)
+    ids = torch.where(ids == E - 1, -1, ids).to(DEVICE)  # expert E-1 empty, and some empty slots
+    s = build_schedule(ids, E, tile_m=tile, capacity=200)
+    dense = dense_segments(s.tokens_per_expert, 64)
+    assert not torch.equal(dense[:-1], s.expert_offsets[:-1])  # segments under 64 rows move
+    d_h, x = torch.randn(T * K, N1, generator=g).to(DEVICE), torch.randn(T, H, generator=g).to(DEVICE)
+    assert grouped_mlp.pair_column_blocks(max_padded_rows(T * K, E, 64) * 4, N1, H, T * K * H * 4) == (256, 256)
+    fresh = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):
+        t = fresh(self, *args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+    got = grouped_mlp.pair_wgrad_hopper(
+        d_h, x, s.row_to_token, s.row_to_tk, s.tile_to_expert, s.expert_offsets, s.tokens_per_expert, tile
+    )
+    monkeypatch.undo()
+    kept = [(s.tile_to_expert[r // tile].item(), s.row_to_tk[r].item()) for r in range(s.row_to_tk.shape[0])]
+    assert s.num_dropped > 0 and s.tokens_per_expert[-1] == 0 and (ids == -1).any()
+    for e in range(E):
+        pairs = torch.tensor([tk for expert, tk in kept if expert == e and tk >= 0], dtype=torch.long)
+        want = d_h.cpu()[pairs].double().T @ x.cpu()[pairs // K].double()
+        assert torch.allclose(got[e].cpu().double(), want, rtol=1e-5, atol=1e-5), e
 
 
 def test_pairs_placed_in_row_order():

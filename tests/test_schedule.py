@@ -155,19 +155,25 @@ def test_row_values_kernel_equals_values_per_row(T, K, E, tile, capacity, dtype)
 @pytest.mark.parametrize(
     "T, K, E, tile, align, capacity, width, dtype",
     [(37, 2, 8, 16, 8, None, 300, torch.float32), (30, 2, 4, 16, 4, 12, 64, torch.float16),
-     (600, 3, 6, 32, 8, None, 40, torch.bfloat16), (50, 2, 6, 16, 16, None, 24, torch.float32)],
-    ids=["two_column_blocks", "capacity_drops", "several_row_blocks_bf16", "align_is_the_tile"],
+     (600, 3, 6, 32, 8, None, 40, torch.bfloat16), (50, 2, 6, 16, 16, None, 24, torch.float32),
+     (90, 2, 5, 128, 64, None, 16, torch.float32)],
+    ids=["two_column_blocks", "capacity_drops", "several_row_blocks_bf16", "align_is_the_tile",
+         "as_on_hopper_empty_expert_and_slots"],
 )  # fmt: skip
 def test_dense_rows_kernel_moves_each_segment(T, K, E, tile, align, capacity, width, dtype, monkeypatch):
     # Per-pair dh and x placed in row order for the Hopper weight gradient (grouped_mlp.pair_wgrad_hopper),
     # each expert's segment cut to a multiple of `align` rows and moved to dense_segments' offsets:
-    # bitwise the torch gather's rows, zeros on padding rows and for pairs dropped by capacity.
+    # bitwise the torch gather's rows, zeros on padding rows and for pairs dropped by capacity, and
+    # nothing written past the last segment.
     pytest.importorskip("triton", reason="the kernel needs triton")
     from mok_plugin.kernels.schedule import dense_rows, dense_segments
     from mok_plugin.schedule import gather_rows_or_zeros
 
     g = torch.Generator().manual_seed(T + width)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if tile == 128:  # the last expert empty, and some empty slots (-1: an expert-parallel rank's others)
+        ids = torch.where(ids == E - 1, -1, ids)
+        assert (ids == -1).any()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs in Triton's interpreter
     s = build_schedule(ids.to(device), E, tile_m=tile, capacity=capacity)
     pairs = (torch.randn(T * K, width, generator=g) + 3).to(dtype).to(device)  # never 0: a row left out shows
@@ -189,6 +195,7 @@ def test_dense_rows_kernel_moves_each_segment(T, K, E, tile, align, capacity, wi
             assert torch.equal(got[start:end], want[first : first + end - start]), e
             assert (got[start : start + counts[e]] != 0).all() and (got[start + counts[e] : end] == 0).all()
         assert torch.equal(got[: offsets[-1]], again[: offsets[-1]])  # bitwise repeatable
+        assert (got[offsets[-1] :] == 7).all()  # rows past the last segment left as they were
 
 
 def test_unknown_impl():

@@ -569,7 +569,8 @@ def pair_wgrad_hopper(
     None where the Triton kernel that reads both by pair stays: not on Hopper, no tokens, or copies
     that would not fit the memory below.
 
-    TMA reads rows in order, so dh (zeros on padding rows) and x are copied into row order, each a
+    TMA reads rows in order, so dh (zeros on padding rows) and x (token 0 there, as the padded layout
+    reads) are copied into row order, each a
     column block at a time (`dense_rows`), in a layout of their own whose segments are padded to the
     kernel's 64-row K step rather than the schedule's tile_m (4096,7168,2048,384,8: 57k rows, not
     82k): the same rows in the same K steps, so the same bits as the padded layout. The two copies
@@ -577,10 +578,12 @@ def pair_wgrad_hopper(
     this path's peak is that path's, and a copy's blocks are wide enough to pay
     (`pair_column_blocks`)."""
     num_experts, num_pairs = tokens_per_expert.shape[0], d_h.shape[0]
-    schedule = hopper_wgrad_schedule(d_h, x, row_to_token.shape[0], num_experts, tile_m)
-    if schedule is None or x.shape[0] == 0:
-        return None
     align = wgrad_hopper.BLOCK_K
+    if x.shape[0] == 0 or num_pairs == 0 or tile_m % align or d_h.shape[1] % 8 or x.shape[1] % 8:
+        return None  # (the copies' blocks must keep TMA's 16-byte rows whatever d_h's and x's strides)
+    schedule = hopper_wgrad_schedule(d_h, x, row_to_token.shape[0], num_experts, tile_m)
+    if schedule is None:
+        return None
     num_rows = (num_pairs // align + min(num_experts, num_pairs)) * align  # Σ ceil(count / align) * align at most
     x_pairs_bytes = num_pairs * x.shape[1] * x.element_size()
     plan = pair_column_blocks(num_rows * x.element_size(), d_h.shape[1], x.shape[1], x_pairs_bytes)
@@ -593,10 +596,11 @@ def pair_wgrad_hopper(
         return dense_rows(src, index, tile_to_expert, expert_offsets, offsets, num_rows, tile_m)
 
     d_w = x.new_empty(num_experts, d_h.shape[1], x.shape[1])
+    order = row_to_token.clamp(min=0)  # x's padding rows read token 0, as in the padded layout (signed zeros too)
     for m0 in range(0, d_h.shape[1], dh_width):
         dh_rows = rows(d_h[:, m0 : m0 + dh_width], row_to_tk)
         for c0 in range(0, x.shape[1], x_width):
-            x_rows = rows(x[:, c0 : c0 + x_width], row_to_token)
+            x_rows = rows(x[:, c0 : c0 + x_width], order)
             d_w_block = d_w[:, m0 : m0 + dh_width, c0 : c0 + x_width]
             wgrad_hopper.expert_wgrad_hopper(dh_rows, x_rows, d_w_block, offsets, tokens_per_expert, schedule)
             del x_rows  # before the next block's copy

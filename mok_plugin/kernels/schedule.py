@@ -345,8 +345,8 @@ def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor
 
 @triton.jit
 def _dense_rows_kernel(
-    src_ptr, index_ptr, tile_to_expert_ptr, offsets_ptr, dense_offsets_ptr, out_ptr, num_rows, N, stride_src,
-    stride_out, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    src_ptr, index_ptr, tile_to_expert_ptr, offsets_ptr, dense_offsets_ptr, out_ptr, num_rows, num_dense_rows, N,
+    stride_src, stride_out, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid: (cdiv(R_pad, BLOCK_R), cdiv(N, BLOCK_N)). Schedule row r, local row r - offsets[e] of
     expert e's segment, goes to row dense_offsets[e] + local while local is under the dense
@@ -363,6 +363,7 @@ def _dense_rows_kernel(
     cols = n[None, :] < N
     rows = tl.load(src_ptr + index[:, None] * stride_src + n[None, :], mask=(index >= 0)[:, None] & cols, other=0.0)
     dest = (start + local).to(tl.int64)
+    keep = keep & (dest < num_dense_rows)  # (a bound too small for the segments loses rows, never memory)
     tl.store(out_ptr + dest[:, None] * stride_out + n[None, :], rows, mask=keep[:, None] & cols)
 
 
@@ -379,7 +380,8 @@ def dense_rows(
 ) -> torch.Tensor:  # fmt: skip
     """[num_dense_rows, N]: for each schedule row r, src[index[r]] (zeros where index[r] < 0: a
     per-pair tensor through row_to_tk, or x through row_to_token), with each expert's segment moved
-    to start at dense_offsets[e] and cut to its length there (`dense_segments`). Rows past the last
+    to start at dense_offsets[e] and cut to its length there (`dense_segments`; tile_m a multiple of
+    the alignment, so that every dense segment lies within the schedule's). Rows past the last
     segment are left unwritten. One launch, no pass to zero the padding rows (torch's masked_fill_
     took 0.9 ms over 4096,7168,2048,384,8's 640 MiB dh)."""
     src = src if src.stride(1) == 1 else src.contiguous()
@@ -387,5 +389,6 @@ def dense_rows(
     block_r, block_n = 32, 256
     grid = (cdiv(index.shape[0], block_r), cdiv(src.shape[1], block_n))
     launch(_dense_rows_kernel, grid, src, index, tile_to_expert, expert_offsets, dense_offsets, out, index.shape[0],
-           src.shape[1], src.stride(0), out.stride(0), TILE_M=tile_m, BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
+           num_dense_rows, src.shape[1], src.stride(0), out.stride(0), TILE_M=tile_m, BLOCK_R=block_r,
+           BLOCK_N=block_n)  # fmt: skip
     return out
