@@ -584,7 +584,9 @@ def pair_wgrad_hopper(
     schedule = hopper_wgrad_schedule(d_h, x, row_to_token.shape[0], num_experts, tile_m)
     if schedule is None:
         return None
-    num_rows = (num_pairs // align + min(num_experts, num_pairs)) * align  # Σ ceil(count / align) * align at most
+    # Σ ceil(count / align) * align at most; each dense segment lies within the schedule's (whose
+    # row count also knows a capacity)
+    num_rows = min((num_pairs // align + min(num_experts, num_pairs)) * align, row_to_token.shape[0])
     x_pairs_bytes = num_pairs * x.shape[1] * x.element_size()
     plan = pair_column_blocks(num_rows * x.element_size(), d_h.shape[1], x.shape[1], x_pairs_bytes)
     if plan is None:
