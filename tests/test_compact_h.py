@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights  # noqa: E402
+from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights, hopper_only  # noqa: E402
 
 from mok_plugin import ops  # noqa: E402
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
@@ -74,10 +74,7 @@ def test_per_pair_h_with_deferred_weight_gradients(monkeypatch):
         assert torch.equal(per_pair[name], want), name
 
 
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("family_name", ["swiglu", "mlp_gelu_bias"])
 @pytest.mark.parametrize("T, into_rows", [(512, True), (40, False)], ids=["fits", "copies_too_large"])

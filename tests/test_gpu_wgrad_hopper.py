@@ -13,15 +13,13 @@ import torch
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from triton_cases import crafted_routing  # noqa: E402
+from triton_cases import ON_HOPPER, crafted_routing, hopper_only  # noqa: E402
 
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_only = pytest.mark.skipif(not on_hopper, reason="needs an sm_90 (Hopper) GPU")
 
 SHAPES = [
     pytest.param((512, 384, 256, 16, 2, "skewed"), id="skewed_empty_experts"),
@@ -115,7 +113,7 @@ def test_hopper_wgrad_column_blocks_change_no_bits(left_by_token, monkeypatch, g
 def test_hopper_wgrad_is_not_chosen_off_hopper(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
-    assert wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M) == on_hopper
+    assert wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M) == ON_HOPPER
     assert not wgrad_hopper.usable(rows.float(), rows.float(), DEFAULT_TILE_M)  # fp32: the Triton kernels
     assert not wgrad_hopper.usable(rows, rows, 32)  # segments not padded to its 64-row steps
     shifted = torch.zeros(256 * 128 + 1, dtype=rows.dtype, device=device)[1:].view(256, 128)

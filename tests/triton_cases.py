@@ -17,6 +17,8 @@ from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 from mok_plugin.testing import assert_close, oracle_experts, oracle_kept_pairs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 GRADIENT_NAMES = ["output", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"]  # of a SwiGLU expert
 

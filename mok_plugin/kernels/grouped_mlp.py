@@ -514,7 +514,7 @@ def expert_wgrad(
     by_row, by_token = (right, left) if left_by_token else (left, right)
     schedule = None
     if config is None and left_by_token != right_by_token:
-        schedule = hopper_wgrad_schedule(by_row, by_token, row_to_token.shape[0], E, segment_align)
+        schedule = hopper_wgrad_schedule(entry, by_row, by_token, segment_align)
     if schedule is not None:
         block = wgrad_hopper.BLOCK_M if left_by_token else wgrad_hopper.SCHEDULES[schedule].block_n
         for lhs, rhs, d_w_block in _pre_gathered_blocks(left, right, d_w, row_to_token, left_by_token, block):
@@ -545,13 +545,11 @@ def expert_wgrad(
     return d_w
 
 
-def hopper_wgrad_schedule(
-    by_row: torch.Tensor, by_token: torch.Tensor, num_rows: int, num_experts: int, segment_align: int
-) -> str | None:
-    """Which of wgrad_hopper.SCHEDULES computes the weight gradient of a by-row operand [num_rows,
-    M] (w*A or dh) and a by-token one (x or dO), in place of the table's Triton kernel; None where
-    the Triton kernel stays (not Hopper, a narrow by-row operand, or an entry Gluon does not beat)."""
-    entry = wgrad_kernel(by_row.shape[1], num_rows // max(num_experts, 1), by_row.shape[1] * by_token.shape[1])
+def hopper_wgrad_schedule(entry: str, by_row: torch.Tensor, by_token: torch.Tensor, segment_align: int) -> str | None:
+    """Which of wgrad_hopper.SCHEDULES computes the weight gradient of a by-row operand (w*A or dh)
+    and a by-token one (x or dO), in place of the table's Triton kernel `entry` (`wgrad_kernel`);
+    None where the Triton kernel stays (not Hopper, a narrow by-row operand, or an entry Gluon does
+    not beat)."""
     if (
         entry in HOPPER_WGRAD_REPLACES
         and by_row.shape[1] >= HOPPER_WGRAD_MIN_WIDTH
@@ -581,7 +579,8 @@ def pair_wgrad_hopper(
     align = wgrad_hopper.BLOCK_K
     if x.shape[0] == 0 or num_pairs == 0 or tile_m % align or d_h.shape[1] % 8 or x.shape[1] % 8:
         return None  # (the copies' blocks must keep TMA's 16-byte rows whatever d_h's and x's strides)
-    schedule = hopper_wgrad_schedule(d_h, x, row_to_token.shape[0], num_experts, tile_m)
+    entry = wgrad_kernel(d_h.shape[1], row_to_token.shape[0] // max(num_experts, 1), d_h.shape[1] * x.shape[1])
+    schedule = hopper_wgrad_schedule(entry, d_h, x, tile_m)  # the padded layout's choice (expert_wgrad)
     if schedule is None:
         return None
     # Σ ceil(count / align) * align at most; each dense segment lies within the schedule's (whose
