@@ -99,6 +99,12 @@ def test_bad_arguments():
         pytest.param(700, 2, 5, 32, None, "random", id="pairs_span_several_scan_blocks"),  # R > the 1024 scan block
         pytest.param(1024, 2, 6, 32, None, "random", id="pairs_fill_one_chunk"),  # R = 2048: the one-launch path
         pytest.param(1500, 2, 6, 32, 700, "random", id="pairs_span_several_chunks"),  # R > the 2048-pair chunk
+        # Past one chunk, chunks of 256 pairs: ranks carried across many of them, with drops, empty
+        # slots, one expert taking every tile, and E_POW2 = 512.
+        pytest.param(3000, 4, 130, 16, None, "random", id="many_chunks_most_experts_small"),
+        pytest.param(1500, 2, 6, 32, 300, "empty_slots_past_e", id="many_chunks_empty_slots_and_drops"),
+        pytest.param(1200, 2, 16, 128, None, "one_expert", id="many_chunks_one_expert"),
+        pytest.param(700, 4, 384, 128, None, "random", id="many_chunks_384_experts"),
         pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
         pytest.param(40, 2, 5, 8, 3, "empty_slots", id="empty_slots_and_drops"),
         pytest.param(40, 2, 5, 8, None, "empty_slots_past_e", id="empty_slots_past_e"),  # ids 6: under E_POW2
