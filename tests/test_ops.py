@@ -139,10 +139,12 @@ def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkey
     assert all(leaf.grad is not None for leaf in leaves)
 
 
-def test_compile_fullgraph():
+# 20 tokens: the one-launch schedule; 1100 (2200 pairs): the chunked one's three kernels.
+@pytest.mark.parametrize("tokens", [20, 1100])
+def test_compile_fullgraph(tokens):
     cfg = MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, backend="triton")
     layer = MoKMoE(cfg, seed=1, device=DEVICE)
-    x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
+    x = make_layer_inputs(tokens, 32, device=DEVICE, seed=2)
     eager_out, _ = layer(x)
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"  # CPU: check graph capture, not codegen
     compiled = torch.compile(layer, fullgraph=True, backend=backend)

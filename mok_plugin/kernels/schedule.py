@@ -338,8 +338,12 @@ def schedule_maps(
         )  # fmt: skip
     else:
         C = cdiv(R, _MANY_CHUNK)
-        scratch = torch.empty((2 * C + 1) * E, dtype=torch.int64, device=device)
-        chunk_counts, chunk_prefix, totals = scratch.split([C * E, C * E, E])
+        if torch.compiler.is_compiling():  # a buffer each, as the maps above
+            chunk_counts, chunk_prefix = (torch.empty(C * E, dtype=torch.int64, device=device) for _ in range(2))
+            totals = torch.empty(E, dtype=torch.int64, device=device)
+        else:
+            scratch = torch.empty((2 * C + 1) * E, dtype=torch.int64, device=device)
+            chunk_counts, chunk_prefix, totals = scratch.split([C * E, C * E, E])
         launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_MANY_CHUNK, SUB=sub)
         launch(_chunk_prefix_kernel, (E,), chunk_counts, chunk_prefix, totals, C, E=E, BLOCK_C=1024)
         launch(_chunk_scatter_kernel, (C,),
