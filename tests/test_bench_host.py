@@ -30,8 +30,8 @@ def test_a_small_step_launches_eleven_kernels_and_the_schedule_takes_three_past_
         host.experts_step(MoEShape(1, 2048, 768, 128, 8))()
         assert dict(counts) == SMALL_STEP
         counts.clear()
-        host.experts_step(MoEShape(512, 2048, 768, 128, 8))()  # 4096 pairs: two chunks of 2048
-    large = dict(SMALL_STEP, _chunk_histogram_kernel=1, _expert_offsets_kernel=1, _schedule_scatter_kernel=1)
+        host.experts_step(MoEShape(512, 2048, 768, 128, 8))()  # 4096 pairs: past the one-launch 2048
+    large = dict(SMALL_STEP, _chunk_histogram_kernel=1, _chunk_prefix_kernel=1, _chunk_scatter_kernel=1)
     del large["_schedule_one_chunk_kernel"]
     assert dict(counts) == large
 
