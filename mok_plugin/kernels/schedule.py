@@ -8,9 +8,10 @@ Math (R = T*K routed pairs, flat index tk = t*K + k, e = topk_ids[tk]):
     tk_to_row[tk]    = offsets[e] + rank(tk) if rank(tk) < capacity else -1
     row_to_tk[row]   = tk for every kept pair, -1 on padding rows and rows past the last segment
 
-Tensors: topk_ids int [T*K]; chunk_counts and chunk_prefix int64 [C, E]; tokens_per_expert
-int64 [E]; expert_offsets int64 [E+1]; tk_to_row int64 [T*K]; row_to_tk and row_to_token int64
-[R_pad]; tile_to_expert int64 [R_pad / TILE_M].
+Tensors: topk_ids int [T*K]; chunk_counts and chunk_prefix int64 [C, E]; totals (routed pairs
+per expert, before any capacity) and tokens_per_expert int64 [E]; expert_offsets int64 [E+1];
+tk_to_row int64 [T*K]; row_to_tk and row_to_token int64 [R_pad]; tile_to_expert int64
+[R_pad / TILE_M].
 
 Grids: three kernels over chunks of _MANY_CHUNK pairs. The histogram runs a program per chunk and
 writes that chunk's per-expert counts; the prefix kernel runs a program per expert, which turns its
