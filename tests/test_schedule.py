@@ -105,6 +105,7 @@ def test_bad_arguments():
         pytest.param(1500, 2, 6, 32, 300, "empty_slots_past_e", id="many_chunks_empty_slots_and_drops"),
         pytest.param(1200, 2, 16, 128, None, "one_expert", id="many_chunks_one_expert"),
         pytest.param(700, 4, 384, 128, None, "random", id="many_chunks_384_experts"),
+        pytest.param(2500, 1, 1, 128, None, "random", id="many_chunks_one_expert_in_all"),  # E_POW2 = 1 (layer.py)
         pytest.param(40, 2, 5, 8, None, "empty_slots", id="empty_slots"),  # -1: a slot of an EP buffer
         pytest.param(40, 2, 5, 8, 3, "empty_slots", id="empty_slots_and_drops"),
         pytest.param(40, 2, 5, 8, None, "empty_slots_past_e", id="empty_slots_past_e"),  # ids 6: under E_POW2
