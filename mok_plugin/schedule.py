@@ -35,6 +35,7 @@ __all__ = [
     "expert_capacity",
     "gather_rows_or_zeros",
     "max_padded_rows",
+    "segment_offsets",
     "sum_over_k",
     "values_per_row",
 ]
@@ -77,6 +78,14 @@ def max_padded_rows(num_rows_routed: int, num_experts: int, tile_m: int, capacit
     if capacity is not None:
         tiles = min(tiles, num_experts * math.ceil(capacity / tile_m))
     return max(tiles, 1) * tile_m
+
+
+def segment_offsets(counts: torch.Tensor, align: int) -> torch.Tensor:
+    """int64 [E + 1]: where each expert's segment starts when segments are padded to a multiple of
+    `align` rows (the schedule's tile_m, or the Hopper weight gradient's 64-row K step for its
+    dense copies: `kernels.schedule.dense_rows`), and the end."""
+    padded = (counts + align - 1) // align * align
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0)])
 
 
 def values_per_row(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor:
@@ -203,9 +212,7 @@ def _schedule_maps_torch(
     else:
         tokens_per_expert = routed_counts
 
-    padded_counts = (tokens_per_expert + tile_m - 1) // tile_m * tile_m
-    expert_offsets = torch.zeros(E + 2, dtype=torch.int64, device=device)  # one more for the empty bin
-    expert_offsets[1 : E + 1] = torch.cumsum(padded_counts, 0)
+    expert_offsets = segment_offsets(tokens_per_expert, tile_m)  # [E]: the end, where the empty bin indexes
 
     # Dropped pairs all write into one scratch slot past the end, which is cut off afterwards.
     rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
@@ -216,7 +223,6 @@ def _schedule_maps_torch(
     tk_to_row[sorted_tk] = torch.where(kept, rows, -1)
     row_to_token = torch.where(row_to_tk >= 0, row_to_tk // max(K, 1), -1)
 
-    expert_offsets = expert_offsets[: E + 1]
     tile_starts = torch.arange(0, num_rows, tile_m, device=device)
     tile_to_expert = torch.searchsorted(expert_offsets[1:], tile_starts, right=True)
     tile_to_expert = torch.where(tile_to_expert < E, tile_to_expert, -1)

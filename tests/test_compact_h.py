@@ -14,8 +14,13 @@ from triton_cases import DEVICE, DTYPES, crafted_routing, family_weights, hopper
 from mok_plugin import ops  # noqa: E402
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS  # noqa: E402
-from mok_plugin.kernels.schedule import dense_segments  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, gather_rows_or_zeros, max_padded_rows  # noqa: E402
+from mok_plugin.schedule import (  # noqa: E402
+    DEFAULT_TILE_M,
+    build_schedule,
+    gather_rows_or_zeros,
+    max_padded_rows,
+    segment_offsets,
+)
 from mok_plugin.testing import EXPERT_FAMILIES  # noqa: E402
 from mok_plugin.wgrad import DeferredWeightGrads, deferring  # noqa: E402
 
@@ -138,7 +143,7 @@ def test_pair_wgrad_hopper_reads_every_row_it_copies(monkeypatch):
     ids = crafted_routing(T, E, K, "skewed", g)
     ids = torch.where(ids == E - 1, -1, ids).to(DEVICE)  # expert E-1 empty, and some empty slots
     s = build_schedule(ids, E, tile_m=tile, capacity=200)
-    dense = dense_segments(s.tokens_per_expert, 64)
+    dense = segment_offsets(s.tokens_per_expert, 64)
     assert not torch.equal(dense[:-1], s.expert_offsets[:-1])  # segments under 64 rows move
     d_h, x = torch.randn(T * K, N1, generator=g).to(DEVICE), torch.randn(T, H, generator=g).to(DEVICE)
     assert grouped_mlp.pair_column_blocks(max_padded_rows(T * K, E, 64) * 4, N1, H, T * K * H * 4) == (256, 256)

@@ -169,12 +169,12 @@ def test_row_values_kernel_equals_values_per_row(T, K, E, tile, capacity, dtype)
 )  # fmt: skip
 def test_dense_rows_kernel_moves_each_segment(T, K, E, tile, align, capacity, width, dtype, monkeypatch):
     # Per-pair dh and x placed in row order for the Hopper weight gradient (grouped_mlp.pair_wgrad_hopper),
-    # each expert's segment cut to a multiple of `align` rows and moved to dense_segments' offsets:
+    # each expert's segment cut to a multiple of `align` rows and moved to segment_offsets' offsets:
     # bitwise the torch gather's rows, zeros on padding rows and for pairs dropped by capacity, and
     # nothing written past the last segment.
     pytest.importorskip("triton", reason="the kernel needs triton")
-    from mok_plugin.kernels.schedule import dense_rows, dense_segments
-    from mok_plugin.schedule import gather_rows_or_zeros
+    from mok_plugin.kernels.schedule import dense_rows
+    from mok_plugin.schedule import gather_rows_or_zeros, segment_offsets
 
     g = torch.Generator().manual_seed(T + width)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -185,7 +185,7 @@ def test_dense_rows_kernel_moves_each_segment(T, K, E, tile, align, capacity, wi
     s = build_schedule(ids.to(device), E, tile_m=tile, capacity=capacity)
     pairs = (torch.randn(T * K, width, generator=g) + 3).to(dtype).to(device)  # never 0: a row left out shows
     x = (torch.randn(T, width, generator=g) - 3).to(dtype).to(device)
-    offsets = dense_segments(s.tokens_per_expert, align)
+    offsets = segment_offsets(s.tokens_per_expert, align)
     counts = s.tokens_per_expert.tolist()
     assert offsets.tolist() == [0] + list(itertools.accumulate(-(-c // align) * align for c in counts))
     num_rows = (T * K // align + min(E, T * K)) * align

@@ -53,7 +53,7 @@ from mok_plugin.kernels.launch import (
     stages_for,
     tma_ok,
 )
-from mok_plugin.kernels.schedule import dense_rows, dense_segments
+from mok_plugin.kernels.schedule import dense_rows
 from mok_plugin.kernels.tiles import (
     aligned,
     bias_grad_tile,
@@ -68,6 +68,7 @@ from mok_plugin.kernels.tiles import (
     wgrad_sweep,
     wgrad_tile,
 )
+from mok_plugin.schedule import segment_offsets
 
 __all__ = [
     "gate_up_fwd",
@@ -591,7 +592,7 @@ def pair_wgrad_hopper(
     if plan is None:
         return None
     dh_width, x_width = plan
-    offsets = dense_segments(tokens_per_expert, align)
+    offsets = segment_offsets(tokens_per_expert, align)
 
     def rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return dense_rows(src, index, tile_to_expert, expert_offsets, offsets, num_rows, tile_m)

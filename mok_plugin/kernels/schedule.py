@@ -32,7 +32,7 @@ import triton.language as tl
 
 from mok_plugin.kernels.launch import cdiv, launch, next_power_of_2
 
-__all__ = ["dense_rows", "dense_segments", "row_values", "schedule_maps"]
+__all__ = ["dense_rows", "row_values", "schedule_maps"]
 
 
 @triton.jit
@@ -89,6 +89,16 @@ def _chunk_prefix_kernel(
 
 
 @triton.jit
+def _segments(totals, capacity, E: tl.constexpr, E_POW2: tl.constexpr, TILE_M: tl.constexpr):
+    """(routed, kept, padded) int64 [E_POW2] from every expert's routed count: lanes E..E_POW2-1
+    (the one-chunk histogram counts empty slots whose id falls there) are no expert's and count 0;
+    kept is capped at the capacity, padded rounded up to TILE_M."""
+    routed = tl.where(tl.arange(0, E_POW2) < E, totals, 0)
+    kept = tl.minimum(routed, capacity)
+    return routed, kept, (kept + TILE_M - 1) // TILE_M * TILE_M
+
+
+@triton.jit
 def _expert_layout(
     totals,
     e,
@@ -105,10 +115,7 @@ def _expert_layout(
     tiles; the last expert's program also the end offset and the dropped count. Returns (e's offset,
     e's kept count, e's padded length, the end of the last segment)."""
     experts = tl.arange(0, E_POW2)
-    # Lanes E..E_POW2-1 count the empty slots whose id falls there (one-chunk histogram): no expert's.
-    totals = tl.where(experts < E, totals, 0)
-    kept = tl.minimum(totals, capacity)
-    padded = (kept + TILE_M - 1) // TILE_M * TILE_M
+    totals, kept, padded = _segments(totals, capacity, E=E, E_POW2=E_POW2, TILE_M=TILE_M)
     offset = tl.sum(tl.where(experts < e, padded, 0))
     my_padded = tl.sum(tl.where(experts == e, padded, 0))
     my_kept = tl.sum(tl.where(experts == e, kept, 0))
@@ -152,9 +159,9 @@ def _chunk_scatter_kernel(
     c = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_POW2)
     is_expert = experts < E
-    totals = tl.load(totals_ptr + experts, mask=is_expert, other=0)
-    kept = tl.minimum(totals, capacity)
-    padded = (kept + TILE_M - 1) // TILE_M * TILE_M
+    totals, kept, padded = _segments(
+        tl.load(totals_ptr + experts, mask=is_expert, other=0), capacity, E=E, E_POW2=E_POW2, TILE_M=TILE_M
+    )
     ends = tl.cumsum(padded, axis=0)  # lanes past E add nothing: their end is the last segment's
     offsets = ends - padded
     end = tl.sum(padded)
@@ -304,10 +311,13 @@ def schedule_maps(
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
     one_chunk = R <= _CHUNK
+    C = cdiv(R, _MANY_CHUNK)
     # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1),
     # written by the one-chunk kernel itself, else by a fill; the counts, offsets and dropped count
-    # are written whole by the kernels.
+    # are written whole by the kernels, and so are the chunked path's scratch (chunk counts, their
+    # prefix over chunks, the totals).
     sizes = [R, num_rows, num_rows, num_rows // tile_m]
+    scratch_sizes = [] if one_chunk else [C * E, C * E, E]
     if torch.compiler.is_compiling():
         # A buffer each: under inductor, kernels writing views of one fill ran into an illegal
         # address once on the H200 (tests/test_ops.py::test_compile_fullgraph, in the
@@ -318,15 +328,16 @@ def schedule_maps(
         tk_to_row, row_to_tk, row_to_token, tile_to_expert = (
             torch.full((n,), -1, dtype=torch.int64, device=device) for n in sizes
         )
+        scratch = [torch.empty(n, dtype=torch.int64, device=device) for n in scratch_sizes]
     else:
         # Eagerly, one allocation and one fill with a view per tensor: with the dropped count from
-        # the scatter kernel, 8 launches fewer in front of the first GEMM (host time 0.22 -> 0.10 ms,
+        # the kernels, 8 launches fewer in front of the first GEMM (host time 0.22 -> 0.10 ms,
         # olmoe, H200), and 3 allocations fewer (~8 us of host each on the H200 at T = 1).
-        size = 2 * E + 2 + sum(sizes)
+        size = 2 * E + 2 + sum(sizes) + sum(scratch_sizes)
         filled = torch.empty(size, dtype=torch.int64, device=device) if one_chunk else (
             torch.full((size,), -1, dtype=torch.int64, device=device))  # fmt: skip
-        tokens_per_expert, expert_offsets, num_dropped, tk_to_row, row_to_tk, row_to_token, tile_to_expert = (
-            filled.split([E, E + 1, 1, *sizes])
+        tokens_per_expert, expert_offsets, num_dropped, tk_to_row, row_to_tk, row_to_token, tile_to_expert, *scratch = (
+            filled.split([E, E + 1, 1, *sizes, *scratch_sizes])
         )
         num_dropped = num_dropped.view(())
     e_pow2 = next_power_of_2(E)
@@ -338,13 +349,7 @@ def schedule_maps(
             num_rows, cap, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m, CHUNK=_CHUNK, SUB=sub, BLOCK=1024,
         )  # fmt: skip
     else:
-        C = cdiv(R, _MANY_CHUNK)
-        if torch.compiler.is_compiling():  # a buffer each, as the maps above
-            chunk_counts, chunk_prefix = (torch.empty(C * E, dtype=torch.int64, device=device) for _ in range(2))
-            totals = torch.empty(E, dtype=torch.int64, device=device)
-        else:
-            scratch = torch.empty((2 * C + 1) * E, dtype=torch.int64, device=device)
-            chunk_counts, chunk_prefix, totals = scratch.split([C * E, C * E, E])
+        chunk_counts, chunk_prefix, totals = scratch
         launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_MANY_CHUNK, SUB=sub)
         launch(_chunk_prefix_kernel, (E,), chunk_counts, chunk_prefix, totals, C, E=E, BLOCK_C=1024)
         launch(_chunk_scatter_kernel, (C,),
@@ -402,20 +407,13 @@ def _dense_rows_kernel(
     tl.store(out_ptr + dest[:, None] * stride_out + n[None, :], rows, mask=keep[:, None] & cols)
 
 
-def dense_segments(tokens_per_expert: torch.Tensor, align: int) -> torch.Tensor:
-    """int64 [E + 1]: where each expert's segment starts in a layout whose segments are padded to a
-    multiple of `align` rows (fewer than the schedule's tile_m), and the end."""
-    padded = (tokens_per_expert + align - 1) // align * align
-    return torch.cat([padded.new_zeros(1), padded.cumsum(0)])
-
-
 def dense_rows(
     src: torch.Tensor, index: torch.Tensor, tile_to_expert: torch.Tensor, expert_offsets: torch.Tensor,
     dense_offsets: torch.Tensor, num_dense_rows: int, tile_m: int,
 ) -> torch.Tensor:  # fmt: skip
     """[num_dense_rows, N]: for each schedule row r, src[index[r]] (zeros where index[r] < 0: a
     per-pair tensor through row_to_tk, or x through row_to_token), with each expert's segment moved
-    to start at dense_offsets[e] and cut to its length there (`dense_segments`; tile_m a multiple of
+    to start at dense_offsets[e] and cut to its length there (`schedule.segment_offsets`; tile_m a multiple of
     the alignment, so that every dense segment lies within the schedule's). Rows past the last
     segment are left unwritten. One launch, no pass to zero the padding rows (torch's masked_fill_
     took 0.9 ms over 4096,7168,2048,384,8's 640 MiB dh)."""
