@@ -67,6 +67,25 @@ def test_a_repeated_specialization_launches_the_cached_binary_with_every_argumen
     assert compiled.launches == [(4, 3, 1, 7, "function", "packed metadata", None, None, None, x, out, 64, 0.5, 16)]
 
 
+def test_a_dropped_kernels_id_never_picks_its_binary():
+    """The binaries are keyed by the kernel's id: each one holds its kernel, so no kernel made later
+    (tests and benchmarks make and drop JITFunctions) can take that id and launch the wrong binary."""
+    import gc
+    import weakref
+
+    kernel = JITFunction(_scale_kernel.fn)
+    kernel.device_caches = {0: (None, None, None, None, lambda *args, **kwargs: ({}, (), {}))}
+    kernel.run = lambda *args, grid, warmup, **kwargs: _Compiled()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: 0)
+        launch(kernel, (1,))
+    dropped = weakref.ref(kernel)
+    del kernel
+    JITFunction(_scale_kernel.fn)  # Triton 3.8 keeps the latest JITFunction of a name: not the dropped one
+    gc.collect()
+    assert dropped() is not None
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -211,7 +230,7 @@ def test_tritons_cuda_launcher_is_unwrapped_to_its_c_function(fills, monkeypatch
     metas = [{"swizzle": 128}, {"swizzle": 64}]
     compiled.run = CudaLauncher(wrap(c_launch, {1, 3}, metas))
     a, b = torch.randn(4, 64), torch.randn(8, 32)
-    binary = launch_module._Binary(compiled)
+    binary = launch_module._Binary(_scale_kernel, compiled)
     binary.launch((5,), 7, ("x", _Descriptor(a, [2, 32]), 3, _Descriptor(b, [4, 32])))
     assert calls == [
         (5, 1, 1, 7, "function", False, True, None, None, "packed metadata", None, None, None,
@@ -220,12 +239,12 @@ def test_tritons_cuda_launcher_is_unwrapped_to_its_c_function(fills, monkeypatch
     assert fills == [(b.data_ptr(), (4, 32), metas[1]), (a.data_ptr(), (2, 32), metas[0])]
 
     compiled.run = CudaLauncher(len)  # a kernel without descriptors: the C function itself
-    assert launch_module._Binary(compiled).run is len
+    assert launch_module._Binary(_scale_kernel, compiled).run is len
     compiled.run.global_scratch_size = 256  # scratch memory: Triton's launcher allocates it
-    assert launch_module._Binary(compiled).run is compiled.run
+    assert launch_module._Binary(_scale_kernel, compiled).run is compiled.run
     compiled.run = CudaLauncher(len)
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "another version's", raising=False)
-    assert launch_module._Binary(compiled).run is compiled.run
+    assert launch_module._Binary(_scale_kernel, compiled).run is compiled.run
 
 
 @pytest.mark.gpu

@@ -181,7 +181,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     key = (id(kernel), device, *specialization, *options.items())
     binary = _binaries.get(key)
     if binary is None:
-        _binaries[key] = _Binary(kernel[grid](*args, **kwargs))
+        _binaries[key] = _Binary(kernel, kernel[grid](*args, **kwargs))
         return
     binary.launch(grid, torch._C._cuda_getCurrentRawStream(device), bound.values())
 
@@ -196,9 +196,12 @@ class _Binary:
     host (cProfile). A descriptor's fill depends on those values only, never on the data, so a
     kept one is the one Triton would fill."""
 
-    __slots__ = ("run", "head", "descriptors")
+    __slots__ = ("kernel", "run", "head", "descriptors")
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, kernel: JITFunction, compiled) -> None:
+        # Held so that the kernel's id, in this binary's key, is never reused by another kernel while
+        # the key exists (a JITFunction made and dropped, as tests and benchmark copies do).
+        self.kernel = kernel
         c_launch, descriptors = _c_launcher(compiled.run)
         self.descriptors = descriptors  # (position among the arguments, Triton's metadata), last first
         if c_launch is None:
