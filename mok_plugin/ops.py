@@ -57,11 +57,11 @@ from mok_plugin.kernels.grouped_mlp import (
     pair_wgrad_hopper,
 )
 from mok_plugin.kernels.megakernel import backward_megakernel, forward_megakernel
-from mok_plugin.kernels.schedule import row_values
-from mok_plugin.schedule import MoKSchedule, gather_rows_or_zeros
+from mok_plugin.kernels.schedule import row_values, schedule_maps
+from mok_plugin.schedule import MoKSchedule, gather_rows_or_zeros, max_padded_rows
 from mok_plugin.wgrad import note_deferral
 
-__all__ = ["moe_experts"]
+__all__ = ["moe_experts", "schedule_maps_op"]
 
 
 # ---- eager calls: the ops' own functions, without the dispatcher ------------------------------
@@ -125,6 +125,36 @@ def _row_weights(topk_weights: torch.Tensor, row_to_tk: torch.Tensor) -> torch.T
     """fp32 [R_pad]: the routing weight of each row, 0 on padding rows (for the fc2 bias gradient;
     the GEMM kernels read the weights through row_to_tk themselves)."""
     return row_values(topk_weights, row_to_tk)
+
+
+# ---- the schedule under torch.compile -----------------------------------------------------------
+# `schedule.build_schedule` calls this op while dynamo traces (eagerly, `schedule_maps` itself).
+# Traced into, the schedule's kernels became inductor's Triton-kernel wrappers, whose decomposition
+# asserted in inductor's pattern matcher once the token count was symbolic (a layer compiled at a
+# second token count; torch 2.11, H200). As an opaque op it is one node at any token count.
+
+
+@_op("schedule_maps")
+def schedule_maps_op(
+    topk_ids: torch.Tensor, num_experts: int, tile_m: int, capacity: int | None, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kernels.schedule.schedule_maps`, each map in a buffer of its own (an op's outputs may not
+    alias one another). Raises ValueError when num_rows cannot hold the padded rows (the kernels
+    would write past the maps)."""
+    bound = max_padded_rows(topk_ids.numel(), num_experts, tile_m, capacity)
+    if num_rows % tile_m or num_rows < bound:
+        raise ValueError(f"num_rows={num_rows} must be a multiple of tile_m={tile_m} and at least {bound}")
+    return tuple(schedule_maps(topk_ids, num_experts, tile_m, capacity, num_rows, one_allocation=False))
+
+
+@schedule_maps_op.register_fake
+def _(topk_ids, num_experts, tile_m, capacity, num_rows):
+    def maps(*sizes):
+        return [topk_ids.new_empty(size, dtype=torch.int64) for size in sizes]
+
+    pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    # (tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped)
+    return tuple(maps(num_experts, num_experts + 1, num_rows, num_rows, pairs, num_rows // tile_m, ()))
 
 
 # ---- megakernel variant: one node, one persistent launch per pass ----------------------------

@@ -158,8 +158,11 @@ def build_schedule(
     E = num_experts
     R = T * K
     num_rows = max_padded_rows(R, E, tile_m, capacity)
-    if impl == "triton" or (impl == "auto" and topk_ids.is_cuda):
-        # Imported here so that `import mok_plugin` does not import triton.
+    # Imported here so that `import mok_plugin` does not import triton.
+    kernels = impl == "triton" or (impl == "auto" and topk_ids.is_cuda)
+    if kernels and torch.compiler.is_compiling():
+        from mok_plugin.ops import schedule_maps_op as maps_fn  # one opaque node (its comment says why)
+    elif kernels:
         from mok_plugin.kernels.schedule import schedule_maps as maps_fn
     else:
         maps_fn = _schedule_maps_torch

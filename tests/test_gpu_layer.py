@@ -1,7 +1,7 @@
 """GPU only: the triton backend in bf16 against the reference backend at real shapes (H = 2880,
 T = 1, skewed routing, many experts) and for every expert family (with biases), bitwise
-repeatability across runs and across processes,
-torch.compile(fullgraph=True) with inductor, and CUDA-graph capture of forward + backward.
+repeatability across runs and across processes, torch.compile(fullgraph=True) with inductor (at one
+token count, and at several: dynamic shapes), and CUDA-graph capture of forward + backward.
 Empty work in bf16, both kernel variants: zero tokens (also where the weight gradients copy rows
 first), an expert-parallel receive buffer whose rows all miss this rank's experts or that has no
 rows at all, and every row on one expert (or on 8 of 128)."""
@@ -145,6 +145,22 @@ def test_compile_fullgraph_inductor():
         assert torch.equal(a, b)  # compiled runs repeat bitwise
     for a, b in zip(results[0], eager, strict=True):
         assert_close(a, b, torch.bfloat16, "compiled vs eager", n_reduce=512)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_compile_at_several_token_counts(dynamic):
+    """Compiled once, called at token counts on both sides of the chunked schedule (2048 pairs):
+    with dynamo's automatic dynamic shapes (a symbolic token count from the second count on) and
+    with dynamic=True from the first. Close to eager at every count."""
+    torch._dynamo.reset()
+    shape = (512, 1024, 512, 16, 4)
+    layer = _layer(shape, "triton")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+    for tokens in (512, 700, 3000):
+        x = make_layer_inputs(tokens, 1024, dtype=torch.bfloat16, device="cuda", seed=tokens)
+        probe = make_layer_inputs(tokens, 1024, device="cuda", seed=tokens + 1)
+        for a, b in zip(_fwd_bwd(compiled, x, probe), _fwd_bwd(layer, x, probe), strict=True):
+            assert_close(a, b, torch.bfloat16, f"{tokens} tokens, compiled vs eager", n_reduce=tokens)
 
 
 def test_cuda_graph_capture_forward_backward():

@@ -16,7 +16,7 @@ from triton_cases import DEVICE, compare_with_reference, crafted_routing  # noqa
 
 from mok_plugin import MoKConfig, MoKMoE, ops  # noqa: E402
 from mok_plugin.experts import SWIGLU, MoKExpertFamily  # noqa: E402
-from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, max_padded_rows  # noqa: E402
 from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def _op_inputs():
     s = build_schedule(ids, E, tile_m=DEFAULT_TILE_M)
     rows = s.row_to_token.shape[0]
     tensors = {
+        "ids": ids,
         "x": torch.randn(T, H, generator=g),
         "w": torch.rand(T, K, generator=g),
         "w13": torch.randn(E, 2 * I, H, generator=g),
@@ -65,11 +66,15 @@ def _op_calls():
         (ops.expert_gather_rows, (t["x"], s.row_to_token, s.tk_to_row, s.top_k)),
         (ops.expert_bias_grad_op, (t["x"].detach(), None, s.row_to_token, s.expert_offsets, s.tokens_per_expert,
                                    True)),
+        (ops.schedule_maps_op, (t["ids"], s.num_experts, s.tile_m, None, s.num_rows)),
+        (ops.schedule_maps_op, (t["ids"], s.num_experts, s.tile_m, 5,
+                                max_padded_rows(t["ids"].numel(), s.num_experts, s.tile_m, 5))),
     ]  # fmt: skip
 
 
 OP_IDS = ["moe_experts_fwd", "expert_up_fwd", "expert_up_fwd_biased_clamped_glu", "expert_down_fwd",
-          "expert_down_fwd_biased", "expert_gather_rows", "expert_bias_grad"]  # fmt: skip
+          "expert_down_fwd_biased", "expert_gather_rows", "expert_bias_grad", "schedule_maps",
+          "schedule_maps_capacity"]  # fmt: skip
 
 
 @pytest.mark.parametrize("index", range(len(OP_IDS)), ids=OP_IDS)
@@ -141,10 +146,9 @@ def test_multi_kernel_backward_frees_h_before_the_up_projection_gradients(monkey
 
 @pytest.fixture
 def fresh_dynamo():
-    """Each compile test from a clean dynamo cache: a layer compiled at a second token count in one
-    process recompiles with dynamic shapes (dynamo's automatic dynamic), and on the H200 inductor's
-    pattern matcher then asserted on a Triton kernel's functional wrapper (the backward tests after
-    the 1100-token one on one pytest-xdist worker, 2026-12-04). Static shapes are what is tested."""
+    """Each compile test from a clean dynamo cache, so that it compiles the shapes it names: static
+    unless it asks for more (a layer compiled before at another token count would recompile with
+    dynamic shapes; `test_compile_at_several_token_counts` tests that on purpose)."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -166,6 +170,44 @@ def test_compile_fullgraph(tokens, fresh_dynamo):
     assert_close(out, eager_out, torch.float32, "compiled vs eager")
 
 
+def test_the_schedule_op_refuses_too_few_rows():
+    ids = torch.randint(0, 4, (12, 2), device=DEVICE)
+    with pytest.raises(ValueError, match="num_rows=64 must be a multiple of tile_m=16 and at least 80"):
+        ops.schedule_maps_op(ids, 4, 16, None, 64)
+    with pytest.raises(ValueError, match="num_rows=88 must be a multiple of tile_m=16"):
+        ops.schedule_maps_op(ids, 4, 16, None, 88)
+
+
+@pytest.mark.parametrize("variant", ["multi_kernel", "megakernel"])
+def test_compile_at_several_token_counts(variant, fresh_dynamo):
+    """One compiled layer called at several token counts: from the second on, dynamo compiles with the
+    token count symbolic (its automatic dynamic shapes). The schedule is one opaque op there: traced
+    into, its kernels' wrappers made inductor's pattern matcher assert in the backward (H200, torch
+    2.11). 1100 tokens take the chunked schedule on a GPU. Outputs and gradients close to eager."""
+    cfg = MoKConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, backend="triton",
+                    kernel_variant=variant)  # fmt: skip
+    layer = MoKMoE(cfg, seed=1, device=DEVICE)
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for tokens in (20, 37, 1100 if DEVICE == "cuda" else 150):
+        x = make_layer_inputs(tokens, 32, device=DEVICE, seed=tokens)
+        eager, again = _output_and_grads(layer, x), _output_and_grads(compiled, x)
+        for i, (a, b) in enumerate(zip(eager, again, strict=True)):
+            assert_close(b, a, torch.float32, f"{tokens} tokens: tensor {i}, compiled vs eager", n_reduce=64)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before >= 2  # it did recompile
+
+
+def _output_and_grads(fn, x: torch.Tensor) -> list[torch.Tensor]:
+    """fn(x)'s output, then the gradients of a loss of it to x and to the layer's parameters."""
+    layer = getattr(fn, "_orig_mod", fn)
+    layer.zero_grad(set_to_none=True)
+    x_leaf = x.detach().clone().requires_grad_()
+    out, aux = fn(x_leaf)
+    ((out.float() ** 2).sum() + aux).backward()
+    return [out.detach(), x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
 @pytest.mark.parametrize("variant", ["multi_kernel", "megakernel"])
 def test_compile_fullgraph_backward(variant, fresh_dynamo):
     # The backward through both variants' autograd nodes, compiled: gradients close to eager and
@@ -174,21 +216,13 @@ def test_compile_fullgraph_backward(variant, fresh_dynamo):
                     kernel_variant=variant)  # fmt: skip
     layer = MoKMoE(cfg, seed=1, device=DEVICE)
     x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
-
-    def grads(fn):
-        layer.zero_grad(set_to_none=True)
-        x_leaf = x.detach().clone().requires_grad_()
-        out, aux = fn(x_leaf)
-        ((out.float() ** 2).sum() + aux).backward()
-        return [x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
-
-    eager = grads(layer)
+    eager = _output_and_grads(layer, x)
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
-    first, second = grads(compiled), grads(compiled)
+    first, second = _output_and_grads(compiled, x), _output_and_grads(compiled, x)
     for i, (a, b, c) in enumerate(zip(eager, first, second, strict=True)):
-        assert torch.equal(b, c), f"gradient {i} differs between two compiled runs"
-        assert_close(b, a, torch.float32, f"gradient {i}, compiled vs eager", n_reduce=64)
+        assert torch.equal(b, c), f"tensor {i} differs between two compiled runs"
+        assert_close(b, a, torch.float32, f"tensor {i}, compiled vs eager", n_reduce=64)
 
 
 @pytest.mark.parametrize(

@@ -293,7 +293,12 @@ _MANY_CHUNK = 256
 
 
 def schedule_maps(
-    topk_ids: torch.Tensor, num_experts: int, tile_m: int, capacity: int | None, num_rows: int
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    tile_m: int,
+    capacity: int | None,
+    num_rows: int,
+    one_allocation: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """(tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert,
     num_dropped).
@@ -304,6 +309,9 @@ def schedule_maps(
         tile_m: segment padding.
         capacity: rows one expert may take, None = unlimited.
         num_rows: R_pad, the static size of the row space (a multiple of tile_m).
+        one_allocation: the maps and scratch as views of one allocation (eager: fewer launches),
+            else a buffer each (the compiled graph's op, `ops.schedule_maps_op`: an op's outputs
+            may not alias one another).
     """
     T, K = topk_ids.shape
     R = T * K
@@ -318,10 +326,7 @@ def schedule_maps(
     # prefix over chunks, the totals).
     sizes = [R, num_rows, num_rows, num_rows // tile_m]
     scratch_sizes = [] if one_chunk else [C * E, C * E, E]
-    if torch.compiler.is_compiling():
-        # A buffer each: under inductor, kernels writing views of one fill ran into an illegal
-        # address once on the H200 (tests/test_ops.py::test_compile_fullgraph, in the
-        # parallel GPU suite; not reproduced alone). It costs at most three more fill launches.
+    if not one_allocation:  # at most three more fill launches
         tokens_per_expert = torch.empty(E, dtype=torch.int64, device=device)
         expert_offsets = torch.empty(E + 1, dtype=torch.int64, device=device)
         num_dropped = torch.empty((), dtype=torch.int64, device=device)
