@@ -244,6 +244,13 @@ class MoKSharedExperts(nn.Module):
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _eager_under_compile(experts_fn: Callable, why: str) -> Callable:
+    """experts_fn, run eagerly when a compiled model calls it: torch.compile breaks the graph around
+    it (the rest of the layer stays compiled), and `fullgraph=True` stops with an error whose
+    explanation gives `why` (what keeps it out of a graph). Outside torch.compile, experts_fn."""
+    return torch.compiler.disable(experts_fn, reason=f"MoK runs these experts outside torch.compile: {why}")
+
+
 def _deferring_weight_grads(queue: DeferredWeightGrads, experts_fn, *args, **kwargs) -> torch.Tensor:
     """experts_fn(*args, **kwargs) with its nodes' weight gradients left in queue."""
     with deferring(queue):
@@ -460,7 +467,8 @@ class MoKMoE(nn.Module):
 
             self._experts_fn = functools.partial(ops.moe_experts, variant=self.config.kernel_variant)
         else:
-            self._experts_fn = moe_experts_reference
+            why = "the reference backend loops over the experts on the host (set mok backend: auto or triton)"
+            self._experts_fn = _eager_under_compile(moe_experts_reference, why)
         if self.shared_experts is not None:
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
         if not isinstance(self.experts, MoKExperts):
@@ -479,9 +487,12 @@ class MoKMoE(nn.Module):
                 )
             # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).
             copies = self.fp8_weight_copies
-            self._experts_fn = fp8_experts_function(recipe, self.backend, copies["routed"])
+            why = "mok.fp8's experts keep the weights' FP8 copies between micro-batches in Python state"
+            self._experts_fn = _eager_under_compile(fp8_experts_function(recipe, self.backend, copies["routed"]), why)
             if self.shared_experts is not None:
-                self.shared_experts.experts_fn = fp8_experts_function(recipe, self.backend, copies["shared"])
+                self.shared_experts.experts_fn = _eager_under_compile(
+                    fp8_experts_function(recipe, self.backend, copies["shared"]), why
+                )
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
