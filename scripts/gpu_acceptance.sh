@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU acceptance runs of the open issues, in one call on a CUDA machine:
-#   tests      the GPU test modules (layer vs reference, bitwise, torch.compile, CUDA graphs, EP transports,
+#   tests      the GPU test modules (layer vs reference, bitwise, torch.compile at one and several token counts
+#              and with experts run eagerly between graphs, CUDA graphs, EP transports,
 #              the Gluon weight gradients on Hopper)
 #              and the kernel, op and empty-work tests compiled, in one pytest run
 #              (spread over the cores with pytest-xdist where installed: compiling the kernels is CPU-bound)
@@ -76,7 +77,7 @@ for part in "${parts[@]}"; do
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
-            tests/test_bench_host.py ;;
+            tests/test_bench_host.py tests/test_compile_eager_parts.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
