@@ -214,6 +214,17 @@ def test_initialize_refuses_a_bad_block(ds_world):
         deepspeed.initialize(model=_Model(), config={"train_micro_batch_size_per_gpu": 1, "mok": {"enabled": "yes"}})
 
 
+def test_autoep_beside_the_block_is_refused_by_name(ds_world):
+    # AutoEP replaces Hugging Face MoE blocks inside deepspeed.initialize with layers MoK does not
+    # replace: with both enabled MoK would silently not run.
+    both = {"train_micro_batch_size_per_gpu": 1, "mok": {"enabled": True}, "expert_parallel": {"enabled": True}}
+    for call in (mds.read_mok_settings, mds.apply, lambda c: deepspeed.initialize(model=_Model(), config=c)):
+        with pytest.raises(MoKConfigError, match=r"mok\.enabled=True with expert_parallel\.enabled=True"):
+            call(both)
+    assert mds.read_mok_settings({**both, "expert_parallel": {"enabled": False}}).enabled
+    assert not mds.read_mok_settings({**both, "mok": {"enabled": False}}).enabled
+
+
 def test_check_model(ds_world):
     model = _Model()
     with pytest.warns(UserWarning, match="the stock layer runs"):

@@ -195,7 +195,9 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
 
     Raises:
         MoKConfigError: an unknown key or a bad value in the block, naming `mok.<key>`; a YAML file
-            that is missing, unreadable or holds a bad knob, naming `mok.config` and the file.
+            that is missing, unreadable or holds a bad knob, naming `mok.config` and the file; the
+            block enabled beside DeepSpeed's AutoEP (`expert_parallel.enabled`), whose layers MoK
+            does not replace.
     """
     if ds_config is None:
         return DeepSpeedMoKSettings()
@@ -205,4 +207,13 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     block = config.get("mok", {})
     if not isinstance(block, dict):
         raise MoKConfigError(f"mok: expected an object, got {type(block).__name__}")
-    return DeepSpeedMoKSettings(**{str(key): value for key, value in block.items()})
+    settings = DeepSpeedMoKSettings(**{str(key): value for key, value in block.items()})
+    autoep = config.get("expert_parallel")
+    if settings.enabled and isinstance(autoep, dict) and autoep.get("enabled", False):  # DeepSpeed's own test
+        raise MoKConfigError(
+            "mok.enabled=True with expert_parallel.enabled=True (DeepSpeed's AutoEP): inside deepspeed.initialize "
+            "AutoEP replaces the model's Hugging Face MoE blocks with its own AutoEPMoELayer, which MoK does not "
+            "replace, so MoK would not run. MoK replaces deepspeed.moe.layer.MoE (its ep_size sets expert "
+            'parallelism); disable one of the two blocks ("enabled": false)'
+        )
+    return settings
