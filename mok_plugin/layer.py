@@ -244,11 +244,22 @@ class MoKSharedExperts(nn.Module):
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _eager_under_compile(experts_fn: Callable, why: str) -> Callable:
+class _EagerUnderCompile:
     """experts_fn, run eagerly when a compiled model calls it: torch.compile breaks the graph around
     it (the rest of the layer stays compiled), and `fullgraph=True` stops with an error whose
-    explanation gives `why` (what keeps it out of a graph). Outside torch.compile, experts_fn."""
-    return torch.compiler.disable(experts_fn, reason=f"MoK runs these experts outside torch.compile: {why}")
+    explanation gives `why` (what keeps it out of a graph). Outside torch.compile, experts_fn.
+    Pickled and copied as (experts_fn, why), as a layer is: torch's disabled wrapper is a closure."""
+
+    def __init__(self, experts_fn: Callable, why: str) -> None:
+        self.experts_fn, self.why = experts_fn, why
+        reason = f"MoK runs these experts outside torch.compile: {why}"
+        self._disabled = torch.compiler.disable(experts_fn, reason=reason)
+
+    def __call__(self, *args, **kwargs):
+        return self._disabled(*args, **kwargs)
+
+    def __reduce__(self):
+        return _EagerUnderCompile, (self.experts_fn, self.why)
 
 
 def _deferring_weight_grads(queue: DeferredWeightGrads, experts_fn, *args, **kwargs) -> torch.Tensor:
@@ -468,7 +479,7 @@ class MoKMoE(nn.Module):
             self._experts_fn = functools.partial(ops.moe_experts, variant=self.config.kernel_variant)
         else:
             why = "the reference backend loops over the experts on the host (set mok backend: auto or triton)"
-            self._experts_fn = _eager_under_compile(moe_experts_reference, why)
+            self._experts_fn = _EagerUnderCompile(moe_experts_reference, why)
         if self.shared_experts is not None:
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
         if not isinstance(self.experts, MoKExperts):
@@ -488,9 +499,9 @@ class MoKMoE(nn.Module):
             # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).
             copies = self.fp8_weight_copies
             why = "mok.fp8's experts keep the weights' FP8 copies between micro-batches in Python state"
-            self._experts_fn = _eager_under_compile(fp8_experts_function(recipe, self.backend, copies["routed"]), why)
+            self._experts_fn = _EagerUnderCompile(fp8_experts_function(recipe, self.backend, copies["routed"]), why)
             if self.shared_experts is not None:
-                self.shared_experts.experts_fn = _eager_under_compile(
+                self.shared_experts.experts_fn = _EagerUnderCompile(
                     fp8_experts_function(recipe, self.backend, copies["shared"]), why
                 )
 

@@ -382,7 +382,7 @@ def test_triton_backend_runs_the_pytorch_path_and_says_so_once(scaling):
     cfg = MoKConfig(**CFG, fp8="e4m3", fp8_scaling=scaling, backend="triton")
     with pytest.warns(UserWarning, match=f"mok.fp8_scaling='{scaling}' runs MoK's PyTorch FP8 path"):
         layer = MoKMoE(cfg, seed=0, device=device)
-    assert layer.backend == "triton" and layer._experts_fn.__wrapped__.func is moe_experts_fp8_reference_autograd
+    assert layer.backend == "triton" and layer._experts_fn.experts_fn.func is moe_experts_fp8_reference_autograd
     function = fp8_experts_function(cfg.fp8_recipe, "triton", FP8WeightCopies())
     assert function.func is moe_experts_fp8_reference_autograd and function.keywords["compute_dtype"] is None
     with warnings.catch_warnings(record=True) as shown:
