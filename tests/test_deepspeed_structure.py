@@ -302,7 +302,7 @@ def test_views_after_zero2_flattened_the_parameters(ds_world):
     view = lambda: engine.module.deepspeed_moe.experts.deepspeed_experts[1].gate_proj.weight  # noqa: E731
     before = view().clone()
     assert torch.equal(view(), layer.mok.experts.gate_up_proj[1, :I])
-    out, l_aux, _ = engine(make_layer_inputs(16, H, seed=9))
+    out, l_aux, _ = engine(make_layer_inputs(16, H, seed=9, device=engine.device))  # on the GPU the engine moved it
     engine.backward(out.square().mean() + l_aux)
     engine.step()
     assert not torch.equal(view(), before) and torch.equal(view(), layer.mok.experts.gate_up_proj[1, :I])
