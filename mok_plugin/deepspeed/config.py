@@ -208,8 +208,8 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     if not isinstance(block, dict):
         raise MoKConfigError(f"mok: expected an object, got {type(block).__name__}")
     settings = DeepSpeedMoKSettings(**{str(key): value for key, value in block.items()})
-    autoep = config.get("expert_parallel")
-    if settings.enabled and isinstance(autoep, dict) and autoep.get("enabled", False):  # DeepSpeed's own test
+    autoep = config.get("expert_parallel")  # read as DeepSpeed's parse_autoep_config reads it
+    if settings.enabled and isinstance(autoep, dict) and autoep.get("enabled", False):
         raise MoKConfigError(
             "mok.enabled=True with expert_parallel.enabled=True (DeepSpeed's AutoEP): inside deepspeed.initialize "
             "AutoEP replaces the model's Hugging Face MoE blocks with its own AutoEPMoELayer, which MoK does not "
