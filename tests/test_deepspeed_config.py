@@ -143,6 +143,11 @@ def test_a_missing_yaml_file_is_reported_when_the_block_is_read(tmp_path):
         _read({"enabled": True, "config": str(path)})
     with pytest.raises(MoKConfigError, match=r"mok\.config=1: Input is not a valid path"):
         _read({"enabled": True, "config": 1})
+    deep = tmp_path / ("a-directory-whose-name-is-long-" * 4) / "knobs.yaml"  # the whole path named, not its start
+    deep.parent.mkdir()
+    deep.write_text("backend: cuda\n")
+    with pytest.raises(MoKConfigError, match=rf"mok\.config='{re.escape(str(deep))}': invalid MoK knobs"):
+        _read({"enabled": True, "config": str(deep)})
 
 
 # --- the warning: the block enables MoK, the layers are stock -----------------------------------

@@ -143,7 +143,7 @@ def _read_knobs_file(path: Path) -> dict[str, Any]:
             is not a mapping, holds a key that is not a MoKConfig field (or a removed one), or a value
             that MoKConfig's field refuses.
     """
-    where = f"mok.config={short_repr(str(path))}:"
+    where = f"mok.config={short_repr(str(path), limit=4096)}:"  # the whole path (PATH_MAX), not 80 characters of it
     if not _exists(path):
         raise MoKConfigError(f"{where} no such file")
     data = read_yaml(path, "mok.config") or {}
