@@ -35,6 +35,7 @@ __all__ = [
     "TOLERANCES",
     "assert_close",
     "make_layer_inputs",
+    "output_and_grads",
     "EXPERT_FAMILIES",
     "oracle_expert_mlp",
     "oracle_experts",
@@ -140,6 +141,17 @@ def make_layer_inputs(
     """x [T, H] ~ N(0, 1) from a seeded CPU generator (the same values on every device)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(T, H, generator=generator).to(device=device, dtype=dtype)
+
+
+def output_and_grads(layer_fn: Callable, x: torch.Tensor) -> list[torch.Tensor]:
+    """A MoK layer's (or its torch.compile wrapper's) output for x, then the gradients of
+    sum(out²) + aux to x and to the layer's parameters, in that order (the layer's grads reset first)."""
+    layer = getattr(layer_fn, "_orig_mod", layer_fn)
+    layer.zero_grad(set_to_none=True)
+    x_leaf = x.detach().clone().requires_grad_()
+    out, aux = layer_fn(x_leaf)
+    ((out.float() ** 2).sum() + aux).backward()
+    return [out.detach(), x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
 def oracle_kept_pairs(topk_ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:

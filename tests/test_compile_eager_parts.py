@@ -11,7 +11,7 @@ import torch
 
 from mok_plugin.config import MoKConfig
 from mok_plugin.layer import MoKMoE
-from mok_plugin.testing import assert_close, make_layer_inputs
+from mok_plugin.testing import assert_close, make_layer_inputs, output_and_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [
@@ -32,14 +32,6 @@ def _layer(backend: str, fp8: str | None) -> tuple[MoKMoE, torch.Tensor]:
     return layer, make_layer_inputs(40, 256, seed=1, dtype=getattr(torch, dtype), device=DEVICE)
 
 
-def _output_and_grads(fn, layer: MoKMoE, x: torch.Tensor) -> list[torch.Tensor]:
-    layer.zero_grad(set_to_none=True)
-    x_leaf = x.detach().clone().requires_grad_()
-    out, aux = fn(x_leaf)
-    ((out.float() ** 2).sum() + aux).backward()
-    return [out.detach(), x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -50,8 +42,8 @@ def fresh_dynamo():
 @pytest.mark.parametrize("backend, fp8, why", CASES)
 def test_compiled_model_runs_these_experts_eagerly(backend, fp8, why):
     layer, x = _layer(backend, fp8)
-    eager = _output_and_grads(layer, layer, x)
-    compiled = _output_and_grads(torch.compile(layer, backend="aot_eager" if DEVICE == "cpu" else "inductor"), layer, x)
+    eager = output_and_grads(layer, x)
+    compiled = output_and_grads(torch.compile(layer, backend="aot_eager" if DEVICE == "cpu" else "inductor"), x)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     assert breaks >= 1, "the experts were traced into the graph"
     for i, (got, want) in enumerate(zip(compiled, eager, strict=True)):

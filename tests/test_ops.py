@@ -17,7 +17,7 @@ from triton_cases import DEVICE, compare_with_reference, crafted_routing  # noqa
 from mok_plugin import MoKConfig, MoKMoE, ops  # noqa: E402
 from mok_plugin.experts import SWIGLU, MoKExpertFamily  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, max_padded_rows  # noqa: E402
-from mok_plugin.testing import assert_close, make_layer_inputs  # noqa: E402
+from mok_plugin.testing import assert_close, make_layer_inputs, output_and_grads  # noqa: E402
 
 
 def test_unknown_variant():
@@ -192,20 +192,10 @@ def test_compile_at_several_token_counts(variant, fresh_dynamo):
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for tokens in (20, 37, 1100 if DEVICE == "cuda" else 150):
         x = make_layer_inputs(tokens, 32, device=DEVICE, seed=tokens)
-        eager, again = _output_and_grads(layer, x), _output_and_grads(compiled, x)
+        eager, again = output_and_grads(layer, x), output_and_grads(compiled, x)
         for i, (a, b) in enumerate(zip(eager, again, strict=True)):
             assert_close(b, a, torch.float32, f"{tokens} tokens: tensor {i}, compiled vs eager", n_reduce=64)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before >= 2  # it did recompile
-
-
-def _output_and_grads(fn, x: torch.Tensor) -> list[torch.Tensor]:
-    """fn(x)'s output, then the gradients of a loss of it to x and to the layer's parameters."""
-    layer = getattr(fn, "_orig_mod", fn)
-    layer.zero_grad(set_to_none=True)
-    x_leaf = x.detach().clone().requires_grad_()
-    out, aux = fn(x_leaf)
-    ((out.float() ** 2).sum() + aux).backward()
-    return [out.detach(), x_leaf.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
 @pytest.mark.parametrize("variant", ["multi_kernel", "megakernel"])
@@ -216,10 +206,10 @@ def test_compile_fullgraph_backward(variant, fresh_dynamo):
                     kernel_variant=variant)  # fmt: skip
     layer = MoKMoE(cfg, seed=1, device=DEVICE)
     x = make_layer_inputs(20, 32, device=DEVICE, seed=2)
-    eager = _output_and_grads(layer, x)
+    eager = output_and_grads(layer, x)
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
-    first, second = _output_and_grads(compiled, x), _output_and_grads(compiled, x)
+    first, second = output_and_grads(compiled, x), output_and_grads(compiled, x)
     for i, (a, b, c) in enumerate(zip(eager, first, second, strict=True)):
         assert torch.equal(b, c), f"tensor {i} differs between two compiled runs"
         assert_close(b, a, torch.float32, f"tensor {i}, compiled vs eager", n_reduce=64)
