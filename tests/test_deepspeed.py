@@ -272,6 +272,35 @@ def _engine_worker(rank: int, world: int, port: int, stage: int, ep_size: int, e
                f"{out}/rank{rank}.pt")  # fmt: skip
 
 
+def test_engine_compile_trains_as_the_uncompiled_engine(ds_world):
+    # DeepSpeed's engine.compile() (torch.compile of the whole model) with MoK inside: the same losses
+    # step by step, with the token count changing every step (dynamo's dynamic shapes); the reference
+    # backend's experts run eagerly between graphs (tests/test_compile_eager_parts.py).
+    def losses(compiled: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = TinyMoEModel(mds.MoE, 1)
+        engine, *_ = deepspeed.initialize(model=model, config=_ds_config(1), model_parameters=model.parameters())
+        if compiled:
+            engine.compile(backend="aot_eager")
+            assert engine.is_compiled
+        out = []
+        for step in range(3):
+            loss = engine(make_layer_inputs(2 * (8 + step), H, seed=step).view(2, 8 + step, H))
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    nvtx = deepspeed.utils.nvtx.enable_nvtx  # engine.compile turns DeepSpeed's NVTX ranges off, process-wide
+    torch._dynamo.reset()
+    try:
+        assert losses(compiled=True) == losses(compiled=False)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # graphs around the eager experts
+    finally:
+        torch._dynamo.reset()
+        deepspeed.utils.nvtx.enable_nvtx = nvtx
+
+
 def test_the_engine_says_when_the_weights_change(ds_world, tmp_path):
     # MoK keeps its FP8 weight copies while `is_first_microbatch` is False (fp8/weight_copies.py);
     # DeepSpeed never sets it, so mok_plugin's deepspeed.initialize has the engine set it True after
