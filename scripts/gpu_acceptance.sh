@@ -77,7 +77,7 @@ for part in "${parts[@]}"; do
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
-            tests/test_bench_host.py tests/test_compile_eager_parts.py ;;
+            tests/test_bench_host.py tests/test_compile_eager_parts.py tests/test_deepspeed_structure.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
