@@ -285,7 +285,7 @@ def test_engine_compile_trains_as_the_uncompiled_engine(ds_world):
             assert engine.is_compiled
         out = []
         for step in range(3):
-            loss = engine(make_layer_inputs(2 * (8 + step), H, seed=step).view(2, 8 + step, H))
+            loss = engine(make_layer_inputs(2 * (8 + step), H, seed=step, device=engine.device).view(2, 8 + step, H))
             engine.backward(loss)
             engine.step()
             out.append(loss.item())
