@@ -527,6 +527,12 @@ def load_config(path: str | os.PathLike[str]) -> MoKConfig:
         raise MoKConfigError(f"{path}: {error}") from None
 
 
+# Why the reference backend's experts cannot be captured in a CUDA graph or traced by torch.compile.
+REFERENCE_BACKEND_HOST_LOOP = (
+    "the reference backend loops over the experts on the host (set mok backend: auto or triton)"
+)
+
+
 def host_read_settings(
     *, exact_ep_exchange: bool, reference_backend: bool, debug: bool, fp8_scaling: str | None = None
 ) -> list[str]:
@@ -539,7 +545,7 @@ def host_read_settings(
         reads.append("the exact expert-parallel exchange sizes its buffers from counts read on the host (set mok "
                      "ep_exchange: capacity)")  # fmt: skip
     if reference_backend:
-        reads.append("the reference backend loops over the experts on the host (set mok backend: auto or triton)")
+        reads.append(REFERENCE_BACKEND_HOST_LOOP)
     if debug:
         reads.append("debug checks read the router logits on the host (mok debug_checks, MOK_PLUGIN_DEBUG)")
     if fp8_scaling not in (None, "blockwise") and not reference_backend:

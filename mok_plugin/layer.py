@@ -21,7 +21,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from mok_plugin.config import MoKConfig, debug_checks_from_env, host_read_settings, triton_interpreter_from_env
+from mok_plugin.config import (
+    REFERENCE_BACKEND_HOST_LOOP,
+    MoKConfig,
+    debug_checks_from_env,
+    host_read_settings,
+    triton_interpreter_from_env,
+)
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.parallel.dispatch import (
@@ -478,8 +484,7 @@ class MoKMoE(nn.Module):
 
             self._experts_fn = functools.partial(ops.moe_experts, variant=self.config.kernel_variant)
         else:
-            why = "the reference backend loops over the experts on the host (set mok backend: auto or triton)"
-            self._experts_fn = _EagerUnderCompile(moe_experts_reference, why)
+            self._experts_fn = _EagerUnderCompile(moe_experts_reference, REFERENCE_BACKEND_HOST_LOOP)
         if self.shared_experts is not None:
             self.shared_experts.experts_fn = self._experts_fn if self.backend == "triton" else None
         if not isinstance(self.experts, MoKExperts):

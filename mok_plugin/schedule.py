@@ -215,7 +215,7 @@ def _schedule_maps_torch(
     else:
         tokens_per_expert = routed_counts
 
-    expert_offsets = segment_offsets(tokens_per_expert, tile_m)  # [E]: the end, where the empty bin indexes
+    expert_offsets = segment_offsets(tokens_per_expert, tile_m)  # [E + 1]: the empty bin E reads the end (never kept)
 
     # Dropped pairs all write into one scratch slot past the end, which is cut off afterwards.
     rows = torch.where(kept, expert_offsets[sorted_experts] + rank_in_expert, num_rows)
