@@ -219,14 +219,19 @@ def test_initialize_refuses_a_bad_block(ds_world):
         deepspeed.initialize(model=_Model(), config={"train_micro_batch_size_per_gpu": 1, "mok": {"enabled": "yes"}})
 
 
-def test_autoep_beside_the_block_is_refused_by_name(ds_world):
+@pytest.mark.parametrize(
+    "key, block, message",
+    [("expert_parallel", {"enabled": True}, r"mok\.enabled=True with expert_parallel\.enabled=True"),
+     ("compile", {"deepcompile": True}, r"mok\.enabled=True with compile\.deepcompile=True")],
+)  # fmt: skip
+def test_refused_settings_beside_the_block_name_themselves(ds_world, key, block, message):
     # AutoEP replaces Hugging Face MoE blocks inside deepspeed.initialize with layers MoK does not
-    # replace: with both enabled MoK would silently not run.
-    both = {"train_micro_batch_size_per_gpu": 1, "mok": {"enabled": True}, "expert_parallel": {"enabled": True}}
+    # replace (with both enabled MoK would silently not run); DeepCompile's passes are untested with MoK.
+    both = {"train_micro_batch_size_per_gpu": 1, "mok": {"enabled": True}, key: block}
     for call in (mds.read_mok_settings, mds.apply, lambda c: deepspeed.initialize(model=_Model(), config=c)):
-        with pytest.raises(MoKConfigError, match=r"mok\.enabled=True with expert_parallel\.enabled=True"):
+        with pytest.raises(MoKConfigError, match=message):
             call(both)
-    assert mds.read_mok_settings({**both, "expert_parallel": {"enabled": False}}).enabled
+    assert mds.read_mok_settings({**both, key: {}}).enabled
     assert not mds.read_mok_settings({**both, "mok": {"enabled": False}}).enabled
 
 

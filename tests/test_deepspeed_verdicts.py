@@ -15,7 +15,7 @@ from test_deepspeed import one_rank_world  # noqa: E402
 
 import mok_plugin.deepspeed as mds  # noqa: E402
 from mok_plugin.config import MoKConfigError  # noqa: E402
-from mok_plugin.deepspeed.verdicts import VERDICTS  # noqa: E402
+from mok_plugin.deepspeed.verdicts import CONFIG_VERDICTS, VERDICTS  # noqa: E402
 
 pytestmark = pytest.mark.deepspeed
 REPO = Path(__file__).resolve().parent.parent
@@ -46,8 +46,23 @@ def test_refused_arguments_raise_naming_themselves(ds_world, argument):
 
 @pytest.mark.parametrize("argument", sorted(k for k, v in VERDICTS.items() if v.kind in ("honoured", "depends")))
 def test_honoured_arguments_name_existing_tests(argument):
-    assert VERDICTS[argument].tests, argument
-    for ref in VERDICTS[argument].tests:
+    _names_existing_tests(argument, VERDICTS[argument])
+
+
+def _names_existing_tests(option: str, verdict) -> None:
+    assert verdict.tests, option
+    for ref in verdict.tests:
         file, _, name = ref.partition("::")
         tree = ast.parse((REPO / file).read_text())
-        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{argument}: {ref}"
+        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{option}: {ref}"
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in CONFIG_VERDICTS.items() if v.kind == "refused"))
+def test_refused_config_settings_raise_naming_themselves(key):
+    with pytest.raises(MoKConfigError, match=rf"{key}\."):
+        mds.read_mok_settings({"mok": {"enabled": True}, key: CONFIG_VERDICTS[key].example})
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in CONFIG_VERDICTS.items() if v.kind in ("honoured", "depends")))
+def test_honoured_config_settings_name_existing_tests(key):
+    _names_existing_tests(key, CONFIG_VERDICTS[key])

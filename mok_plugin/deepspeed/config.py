@@ -196,8 +196,7 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     Raises:
         MoKConfigError: an unknown key or a bad value in the block, naming `mok.<key>`; a YAML file
             that is missing, unreadable or holds a bad knob, naming `mok.config` and the file; the
-            block enabled beside DeepSpeed's AutoEP (`expert_parallel.enabled`), whose layers MoK
-            does not replace.
+            block enabled beside a setting MoK refuses (`_refuse_beside_mok`: AutoEP, DeepCompile).
     """
     if ds_config is None:
         return DeepSpeedMoKSettings()
@@ -208,12 +207,25 @@ def read_mok_settings(ds_config: dict | str | Path | None) -> DeepSpeedMoKSettin
     if not isinstance(block, dict):
         raise MoKConfigError(f"mok: expected an object, got {type(block).__name__}")
     settings = DeepSpeedMoKSettings(**{str(key): value for key, value in block.items()})
-    autoep = config.get("expert_parallel")  # read as DeepSpeed's parse_autoep_config reads it
-    if settings.enabled and isinstance(autoep, dict) and autoep.get("enabled", False):
+    if settings.enabled:
+        _refuse_beside_mok(config)
+    return settings
+
+
+def _refuse_beside_mok(config: dict) -> None:
+    """The ds_config settings beside an enabled "mok" block that MoK refuses by name (their verdicts:
+    deepspeed/verdicts.py's CONFIG_VERDICTS), each read as DeepSpeed reads it (`.get` with its default)."""
+    autoep = config.get("expert_parallel")
+    if isinstance(autoep, dict) and autoep.get("enabled", False):
         raise MoKConfigError(
             "mok.enabled=True with expert_parallel.enabled=True (DeepSpeed's AutoEP): inside deepspeed.initialize "
             "AutoEP replaces the model's Hugging Face MoE blocks with its own AutoEPMoELayer, which MoK does not "
             "replace, so MoK would not run. MoK replaces deepspeed.moe.layer.MoE (its ep_size sets expert "
             'parallelism); disable one of the two blocks ("enabled": false)'
         )
-    return settings
+    compile_block = config.get("compile")
+    if isinstance(compile_block, dict) and compile_block.get("deepcompile", False):
+        raise MoKConfigError(
+            "mok.enabled=True with compile.deepcompile=True: DeepCompile's graph passes over MoK's layer are "
+            "untested, so MoK refuses them; engine.compile() without DeepCompile compiles MoK (tested)"
+        )

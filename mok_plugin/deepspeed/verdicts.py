@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from mok_plugin.verdicts import Verdict, depends, honoured, refused
 
-__all__ = ["VERDICTS"]
+__all__ = ["CONFIG_VERDICTS", "VERDICTS"]
 
 _LAYER = "tests/test_deepspeed.py"
 _GATING = "tests/test_deepspeed_gating.py"
 _MODELS = "tests/test_deepspeed_models.py"
 _STRUCTURE = "tests/test_deepspeed_structure.py"
 _EXPERTS = "tests/test_deepspeed_experts.py"
+_CONFIG = "tests/test_deepspeed_config.py"
 
 VERDICTS: dict[str, Verdict] = {
     "hidden_size": honoured("H", f"{_LAYER}::test_matches_stock_layer"),
@@ -70,5 +71,19 @@ VERDICTS: dict[str, Verdict] = {
     # forward's
     "used_token": honoured(
         "the top-1 gate's token mask (ignored for k >= 2, as DeepSpeed)", f"{_GATING}::test_layer_used_token_top1"
+    ),
+}
+
+# The ds_config's own settings, beside the "mok" block, that touch the MoE layer (read when the block
+# is read: config.read_mok_settings). `example` is a block value MoK refuses while "mok" is enabled.
+CONFIG_VERDICTS: dict[str, Verdict] = {
+    "expert_parallel": refused(
+        "AutoEP swaps a Hugging Face model's MoE blocks for its own layers, which MoK does not replace",
+        example={"enabled": True},
+    ),
+    "compile": depends(
+        "engine.compile() compiles MoK with the model (the same losses); DeepCompile (deepcompile: true) refused",
+        f"{_LAYER}::test_engine_compile_trains_as_the_uncompiled_engine",
+        f"{_CONFIG}::test_refused_settings_beside_the_block_name_themselves",
     ),
 }
