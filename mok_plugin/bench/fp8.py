@@ -11,6 +11,7 @@ stored in bf16, as a pipeline of separate quantisation kernels has it), on the s
 
     mok bench fp8 --shapes qwen3-30b-a3b deepseek-v3 --recipe e4m3 --out out/
     mok bench fp8 --shapes qwen3-30b-a3b --sweep      # each FP8 kernel under the tile candidates
+    mok bench fp8 --shapes deepseek-v3 --hopper-wgrad # the weight gradients: Triton against Gluon's schedules
 (`python scripts/bench_fp8.py ...` is the same command.)
 """
 
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -31,6 +34,7 @@ from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
+from mok_plugin.kernels import fp8_wgrad_hopper
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
@@ -49,6 +53,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--sweep", action="store_true",
                         help="instead: time each FP8 kernel under the tile candidates of SWEEP (fp8_mlp.TILES), "
                              "checking that each gives the default's bits")  # fmt: skip
+    parser.add_argument("--hopper-wgrad", action="store_true",
+                        help="instead: forward + backward (weights kept) with the weight gradients on the Triton "
+                             "kernel and on each schedule of the Gluon one (MOK_HOPPER_FP8_WGRAD), checking that "
+                             "each gives the Triton kernel's bits")  # fmt: skip
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -150,6 +158,27 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list
     return rows
 
 
+def _hopper_wgrad_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
+    """Forward + backward with the weights' FP8 copies kept (as within a step) and the weight
+    gradients on the Triton kernel ("0") and on each of fp8_wgrad_hopper.SCHEDULES: the call's time,
+    the weight gradients' GPU time, and whether every result is the Triton kernel's bits."""
+    both = _fp8_case(name, recipe)[-1]
+    kept = FP8WeightCopies()
+    rows, want = [], None
+    for setting in ("0", *fp8_wgrad_hopper.SCHEDULES):
+        with mock.patch.dict(os.environ, {"MOK_HOPPER_FP8_WGRAD": setting}):
+            got = both(kept)
+            want = got if want is None else want
+            ms = statistics.median(time_ms(lambda: both(kept), iters, settle_s=settle_s))
+            breakdown, _ = kernel_breakdown(lambda: both(kept), iters=3, settle_s=settle_s)
+        wgrad_ms = sum(r["ms"] for r in breakdown if "wgrad" in r["kernel"])
+        rows.append({"shape": name, "setting": setting, "fwd+bwd ms": ms, "wgrad ms": wgrad_ms,
+                     "same_bits": _same_bits(got, want), "kernels": breakdown[:8]})  # fmt: skip
+        print(f"{name} MOK_HOPPER_FP8_WGRAD={setting:<12} fwd+bwd {ms:8.3f} ms, weight gradients {wgrad_ms:7.3f} ms, "
+              f"same bits {rows[-1]['same_bits']}", flush=True)  # fmt: skip
+    return rows
+
+
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
 # 6 copies of the experts' weights; up to 60 GB of them on the H200's 139 GB.
 FP64_BUDGET_BYTES = 60 * 2**30
@@ -194,6 +223,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     recipe = BlockwiseFP8Recipe.from_megatron(args.recipe, "blockwise")
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.hopper_wgrad:
+        for name in args.shapes:
+            rows += _hopper_wgrad_shape(name, recipe, args.iters, args.settle_s)
+        (args.out / "bench_fp8_hopper_wgrad.json").write_text(json.dumps(rows, indent=2))
+        print(f"\n{'shape':<16} {'MOK_HOPPER_FP8_WGRAD':<21} {'fwd+bwd ms':>10} {'wgrad ms':>9}  same bits")
+        for row in rows:
+            print(f"{row['shape']:<16} {row['setting']:<21} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f}  "
+                  f"{row['same_bits']}")  # fmt: skip
+        return 0
     if args.sweep:
         for name in args.shapes:
             rows += _sweep_shape(name, recipe, args.settle_s)

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -33,6 +34,8 @@ from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = [
     "compile_for_hopper",
+    "compile_fp8_wgrad_hopper",
+    "compile_gluon_for_hopper",
     "compile_jit_for_hopper",
     "compile_wgrad_hopper",
     "main",
@@ -141,32 +144,69 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def compile_gluon_for_hopper(kernel, descriptors: dict, pointers: dict[str, str], scalars: tuple[str, ...],
+                             constexprs: dict, options: dict):  # fmt: skip
+    """A Gluon kernel compiled for sm_90 as its launcher specialises a call: `descriptors` maps each
+    descriptor argument to (element type as Triton spells it, block shape, shared layout), `pointers`
+    each pointer to its type (16-byte aligned), `scalars` are 32-bit integers."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: f"tensordesc<{dtype}{list(block)},{layout!r}>" for name, (dtype, block, layout) in
+                 descriptors.items()}  # fmt: skip
+    signature |= pointers | dict.fromkeys(scalars, "i32") | dict.fromkeys(constexprs, "constexpr")
+    args = kernel.arg_names
+    attrs = {(args.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    source = GluonASTSource(kernel, {name: signature[name] for name in args}, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
 def compile_wgrad_hopper(schedule: str = "cooperative"):
     """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) under one of its SCHEDULES,
     compiled for sm_90 as its launcher specialises a bf16 call: descriptors of its block shapes
     and shared layouts, 16-byte aligned pointers, 32-bit sizes. Needs Triton's Gluon (ImportError
     without it)."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from mok_plugin.kernels import wgrad_hopper as wh
-
-    def descriptor(block: tuple[int, ...]) -> str:
-        return f"tensordesc<bf16{list(block)},{wh._layout(block, gl.bfloat16)!r}>"
 
     plan = wh.SCHEDULES[schedule]
     blocks = {"left_desc": (wh.BLOCK_K, wh.BLOCK_M), "right_desc": (wh.BLOCK_K, plan.block_n),
               "out_desc": (1, wh.BLOCK_M, plan.block_n)}  # fmt: skip
+    descriptors = {name: ("bf16", block, wh._layout(block, gl.bfloat16)) for name, block in blocks.items()}
     constexprs = {"C_LAYOUT": wh._layout((wh.BLOCK_M, plan.block_n), gl.bfloat16), "STAGES": plan.stages,
                   "LOADER_WARPS": wh.LOADER_WARPS, "LOADER_REGS": wh.LOADER_REGS}  # fmt: skip
     constexprs |= {"MMA_REGS": wh.PINGPONG_MMA_REGS} if plan.pingpong else {"num_warps": plan.num_warps}
-    signature = {name: descriptor(block) for name, block in blocks.items()}
-    signature |= {"offsets_ptr": "*i64", "counts_ptr": "*i64", "M": "i32", "N": "i32", "num_tiles": "i32"}
-    signature |= dict.fromkeys(constexprs, "constexpr")
-    attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}  # the two pointers
     kernel = wh._wgrad_pingpong_kernel if plan.pingpong else wh._wgrad_kernel
-    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": plan.num_warps, "maxnreg": wh.MAX_REGS})
+    return compile_gluon_for_hopper(
+        kernel, descriptors, {"offsets_ptr": "*i64", "counts_ptr": "*i64"}, ("M", "N", "num_tiles"), constexprs,
+        {"num_warps": plan.num_warps, "maxnreg": wh.MAX_REGS},
+    )  # fmt: skip
+
+
+def compile_fp8_wgrad_hopper(schedule: str = "cooperative", out_dtype: torch.dtype = torch.bfloat16,
+                             left_dtype: torch.dtype = torch.float8_e4m3fn,
+                             right_dtype: torch.dtype = torch.float8_e4m3fn):  # fmt: skip
+    """The blockwise-FP8 Gluon weight-gradient kernel (kernels/fp8_wgrad_hopper.py) under one of its
+    SCHEDULES, compiled for sm_90 as its launcher specialises a call with these dtypes. Needs
+    Triton's Gluon (ImportError without it)."""
+    from mok_plugin.kernels import fp8_wgrad_hopper as fw
+
+    plan = fw.SCHEDULES[schedule]
+    spelled = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16",
+               torch.float16: "fp16", torch.float32: "fp32"}  # fmt: skip
+    blocks = {"left_desc": (left_dtype, (plan.block_m, fw.BLOCK_K)),
+              "right_desc": (right_dtype, (plan.block_n, fw.BLOCK_K)),
+              "out_desc": (out_dtype, (1, plan.block_m, plan.block_n))}  # fmt: skip
+    descriptors = {name: (spelled[dtype], block, fw.shared_layout(block, dtype)) for name, (dtype, block) in
+                   blocks.items()}  # fmt: skip
+    kernel, constexprs = fw.kernel_arguments(plan, out_dtype)
+    if not plan.pingpong:
+        constexprs = constexprs | {"num_warps": plan.num_warps}
+    pointers = {"left_scale_ptr": "*fp32", "right_scale_ptr": "*fp32", "offsets_ptr": "*i64", "counts_ptr": "*i64"}
+    return compile_gluon_for_hopper(
+        kernel, descriptors, pointers, ("M", "N", "num_tiles", "stride_ls", "stride_rs"), constexprs,
+        {"num_warps": plan.num_warps, "maxnreg": plan.max_regs},
+    )  # fmt: skip
 
 
 def pipeline_report(ttgir: str) -> dict:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mok_plugin.fp8.recipe import FP8Format
+from mok_plugin.kernels import fp8_wgrad_hopper
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
@@ -590,10 +591,16 @@ def fp8_wgrad(
     """dW [E, M, N] in out_dtype, dW[e] = left[e's rows]^T right[e's rows]: both operands quantised
     128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
     scales [R_pad / 128, M] and [R_pad / 128, N]). expert_offsets must be multiples of 128 (a
-    schedule with tile_m a multiple of 128, which fp8_down_dgrad checks): the kernel relies on it."""
+    schedule with tile_m a multiple of 128, which fp8_down_dgrad checks): the kernel relies on it.
+    On Hopper, where `MOK_HOPPER_FP8_WGRAD` asks for it, the Gluon kernel (fp8_wgrad_hopper.py)."""
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
+    hopper_schedule = fp8_wgrad_hopper.requested_schedule()
+    if hopper_schedule is not None and fp8_wgrad_hopper.usable(left_t, right_t, d_w):
+        fp8_wgrad_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
+                                          tokens_per_expert, hopper_schedule)  # fmt: skip
+        return d_w
     tiles = _tiles("wgrad")
     block_m, block_n = tiles.pop("BLOCK_M"), tiles.pop("BLOCK_N")
     grid = (E * cdiv(M, block_m) * cdiv(N, block_n),)
