@@ -34,8 +34,9 @@
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
 #              deepseek-v3 (one process each: FP8 vs bf16 time, errors against float64 and the separate-cast
-#              peer; then --hopper-wgrad: the weight gradients on the Triton kernel and on each schedule of
-#              the Gluon one); the harness for 200 steps with --fp8 e4m3 on the single-H200 config
+#              peer; then --hopper: the weight gradients and row GEMMs on the Triton kernels and on the Gluon
+#              ones, kernels/fp8_hopper.py, under each schedule); the harness for 200 steps with --fp8 e4m3
+#              on the single-H200 config
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -79,7 +80,7 @@ for part in "${parts[@]}"; do
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
             tests/test_bench_host.py tests/test_compile_eager_parts.py tests/test_deepspeed_structure.py \
-            tests/test_fp8_wgrad_hopper.py ;;
+            tests/test_fp8_hopper.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
@@ -149,11 +150,11 @@ for part in "${parts[@]}"; do
         python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
         run_part fp8-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8.py \
             tests/test_fp8_kernels.py tests/test_fp8_reference.py tests/test_fp8_layer.py tests/test_megatron_fp8.py \
-            tests/test_fp8_wgrad_hopper.py
+            tests/test_fp8_hopper.py
         for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             run_part "fp8-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --out "$out/fp8-$shape"
-            run_part "fp8-wgrad-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper-wgrad \
-                --out "$out/fp8-wgrad-$shape"
+            run_part "fp8-hopper-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper \
+                --out "$out/fp8-hopper-$shape"
         done
         run_part fp8-compare python3 scripts/compare.py --config configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml \
             --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;

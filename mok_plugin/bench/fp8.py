@@ -11,7 +11,7 @@ stored in bf16, as a pipeline of separate quantisation kernels has it), on the s
 
     mok bench fp8 --shapes qwen3-30b-a3b deepseek-v3 --recipe e4m3 --out out/
     mok bench fp8 --shapes qwen3-30b-a3b --sweep      # each FP8 kernel under the tile candidates
-    mok bench fp8 --shapes deepseek-v3 --hopper-wgrad # the weight gradients: Triton against Gluon's schedules
+    mok bench fp8 --shapes deepseek-v3 --hopper       # the Triton GEMMs against the Gluon ones (fp8_hopper.py)
 (`python scripts/bench_fp8.py ...` is the same command.)
 """
 
@@ -34,7 +34,7 @@ from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
-from mok_plugin.kernels import fp8_wgrad_hopper
+from mok_plugin.kernels import fp8_hopper
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
@@ -53,10 +53,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--sweep", action="store_true",
                         help="instead: time each FP8 kernel under the tile candidates of SWEEP (fp8_mlp.TILES), "
                              "checking that each gives the default's bits")  # fmt: skip
-    parser.add_argument("--hopper-wgrad", action="store_true",
-                        help="instead: forward + backward (weights kept) with the weight gradients on the Triton "
-                             "kernel and on each schedule of the Gluon one (MOK_HOPPER_FP8_WGRAD), checking that "
-                             "each gives the Triton kernel's bits")  # fmt: skip
+    parser.add_argument("--hopper", action="store_true",
+                        help="instead: forward + backward (weights kept) with the weight gradients and the row "
+                             "GEMMs on the Triton kernels and on the Gluon ones under each schedule "
+                             "(MOK_HOPPER_FP8_WGRAD, MOK_HOPPER_FP8_ROWS), checking that each gives the Triton "
+                             "kernels' bits")  # fmt: skip
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -158,25 +159,43 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list
     return rows
 
 
-def _hopper_wgrad_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
-    """Forward + backward with the weights' FP8 copies kept (as within a step) and the weight
-    gradients on the Triton kernel ("0") and on each of fp8_wgrad_hopper.SCHEDULES: the call's time,
-    the weight gradients' GPU time, and whether every result is the Triton kernel's bits."""
+def _hopper_settings() -> dict[str, dict[str, str]]:
+    """The environments `--hopper` compares: the Triton kernels, then the Gluon weight gradients, row
+    GEMMs and both, under each schedule."""
+    settings = {"none (Triton)": {fp8_hopper.WGRAD_SETTING: "0", fp8_hopper.ROWS_SETTING: "0"}}
+    for schedule in fp8_hopper.SCHEDULES:
+        settings[f"wgrad {schedule}"] = {fp8_hopper.WGRAD_SETTING: schedule, fp8_hopper.ROWS_SETTING: "0"}
+        settings[f"rows {schedule}"] = {fp8_hopper.WGRAD_SETTING: "0", fp8_hopper.ROWS_SETTING: schedule}
+        settings[f"both {schedule}"] = dict.fromkeys((fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING), schedule)
+    return settings
+
+
+def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
+    """Forward + backward with the weights' FP8 copies kept (as within a step), under each of
+    `_hopper_settings`: the call's time, the GPU time of the weight gradients and of the row GEMMs
+    the Gluon kernels replace (fc2's forward, fc1's dgrad), and whether every result is the Triton
+    kernels' bits."""
     both = _fp8_case(name, recipe)[-1]
     kept = FP8WeightCopies()
     rows, want = [], None
-    for setting in ("0", *fp8_wgrad_hopper.SCHEDULES):
-        with mock.patch.dict(os.environ, {"MOK_HOPPER_FP8_WGRAD": setting}):
+    for label, environment in _hopper_settings().items():
+        with mock.patch.dict(os.environ, environment):
             got = both(kept)
             want = got if want is None else want
             ms = statistics.median(time_ms(lambda: both(kept), iters, settle_s=settle_s))
             breakdown, _ = kernel_breakdown(lambda: both(kept), iters=3, settle_s=settle_s)
-        wgrad_ms = sum(r["ms"] for r in breakdown if "wgrad" in r["kernel"])
-        rows.append({"shape": name, "setting": setting, "fwd+bwd ms": ms, "wgrad ms": wgrad_ms,
-                     "same_bits": _same_bits(got, want), "kernels": breakdown[:8]})  # fmt: skip
-        print(f"{name} MOK_HOPPER_FP8_WGRAD={setting:<12} fwd+bwd {ms:8.3f} ms, weight gradients {wgrad_ms:7.3f} ms, "
-              f"same bits {rows[-1]['same_bits']}", flush=True)  # fmt: skip
+        rows.append({
+            "shape": name, "setting": label, "fwd+bwd ms": ms, "same_bits": _same_bits(got, want),
+            "wgrad ms": sum(r["ms"] for r in breakdown if "wgrad" in r["kernel"]),
+            "rows ms": sum(r["ms"] for r in breakdown if any(k in r["kernel"] for k in _ROW_KERNELS)),
+            "kernels": breakdown[:10],
+        })  # fmt: skip
+        print(f"{name} {label:<22} fwd+bwd {ms:8.3f} ms, same bits {rows[-1]['same_bits']}", flush=True)
     return rows
+
+
+# the row GEMMs the Gluon kernel replaces, by kernel name (Triton's, and the Gluon one's for ROWS)
+_ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_rows_hopper")
 
 
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
@@ -223,14 +242,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     recipe = BlockwiseFP8Recipe.from_megatron(args.recipe, "blockwise")
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.hopper_wgrad:
+    if args.hopper:
         for name in args.shapes:
-            rows += _hopper_wgrad_shape(name, recipe, args.iters, args.settle_s)
-        (args.out / "bench_fp8_hopper_wgrad.json").write_text(json.dumps(rows, indent=2))
-        print(f"\n{'shape':<16} {'MOK_HOPPER_FP8_WGRAD':<21} {'fwd+bwd ms':>10} {'wgrad ms':>9}  same bits")
+            rows += _hopper_shape(name, recipe, args.iters, args.settle_s)
+        (args.out / "bench_fp8_hopper.json").write_text(json.dumps(rows, indent=2))
+        print(f"\n{'shape':<16} {'Gluon kernels':<28} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
         for row in rows:
-            print(f"{row['shape']:<16} {row['setting']:<21} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f}  "
-                  f"{row['same_bits']}")  # fmt: skip
+            print(f"{row['shape']:<16} {row['setting']:<28} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
+                  f"{row['rows ms']:8.3f}  {row['same_bits']}")  # fmt: skip
         return 0
     if args.sweep:
         for name in args.shapes:

@@ -34,7 +34,7 @@ from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = [
     "compile_for_hopper",
-    "compile_fp8_wgrad_hopper",
+    "compile_fp8_hopper",
     "compile_gluon_for_hopper",
     "compile_jit_for_hopper",
     "compile_wgrad_hopper",
@@ -144,18 +144,23 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_gluon_for_hopper(kernel, descriptors: dict, pointers: dict[str, str], scalars: tuple[str, ...],
-                             constexprs: dict, options: dict):  # fmt: skip
+def compile_gluon_for_hopper(kernel, descriptors: dict, pointers: dict[str, str | tuple[str, ...]],
+                             scalars: tuple[str, ...], constexprs: dict, options: dict):  # fmt: skip
     """A Gluon kernel compiled for sm_90 as its launcher specialises a call: `descriptors` maps each
     descriptor argument to (element type as Triton spells it, block shape, shared layout), `pointers`
-    each pointer to its type (16-byte aligned), `scalars` are 32-bit integers."""
+    each pointer argument to its type, or a tuple argument to its elements' types (pointers "*...",
+    16-byte aligned; integers "i32"), `scalars` are 32-bit integers."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = {name: f"tensordesc<{dtype}{list(block)},{layout!r}>" for name, (dtype, block, layout) in
                  descriptors.items()}  # fmt: skip
     signature |= pointers | dict.fromkeys(scalars, "i32") | dict.fromkeys(constexprs, "constexpr")
     args = kernel.arg_names
-    attrs = {(args.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    attrs = {}
+    for name, types in pointers.items():
+        for path, kind in [((), types)] if isinstance(types, str) else [((j,), t) for j, t in enumerate(types)]:
+            if kind.startswith("*"):
+                attrs[(args.index(name), *path)] = [["tt.divisibility", 16]]
     source = GluonASTSource(kernel, {name: signature[name] for name in args}, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options=options)
 
@@ -183,28 +188,33 @@ def compile_wgrad_hopper(schedule: str = "cooperative"):
     )  # fmt: skip
 
 
-def compile_fp8_wgrad_hopper(schedule: str = "cooperative", out_dtype: torch.dtype = torch.bfloat16,
-                             left_dtype: torch.dtype = torch.float8_e4m3fn,
-                             right_dtype: torch.dtype = torch.float8_e4m3fn):  # fmt: skip
-    """The blockwise-FP8 Gluon weight-gradient kernel (kernels/fp8_wgrad_hopper.py) under one of its
+_SPELLED = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float32: "fp32"}  # fmt: skip
+
+
+def compile_fp8_hopper(kind: str = "wgrad", schedule: str = "cooperative", out_dtype: torch.dtype = torch.bfloat16,
+                       a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
+                       bias: bool = False, routing: bool = False):  # fmt: skip
+    """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad") or row
+    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked) under one of its
     SCHEDULES, compiled for sm_90 as its launcher specialises a call with these dtypes. Needs
     Triton's Gluon (ImportError without it)."""
-    from mok_plugin.kernels import fp8_wgrad_hopper as fw
+    from mok_plugin.kernels import fp8_hopper as fh
 
-    plan = fw.SCHEDULES[schedule]
-    spelled = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16",
-               torch.float16: "fp16", torch.float32: "fp32"}  # fmt: skip
-    blocks = {"left_desc": (left_dtype, (plan.block_m, fw.BLOCK_K)),
-              "right_desc": (right_dtype, (plan.block_n, fw.BLOCK_K)),
-              "out_desc": (out_dtype, (1, plan.block_m, plan.block_n))}  # fmt: skip
-    descriptors = {name: (spelled[dtype], block, fw.shared_layout(block, dtype)) for name, (dtype, block) in
+    plan = fh.SCHEDULES[schedule]
+    operand = {"a": (a_dtype, (plan.block_m, fh.BLOCK_K)), "b": (b_dtype, (plan.block_n, fh.BLOCK_K))}
+    blocks = {f"{side}{half}_desc": operand[side] for side in "ab" for half in "01"}
+    blocks["out_desc"] = (out_dtype, (1, plan.block_m, plan.block_n))
+    descriptors = {name: (_SPELLED[dtype], block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
                    blocks.items()}  # fmt: skip
-    kernel, constexprs = fw.kernel_arguments(plan, out_dtype)
-    if not plan.pingpong:
-        constexprs = constexprs | {"num_warps": plan.num_warps}
-    pointers = {"left_scale_ptr": "*fp32", "right_scale_ptr": "*fp32", "offsets_ptr": "*i64", "counts_ptr": "*i64"}
+    kernel, constexprs = fh.kernel_arguments(plan, out_dtype, kind == "rows", bias, routing)
+    if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
+        work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
+        epilogue = (f"*{_SPELLED[out_dtype]}", "i32", "*fp32", "*i64")
+    else:  # offsets, counts, both operands' scales and their strides
+        work, epilogue = ("*i64", "*i64", "*fp32", "*fp32", "i32", "i32"), ()
     return compile_gluon_for_hopper(
-        kernel, descriptors, pointers, ("M", "N", "num_tiles", "stride_ls", "stride_rs"), constexprs,
+        kernel, descriptors, {"work": work, "epilogue": epilogue}, ("M", "N", "num_tiles"), constexprs,
         {"num_warps": plan.num_warps, "maxnreg": plan.max_regs},
     )  # fmt: skip
 

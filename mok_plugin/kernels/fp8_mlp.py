@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mok_plugin.fp8.recipe import FP8Format
-from mok_plugin.kernels import fp8_wgrad_hopper
+from mok_plugin.kernels import fp8_hopper
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
@@ -43,10 +43,11 @@ __all__ = ["fp8_block_matmul", "fp8_down_dgrad", "fp8_down_fwd", "fp8_gate_up_dg
 def fp8_block_matmul(
     a_ptr, a_scale_ptr, a_rows, a_row_ok, stride_a, stride_a_scale, w_ptr, w_scale_ptr, stride_w_k, stride_w_n,
     stride_ws_k, stride_ws_n, w_cols, w_scale_cols, w_col_ok, K_DIM, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, acc=None,
 ):  # fmt: skip
-    """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks kb, ascending, of
-    (a[a_rows, kb] . w[kb, w_cols]) * sa[a_rows, kb] * sw[kb, w_scale_cols // SCALE_BLOCK].
+    """fp32 [BLOCK_M, BLOCK_N] = acc (zeros if None) + the sum over K blocks kb, ascending, of
+    (a[a_rows, kb] . w[kb, w_cols]) * sa[a_rows, kb] * sw[kb, w_scale_cols // SCALE_BLOCK], each
+    added to it in turn.
 
     a: FP8 rows (element (r, k) at a_ptr + r * stride_a + k), 1 x SCALE_BLOCK scales (r, kb) at
     a_scale_ptr + r * stride_a_scale + kb. w: one FP8 matrix, element (k, n) at w_ptr + k * stride_w_k
@@ -54,7 +55,8 @@ def fp8_block_matmul(
     nb * stride_ws_n; w_scale_cols are w_cols' indices in the matrix the scales tile (a glu's up half
     is tiled from its own first row). Each K step is one scale block: the MMA's fp32 sum of its FP8
     products, scaled, is added to the fp32 accumulator (the recipe's promotion)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if acc is None:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + w_cols[None, :] * stride_w_n
     w_scales = w_scale_ptr + (w_scale_cols // SCALE_BLOCK) * stride_ws_n
     # A tile no wider than a scale block lies in one (its first column a multiple of BLOCK_N, which
@@ -306,13 +308,19 @@ def fp8_down_fwd(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] in out_dtype = w_r * (A_q[r] @ W2_q[e]^T, block-scaled, + b2_e), from A_q ([R_pad, I],
-    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales)."""
+    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales). On Hopper, where `MOK_HOPPER_FP8_ROWS` asks
+    for it, the Gluon kernel (fp8_hopper.py)."""
     check_tensor("a_q", a_q, 2)
     check_tensor("w2_q", w2_q, 3, a_q.dtype)
     topk_weights = routing_weights_arg(topk_weights)
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
+    hopper = fp8_hopper.requested_schedule(fp8_hopper.ROWS_SETTING)
+    if hopper is not None and fp8_hopper.usable((a_q, w2_q.view(E * H, I)), y):
+        fp8_hopper.fp8_rows_hopper((a_q,), a_scale_inv, (w2_q.view(E * H, I),), w2_scale_inv, y, tile_to_expert, tile_m,
+                                   hopper, down_bias=down_bias, routing=(topk_weights, row_to_tk))  # fmt: skip
+        return y
     grid, meta, block_n = _row_tiles("down_fwd", num_rows, H, tile_m)
     if grid[0]:
         _fp8_down_fwd_kernel[grid](
@@ -422,8 +430,8 @@ def _fp8_gate_up_dgrad_kernel(
     GATED: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),); program (m, n) owns dx rows[m-block, n-block]:
-    dh_q W13_q over fc1's rows, the gate half's blocks then the up half's, from W13's transposed copy
-    W13^T [H, N1] (K-major)."""
+    dh_q W13_q over fc1's rows, the gate half's blocks then the up half's into one accumulator (as
+    fp8_hopper.py's kernel sums them), from W13's transposed copy W13^T [H, N1] (K-major)."""
     expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
         row_to_token_ptr, tile_to_expert_ptr, H, TILE_M, BLOCK_M, BLOCK_N
     )
@@ -434,11 +442,11 @@ def _fp8_gate_up_dgrad_kernel(
             dh_q_ptr, dh_scale_ptr, rows, row_ok, stride_dh_r, stride_dh_scale_r, w13t, w13t_scales, 1, stride_w_h, 1,
             stride_ws_h, cols, cols, col_ok, I, BLOCK_M, BLOCK_N, SCALE_BLOCK,
         )  # fmt: skip
-        if GATED:
-            acc += fp8_block_matmul(
+        if GATED:  # the up half's blocks added to the same accumulator, after the gate half's
+            acc = fp8_block_matmul(
                 dh_q_ptr + I, dh_scale_ptr + stride_dh_scale_half, rows, row_ok, stride_dh_r, stride_dh_scale_r,
                 w13t + I, w13t_scales + stride_ws_half, 1, stride_w_h, 1, stride_ws_h, cols, cols, col_ok, I, BLOCK_M,
-                BLOCK_N, SCALE_BLOCK,
+                BLOCK_N, SCALE_BLOCK, acc,
             )  # fmt: skip
         dx_tile = dx_ptr + rows[:, None] * stride_dx_r + cols[None, :]
         tl.store(dx_tile, acc.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -568,11 +576,19 @@ def fp8_gate_up_dgrad(
 ) -> torch.Tensor:  # fmt: skip
     """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half; W13's transposed
     FP8 copy [E, H, N1], scales [E, halves, cdiv(H, 128), cdiv(I, 128)]); summed over k by
-    combine.combine_rows."""
+    combine.combine_rows. On Hopper, where `MOK_HOPPER_FP8_ROWS` asks for it, the Gluon kernel
+    (fp8_hopper.py)."""
     E, H, N1 = w13t_q.shape
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
+    hopper = fp8_hopper.requested_schedule(fp8_hopper.ROWS_SETTING)
+    w13t_rows = w13t_q.view(E * H, N1)
+    a_halves = (dh_q[:, :I], dh_q[:, I:]) if gated else (dh_q,)
+    b_halves = (w13t_rows[:, :I], w13t_rows[:, I:]) if gated else (w13t_rows,)
+    if hopper is not None and fp8_hopper.usable(a_halves + b_halves, dx):
+        fp8_hopper.fp8_rows_hopper(a_halves, dh_scale_inv, b_halves, w13t_scale_inv, dx, tile_to_expert, tile_m, hopper)
+        return dx
     grid, meta, block_n = _row_tiles("gate_up_dgrad", num_rows, H, tile_m)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
@@ -592,14 +608,14 @@ def fp8_wgrad(
     128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
     scales [R_pad / 128, M] and [R_pad / 128, N]). expert_offsets must be multiples of 128 (a
     schedule with tile_m a multiple of 128, which fp8_down_dgrad checks): the kernel relies on it.
-    On Hopper, where `MOK_HOPPER_FP8_WGRAD` asks for it, the Gluon kernel (fp8_wgrad_hopper.py)."""
+    On Hopper, where `MOK_HOPPER_FP8_WGRAD` asks for it, the Gluon kernel (fp8_hopper.py)."""
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
-    hopper_schedule = fp8_wgrad_hopper.requested_schedule()
-    if hopper_schedule is not None and fp8_wgrad_hopper.usable(left_t, right_t, d_w):
-        fp8_wgrad_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
-                                          tokens_per_expert, hopper_schedule)  # fmt: skip
+    hopper = fp8_hopper.requested_schedule(fp8_hopper.WGRAD_SETTING)
+    if hopper is not None and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
+        fp8_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
+                                    tokens_per_expert, hopper)  # fmt: skip
         return d_w
     tiles = _tiles("wgrad")
     block_m, block_n = tiles.pop("BLOCK_M"), tiles.pop("BLOCK_N")

@@ -1,0 +1,278 @@
+"""The blockwise-FP8 Gluon kernels for Hopper (kernels/fp8_hopper.py, issue 25): off unless
+MOK_HOPPER_FP8_WGRAD / MOK_HOPPER_FP8_ROWS ask for them; compiled for sm_90 on the CPU, they fit
+Hopper's shared memory without spilling and overlap each step's promotion with the next step's MMA;
+on an sm_90 GPU, bitwise the Triton kernels (`fp8_mlp.py`) they stand in for, directly and through the
+FP8 experts' forward and backward, close to a float64 sum, and bitwise repeatable."""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the FP8 kernels need triton")
+
+from triton_cases import crafted_routing, hopper_only  # noqa: E402
+
+from mok_plugin.kernels import fp8_hopper, fp8_mlp  # noqa: E402
+from mok_plugin.schedule import build_schedule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SETTINGS = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_off_unless_the_environment_names_a_schedule(monkeypatch, setting):
+    monkeypatch.delenv(setting, raising=False)
+    assert fp8_hopper.requested_schedule(setting) is None
+    monkeypatch.setenv(setting, "0")
+    assert fp8_hopper.requested_schedule(setting) is None
+    for schedule in fp8_hopper.SCHEDULES:
+        monkeypatch.setenv(setting, schedule)
+        assert fp8_hopper.requested_schedule(setting) == schedule
+    monkeypatch.setenv(setting, "1")
+    with pytest.raises(ValueError, match=f"{setting}='1'.*cooperative"):
+        fp8_hopper.requested_schedule(setting)
+
+
+@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(schedule, out_dtype):
+    plan = fp8_hopper.SCHEDULES[schedule]
+    stages = fp8_hopper.stages_for(plan, out_dtype)
+    tiles = (1 + plan.pingpong) * plan.block_m * plan.block_n * out_dtype.itemsize
+    assert 4 <= stages <= 8  # deep enough to run ahead across a short tile's two K steps
+    assert stages * (plan.block_m + plan.block_n) * fp8_hopper.BLOCK_K + tiles <= 227 * 1024
+
+
+# (kind, schedule, A, B, output dtype, fc2's epilogue): the hybrid recipe multiplies E5M2 gradients by
+# E4M3 values (dW13: dh by x; fc1's dgrad: dh by W13)
+COMPILED = [
+    ("wgrad", "cooperative", "e4m3", "e4m3", "bfloat16", False),
+    ("wgrad", "pingpong", "e4m3", "e4m3", "bfloat16", False),
+    ("wgrad", "cooperative", "e5m2", "e4m3", "float32", False),
+    ("wgrad", "pingpong", "e4m3", "e5m2", "float32", False),
+    ("rows", "cooperative", "e4m3", "e4m3", "bfloat16", True),
+    ("rows", "pingpong", "e4m3", "e4m3", "bfloat16", True),
+    ("rows", "cooperative", "e5m2", "e4m3", "float16", False),
+    ("rows", "pingpong", "e5m2", "e4m3", "float32", False),
+]
+
+
+@pytest.mark.parametrize("kind, schedule, a, b, out, epilogue", COMPILED)
+def test_compiles_for_sm90_without_a_gpu(kind, schedule, a, b, out, epilogue):
+    # Compiled as its launcher specialises the call, in its own process (outside the interpreter the
+    # test session turns on): its shared memory fits Hopper's 227 KiB, nothing spills, the MMAs are
+    # FP8 wgmma of the operands' formats (four k32 steps per 128-wide block and warpgroup function),
+    # and each step waits for the previous step's MMA only (wait_group 1: the promotion overlaps).
+    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    code = (
+        "import torch\n"
+        "from mok_plugin.bench.inspect import compile_fp8_hopper, resource_usage\n"
+        f"k = compile_fp8_hopper({kind!r}, {schedule!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, "
+        f"bias={epilogue}, routing={epilogue})\n"
+        "ptx = k.asm['ptx']\n"
+        f"mma = ptx.count('wgmma.mma_async.sync.aligned.m64n128k32.f32.{a}.{b}')\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, ptx.count('wgmma.wait_group.sync.aligned 1'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared, registers, stack, mma, overlapped_waits = map(int, run.stdout.split()[-5:])
+    plan = fp8_hopper.SCHEDULES[schedule]
+    assert shared <= 227 * 1024
+    assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
+    assert 0 < registers <= plan.max_regs
+    assert mma == 4 * (1 + plan.pingpong)
+    assert overlapped_waits == 1 + plan.pingpong
+
+
+def test_not_chosen_off_hopper():
+    # Asked for on a machine without an sm_90 GPU (here: CPU tensors), the Triton kernels run.
+    operand = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    assert not fp8_hopper.usable((operand, operand), torch.zeros(64, 64, dtype=torch.bfloat16))
+
+
+def _fp8(shape, dtype, generator, zero_columns=None):
+    values = torch.randn(shape, generator=generator) * 8
+    if zero_columns is not None:
+        values = values.masked_fill(zero_columns, 0)
+    return values.to(dtype).cuda()
+
+
+def _pow2_scales(shape, generator):
+    return (2.0 ** torch.randint(-6, 7, shape, generator=generator).float()).cuda()
+
+
+def _with(monkeypatch, setting, schedule, fn):
+    monkeypatch.setenv(setting, schedule)
+    return fn()
+
+
+# --- weight gradients ---------------------------------------------------------------------------
+
+
+def _wgrad_operands(M, N, E, T, K, kind, left, right, seed=3):
+    """A 128-row schedule's segments and two FP8 operands in the kernels' layout: transposed, [M or N,
+    R_pad], zeros on padding rows, power-of-two 128 x 1 scales [R_pad / 128, M or N] (as the recipe's)."""
+    g = torch.Generator().manual_seed(seed)
+    schedule = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)
+    rows = schedule.row_to_token.shape[0]
+    pad = (schedule.row_to_token < 0).cpu()
+    left_t, right_t = _fp8((M, rows), FP8[left], g, pad), _fp8((N, rows), FP8[right], g, pad)
+    return schedule, (left_t, _pow2_scales((rows // 128, M), g)), (right_t, _pow2_scales((rows // 128, N), g))
+
+
+def _fp8_wgrad(operands, out_dtype):
+    schedule, (left_t, left_s), (right_t, right_s) = operands
+    return fp8_mlp.fp8_wgrad(left_t, left_s, right_t, right_s, schedule.expert_offsets, schedule.tokens_per_expert,
+                             out_dtype=out_dtype)  # fmt: skip
+
+
+def _float64_wgrad(operands):
+    schedule, (left_t, left_s), (right_t, right_s) = operands
+    blocks = torch.arange(left_t.shape[1], device=left_t.device) // 128
+    left = left_t.double() * left_s.double()[blocks].T
+    right = right_t.double() * right_s.double()[blocks].T
+    out = []
+    for start, count in zip(schedule.expert_offsets.tolist(), schedule.tokens_per_expert.tolist(), strict=True):
+        out.append(left[:, start : start + count] @ right[:, start : start + count].T)
+    return torch.stack(out)
+
+
+WGRAD_CASES = [
+    # M, N, E, T, K, routing, left, right: empty experts and one with many 128-row blocks; M and N not
+    # multiples of the tiles (TMA clips the reads and, per expert, the store); the hybrid recipe's formats
+    pytest.param(256, 384, 16, 512, 2, "skewed", "e4m3", "e4m3", id="skewed_empty_experts"),
+    pytest.param(200, 72, 8, 700, 3, "uniform", "e4m3", "e4m3", id="M_N_not_tile_multiples"),
+    pytest.param(384, 256, 4, 900, 2, "one_expert", "e5m2", "e4m3", id="hybrid_many_blocks"),
+    pytest.param(128, 128, 32, 1, 4, "uniform", "e4m3", "e4m3", id="T1_mostly_empty"),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, schedule, out_dtype, M, N, E, T, K, kind, left,
+                                                    right):  # fmt: skip
+    operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
+    want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
+    launches = []
+    launch = fp8_hopper.fp8_wgrad_hopper
+    monkeypatch.setattr(fp8_hopper, "fp8_wgrad_hopper", lambda *a: launches.append(a[-1]) or launch(*a))
+    got = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, schedule, lambda: _fp8_wgrad(operands, out_dtype))
+    assert launches == [schedule]
+    assert torch.equal(got, want)
+    assert all(torch.equal(_fp8_wgrad(operands, out_dtype), got) for _ in range(3))  # bitwise repeatable
+    exact = _float64_wgrad(operands)
+    error = ((got.double() - exact).norm() / exact.norm()).item()
+    # bf16's rounding; in fp32 the FP8 MMA's own sums within a 128-row block (not fp32's)
+    assert error < (1e-2 if out_dtype == torch.bfloat16 else 1e-3), error
+
+
+# --- row GEMMs ----------------------------------------------------------------------------------
+
+
+def _rows_case(H, I, E, T, K, kind, gated, a_fmt, seed=4):
+    """A 128-row schedule, FP8 rows A [R_pad, halves * I] (1 x 128 scales [R_pad, halves, cdiv(I, 128)])
+    and FP8 weights B [E, H, halves * I] (128 x 128 scales [E, halves, cdiv(H, 128), cdiv(I, 128)]): the
+    operands of fc1's dgrad (two halves) and, with one, of fc2's forward."""
+    g = torch.Generator().manual_seed(seed)
+    schedule = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)
+    rows, halves, blocks = schedule.row_to_token.shape[0], 1 + gated, -(-I // 128)
+    a = _fp8((rows, halves * I), FP8[a_fmt], g)
+    b = _fp8((E, H, halves * I), torch.float8_e4m3fn, g)
+    a_s = _pow2_scales((rows, halves, blocks), g)
+    b_s = _pow2_scales((E, halves, -(-H // 128), blocks), g)
+    return schedule, a, a_s, b, b_s, g
+
+
+ROWS_CASES = [
+    # H, I, E, T, K, routing: I a partial 128-block in each half; H past the last 128-column tile;
+    # empty experts and padding tiles
+    pytest.param(256, 192, 8, 600, 2, "skewed", id="partial_K_block_skewed"),
+    pytest.param(200, 256, 6, 700, 3, "uniform", id="H_not_a_tile_multiple"),
+    pytest.param(384, 128, 32, 1, 4, "uniform", id="T1_mostly_padding"),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
+def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, schedule, bias, H, I, E, T, K, kind):
+    sched, a, a_s, w2, w2_s, g = _rows_case(H, I, E, T, K, kind, gated=False, a_fmt="e4m3")
+    weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
+    b2 = (torch.randn(E, H, generator=g) * 0.5).cuda().bfloat16() if bias else None
+
+    def down():
+        return fp8_mlp.fp8_down_fwd(a, a_s.squeeze(1), w2, w2_s.squeeze(1), weights, sched.row_to_tk,
+                                    sched.row_to_token, sched.tile_to_expert, sched.tile_m, out_dtype=torch.bfloat16,
+                                    down_bias=b2)  # fmt: skip
+
+    valid = sched.row_to_token >= 0  # padding rows are left as they are by both
+    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", down)[valid]
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, schedule, down)[valid]
+    assert torch.equal(got, want)
+    assert all(torch.equal(down()[valid], got) for _ in range(3))
+
+
+@hopper_only
+@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
+@pytest.mark.parametrize("gated, a_fmt", [(True, "e4m3"), (True, "e5m2"), (False, "e4m3")])
+@pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
+def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, schedule, gated, a_fmt, H, I, E, T, K, kind):
+    sched, dh, dh_s, w13, w13_s, _ = _rows_case(H, I, E, T, K, kind, gated=gated, a_fmt=a_fmt)
+
+    def dgrad():
+        return fp8_mlp.fp8_gate_up_dgrad(dh, dh_s, w13, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m,
+                                         out_dtype=torch.bfloat16, gated=gated)  # fmt: skip
+
+    valid = sched.row_to_token >= 0
+    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", dgrad)[valid]
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, schedule, dgrad)[valid]
+    assert torch.equal(got, want)
+    assert all(torch.equal(dgrad()[valid], got) for _ in range(3))
+
+
+# --- through the FP8 experts ------------------------------------------------------------------------
+
+
+@hopper_only
+@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
+@pytest.mark.parametrize("family_name, I", [("swiglu", 384), ("gpt_oss", 192), ("mlp_gelu_bias", 256), ("swiglu", 200)])
+def test_the_fp8_experts_give_the_same_results(monkeypatch, schedule, family_name, I):
+    # Forward and backward (hybrid recipe) with every Gluon kernel asked for against the Triton ones:
+    # the same output and gradients, bit for bit. I = 200: not a multiple of 16, so the row GEMMs'
+    # halves cannot be TMA views and the Triton kernels stay (still the same results).
+    from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
+    from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
+    from mok_plugin.testing import EXPERT_FAMILIES
+
+    g = torch.Generator().manual_seed(11)
+    T, H, E, K = 600, 512, 8, 2
+    family = EXPERT_FAMILIES[family_name]
+    ids = crafted_routing(T, E, K, "skewed", g)
+    x = torch.randn(T, H, generator=g).cuda().bfloat16()
+    weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
+    w13 = (torch.randn(E, family.fc1_width(I), H, generator=g) / H**0.5).cuda().bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).cuda().bfloat16()
+    b1 = (torch.randn(E, family.fc1_width(I), generator=g) * 0.1).cuda().bfloat16() if family.fc1_bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).cuda().bfloat16() if family.fc2_bias else None
+    d_out = torch.randn(T, H, generator=g).cuda().bfloat16()
+    results = {}
+    for setting in ("0", schedule):
+        for name in SETTINGS:
+            monkeypatch.setenv(name, setting)
+        saved: dict = {}
+        run = functools.partial(fp8_experts_forward, saved=saved, family=family, gate_up_bias=b1, down_bias=b2)
+        out = run(x, weights, w13, w2, build_schedule(ids.cuda(), E), BlockwiseFP8Recipe(E4M3, E5M2))
+        results[setting] = {"out": out, **fp8_experts_backward(d_out, saved)}
+    for name, want in results["0"].items():
+        if want is not None:
+            assert torch.equal(results[schedule][name], want), name
