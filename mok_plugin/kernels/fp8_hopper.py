@@ -217,14 +217,15 @@ if gluon is not None:
         BK: gl.constexpr = 128
         num_warps: gl.constexpr = gl.num_warps()
         compact: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        rows_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        ms = m0 + gl.arange(0, BM, layout=compact)
+        # the rows' scales straight into the accumulator's row slice (two a thread); the columns' spread
+        ms = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
         if ROWS:
             # a_scale [rows, halves, K blocks] per row; b_scale [E, halves, N blocks, K blocks]: one per step
             k_steps, a_scale_ptr, stride_as_r, stride_as_half = work[1], work[4], work[5], work[6]
             b_scale_ptr, stride_bs_e, stride_bs_half, stride_bs_n = work[7], work[8], work[9], work[10]
             half, kb = s // k_steps, s % k_steps
-            a_scale = spread(a_scale_ptr, ms * stride_as_r + half * stride_as_half + kb, (ms < M) & valid, rows_layout)
+            a_offsets = ms * stride_as_r + half * stride_as_half + kb
+            a_scale = gl.load(a_scale_ptr + a_offsets, mask=(ms < M) & valid, other=0.0)
             b_offset = expert * stride_bs_e + half * stride_bs_half + (n0 // BK) * stride_bs_n + kb
             b_scale = gl.load(b_scale_ptr + b_offset, mask=valid, other=0.0)
             row_scale = a_scale * b_scale
@@ -234,7 +235,7 @@ if gluon is not None:
             l_scale_ptr, r_scale_ptr, stride_ls, stride_rs = work[2], work[3], work[4], work[5]
             block = first_row // BK + s
             ns = n0 + gl.arange(0, BN, layout=compact)
-            l_scale = spread(l_scale_ptr, block * stride_ls + ms, (ms < M) & valid, rows_layout)
+            l_scale = gl.load(l_scale_ptr + block * stride_ls + ms, mask=(ms < M) & valid, other=0.0)
             r_scale = spread(r_scale_ptr, block * stride_rs + ns, (ns < N) & valid, gl.SliceLayout(0, acc.type.layout))
             acc += partial * l_scale[:, None] * r_scale[None, :]
         return acc
