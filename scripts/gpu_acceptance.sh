@@ -34,9 +34,10 @@
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
 #              deepseek-v3 (one process each: FP8 vs bf16 time, errors against float64 and the separate-cast
-#              peer; then --hopper: the weight gradients and row GEMMs on the Triton kernels and on the Gluon
-#              ones, kernels/fp8_hopper.py, under each schedule); the harness for 200 steps with --fp8 e4m3
-#              on the single-H200 config
+#              peer); the harness for 200 steps with --fp8 e4m3 on the single-H200 config
+#   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, opt-in): tests/test_fp8_hopper.py, then
+#              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
+#              and row GEMMs on the Triton kernels and on the Gluon ones under each schedule, bits compared)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -153,11 +154,15 @@ for part in "${parts[@]}"; do
             tests/test_fp8_hopper.py
         for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             run_part "fp8-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --out "$out/fp8-$shape"
-            run_part "fp8-hopper-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper \
-                --out "$out/fp8-hopper-$shape"
         done
         run_part fp8-compare python3 scripts/compare.py --config configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml \
             --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;
+    fp8-hopper)
+        run_part fp8-hopper-tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_hopper.py
+        for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+            run_part "fp8-hopper-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper \
+                --out "$out/fp8-hopper-$shape"
+        done ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done
