@@ -37,7 +37,7 @@
 #              peer); the harness for 200 steps with --fp8 e4m3 on the single-H200 config
 #   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, opt-in): tests/test_fp8_hopper.py, then
 #              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
-#              and row GEMMs on the Triton kernels and on the Gluon ones under each schedule, bits compared)
+#              and row GEMMs on the Triton kernels and on the Gluon ones, bits compared)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

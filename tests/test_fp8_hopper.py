@@ -1,6 +1,6 @@
 """The blockwise-FP8 Gluon kernels for Hopper (kernels/fp8_hopper.py, issue 25): off unless
-MOK_HOPPER_FP8_WGRAD / MOK_HOPPER_FP8_ROWS ask for them; compiled for sm_90 on the CPU, they fit
-Hopper's shared memory without spilling and overlap each step's promotion with the next step's MMA;
+MOK_HOPPER_FP8_WGRAD=1 / MOK_HOPPER_FP8_ROWS=1 ask for them; compiled for sm_90 on the CPU, they fit
+Hopper's shared memory without spilling and ptxas pipelines their wgmma;
 on an sm_90 GPU, bitwise the Triton kernels (`fp8_mlp.py`) they stand in for, directly and through the
 FP8 experts' forward and backward, close to a float64 sum, and bitwise repeatable."""
 
@@ -26,75 +26,91 @@ SETTINGS = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_off_unless_the_environment_names_a_schedule(monkeypatch, setting):
+def test_off_unless_the_environment_asks(monkeypatch, setting):
     monkeypatch.delenv(setting, raising=False)
-    assert fp8_hopper.requested_schedule(setting) is None
+    assert not fp8_hopper.enabled(setting)
     monkeypatch.setenv(setting, "0")
-    assert fp8_hopper.requested_schedule(setting) is None
-    for schedule in fp8_hopper.SCHEDULES:
-        monkeypatch.setenv(setting, schedule)
-        assert fp8_hopper.requested_schedule(setting) == schedule
+    assert not fp8_hopper.enabled(setting)
     monkeypatch.setenv(setting, "1")
-    with pytest.raises(ValueError, match=f"{setting}='1'.*cooperative"):
-        fp8_hopper.requested_schedule(setting)
+    assert fp8_hopper.enabled(setting)
+    monkeypatch.setenv(setting, "yes")
+    with pytest.raises(ValueError, match=f"{setting}='yes'"):
+        fp8_hopper.enabled(setting)
 
 
-@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(schedule, out_dtype):
-    plan = fp8_hopper.SCHEDULES[schedule]
-    stages = fp8_hopper.stages_for(plan, out_dtype)
-    tiles = (1 + plan.pingpong) * plan.block_m * plan.block_n * out_dtype.itemsize
+def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype):
+    stages = fp8_hopper.stages_for(out_dtype)
+    tiles = fp8_hopper.BLOCK_M * fp8_hopper.BLOCK_N * out_dtype.itemsize  # the two warpgroups' halves
     assert 4 <= stages <= 8  # deep enough to run ahead across a short tile's two K steps
-    assert stages * (plan.block_m + plan.block_n) * fp8_hopper.BLOCK_K + tiles <= 227 * 1024
+    assert stages * (fp8_hopper.BLOCK_M + fp8_hopper.BLOCK_N) * fp8_hopper.BLOCK_K + tiles <= 227 * 1024
 
 
-# (kind, schedule, A, B, output dtype, fc2's epilogue): the hybrid recipe multiplies E5M2 gradients by
-# E4M3 values (dW13: dh by x; fc1's dgrad: dh by W13)
+def test_row_gemm_operands_are_views_of_the_halves():
+    rows = torch.zeros(256, 2 * 192, dtype=torch.float8_e4m3fn)
+    weights = torch.zeros(3, 200, 2 * 192, dtype=torch.float8_e4m3fn)
+    (a_gate, a_up), (b_gate, b_up) = fp8_hopper.row_gemm_operands(rows, weights, gated=True)
+    assert a_gate.shape == a_up.shape == (256, 192) and b_gate.shape == b_up.shape == (600, 192)
+    assert a_up.data_ptr() == rows.data_ptr() + 192 and b_up.data_ptr() == weights.data_ptr() + 192
+    (a,), (b,) = fp8_hopper.row_gemm_operands(rows, weights, gated=False)
+    assert a is rows and b.shape == (600, 384) and b.data_ptr() == weights.data_ptr()
+    assert fp8_hopper.row_gemm_operands(rows, weights.transpose(1, 2), gated=False) is None  # not contiguous
+
+
+# (kind, A, B, output dtype, fc2's epilogue): the hybrid recipe multiplies E5M2 gradients by E4M3
+# values (dW13: dh by x; fc1's dgrad: dh by W13)
 COMPILED = [
-    ("wgrad", "cooperative", "e4m3", "e4m3", "bfloat16", False),
-    ("wgrad", "pingpong", "e4m3", "e4m3", "bfloat16", False),
-    ("wgrad", "cooperative", "e5m2", "e4m3", "float32", False),
-    ("wgrad", "pingpong", "e4m3", "e5m2", "float32", False),
-    ("rows", "cooperative", "e4m3", "e4m3", "bfloat16", True),
-    ("rows", "pingpong", "e4m3", "e4m3", "bfloat16", True),
-    ("rows", "cooperative", "e5m2", "e4m3", "float16", False),
-    ("rows", "pingpong", "e5m2", "e4m3", "float32", False),
+    ("wgrad", "e4m3", "e4m3", "bfloat16", False),
+    ("wgrad", "e5m2", "e4m3", "float32", False),
+    ("rows", "e4m3", "e4m3", "bfloat16", True),
+    ("rows", "e5m2", "e4m3", "float16", False),
 ]
 
 
-@pytest.mark.parametrize("kind, schedule, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(kind, schedule, a, b, out, epilogue):
+@pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
+def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
     # Compiled as its launcher specialises the call, in its own process (outside the interpreter the
-    # test session turns on): its shared memory fits Hopper's 227 KiB, nothing spills, the MMAs are
-    # FP8 wgmma of the operands' formats (four k32 steps per 128-wide block and warpgroup function),
-    # and each step waits for the previous step's MMA only (wait_group 1: the promotion overlaps).
+    # test session turns on): its shared memory fits Hopper's 227 KiB, nothing spills, each warpgroup's
+    # K step is four FP8 wgmma k32 of the operands' formats issued back to back (ptxas serialises a
+    # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
+    # ptxas reports no serialised wgmma (C7511-C7515).
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     code = (
-        "import torch\n"
+        "import re, subprocess, sys, tempfile, torch\n"
+        "from pathlib import Path\n"
+        "import triton\n"
         "from mok_plugin.bench.inspect import compile_fp8_hopper, resource_usage\n"
-        f"k = compile_fp8_hopper({kind!r}, {schedule!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, "
-        f"bias={epilogue}, routing={epilogue})\n"
-        "ptx = k.asm['ptx']\n"
-        f"mma = ptx.count('wgmma.mma_async.sync.aligned.m64n128k32.f32.{a}.{b}')\n"
-        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, ptx.count('wgmma.wait_group.sync.aligned 1'))\n"
+        f"k = compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
+        f"routing={epilogue})\n"
+        "bin_dir = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin'\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    Path(d, 'k.cubin').write_bytes(k.asm['cubin'])\n"
+        "    Path(d, 'k.ptx').write_text(k.asm['ptx'])\n"
+        "    sass = subprocess.run([str(bin_dir / 'cuobjdump'), '-sass', str(Path(d, 'k.cubin'))],\n"
+        "                          capture_output=True, text=True).stdout\n"
+        "    log = subprocess.run([str(bin_dir / 'ptxas'), '-v', '--gpu-name=sm_90a', str(Path(d, 'k.ptx')), '-o',\n"
+        "                          str(Path(d, 'again.cubin'))], capture_output=True, text=True).stderr\n"
+        "steps = re.findall(r'(QGMMA|WARPGROUP.DEPBAR)', sass)\n"
+        "runs = [len(run) for run in ''.join('q' if s == 'QGMMA' else ' ' for s in steps).split()]\n"
+        f"mma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.m64n128k32.f32.{a}.{b}')\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    shared, registers, stack, mma, overlapped_waits = map(int, run.stdout.split()[-5:])
-    plan = fp8_hopper.SCHEDULES[schedule]
+    shared, registers, stack, mma, shortest_run, serialised = map(int, run.stdout.split()[-6:])
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
-    assert 0 < registers <= plan.max_regs
-    assert mma == 4 * (1 + plan.pingpong)
-    assert overlapped_waits == 1 + plan.pingpong
+    assert 0 < registers <= fp8_hopper.MAX_REGS
+    assert mma == 2 * 4  # the two warpgroups' functions, four k32 steps each
+    assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
+    assert serialised == 0
 
 
 def test_not_chosen_off_hopper():
     # Asked for on a machine without an sm_90 GPU (here: CPU tensors), the Triton kernels run.
-    operand = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
-    assert not fp8_hopper.usable((operand, operand), torch.zeros(64, 64, dtype=torch.bfloat16))
+    operand = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+    assert not fp8_hopper.usable((operand, operand), torch.zeros(128, 64, dtype=torch.bfloat16))
 
 
 def _fp8(shape, dtype, generator, zero_columns=None):
@@ -108,9 +124,17 @@ def _pow2_scales(shape, generator):
     return (2.0 ** torch.randint(-6, 7, shape, generator=generator).float()).cuda()
 
 
-def _with(monkeypatch, setting, schedule, fn):
-    monkeypatch.setenv(setting, schedule)
+def _with(monkeypatch, setting, value, fn):
+    monkeypatch.setenv(setting, value)
     return fn()
+
+
+def _counting(monkeypatch, name):
+    """Record each launch of fp8_hopper's `name` (fp8_wgrad_hopper or fp8_rows_hopper)."""
+    launches = []
+    launch = getattr(fp8_hopper, name)
+    monkeypatch.setattr(fp8_hopper, name, lambda *a, **k: launches.append(name) or launch(*a, **k))
+    return launches
 
 
 # --- weight gradients ---------------------------------------------------------------------------
@@ -155,18 +179,14 @@ WGRAD_CASES = [
 
 
 @hopper_only
-@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
-def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, schedule, out_dtype, M, N, E, T, K, kind, left,
-                                                    right):  # fmt: skip
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, out_dtype, M, N, E, T, K, kind, left, right):
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
     want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
-    launches = []
-    launch = fp8_hopper.fp8_wgrad_hopper
-    monkeypatch.setattr(fp8_hopper, "fp8_wgrad_hopper", lambda *a: launches.append(a[-1]) or launch(*a))
-    got = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, schedule, lambda: _fp8_wgrad(operands, out_dtype))
-    assert launches == [schedule]
+    launches = _counting(monkeypatch, "fp8_wgrad_hopper")
+    got = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "1", lambda: _fp8_wgrad(operands, out_dtype))
+    assert launches == ["fp8_wgrad_hopper"]
     assert torch.equal(got, want)
     assert all(torch.equal(_fp8_wgrad(operands, out_dtype), got) for _ in range(3))  # bitwise repeatable
     exact = _float64_wgrad(operands)
@@ -202,10 +222,9 @@ ROWS_CASES = [
 
 
 @hopper_only
-@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, schedule, bias, H, I, E, T, K, kind):
+def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, bias, H, I, E, T, K, kind):
     sched, a, a_s, w2, w2_s, g = _rows_case(H, I, E, T, K, kind, gated=False, a_fmt="e4m3")
     weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
     b2 = (torch.randn(E, H, generator=g) * 0.5).cuda().bfloat16() if bias else None
@@ -215,18 +234,19 @@ def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, schedule, bias, H, I
                                     sched.row_to_token, sched.tile_to_expert, sched.tile_m, out_dtype=torch.bfloat16,
                                     down_bias=b2)  # fmt: skip
 
-    valid = sched.row_to_token >= 0  # padding rows are left as they are by both
+    valid = sched.row_to_token >= 0  # padding rows hold values of no meaning
     want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", down)[valid]
-    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, schedule, down)[valid]
+    launches = _counting(monkeypatch, "fp8_rows_hopper")
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", down)[valid]
+    assert launches == ["fp8_rows_hopper"]
     assert torch.equal(got, want)
     assert all(torch.equal(down()[valid], got) for _ in range(3))
 
 
 @hopper_only
-@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
 @pytest.mark.parametrize("gated, a_fmt", [(True, "e4m3"), (True, "e5m2"), (False, "e4m3")])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, schedule, gated, a_fmt, H, I, E, T, K, kind):
+def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, gated, a_fmt, H, I, E, T, K, kind):
     sched, dh, dh_s, w13, w13_s, _ = _rows_case(H, I, E, T, K, kind, gated=gated, a_fmt=a_fmt)
 
     def dgrad():
@@ -235,7 +255,9 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, schedule, gated, a_fmt
 
     valid = sched.row_to_token >= 0
     want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", dgrad)[valid]
-    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, schedule, dgrad)[valid]
+    launches = _counting(monkeypatch, "fp8_rows_hopper")
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", dgrad)[valid]
+    assert launches == ["fp8_rows_hopper"]
     assert torch.equal(got, want)
     assert all(torch.equal(dgrad()[valid], got) for _ in range(3))
 
@@ -244,9 +266,8 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, schedule, gated, a_fmt
 
 
 @hopper_only
-@pytest.mark.parametrize("schedule", list(fp8_hopper.SCHEDULES))
 @pytest.mark.parametrize("family_name, I", [("swiglu", 384), ("gpt_oss", 192), ("mlp_gelu_bias", 256), ("swiglu", 200)])
-def test_the_fp8_experts_give_the_same_results(monkeypatch, schedule, family_name, I):
+def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     # Forward and backward (hybrid recipe) with every Gluon kernel asked for against the Triton ones:
     # the same output and gradients, bit for bit. I = 200: not a multiple of 16, so the row GEMMs'
     # halves cannot be TMA views and the Triton kernels stay (still the same results).
@@ -266,7 +287,7 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, schedule, family_nam
     b2 = (torch.randn(E, H, generator=g) * 0.1).cuda().bfloat16() if family.fc2_bias else None
     d_out = torch.randn(T, H, generator=g).cuda().bfloat16()
     results = {}
-    for setting in ("0", schedule):
+    for setting in ("0", "1"):
         for name in SETTINGS:
             monkeypatch.setenv(name, setting)
         saved: dict = {}
@@ -275,4 +296,4 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, schedule, family_nam
         results[setting] = {"out": out, **fp8_experts_backward(d_out, saved)}
     for name, want in results["0"].items():
         if want is not None:
-            assert torch.equal(results[schedule][name], want), name
+            assert torch.equal(results["1"][name], want), name

@@ -192,22 +192,20 @@ _SPELLED = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bf
             torch.float32: "fp32"}  # fmt: skip
 
 
-def compile_fp8_hopper(kind: str = "wgrad", schedule: str = "cooperative", out_dtype: torch.dtype = torch.bfloat16,
+def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloat16,
                        a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
                        bias: bool = False, routing: bool = False):  # fmt: skip
     """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad") or row
-    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked) under one of its
-    SCHEDULES, compiled for sm_90 as its launcher specialises a call with these dtypes. Needs
-    Triton's Gluon (ImportError without it)."""
+    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked), compiled for sm_90
+    as its launcher specialises a call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
     from mok_plugin.kernels import fp8_hopper as fh
 
-    plan = fh.SCHEDULES[schedule]
-    operand = {"a": (a_dtype, (plan.block_m, fh.BLOCK_K)), "b": (b_dtype, (plan.block_n, fh.BLOCK_K))}
-    blocks = {f"{side}{half}_desc": operand[side] for side in "ab" for half in "01"}
-    blocks["out_desc"] = (out_dtype, (1, plan.block_m, plan.block_n))
+    blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}
+    blocks |= {f"b{half}_desc": (b_dtype, (fh.BLOCK_N, fh.BLOCK_K)) for half in "01"}
+    blocks["out_desc"] = (out_dtype, (1, fh.HALF_M, fh.BLOCK_N))
     descriptors = {name: (_SPELLED[dtype], block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
                    blocks.items()}  # fmt: skip
-    kernel, constexprs = fh.kernel_arguments(plan, out_dtype, kind == "rows", bias, routing)
+    kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing)
     if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
         work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
         epilogue = (f"*{_SPELLED[out_dtype]}", "i32", "*fp32", "*i64")
@@ -215,7 +213,7 @@ def compile_fp8_hopper(kind: str = "wgrad", schedule: str = "cooperative", out_d
         work, epilogue = ("*i64", "*i64", "*fp32", "*fp32", "i32", "i32"), ()
     return compile_gluon_for_hopper(
         kernel, descriptors, {"work": work, "epilogue": epilogue}, ("M", "N", "num_tiles"), constexprs,
-        {"num_warps": plan.num_warps, "maxnreg": plan.max_regs},
+        {"num_warps": 4, "maxnreg": fh.MAX_REGS},
     )  # fmt: skip
 
 

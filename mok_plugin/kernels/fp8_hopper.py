@@ -15,23 +15,24 @@ tests check. (fc1's dgrad sums both halves into one accumulator in both.)
 
 Why: the Triton kernels run near bf16's rate (440-550 TFLOP/s on qwen3-30b-a3b, commit d9c430a),
 because each K step's product must be scaled before it is added, so every step waits for its MMA
-(`warp_group_dot_wait {pendings = 0}`) and nothing overlaps it. Here, as in `wgrad_hopper.py` (bf16),
-one loader warp streams both operands through TMA into a ring of stages running ahead across tiles,
-and each MMA warpgroup keeps two partial products: it issues step s's MMA, then waits only for step
-s - 1's and promotes it while step s's runs. Finished tiles leave through an asynchronous TMA store.
-Two schedules (`SCHEDULES`): cooperative (both warpgroups on one 128 x 128 tile, 64 rows each) and
-ping-pong (each on alternate 64 x 128 tiles, one's epilogue under the other's MMAs).
+(`warp_group_dot_wait {pendings = 0}`) and nothing overlaps it: the program's warps wait for their
+MMA, then all promote, then all issue the next. Here, as DeepGEMM does it: one loader warp streams both
+operands through TMA into a ring of stages running ahead across tiles, and two MMA warpgroups, in
+partitions of their own, each take one half (64 rows) of every 128 x 128 tile. Each waits for its own
+step's MMA and promotes it, but as the two are not in step, one's promotion runs under the other's
+MMA; a stage is freed once both have read it. Finished halves leave through asynchronous TMA stores.
+(A first version overlapped within a warpgroup, two products in flight; ptxas serialised its wgmmas
+whenever the compiler copied a product still being written, which it did by the code's shape: C7514.)
 
-Off unless asked for in the environment: `MOK_HOPPER_FP8_WGRAD` and `MOK_HOPPER_FP8_ROWS`, each 0 or a
-schedule's name. Written and compiled for sm_90 without a GPU (2026-12-04); results and speed not
-yet measured on one (`requested_schedule`, `usable`; the Triton kernels otherwise).
+Off unless asked for in the environment: `MOK_HOPPER_FP8_WGRAD=1` and `MOK_HOPPER_FP8_ROWS=1`. Written
+and compiled for sm_90 without a GPU (2026-12-04); results and speed not yet measured on one
+(`enabled`, `usable`; the Triton kernels otherwise).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +42,7 @@ from mok_plugin.kernels.wgrad_hopper import _num_sms
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mok_plugin.kernels.wgrad_hopper import store_tile
@@ -50,65 +51,42 @@ except ImportError:
 
 __all__ = [
     "BLOCK_K",
+    "BLOCK_M",
+    "BLOCK_N",
     "ROWS_SETTING",
-    "SCHEDULES",
     "WGRAD_SETTING",
-    "Schedule",
+    "enabled",
     "fp8_rows_hopper",
     "fp8_wgrad_hopper",
-    "requested_schedule",
+    "row_gemm_operands",
     "stages_for",
     "usable",
 ]
 
-BLOCK_K = 128  # one K step is one scale block of the recipe
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # a tile; each MMA warpgroup takes BLOCK_M / 2 of its rows
+HALF_M = BLOCK_M // 2
 LOADER_WARPS, LOADER_REGS = 1, 24
+MAX_REGS = 168  # per thread over the 12 warps (two MMA warpgroups + the loader's) sharing an SM's 64 K
+MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3 x 168)
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
-BARRIER_BYTES = 1024  # the ring's and the turns' mbarriers, with room
+BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """How the two MMA warpgroups share the work: one block_m x block_n tile between them
-    (cooperative, block_m / 2 rows each) or alternate tiles (ping-pong). A warpgroup holds its
-    accumulator and two partial products: 3 x (its rows x block_n) / 128 registers a thread."""
-
-    block_m: int
-    block_n: int
-    pingpong: bool
-    max_regs: int  # the launch's per-thread ceiling (maxnreg), over the loader's warpgroup too
-
-    @property
-    def num_warps(self) -> int:
-        """The default partition's warps: both MMA warpgroups (cooperative) or one (ping-pong)."""
-        return 4 if self.pingpong else 8
+def stages_for(out_dtype: torch.dtype) -> int:
+    """The ring's depth: as many FP8 operand stages (a 128-row A block and a 128-row B block of 128
+    bytes each) as fit beside the two warpgroups' output halves in Hopper's shared memory, at most 8."""
+    stage = (BLOCK_M + BLOCK_N) * BLOCK_K  # one byte an FP8 element
+    return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
 
 
-SCHEDULES = {
-    "cooperative": Schedule(block_m=128, block_n=128, pingpong=False, max_regs=168),
-    "pingpong": Schedule(block_m=64, block_n=128, pingpong=True, max_regs=168),
-}
-PINGPONG_MMA_REGS = 232  # the worker MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3 x 168)
-
-
-def stages_for(plan: Schedule, out_dtype: torch.dtype) -> int:
-    """The ring's depth: as many FP8 operand stages as fit beside the output tiles (one per MMA
-    warpgroup in ping-pong) in Hopper's shared memory, at most 8."""
-    stage = (plan.block_m + plan.block_n) * BLOCK_K  # one byte an FP8 element
-    out_tiles = (2 if plan.pingpong else 1) * plan.block_m * plan.block_n * out_dtype.itemsize
-    return min(8, (SHARED_BYTES - BARRIER_BYTES - out_tiles) // stage)
-
-
-def requested_schedule(setting: str) -> str | None:
-    """The schedule environment variable `setting` (WGRAD_SETTING or ROWS_SETTING) asks for, one of
-    SCHEDULES, or None: unset or 0, the Triton kernels. A ValueError names the setting otherwise."""
+def enabled(setting: str) -> bool:
+    """Whether environment variable `setting` (WGRAD_SETTING or ROWS_SETTING) asks for the Gluon
+    kernel: 1, or unset / 0 for the Triton kernels; a ValueError names the setting otherwise."""
     value = os.environ.get(setting, "0")
-    if value == "0":
-        return None
-    if value not in SCHEDULES:
-        raise ValueError(f"{setting}={value!r}: expected 0 (off) or one of {', '.join(SCHEDULES)}")
-    return value
+    if value not in ("0", "1"):
+        raise ValueError(f"{setting}={value!r}: expected 0 (the Triton kernels) or 1 (the Gluon kernel on Hopper)")
+    return value == "1"
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -121,14 +99,29 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor) -> bool:
-    """Whether these kernels can take these FP8 operands (2-D views, as the launchers describe them)
-    and this output ([rows, N] or dW's [E * M, N]): on an sm_90 GPU with Gluon, all of them rows TMA
-    reads and writes (else the Triton kernels compute it)."""
+def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor, tile_m: int = BLOCK_M) -> bool:
+    """Whether these kernels can take these FP8 operands (2-D views, as the launchers describe them),
+    this output ([rows, N] or dW's [E * M, N]) and, for the row GEMMs, the schedule's tile_m (a multiple
+    of BLOCK_M, so that a tile's rows are one expert's): on an sm_90 GPU with Gluon, all of them rows
+    TMA reads and writes (else the Triton kernels compute it)."""
     if gluon is None or not out.is_cuda or torch.cuda.get_device_capability(out.device) != (9, 0):
         return False
     fp8_ok = all(t.is_cuda and t.dtype in _FP8 and t.dim() == 2 and _tma_ok(t) for t in operands)
-    return fp8_ok and out.dtype in _OUT and out.dim() == 2 and _tma_ok(out)
+    return fp8_ok and out.dtype in _OUT and out.dim() == 2 and _tma_ok(out) and tile_m % BLOCK_M == 0
+
+
+def row_gemm_operands(rows: torch.Tensor, weights: torch.Tensor, gated: bool) -> tuple[tuple, tuple] | None:
+    """(A's halves, B's halves) of a row GEMM as the kernel takes them, 2-D views: the rows [R, K] (or
+    fc1's two column halves of [R, 2K]) and the weights [E, N, K] (or [E, N, 2K]) as [E * N, K]; None
+    where the weights are not contiguous (the Triton kernel takes them)."""
+    if not weights.is_contiguous():
+        return None
+    E, N, width = weights.shape
+    flat = weights.view(E * N, width)
+    if not gated:
+        return (rows,), (flat,)
+    k = width // 2
+    return (rows[:, :k], rows[:, k:]), (flat[:, :k], flat[:, k:])
 
 
 if gluon is not None:
@@ -169,8 +162,9 @@ if gluon is not None:
     def loader(a_descs, b_descs, work, M, N, num_tiles, bufs, bars, ROWS: gl.constexpr):
         """Both operands' K steps for every tile of this program, in order, into the ring. Weight
         gradients: A = left_t at (m0, row), B = right_t at (n0, row). Row GEMMs: A = the rows at
-        (m0, k), B = the expert's weight, flattened [E * N, K], at (expert * N + n0, k), from the
-        descriptors of the step's half (fc1's gate, then its up)."""
+        (m0, k), B = the expert's weight, flattened [E * N, K], at (expert * N + n0, k) (a block past N
+        reads the next expert's rows into output columns the store clips), from the descriptors of
+        the step's half (fc1's gate, then its up)."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         BM: gl.constexpr = a_descs[0].block_type.shape[0]
@@ -204,234 +198,160 @@ if gluon is not None:
     @gluon.jit
     def spread(scale_ptr, offsets, mask, layout: gl.constexpr):
         """Values at scale_ptr + offsets (zeros where not `mask`), loaded one element a thread and then
-        spread to `layout` (an accumulator's slice): neither the addresses nor a second copy of the
-        values stay in registers, which the per-column layout would otherwise hold (it spilled)."""
+        spread to `layout` (an accumulator's column slice): loaded in that layout, each thread held 32
+        values and their 64-bit addresses, and the kernel spilled."""
         values = gl.load(scale_ptr + offsets, mask=mask, other=0.0)
         return gl.convert_layout(values, layout)
 
     @gluon.jit
-    def promote(acc, partial, s, valid, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
-        """acc plus step s's product scaled as the Triton kernels scale it (nothing where not `valid`)."""
-        BM: gl.constexpr = acc.type.shape[0]
-        BN: gl.constexpr = acc.type.shape[1]
+    def tile_scales(acc, expert, m0, n0, first_row, work, M, ROWS: gl.constexpr):
+        """What a tile's promotions read their scales through, computed once a tile: the rows' scale
+        pointers in the accumulator's row slice (two a thread), the rest scalars."""
         BK: gl.constexpr = 128
-        num_warps: gl.constexpr = gl.num_warps()
-        compact: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        # the rows' scales straight into the accumulator's row slice (two a thread); the columns' spread
-        ms = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+        ms = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         if ROWS:
-            # a_scale [rows, halves, K blocks] per row; b_scale [E, halves, N blocks, K blocks]: one per step
-            k_steps, a_scale_ptr, stride_as_r, stride_as_half = work[1], work[4], work[5], work[6]
+            # a_scale [rows, halves, K blocks] per row; b_scale [E, halves, N blocks, K blocks], one per step
+            a_scale_ptr, stride_as_r, stride_as_half = work[4], work[5], work[6]
             b_scale_ptr, stride_bs_e, stride_bs_half, stride_bs_n = work[7], work[8], work[9], work[10]
-            half, kb = s // k_steps, s % k_steps
-            a_offsets = ms * stride_as_r + half * stride_as_half + kb
-            a_scale = gl.load(a_scale_ptr + a_offsets, mask=(ms < M) & valid, other=0.0)
-            b_offset = expert * stride_bs_e + half * stride_bs_half + (n0 // BK) * stride_bs_n + kb
-            b_scale = gl.load(b_scale_ptr + b_offset, mask=valid, other=0.0)
+            tile_ptr = b_scale_ptr + expert * stride_bs_e + (n0 // BK) * stride_bs_n
+            scales = (a_scale_ptr + ms * stride_as_r, ms < M, tile_ptr, stride_as_half, stride_bs_half)
+        else:
+            # both operands' scales [R_pad / 128, M or N], one row per 128-row block: the expert's from
+            # block first_row / 128 on
+            l_scale_ptr, r_scale_ptr, stride_ls, stride_rs = work[2], work[3], work[4], work[5]
+            block = first_row // BK
+            scales = (l_scale_ptr + block * stride_ls + ms, ms < M, r_scale_ptr + block * stride_rs, stride_ls,
+                      stride_rs)  # fmt: skip
+        return scales
+
+    @gluon.jit
+    def promote(acc, partial, s, scales, work, n0, N, ROWS: gl.constexpr):
+        """acc plus step s's product scaled as the Triton kernels scale it."""
+        BN: gl.constexpr = acc.type.shape[1]
+        rows_ptrs, rows_ok = scales[0], scales[1]
+        if ROWS:
+            tile_ptr, stride_as_half, stride_bs_half, k_steps = scales[2], scales[3], scales[4], work[1]
+            second_half = s >= k_steps
+            kb = gl.where(second_half, s - k_steps, s)
+            a_scale = gl.load(rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb, mask=rows_ok, other=0.0)
+            b_scale = gl.load(tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb)
             row_scale = a_scale * b_scale
             acc += partial * row_scale[:, None]
         else:
-            # both operands' scales [R_pad / 128, M or N], one row per 128-row block
-            l_scale_ptr, r_scale_ptr, stride_ls, stride_rs = work[2], work[3], work[4], work[5]
-            block = first_row // BK + s
-            ns = n0 + gl.arange(0, BN, layout=compact)
-            l_scale = gl.load(l_scale_ptr + block * stride_ls + ms, mask=(ms < M) & valid, other=0.0)
-            r_scale = spread(r_scale_ptr, block * stride_rs + ns, (ns < N) & valid, gl.SliceLayout(0, acc.type.layout))
+            cols_ptr, stride_ls, stride_rs = scales[2], scales[3], scales[4]
+            num_warps: gl.constexpr = gl.num_warps()
+            ns = n0 + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            l_scale = gl.load(rows_ptrs + s * stride_ls, mask=rows_ok, other=0.0)
+            r_scale = spread(cols_ptr + s * stride_rs, ns, ns < N, gl.SliceLayout(0, acc.type.layout))
             acc += partial * l_scale[:, None] * r_scale[None, :]
         return acc
 
     @gluon.jit
-    def promoted_sum(acc, bufs, bars, c, steps, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
-        """acc plus one tile's `steps` promoted K steps, read from the ring's positions c, c + 1, ...:
-        step s's MMA is issued before step s - 1's product is scaled and added, so that the promotion
-        runs under an MMA; each stage is freed once its MMA is done."""
-        a_bufs, b_bufs = bufs
-        ready, empty = bars[0], bars[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
-        previous = gl.zeros_like(acc)  # step s - 1's product; scaled by zeros before the first
-        for s in range(steps):
-            idx = (c + s) % S
-            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-            # a fresh accumulator, not read (use_acc=False): a zeros tensor kept across steps would hold registers
-            current = warpgroup_mma(a_bufs.index(idx), b_bufs.index(idx).permute((1, 0)), gl.zeros_like(acc),
-                                    use_acc=False, is_async=True)  # fmt: skip
-            # step s - 1's MMA done (step s's may still run): free its stage, promote its product
-            current, previous = warpgroup_mma_wait(1, deps=(current, previous))
-            mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
-            acc = promote(acc, previous, s - 1, s > 0, expert, m0, n0, first_row, work, M, N, ROWS)
-            previous = current
-        previous = warpgroup_mma_wait(0, deps=(previous,))
-        mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
-        return promote(acc, previous, steps - 1, steps > 0, expert, m0, n0, first_row, work, M, N, ROWS)
-
-    @gluon.jit
-    def finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
+    def finish_half(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
                     BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
-        """The tile through fc2's epilogue where asked (`+ b2[expert]`, `* topk_weights[row_to_tk[r]]`,
-        as `fp8_mlp._fp8_down_fwd_kernel`), then out by wgrad_hopper's asynchronous TMA store, which
-        clips at the output's edges. Row tiles of padding (expert < 0) store nothing."""
+        """A warpgroup's half of a tile through fc2's epilogue where asked (`+ b2[expert]`,
+        `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), then out by wgrad_hopper's
+        asynchronous TMA store, which clips at the output's edges. Row tiles of padding (expert < 0)
+        are neither computed nor stored; padding rows inside a real tile are written, with values of
+        no meaning (the Triton kernels leave them; nothing reads them)."""
         if ROWS:
-            num_warps: gl.constexpr = gl.num_warps()
-            compact: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            BM: gl.constexpr = acc.type.shape[0]
-            BN: gl.constexpr = acc.type.shape[1]
-            if BIAS:
-                bias_ptr, stride_bias_e = epilogue[0], epilogue[1]
-                ns = n0 + gl.arange(0, BN, layout=compact)
-                b2 = spread(bias_ptr + expert * stride_bias_e, ns, ns < N, gl.SliceLayout(0, acc.type.layout))
-                acc += b2.to(gl.float32)[None, :]
-            if ROUTING:
-                topk_weights_ptr, row_to_tk_ptr = epilogue[2], epilogue[3]
-                ms = m0 + gl.arange(0, BM, layout=compact)
-                tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
-                w = spread(topk_weights_ptr, tk, tk >= 0, gl.SliceLayout(1, acc.type.layout))
-                acc = acc * w[:, None]
             if expert >= 0:
+                num_warps: gl.constexpr = gl.num_warps()
+                compact: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+                if BIAS:
+                    bias_ptr, stride_bias_e = epilogue[0], epilogue[1]
+                    ns = n0 + gl.arange(0, acc.type.shape[1], layout=compact)
+                    b2 = spread(bias_ptr + expert * stride_bias_e, ns, ns < N, gl.SliceLayout(0, acc.type.layout))
+                    acc += b2.to(gl.float32)[None, :]
+                if ROUTING:
+                    topk_weights_ptr, row_to_tk_ptr = epilogue[2], epilogue[3]
+                    ms = m0 + gl.arange(0, acc.type.shape[0], layout=compact)
+                    tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
+                    w = spread(topk_weights_ptr, tk, tk >= 0, gl.SliceLayout(1, acc.type.layout))
+                    acc = acc * w[:, None]
                 store_tile(out_desc, c_smem, acc, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
         else:
             store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
-    def multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                   BIAS: gl.constexpr, ROUTING: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """The cooperative schedule: all the default partition's warps share each tile."""
-        BM: gl.constexpr = c_smem.type.shape[0]
+    def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
+                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+        """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program. Each K step:
+        wait for the stage, its MMA, wait for that, free the stage (once both warpgroups have: the
+        empty barriers count two), promote. The product's registers are reused by every MMA (not read:
+        use_acc=False), so nothing is copied or in flight across the loop."""
+        a_bufs, b_bufs = bufs
+        ready, empty = bars[0], bars[1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        HALF: gl.constexpr = c_smem.type.shape[0]
         BN: gl.constexpr = c_smem.type.shape[1]
-        BK: gl.constexpr = bufs[0].type.shape[2]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32]
-        )
-        c = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-            acc = promoted_sum(acc, bufs, bars, c, steps, expert, m0, n0, first_row, work, M, N, ROWS)
-            finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
-            c += steps
-        tma.store_wait(0)
-
-    @gluon.jit
-    def pingpong_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                            BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
-        """The ping-pong schedule: one of two MMA warpgroups taking this program's tiles in turn (tile i:
-        warpgroup i % 2), their main loops alternating on `turn` barriers as in wgrad_hopper.py's (a
-        stage's ready barrier is waited on by parity, which tells phase k from k - 2 but not k - 1)."""
-        turn = bars[2]
-        BM: gl.constexpr = c_smem.type.shape[0]
-        BN: gl.constexpr = c_smem.type.shape[1]
-        BK: gl.constexpr = bufs[0].type.shape[2]
+        BM: gl.constexpr = 2 * HALF
+        BK: gl.constexpr = a_bufs.type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 32])  # fmt: skip
+        partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
         c = 0
-        i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            if i % 2 == WHICH:
-                k = i // 2
-                mbarrier.wait(turn.index(WHICH), (k & 1) ^ (1 - WHICH))
-                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-                acc = promoted_sum(acc, bufs, bars, c, steps, expert, m0, n0, first_row, work, M, N, ROWS)
-                mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's main loop may start
-                finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
+            m_half = m0 + WHICH * HALF
+            acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, ROWS)
+            for s in range(steps):
+                idx = (c + s) % S
+                mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+                partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
+                                        b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
+                mbarrier.arrive(empty.index(idx), count=1)
+                acc = promote(acc, partial, s, scales, work, n0, N, ROWS)
+            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
-            i += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def ring(a_desc, b_desc, STAGES: gl.constexpr):
-        """The operands' shared-memory stages and their ready (loaded) and empty (consumed) barriers."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        return (a_bufs, b_bufs), (ready, empty)
-
-    @gluon.jit
-    def cooperative_kernel(
-        a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        bufs, bars = ring(a0_desc, b0_desc, STAGES)
-        c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        gl.warp_specialize(
-            [
-                (multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS, BIAS, ROUTING,
-                              num_warps)),  # fmt: skip
-                (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
-            ],
-            [LOADER_WARPS],
-            [LOADER_REGS],
-        )
-
-    @gluon.jit
-    def pingpong_kernel(
+    def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        bufs, bars = ring(a0_desc, b0_desc, STAGES)
+        a_bufs = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape, b0_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # freed once both MMA warpgroups have read it
         c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        turns = (bars[0], bars[1], turn)
+        bufs, bars = (a_bufs, b_bufs), (ready, empty)
         gl.warp_specialize(
             [
-                (pingpong_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, turns, c0_smem, ROWS, BIAS,
-                                       ROUTING, 0)),  # fmt: skip
-                (pingpong_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, turns, c1_smem, ROWS, BIAS,
-                                       ROUTING, 1)),  # fmt: skip
+                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
+                                   ROUTING, 0)),  # fmt: skip
+                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
+                                   ROUTING, 1)),  # fmt: skip
                 (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
             [MMA_REGS, LOADER_REGS],
         )
 
-    # One launchable kernel per kind and schedule, so that a profile names what ran (the same bodies).
+    # One launchable kernel per kind, so that a profile names what ran (the same body).
 
     @gluon.jit
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 num_warps: gl.constexpr):  # fmt: skip
-        cooperative_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                           ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, num_warps)  # fmt: skip
+                                 MMA_REGS: gl.constexpr):  # fmt: skip
+        kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                num_warps: gl.constexpr):  # fmt: skip
-        cooperative_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                           ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, num_warps)  # fmt: skip
-
-    @gluon.jit
-    def _fp8_wgrad_hopper_pingpong_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N,
-                                          num_tiles, BIAS: gl.constexpr, ROUTING: gl.constexpr,
-                                          C_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                                          LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr):  # fmt: skip
-        pingpong_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                        ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
-
-    @gluon.jit
-    def _fp8_rows_hopper_pingpong_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N,
-                                         num_tiles, BIAS: gl.constexpr, ROUTING: gl.constexpr,
-                                         C_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                                         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr):  # fmt: skip
-        pingpong_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                        ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
-
-    KERNELS = {
-        (False, False): _fp8_wgrad_hopper_kernel,
-        (True, False): _fp8_rows_hopper_kernel,
-        (False, True): _fp8_wgrad_hopper_pingpong_kernel,
-        (True, True): _fp8_rows_hopper_pingpong_kernel,
-    }
+                                MMA_REGS: gl.constexpr):  # fmt: skip
+        kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -448,78 +368,70 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
-def kernel_arguments(plan: Schedule, out_dtype: torch.dtype, rows: bool, bias: bool = False,
+def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
                      routing: bool = False) -> tuple[object, dict]:  # fmt: skip
-    """(the Gluon kernel, its constexprs) for this schedule, output dtype and kind (row GEMM or weight
-    gradient; fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles
-    for sm_90 without a GPU."""
+    """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
+    fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles for sm_90
+    without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
-        "C_LAYOUT": shared_layout((plan.block_m, plan.block_n), out_dtype),
-        "STAGES": stages_for(plan, out_dtype),
+        "C_LAYOUT": shared_layout((HALF_M, BLOCK_N), out_dtype),
+        "STAGES": stages_for(out_dtype),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
+        "MMA_REGS": MMA_REGS,
     }
-    if plan.pingpong:
-        constexprs["MMA_REGS"] = PINGPONG_MMA_REGS
-    else:
-        constexprs["num_warps"] = plan.num_warps
-    return KERNELS[rows, plan.pingpong], constexprs
+    return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), shared_layout(block, t.dtype))
 
 
-def _launch(plan: Schedule, a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple, M: int, N: int,
-            num_tiles: int, rows: bool, bias: bool = False, routing: bool = False) -> None:  # fmt: skip
+def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple, M: int, N: int, num_tiles: int,
+            rows: bool, bias: bool = False, routing: bool = False) -> None:  # fmt: skip
     """One persistent launch over num_tiles tiles: a and b the one or two (fc1's halves) 2-D operand
     views, out the 3-D output (dW [E, M, N], or the rows as [1, R, N])."""
     if num_tiles == 0:
         return
-    a_descs = [_descriptor(t, (plan.block_m, BLOCK_K)) for t in a]
-    b_descs = [_descriptor(t, (plan.block_n, BLOCK_K)) for t in b]
-    kernel, constexprs = kernel_arguments(plan, out.dtype, rows, bias, routing)
-    constexprs.pop("num_warps", None)
+    a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
+    b_descs = [_descriptor(t, (BLOCK_N, BLOCK_K)) for t in b]
+    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
     grid = (min(num_tiles, _num_sms(out.device.index)),)
     kernel[grid](
-        a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, plan.block_m, plan.block_n)), work,
-        epilogue, M, N, num_tiles, num_warps=plan.num_warps, maxnreg=plan.max_regs, **constexprs,
+        a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,
+        M, N, num_tiles, num_warps=4, maxnreg=MAX_REGS, **constexprs,
     )  # fmt: skip
 
 
 def fp8_wgrad_hopper(
     left_t: torch.Tensor, left_scale_inv: torch.Tensor, right_t: torch.Tensor, right_scale_inv: torch.Tensor,
-    d_w: torch.Tensor, expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, schedule: str = "cooperative",
+    d_w: torch.Tensor, expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor,
 ) -> None:  # fmt: skip
     """d_w [E, M, N] (contiguous) = `fp8_mlp.fp8_wgrad`'s sums from the same operands (left_t [M, R_pad],
-    right_t [N, R_pad], scales [R_pad / 128, M] and [R_pad / 128, N], expert offsets multiples of 128),
-    under one of SCHEDULES. Call only where `usable((left_t, right_t), d_w.flatten(0, 1))`."""
-    plan = SCHEDULES[schedule]
+    right_t [N, R_pad], scales [R_pad / 128, M] and [R_pad / 128, N], expert offsets multiples of 128).
+    Call only where `usable((left_t, right_t), d_w.flatten(0, 1))`."""
     E, M, N = d_w.shape
     work = (expert_offsets, tokens_per_expert, left_scale_inv, right_scale_inv, left_scale_inv.stride(0),
             right_scale_inv.stride(0))  # fmt: skip
-    num_tiles = E * cdiv(M, plan.block_m) * cdiv(N, plan.block_n)
-    _launch(plan, (left_t,), (right_t,), d_w, work, (), M, N, num_tiles, rows=False)
+    _launch((left_t,), (right_t,), d_w, work, (), M, N, E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), rows=False)
 
 
 def fp8_rows_hopper(
     a_halves: tuple[torch.Tensor, ...], a_scale_inv: torch.Tensor, b_halves: tuple[torch.Tensor, ...],
     b_scale_inv: torch.Tensor, out: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int,
-    schedule: str = "cooperative", down_bias: torch.Tensor | None = None,
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    down_bias: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:  # fmt: skip
-    """out [R_pad, N] = for each row r of expert e (tile_to_expert per tile_m rows; < 0: padding, left
-    untouched), the sum over halves h, then K blocks kb, of a_halves[h][r, kb] . B_h[e, :, kb]^T,
-    scaled by a_scale_inv[r, h, kb] and b_scale_inv[e, h, n // 128, kb]: `fp8_mlp.fp8_down_fwd`'s
-    sums (one half: A_q [R_pad, I] and W2_q) and `fp8_gate_up_dgrad`'s (fc1's two halves of dh_q
-    and of W13's transposed copy). a_halves: 2-D [R_pad, K] views; b_halves: the weights as 2-D
-    [E * N, K] views; a_scale_inv [R_pad, halves, K blocks] and b_scale_inv [E, halves, N blocks,
-    K blocks] (either with a unit dimension for halves). With down_bias (b2 [E, N]) and routing
+    """out [R_pad, N] = for each row r of expert e (tile_to_expert per tile_m rows), the sum over halves
+    h, then K blocks kb, of a_halves[h][r, kb] . B_h[e, :, kb]^T, scaled by a_scale_inv[r, h, kb] and
+    b_scale_inv[e, h, n // 128, kb]: `fp8_mlp.fp8_down_fwd`'s sums (one half: A_q [R_pad, I] and W2_q)
+    and `fp8_gate_up_dgrad`'s (fc1's two halves of dh_q and of W13's transposed copy), from
+    `row_gemm_operands`. a_scale_inv [R_pad, halves, K blocks] and b_scale_inv [E, halves, N blocks, K
+    blocks] (either may lack the halves' dimension). With down_bias (b2 [E, N]) and routing
     (topk_weights [T, K] fp32, row_to_tk), fc2's epilogue: (acc + b2[e]) * topk_weights[row_to_tk[r]].
-    Call only where `usable(a_halves + b_halves, out)`."""
-    plan = SCHEDULES[schedule]
+    Padding tiles are left as they are; padding rows inside a tile get values of no meaning. Call only
+    where `usable(a_halves + b_halves, out, tile_m)`."""
     R, N = out.shape
     halves, k_steps = len(a_halves), cdiv(a_halves[0].shape[1], BLOCK_K)
     a_s = a_scale_inv.reshape(R, halves, -1)
@@ -529,6 +441,5 @@ def fp8_rows_hopper(
     topk, row_to_tk = routing if routing is not None else (out, out)  # not read without the epilogue
     epilogue = (down_bias if down_bias is not None else out, 0 if down_bias is None else down_bias.stride(0), topk,
                 row_to_tk)  # fmt: skip
-    num_tiles = R // plan.block_m * cdiv(N, plan.block_n)
-    _launch(plan, a_halves, b_halves, out.unsqueeze(0), work, epilogue, R, N, num_tiles, rows=True,
+    _launch(a_halves, b_halves, out.unsqueeze(0), work, epilogue, R, N, R // BLOCK_M * cdiv(N, BLOCK_N), rows=True,
             bias=down_bias is not None, routing=routing is not None)  # fmt: skip

@@ -308,7 +308,7 @@ def fp8_down_fwd(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] in out_dtype = w_r * (A_q[r] @ W2_q[e]^T, block-scaled, + b2_e), from A_q ([R_pad, I],
-    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales). On Hopper, where `MOK_HOPPER_FP8_ROWS` asks
+    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales). On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks
     for it, the Gluon kernel (fp8_hopper.py)."""
     check_tensor("a_q", a_q, 2)
     check_tensor("w2_q", w2_q, 3, a_q.dtype)
@@ -316,11 +316,13 @@ def fp8_down_fwd(
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
-    hopper = fp8_hopper.requested_schedule(fp8_hopper.ROWS_SETTING)
-    if hopper is not None and fp8_hopper.usable((a_q, w2_q.view(E * H, I)), y):
-        fp8_hopper.fp8_rows_hopper((a_q,), a_scale_inv, (w2_q.view(E * H, I),), w2_scale_inv, y, tile_to_expert, tile_m,
-                                   hopper, down_bias=down_bias, routing=(topk_weights, row_to_tk))  # fmt: skip
-        return y
+    if fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
+        operands = fp8_hopper.row_gemm_operands(a_q, w2_q, gated=False)
+        if operands is not None and fp8_hopper.usable(operands[0] + operands[1], y, tile_m):
+            rows, weights = operands
+            fp8_hopper.fp8_rows_hopper(rows, a_scale_inv, weights, w2_scale_inv, y, tile_to_expert, tile_m,
+                                       down_bias=down_bias, routing=(topk_weights, row_to_tk))  # fmt: skip
+            return y
     grid, meta, block_n = _row_tiles("down_fwd", num_rows, H, tile_m)
     if grid[0]:
         _fp8_down_fwd_kernel[grid](
@@ -576,19 +578,18 @@ def fp8_gate_up_dgrad(
 ) -> torch.Tensor:  # fmt: skip
     """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half; W13's transposed
     FP8 copy [E, H, N1], scales [E, halves, cdiv(H, 128), cdiv(I, 128)]); summed over k by
-    combine.combine_rows. On Hopper, where `MOK_HOPPER_FP8_ROWS` asks for it, the Gluon kernel
+    combine.combine_rows. On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks for it, the Gluon kernel
     (fp8_hopper.py)."""
     E, H, N1 = w13t_q.shape
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
-    hopper = fp8_hopper.requested_schedule(fp8_hopper.ROWS_SETTING)
-    w13t_rows = w13t_q.view(E * H, N1)
-    a_halves = (dh_q[:, :I], dh_q[:, I:]) if gated else (dh_q,)
-    b_halves = (w13t_rows[:, :I], w13t_rows[:, I:]) if gated else (w13t_rows,)
-    if hopper is not None and fp8_hopper.usable(a_halves + b_halves, dx):
-        fp8_hopper.fp8_rows_hopper(a_halves, dh_scale_inv, b_halves, w13t_scale_inv, dx, tile_to_expert, tile_m, hopper)
-        return dx
+    if fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
+        operands = fp8_hopper.row_gemm_operands(dh_q, w13t_q, gated)
+        if operands is not None and fp8_hopper.usable(operands[0] + operands[1], dx, tile_m):
+            fp8_hopper.fp8_rows_hopper(operands[0], dh_scale_inv, operands[1], w13t_scale_inv, dx, tile_to_expert,
+                                       tile_m)  # fmt: skip
+            return dx
     grid, meta, block_n = _row_tiles("gate_up_dgrad", num_rows, H, tile_m)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
@@ -608,14 +609,13 @@ def fp8_wgrad(
     128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
     scales [R_pad / 128, M] and [R_pad / 128, N]). expert_offsets must be multiples of 128 (a
     schedule with tile_m a multiple of 128, which fp8_down_dgrad checks): the kernel relies on it.
-    On Hopper, where `MOK_HOPPER_FP8_WGRAD` asks for it, the Gluon kernel (fp8_hopper.py)."""
+    On Hopper, where `MOK_HOPPER_FP8_WGRAD=1` asks for it, the Gluon kernel (fp8_hopper.py)."""
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
-    hopper = fp8_hopper.requested_schedule(fp8_hopper.WGRAD_SETTING)
-    if hopper is not None and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
+    if fp8_hopper.enabled(fp8_hopper.WGRAD_SETTING) and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
         fp8_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
-                                    tokens_per_expert, hopper)  # fmt: skip
+                                    tokens_per_expert)  # fmt: skip
         return d_w
     tiles = _tiles("wgrad")
     block_m, block_n = tiles.pop("BLOCK_M"), tiles.pop("BLOCK_N")
