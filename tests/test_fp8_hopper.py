@@ -175,13 +175,21 @@ WGRAD_CASES = [
     pytest.param(200, 72, 8, 700, 3, "uniform", "e4m3", "e4m3", id="M_N_not_tile_multiples"),
     pytest.param(384, 256, 4, 900, 2, "one_expert", "e5m2", "e4m3", id="hybrid_many_blocks"),
     pytest.param(128, 128, 32, 1, 4, "uniform", "e4m3", "e4m3", id="T1_mostly_empty"),
+    pytest.param(192, 256, 4, 900, 2, "one_expert", "e4m3", "e4m3", id="second_half_past_M"),
 ]
+
+# Persistent programs a launch: as many as tiles fit (one per SM), and few, so that each program
+# walks many tiles and the ring wraps (its phases, the output buffers' reuse after a store)
+PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs")]
 
 
 @hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
-def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, out_dtype, M, N, E, T, K, kind, left, right):
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, programs, out_dtype, M, N, E, T, K, kind, left,
+                                                    right):  # fmt: skip
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
     want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
     launches = _counting(monkeypatch, "fp8_wgrad_hopper")
@@ -218,13 +226,16 @@ ROWS_CASES = [
     pytest.param(256, 192, 8, 600, 2, "skewed", id="partial_K_block_skewed"),
     pytest.param(200, 256, 6, 700, 3, "uniform", id="H_not_a_tile_multiple"),
     pytest.param(384, 128, 32, 1, 4, "uniform", id="T1_mostly_padding"),
+    pytest.param(256, 1024, 4, 800, 2, "uniform", id="more_steps_than_stages"),
 ]
 
 
 @hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, bias, H, I, E, T, K, kind):
+def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, programs, bias, H, I, E, T, K, kind):
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, a, a_s, w2, w2_s, g = _rows_case(H, I, E, T, K, kind, gated=False, a_fmt="e4m3")
     weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
     b2 = (torch.randn(E, H, generator=g) * 0.5).cuda().bfloat16() if bias else None
@@ -244,9 +255,11 @@ def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, bias, H, I, E, T, K,
 
 
 @hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("gated, a_fmt", [(True, "e4m3"), (True, "e5m2"), (False, "e4m3")])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, gated, a_fmt, H, I, E, T, K, kind):
+def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt, H, I, E, T, K, kind):
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, dh, dh_s, w13, w13_s, _ = _rows_case(H, I, E, T, K, kind, gated=gated, a_fmt=a_fmt)
 
     def dgrad():
@@ -287,6 +300,8 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     b2 = (torch.randn(E, H, generator=g) * 0.1).cuda().bfloat16() if family.fc2_bias else None
     d_out = torch.randn(T, H, generator=g).cuda().bfloat16()
     results = {}
+    wgrad_launches = _counting(monkeypatch, "fp8_wgrad_hopper")
+    rows_launches = _counting(monkeypatch, "fp8_rows_hopper")
     for setting in ("0", "1"):
         for name in SETTINGS:
             monkeypatch.setenv(name, setting)
@@ -297,3 +312,5 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     for name, want in results["0"].items():
         if want is not None:
             assert torch.equal(results["1"][name], want), name
+    assert len(wgrad_launches) == 2  # dW13 and dW2, in the second run only
+    assert len(rows_launches) == (0 if I % 16 else 2)  # fc2's forward and fc1's dgrad, where TMA can read them

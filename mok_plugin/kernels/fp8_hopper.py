@@ -71,6 +71,7 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
+PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
 def stages_for(out_dtype: torch.dtype) -> int:
@@ -196,17 +197,10 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def spread(scale_ptr, offsets, mask, layout: gl.constexpr):
-        """Values at scale_ptr + offsets (zeros where not `mask`), loaded one element a thread and then
-        spread to `layout` (an accumulator's column slice): loaded in that layout, each thread held 32
-        values and their 64-bit addresses, and the kernel spilled."""
-        values = gl.load(scale_ptr + offsets, mask=mask, other=0.0)
-        return gl.convert_layout(values, layout)
-
-    @gluon.jit
-    def tile_scales(acc, expert, m0, n0, first_row, work, M, ROWS: gl.constexpr):
-        """What a tile's promotions read their scales through, computed once a tile: the rows' scale
-        pointers in the accumulator's row slice (two a thread), the rest scalars."""
+    def tile_scales(acc, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
+        """What a tile's steps read their scales through, computed once a tile: the rows' scale pointers
+        in the accumulator's row slice (two a thread), the columns' (weight gradients) one a thread in
+        a compact layout, the rest scalars."""
         BK: gl.constexpr = 128
         ms = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         if ROWS:
@@ -220,14 +214,17 @@ if gluon is not None:
             # block first_row / 128 on
             l_scale_ptr, r_scale_ptr, stride_ls, stride_rs = work[2], work[3], work[4], work[5]
             block = first_row // BK
-            scales = (l_scale_ptr + block * stride_ls + ms, ms < M, r_scale_ptr + block * stride_rs, stride_ls,
-                      stride_rs)  # fmt: skip
+            num_warps: gl.constexpr = gl.num_warps()
+            ns = n0 + gl.arange(0, acc.type.shape[1], layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            scales = (l_scale_ptr + block * stride_ls + ms, ms < M, r_scale_ptr + block * stride_rs + ns, ns < N,
+                      stride_ls, stride_rs)  # fmt: skip
         return scales
 
     @gluon.jit
-    def promote(acc, partial, s, scales, work, n0, N, ROWS: gl.constexpr):
-        """acc plus step s's product scaled as the Triton kernels scale it."""
-        BN: gl.constexpr = acc.type.shape[1]
+    def step_scales(s, scales, work, ROWS: gl.constexpr):
+        """Step s's scales as loaded, issued before its stage is waited on so that their latency runs
+        under the wait and the MMA: the rows' (in the row slice) times B's one (row GEMMs), or the rows'
+        and the columns' (compact; spread to the column slice by `promote`)."""
         rows_ptrs, rows_ok = scales[0], scales[1]
         if ROWS:
             tile_ptr, stride_as_half, stride_bs_half, k_steps = scales[2], scales[3], scales[4], work[1]
@@ -235,16 +232,33 @@ if gluon is not None:
             kb = gl.where(second_half, s - k_steps, s)
             a_scale = gl.load(rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb, mask=rows_ok, other=0.0)
             b_scale = gl.load(tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb)
-            row_scale = a_scale * b_scale
-            acc += partial * row_scale[:, None]
+            values = a_scale * b_scale
         else:
-            cols_ptr, stride_ls, stride_rs = scales[2], scales[3], scales[4]
-            num_warps: gl.constexpr = gl.num_warps()
-            ns = n0 + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            cols_ptrs, cols_ok, stride_ls, stride_rs = scales[2], scales[3], scales[4], scales[5]
             l_scale = gl.load(rows_ptrs + s * stride_ls, mask=rows_ok, other=0.0)
-            r_scale = spread(cols_ptr + s * stride_rs, ns, ns < N, gl.SliceLayout(0, acc.type.layout))
+            values = (l_scale, gl.load(cols_ptrs + s * stride_rs, mask=cols_ok, other=0.0))
+        return values
+
+    @gluon.jit
+    def promote(acc, partial, values, ROWS: gl.constexpr):
+        """acc plus a step's product scaled as the Triton kernels scale it: `partial * row_scale[:, None]`
+        with row_scale = a_scale * b_scale (row GEMMs), `partial * l[:, None] * r[None, :]` (weight
+        gradients; the columns' scales, loaded one a thread, spread to the column slice here: loaded in
+        that layout, each thread held 32 of them and their 64-bit addresses, and the kernel spilled)."""
+        if ROWS:
+            acc += partial * values[:, None]
+        else:
+            l_scale = values[0]
+            r_scale = gl.convert_layout(values[1], gl.SliceLayout(0, acc.type.layout))
             acc += partial * l_scale[:, None] * r_scale[None, :]
         return acc
+
+    @gluon.jit
+    def spread(scale_ptr, offsets, mask, layout: gl.constexpr):
+        """Values at scale_ptr + offsets (zeros where not `mask`), loaded one element a thread and then
+        spread to `layout` (one of the accumulator's slices)."""
+        values = gl.load(scale_ptr + offsets, mask=mask, other=0.0)
+        return gl.convert_layout(values, layout)
 
     @gluon.jit
     def finish_half(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
@@ -295,14 +309,15 @@ if gluon is not None:
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             m_half = m0 + WHICH * HALF
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, ROWS)
+            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
             for s in range(steps):
                 idx = (c + s) % S
+                values = step_scales(s, scales, work, ROWS)
                 mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
                 partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
                                         b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
                 mbarrier.arrive(empty.index(idx), count=1)
-                acc = promote(acc, partial, s, scales, work, n0, N, ROWS)
+                acc = promote(acc, partial, values, ROWS)
             finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
@@ -398,7 +413,7 @@ def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple,
     a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
     b_descs = [_descriptor(t, (BLOCK_N, BLOCK_K)) for t in b]
     kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
-    grid = (min(num_tiles, _num_sms(out.device.index)),)
+    grid = (min(num_tiles, PROGRAMS or _num_sms(out.device.index)),)
     kernel[grid](
         a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,
         M, N, num_tiles, num_warps=4, maxnreg=MAX_REGS, **constexprs,
@@ -433,6 +448,8 @@ def fp8_rows_hopper(
     Padding tiles are left as they are; padding rows inside a tile get values of no meaning. Call only
     where `usable(a_halves + b_halves, out, tile_m)`."""
     R, N = out.shape
+    if R == 0 or N == 0:
+        return
     halves, k_steps = len(a_halves), cdiv(a_halves[0].shape[1], BLOCK_K)
     a_s = a_scale_inv.reshape(R, halves, -1)
     b_s = b_scale_inv.reshape(b_scale_inv.shape[0], halves, *b_scale_inv.shape[-2:])

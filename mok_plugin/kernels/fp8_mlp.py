@@ -316,7 +316,7 @@ def fp8_down_fwd(
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
-    if fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
+    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
         operands = fp8_hopper.row_gemm_operands(a_q, w2_q, gated=False)
         if operands is not None and fp8_hopper.usable(operands[0] + operands[1], y, tile_m):
             rows, weights = operands
@@ -584,7 +584,7 @@ def fp8_gate_up_dgrad(
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
-    if fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
+    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
         operands = fp8_hopper.row_gemm_operands(dh_q, w13t_q, gated)
         if operands is not None and fp8_hopper.usable(operands[0] + operands[1], dx, tile_m):
             fp8_hopper.fp8_rows_hopper(operands[0], dh_scale_inv, operands[1], w13t_scale_inv, dx, tile_to_expert,
@@ -613,7 +613,8 @@ def fp8_wgrad(
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
-    if fp8_hopper.enabled(fp8_hopper.WGRAD_SETTING) and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
+    hopper = scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.WGRAD_SETTING)
+    if hopper and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
         fp8_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
                                     tokens_per_expert)  # fmt: skip
         return d_w
