@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mok_plugin.config import MoKConfigError
-from mok_plugin.run.planner import GIB, layer_time, memory_per_gpu
+from mok_plugin.run.planner import GIB, expert_rate_tflops, layer_time, memory_per_gpu
 from mok_plugin.run.topology import MACHINES, RunConfig, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +150,20 @@ def test_fp8_experts_take_the_fp8_rate_and_keep_weight_copies():
     m_bf16, m_fp8 = memory_per_gpu(bf16), memory_per_gpu(fp8)
     shared = 29 * 3 * 7168 * 2048
     assert m_fp8.mok_buffers_gib - m_bf16.mok_buffers_gib == pytest.approx(2 * (m_bf16.expert_params + shared) / GIB)
+
+
+def test_fp8_on_hopper_takes_the_measured_speed_not_the_fp8_peak():
+    # MoK's FP8 experts measured on the H200 run under bf16's speed (their GEMMs at bf16's rate,
+    # BENCHMARKS.md): a plan on a Hopper machine takes that, not the datasheet's 2x.
+    data = yaml.safe_load((TOPOLOGIES / "qwen3-30b-a3b_hgx-h200_ep8.yaml").read_text())
+    data["mok"].pop("fp8", None)
+    bf16 = RunConfig(**data)
+    data["mok"]["fp8"] = "e4m3"
+    t_bf16, t_fp8 = layer_time(bf16), layer_time(RunConfig(**data))
+    speedup = MACHINES["hgx-h200"].fp8_speedup
+    assert speedup is not None and speedup < 1
+    assert t_fp8.expert_ms == pytest.approx(t_bf16.expert_ms / speedup)
+    assert expert_rate_tflops(MACHINES["hgx-h200"], fp8=True) < MACHINES["hgx-h200"].bf16_tflops
+    # Blackwell: not measured, the dense FP8 rate
+    assert MACHINES["gb300-nvl72"].fp8_speedup is None
+    assert expert_rate_tflops(MACHINES["gb300-nvl72"], fp8=True) == MACHINES["gb300-nvl72"].fp8_tflops

@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(f"    parameters here: {mem.expert_params / 1e9:.2f} B routed-expert, {mem.dense_params / 1e9:.2f} B other")
     print(f"\n  one MoE layer, forward + backward, one micro-batch ({T} tokens per GPU, top-{m.top_k})")
     at = f"at {args.efficiency:.0%} of peak"
-    precision = "FP8" if run.mok_config().fp8 is not None else "bf16"
+    precision = "bf16"
+    if run.mok_config().fp8 is not None:
+        speedup = hw.fp8_speedup
+        precision = (f"FP8: {speedup:g}x bf16's speed, as measured on {hw.gpu}" if speedup is not None
+                     else "FP8 at the dense FP8 rate: not measured on this GPU")  # fmt: skip
     print(f"    expert GEMMs   {t.expert_flops / 1e12:9.2f} TFLOP   {t.expert_ms:8.2f} ms {at} ({precision})")
     print(f"    exchange       {t.exchange_bytes / 1e9:9.3f} GB      {t.exchange_ms:8.2f} ms over {t.link}"
           + (f" at {t.link_gb_s:g} GB/s" if t.link_gb_s else ""))  # fmt: skip

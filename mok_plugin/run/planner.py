@@ -37,8 +37,10 @@ context).
 Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
   expert FLOPs  3 passes x 2 FLOPs x T K rows x M / expert_tp (forward 2 M per row, backward twice
                 the forward: 18 T K H I for SwiGLU, 12 T K H I for a plain MLP; bias adds and the
-                activation are not counted), at `efficiency` x the machine's dense bf16 rate, or its
-                dense FP8 rate with mok.fp8 (the exchange stays bf16: MoK quantises after dispatch)
+                activation are not counted), at `efficiency` x the machine's dense bf16 rate; with
+                mok.fp8, that rate times MoK's FP8 speed-up measured on the GPU (`fp8_speedup`: under
+                1 on Hopper today), or the dense FP8 rate where none is measured (the exchange stays
+                bf16: MoK quantises after dispatch)
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
                 sent per GPU, over NVLink when the EP group fits one NVLink domain, else the
                 scale-out network (per-direction datasheet rates, run/sections.py); a run whose exchange would
@@ -63,6 +65,7 @@ __all__ = [
     "PlannedRun",
     "exchange_link",
     "expert_params",
+    "expert_rate_tflops",
     "layer_time",
     "memory_per_gpu",
 ]
@@ -173,6 +176,14 @@ def exchange_link(run: PlannedRun) -> tuple[str, str, float]:
     return "scale-out", "scale_out_gb_s", hw.scale_out_gb_s
 
 
+def expert_rate_tflops(hw: Machine, fp8: bool) -> float:
+    """The rate the expert GEMMs are planned at before `efficiency`: the dense bf16 rate, or with FP8
+    the bf16 rate times the measured `fp8_speedup` (the dense FP8 rate where none is measured)."""
+    if not fp8:
+        return hw.bf16_tflops
+    return hw.fp8_tflops if hw.fp8_speedup is None else hw.bf16_tflops * hw.fp8_speedup
+
+
 def layer_time(run: PlannedRun, efficiency: float = 0.6) -> LayerTime:
     """The MoE-layer time estimate of the module docstring (forward + backward, one micro-batch).
 
@@ -185,7 +196,7 @@ def layer_time(run: PlannedRun, efficiency: float = 0.6) -> LayerTime:
     p, m, hw = run.parallel, run.model, run.hardware
     T, H, K, I = _tokens(run), m.hidden_size, m.top_k, m.ffn_hidden_size
     flops = 3 * 2 * T * K * m.expert_family.gemm_macs_per_row(H, I) / p.expert_tp
-    rate = hw.fp8_tflops if run.mok_config().fp8 is not None else hw.bf16_tflops
+    rate = expert_rate_tflops(hw, run.mok_config().fp8 is not None)
     expert_ms = flops / (efficiency * rate * 1e12) * 1e3
     exchange = 4 * T * K * H * 2 * (p.ep - 1) / p.ep
     link, rate_field, rate = exchange_link(run)

@@ -46,6 +46,12 @@ class Machine(BaseModel):
     hbm_tb_s: float = Field(gt=0)
     bf16_tflops: float = Field(gt=0, description="Dense bf16 tensor-core rate.")
     fp8_tflops: float = Field(gt=0, description="Dense FP8 tensor-core rate (mok.fp8's expert GEMMs).")
+    fp8_speedup: float | None = Field(
+        default=None, gt=0,
+        description="MoK's FP8 experts' measured speed against its bf16 experts on this GPU (forward + backward, "
+                    "the weights' FP8 copies kept as within a step); None where not measured: the planner then "
+                    "takes the dense FP8 rate.",
+    )  # fmt: skip
     nvlink_gb_s: float = Field(ge=0, description="NVLink bandwidth per GPU, one direction.")
     scale_out_gb_s: float = Field(ge=0, description="Network bandwidth per GPU, one direction.")
     source: str
@@ -84,6 +90,11 @@ _H100 = (
     f"{_AIC}h100_sxm.yaml), FP8 3,958 with sparsity (1,979 dense); " + _DGX_HOPPER
 )
 
+# mok.fp8 on Hopper (sm_90, the H200's kernels on the H100 too): bf16 time / FP8 time, forward + backward
+# with the weights kept, 0.90-0.93 on qwen3-30b-a3b, mixtral-8x7b and deepseek-v3 (BENCHMARKS.md, "FP8,
+# f3-f5", commit d9c430a): the FP8 GEMMs still run at bf16's rate. Remeasure when the FP8 kernels change.
+HOPPER_FP8_SPEEDUP = 0.90
+
 MACHINES: dict[str, Machine] = {
     m.name: m
     for m in (
@@ -92,11 +103,11 @@ MACHINES: dict[str, Machine] = {
         Machine(name="gb200-nvl72", gpu="GB200", nvlink_domain=72, hbm_gib=185.0, hbm_tb_s=8.0, bf16_tflops=2500,
                 fp8_tflops=5000, nvlink_gb_s=900, scale_out_gb_s=50, source=_GB200),
         Machine(name="hgx-h200", gpu="H200", nvlink_domain=8, hbm_gib=141.0, hbm_tb_s=4.8, bf16_tflops=989,
-                fp8_tflops=1979, nvlink_gb_s=450, scale_out_gb_s=50, source=_H200),
+                fp8_tflops=1979, fp8_speedup=HOPPER_FP8_SPEEDUP, nvlink_gb_s=450, scale_out_gb_s=50, source=_H200),
         Machine(name="hgx-h100", gpu="H100", nvlink_domain=8, hbm_gib=80.0, hbm_tb_s=3.35, bf16_tflops=989,
-                fp8_tflops=1979, nvlink_gb_s=450, scale_out_gb_s=50, source=_H100),
+                fp8_tflops=1979, fp8_speedup=HOPPER_FP8_SPEEDUP, nvlink_gb_s=450, scale_out_gb_s=50, source=_H100),
         Machine(name="h200-measured", gpu="H200", nvlink_domain=1, hbm_gib=139.8, hbm_tb_s=4.1, bf16_tflops=742,
-                fp8_tflops=1484, nvlink_gb_s=0, scale_out_gb_s=0,
+                fp8_tflops=1484, fp8_speedup=HOPPER_FP8_SPEEDUP, nvlink_gb_s=0, scale_out_gb_s=0,
                 source="measured on this project's H200: device copy 4.1 TB/s, dense bf16 GEMM 742 TFLOP/s; FP8 not "
                        "measured: twice the bf16 rate, as Hopper's datasheet peaks are"),
         Machine(name="cpu", gpu="CPU", nvlink_domain=1, hbm_gib=16.0, hbm_tb_s=0.02, bf16_tflops=0.1, fp8_tflops=0.1,
