@@ -220,6 +220,18 @@ def _rows_case(H, I, E, T, K, kind, gated, a_fmt, seed=4):
     return schedule, a, a_s, b, b_s, g
 
 
+def _assert_rows_bitwise_the_triton_kernel(monkeypatch, row_gemm, sched):
+    """row_gemm() through the Gluon kernel (launched once) gives the Triton kernel's rows bit for bit,
+    and the same again; padding rows hold values of no meaning and are not compared."""
+    valid = sched.row_to_token >= 0
+    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", row_gemm)[valid]
+    launches = _counting(monkeypatch, "fp8_rows_hopper")
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", row_gemm)[valid]
+    assert launches == ["fp8_rows_hopper"]
+    assert torch.equal(got, want)
+    assert all(torch.equal(row_gemm()[valid], got) for _ in range(3))
+
+
 ROWS_CASES = [
     # H, I, E, T, K, routing: I a partial 128-block in each half; H past the last 128-column tile;
     # empty experts and padding tiles
@@ -245,13 +257,7 @@ def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, programs, bias, H, I
                                     sched.row_to_token, sched.tile_to_expert, sched.tile_m, out_dtype=torch.bfloat16,
                                     down_bias=b2)  # fmt: skip
 
-    valid = sched.row_to_token >= 0  # padding rows hold values of no meaning
-    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", down)[valid]
-    launches = _counting(monkeypatch, "fp8_rows_hopper")
-    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", down)[valid]
-    assert launches == ["fp8_rows_hopper"]
-    assert torch.equal(got, want)
-    assert all(torch.equal(down()[valid], got) for _ in range(3))
+    _assert_rows_bitwise_the_triton_kernel(monkeypatch, down, sched)
 
 
 @hopper_only
@@ -266,13 +272,7 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt
         return fp8_mlp.fp8_gate_up_dgrad(dh, dh_s, w13, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m,
                                          out_dtype=torch.bfloat16, gated=gated)  # fmt: skip
 
-    valid = sched.row_to_token >= 0
-    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", dgrad)[valid]
-    launches = _counting(monkeypatch, "fp8_rows_hopper")
-    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", dgrad)[valid]
-    assert launches == ["fp8_rows_hopper"]
-    assert torch.equal(got, want)
-    assert all(torch.equal(dgrad()[valid], got) for _ in range(3))
+    _assert_rows_bitwise_the_triton_kernel(monkeypatch, dgrad, sched)
 
 
 # --- through the FP8 experts ------------------------------------------------------------------------
