@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the FP8 kernels need triton")
 
 from triton_cases import crafted_routing, hopper_only  # noqa: E402
 
-from mok_plugin.kernels import fp8_hopper, fp8_mlp  # noqa: E402
+from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper, fp8_mlp  # noqa: E402
 from mok_plugin.schedule import build_schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,21 +67,17 @@ COMPILED = [
 ]
 
 
-@pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
-    # Compiled as its launcher specialises the call, in its own process (outside the interpreter the
-    # test session turns on): its shared memory fits Hopper's 227 KiB, nothing spills, each warpgroup's
-    # K step is four FP8 wgmma k32 of the operands' formats issued back to back (ptxas serialises a
-    # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
-    # ptxas reports no serialised wgmma (C7511-C7515).
-    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+def _compiled_report(compile_call: str) -> tuple[int, ...]:
+    """(shared bytes, registers, stack bytes, FP8 wgmma in the PTX, the shortest run of wgmma between
+    waits in the SASS, serialisation warnings in ptxas's log) of a kernel compiled for sm_90 by
+    `compile_call` (an expression over mok_plugin.bench.inspect's names and torch), in its own process:
+    outside the interpreter the test session turns on."""
     code = (
-        "import re, subprocess, sys, tempfile, torch\n"
+        "import re, subprocess, tempfile, torch\n"
         "from pathlib import Path\n"
         "import triton\n"
-        "from mok_plugin.bench.inspect import compile_fp8_hopper, resource_usage\n"
-        f"k = compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
-        f"routing={epilogue})\n"
+        "from mok_plugin.bench.inspect import compile_fp8_fc1_hopper, compile_fp8_hopper, resource_usage\n"
+        f"k = {compile_call}\n"
         "bin_dir = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin'\n"
         "with tempfile.TemporaryDirectory() as d:\n"
         "    Path(d, 'k.cubin').write_bytes(k.asm['cubin'])\n"
@@ -92,19 +88,55 @@ def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
         "                          str(Path(d, 'again.cubin'))], capture_output=True, text=True).stderr\n"
         "steps = re.findall(r'(QGMMA|WARPGROUP.DEPBAR)', sass)\n"
         "runs = [len(run) for run in ''.join('q' if s == 'QGMMA' else ' ' for s in steps).split()]\n"
-        f"mma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.m64n128k32.f32.{a}.{b}')\n"
+        "mma = len(re.findall(r'wgmma.mma_async.sync.aligned.m64n128k32.f32.e[45]m[23].e[45]m[23]', k.asm['ptx']))\n"
         "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    shared, registers, stack, mma, shortest_run, serialised = map(int, run.stdout.split()[-6:])
+    return tuple(map(int, run.stdout.split()[-6:]))
+
+
+@pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
+def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
+    # Compiled as its launcher specialises the call: its shared memory fits Hopper's 227 KiB, nothing
+    # spills, each warpgroup's K step is four FP8 wgmma k32 issued back to back (ptxas serialises a
+    # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
+    # ptxas reports no serialised wgmma (C7511-C7515).
+    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
+        f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
+        f"routing={epilogue})"
+    )
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= fp8_hopper.MAX_REGS
     assert mma == 2 * 4  # the two warpgroups' functions, four k32 steps each
     assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
     assert serialised == 0
+
+
+# fc1's forward: (keyword arguments of compile_fp8_fc1_hopper, the stack a thread it compiles to) --
+# the gated families' main loop holds two sums and a product and spills (fp8_fc1_hopper.MMA_REGS);
+# the bound catches a change that makes it worse, until a GPU says whether it matters
+FC1_COMPILED = [
+    pytest.param("", 96, id="swiglu"),
+    pytest.param("bias=True, activation='quick_gelu', clamp=7.0, offset=1.0", 192, id="gpt_oss"),
+    pytest.param("gated=False, activation='gelu', bias=True", 0, id="mlp_gelu_bias"),
+    pytest.param("fmt='e5m2', out_dtype=torch.float16", 96, id="e5m2_A_fp16_h"),
+]
+
+
+@pytest.mark.parametrize("arguments, stack_bound", FC1_COMPILED)
+def test_fc1_compiles_for_sm90_without_a_gpu(arguments, stack_bound):
+    pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(f"compile_fp8_fc1_hopper({arguments})")
+    gated = "gated=False" not in arguments
+    assert shared <= 227 * 1024
+    assert stack <= stack_bound
+    assert 0 < registers <= fp8_hopper.MAX_REGS
+    assert mma == 2 * 4 * (1 + gated)  # per warpgroup and K step: the gate's four k32 steps (and the up's)
+    assert shortest_run == 4 and serialised == 0
 
 
 def test_not_chosen_off_hopper():
@@ -129,12 +161,17 @@ def _with(monkeypatch, setting, value, fn):
     return fn()
 
 
+def _counting_module(monkeypatch, module, name):
+    """Record each launch of `module`'s function `name`."""
+    launches = []
+    launch = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: launches.append(name) or launch(*a, **k))
+    return launches
+
+
 def _counting(monkeypatch, name):
     """Record each launch of fp8_hopper's `name` (fp8_wgrad_hopper or fp8_rows_hopper)."""
-    launches = []
-    launch = getattr(fp8_hopper, name)
-    monkeypatch.setattr(fp8_hopper, name, lambda *a, **k: launches.append(name) or launch(*a, **k))
-    return launches
+    return _counting_module(monkeypatch, fp8_hopper, name)
 
 
 # --- weight gradients ---------------------------------------------------------------------------
@@ -275,6 +312,44 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt
     _assert_rows_bitwise_the_triton_kernel(monkeypatch, dgrad, sched)
 
 
+@hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
+@pytest.mark.parametrize("family_name, I", [("swiglu", 256), ("swiglu", 192), ("gpt_oss", 384), ("mlp_gelu_bias", 128)])
+@pytest.mark.parametrize("H, E, T, K, kind", [(512, 8, 600, 2, "skewed"), (1024, 4, 900, 2, "uniform")])
+def test_fc1_forward_bitwise_the_triton_kernel(monkeypatch, programs, family_name, I, H, E, T, K, kind):
+    # x's rows copied into row order and fc1 on the Gluon kernel: h, A_q and A's scales bit for bit the
+    # Triton kernel's on the real rows (H = 1024: more K steps than stages)
+    from mok_plugin.fp8.recipe import E4M3
+    from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows
+    from mok_plugin.testing import EXPERT_FAMILIES
+
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
+    family = EXPERT_FAMILIES[family_name]
+    g = torch.Generator().manual_seed(7)
+    sched = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)
+    x = torch.randn(T, H, generator=g).cuda().bfloat16()
+    w13 = (torch.randn(E, family.fc1_width(I), H, generator=g) / H**0.5).cuda().bfloat16()
+    b1 = (torch.randn(E, family.fc1_width(I), generator=g) * 0.1).cuda().bfloat16() if family.fc1_bias else None
+    x_q, x_s = quantize_rows(x, E4M3)
+    w13_q, w13_s = quantize_fc1(w13, E4M3, gated=family.gated)
+
+    def fc1():
+        return fp8_mlp.fp8_gate_up_fwd(
+            x_q, x_s, w13_q, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m, E4M3,
+            out_dtype=torch.bfloat16, gate_up_bias=b1, activation=family.activation, gated=family.gated,
+            clamp=family.clamp, offset=family.linear_offset,
+        )  # fmt: skip
+
+    valid = sched.row_to_token >= 0
+    want = [t[valid] for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", fc1)]
+    launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    got = [t[valid] for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)]
+    assert launches == ["fp8_fc1_hopper"]
+    for name, g_t, w_t in zip(("h", "a_q", "a_scale_inv"), got, want, strict=True):
+        assert torch.equal(g_t.view(torch.uint8) if g_t.dtype in FP8.values() else g_t,
+                           w_t.view(torch.uint8) if w_t.dtype in FP8.values() else w_t), name  # fmt: skip
+
+
 # --- through the FP8 experts ------------------------------------------------------------------------
 
 
@@ -302,6 +377,7 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     results = {}
     wgrad_launches = _counting(monkeypatch, "fp8_wgrad_hopper")
     rows_launches = _counting(monkeypatch, "fp8_rows_hopper")
+    fc1_launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
     for setting in ("0", "1"):
         for name in SETTINGS:
             monkeypatch.setenv(name, setting)
@@ -314,3 +390,4 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
             assert torch.equal(results["1"][name], want), name
     assert len(wgrad_launches) == 2  # dW13 and dW2, in the second run only
     assert len(rows_launches) == (0 if I % 16 else 2)  # fc2's forward and fc1's dgrad, where TMA can read them
+    assert len(fc1_launches) == (0 if I % 16 else 1)  # fc1's forward (h's halves TMA views)

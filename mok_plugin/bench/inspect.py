@@ -34,6 +34,7 @@ from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = [
     "compile_for_hopper",
+    "compile_fp8_fc1_hopper",
     "compile_fp8_hopper",
     "compile_gluon_for_hopper",
     "compile_jit_for_hopper",
@@ -213,6 +214,34 @@ def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloa
         work, epilogue = ("*i64", "*i64", "*fp32", "*fp32", "i32", "i32"), ()
     return compile_gluon_for_hopper(
         kernel, descriptors, {"work": work, "epilogue": epilogue}, ("M", "N", "num_tiles"), constexprs,
+        {"num_warps": 4, "maxnreg": fh.MAX_REGS},
+    )  # fmt: skip
+
+
+def compile_fp8_fc1_hopper(out_dtype: torch.dtype = torch.bfloat16, fmt: str = "e4m3", bias: bool = False,
+                           gated: bool = True, activation: str = "silu", clamp: float | None = None,
+                           offset: float = 0.0):  # fmt: skip
+    """fc1's blockwise-FP8 forward in Gluon (kernels/fp8_fc1_hopper.py), compiled for sm_90 as its
+    launcher specialises a call: x and W13 in E4M3, h in out_dtype, A in `fmt`, the expert family's
+    activation, clamp, offset and fc1 bias. Needs Triton's Gluon (ImportError without it)."""
+    from mok_plugin.fp8.recipe import E4M3, E5M2
+    from mok_plugin.kernels import fp8_fc1_hopper as f1
+    from mok_plugin.kernels import fp8_hopper as fh
+
+    a_format = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
+    half = (1, fh.HALF_M, fh.BLOCK_N)  # one warpgroup's output block
+    blocks = {"x_desc": (torch.float8_e4m3fn, (fh.BLOCK_M, fh.BLOCK_K)),
+              "w_desc": (torch.float8_e4m3fn, (fh.BLOCK_N, fh.BLOCK_K)),
+              "h_gate_desc": (out_dtype, half), "h_up_desc": (out_dtype, half),
+              "a_desc": (a_format.dtype, half)}  # fmt: skip
+    descriptors = {name: (_SPELLED[dtype], block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
+                   blocks.items()}  # fmt: skip
+    kernel, constexprs = f1.kernel_arguments(out_dtype, a_format.dtype, bias, gated, activation, clamp, offset,
+                                             a_format, True)  # fmt: skip
+    bias_ptr = f"*{_SPELLED[out_dtype]}" if bias else "*fp32"
+    work = ("*i64", "i32", "i32", "*fp32", "i32", bias_ptr, "i32", "*fp32", "i32", "*fp32", "i32", "i32", "i32")
+    return compile_gluon_for_hopper(
+        kernel, descriptors, {"work": work}, ("I", "N1", "M", "num_tiles", "N_TILES"), constexprs,
         {"num_warps": 4, "maxnreg": fh.MAX_REGS},
     )  # fmt: skip
 

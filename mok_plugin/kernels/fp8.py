@@ -51,9 +51,11 @@ def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NOR
 def block_scale(amax, MAX: tl.constexpr, POWER_OF_2: tl.constexpr):
     """fp32 scale of blocks whose largest magnitude is amax: MAX / amax (1 where amax is 0, the
     largest finite fp32 where that overflows), its mantissa cleared when POWER_OF_2 (quantize.block_scales)."""
-    # IEEE division: the compiled `/` is approximate, and an amax of exactly MAX / 2^k must give 2^k
+    # IEEE division: the compiled `/` is approximate, and an amax of exactly MAX / 2^k must give 2^k.
+    # MAX as a tensor by `where`, not tl.full: Gluon kernels import these functions (fp8_hopper.py), and
+    # Gluon's full needs a layout; the same constant either way.
     nonzero = amax > 0
-    scale = tl.where(nonzero, tl.div_rn(tl.full(amax.shape, MAX, tl.float32), tl.where(nonzero, amax, 1.0)), 1.0)
+    scale = tl.where(nonzero, tl.div_rn(tl.where(nonzero, MAX, MAX), tl.where(nonzero, amax, 1.0)), 1.0)
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
     if POWER_OF_2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
@@ -73,7 +75,7 @@ def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL
         scaled = v * scale[None, :]
     else:
         scaled = v * scale
-    scale_inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # IEEE, as quantize_1d's 1 / scale
+    scale_inv = tl.div_rn(tl.where(scale > 0, 1.0, 1.0), scale)  # IEEE, as quantize_1d's 1 / scale
     return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inv
 
 

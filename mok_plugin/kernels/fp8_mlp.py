@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mok_plugin.fp8.recipe import FP8Format
-from mok_plugin.kernels import fp8_hopper
+from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
@@ -268,7 +268,9 @@ def fp8_gate_up_fwd(
     """(h [R_pad, N1] in out_dtype, A_q [R_pad, I] in fmt.dtype, fp32 A scale_inv [R_pad, cdiv(I, 128)])
     of the gathered rows of x_q ([T, H], 1 x 128 scales) and the experts' W13_q ([E, N1, H], scales
     [E, halves, cdiv(I, 128), cdiv(H, 128)]: a glu's gate and up quantised apart, `quantize_fc1`); A is
-    quantised into `fmt`. Padding rows untouched."""
+    quantised into `fmt`. Padding rows untouched (by the Triton kernel). On Hopper, where
+    `MOK_HOPPER_FP8_ROWS=1` asks for it, the Gluon kernel (fp8_fc1_hopper.py), on x_q's rows copied
+    into row order."""
     check_tensor("x_q", x_q, 2)
     check_tensor("w13_q", w13_q, 3, x_q.dtype)
     E, N1, H = w13_q.shape
@@ -279,6 +281,17 @@ def fp8_gate_up_fwd(
     h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
     a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
     a_scale_inv = torch.empty(num_rows, cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
+    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING) and w13_q.is_contiguous():
+        h_halves = (h[:, :I], h[:, I:]) if gated else (h,)
+        w13_rows = w13_q.view(E * N1, H)
+        if fp8_fc1_hopper.usable(x_q, w13_rows, h_halves, a_q, tile_m, activation):
+            x_rows, x_rows_scale = fp8_fc1_hopper.gathered_rows(x_q, x_scale_inv, row_to_token)
+            fp8_fc1_hopper.fp8_fc1_hopper(
+                x_rows, x_rows_scale, w13_q, w13_scale_inv, h, a_q, a_scale_inv, tile_to_expert, tile_m, fmt,
+                power_of_2=power_of_2, gate_up_bias=gate_up_bias, activation=activation, gated=gated, clamp=clamp,
+                offset=offset,
+            )  # fmt: skip
+            return h, a_q, a_scale_inv
     grid, meta, _ = _row_tiles("gate_up_fwd", num_rows, I, tile_m, block_n=scale_block)
     if grid[0]:
         _fp8_gate_up_fwd_kernel[grid](
