@@ -173,8 +173,8 @@ def _hopper_settings() -> dict[str, dict[str, str]]:
 def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
     """Forward + backward with the weights' FP8 copies kept (as within a step), in each environment of
     `_hopper_settings`: the call's time, the GPU time of the weight gradients and of the row GEMMs
-    the Gluon kernels replace (fc2's forward, fc1's dgrad), and whether every result is the Triton
-    kernels' bits."""
+    the Gluon kernels replace (fc2's forward, fc1's dgrad and forward), and whether every result is
+    the Triton kernels' bits."""
     both = _fp8_case(name, recipe)[-1]
     kept = FP8WeightCopies()
     rows, want = [], None
@@ -194,8 +194,10 @@ def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: f
     return rows
 
 
-# the row GEMMs the Gluon kernel replaces, by kernel name (Triton's, and the Gluon one's for ROWS)
-_ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_rows_hopper_kernel")
+# the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), and the copy of
+# x's rows fc1's needs (an index_select)
+_ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_up_fwd_kernel",
+                "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "index_select")  # fmt: skip
 
 
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
