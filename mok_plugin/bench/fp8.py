@@ -195,9 +195,9 @@ def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: f
 
 
 # the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), and the copy of
-# x's rows fc1's needs (an index_select)
+# x's rows fc1's needs (torch's index_select: indexSelect...Index kernels)
 _ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_up_fwd_kernel",
-                "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "index_select")  # fmt: skip
+                "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "indexSelect")  # fmt: skip
 
 
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
