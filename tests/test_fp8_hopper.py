@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the FP8 kernels need triton")
 
 from triton_cases import crafted_routing, hopper_only  # noqa: E402
 
+from mok_plugin.fp8.recipe import E4M3, E5M2  # noqa: E402
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper, fp8_mlp  # noqa: E402
 from mok_plugin.schedule import build_schedule  # noqa: E402
 
@@ -312,42 +313,72 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt
     _assert_rows_bitwise_the_triton_kernel(monkeypatch, dgrad, sched)
 
 
-@hopper_only
-@pytest.mark.parametrize("programs", PROGRAMS)
-@pytest.mark.parametrize("family_name, I", [("swiglu", 256), ("swiglu", 192), ("gpt_oss", 384), ("mlp_gelu_bias", 128)])
-@pytest.mark.parametrize("H, E, T, K, kind", [(512, 8, 600, 2, "skewed"), (1024, 4, 900, 2, "uniform")])
-def test_fc1_forward_bitwise_the_triton_kernel(monkeypatch, programs, family_name, I, H, E, T, K, kind):
-    # x's rows copied into row order and fc1 on the Gluon kernel: h, A_q and A's scales bit for bit the
-    # Triton kernel's on the real rows (H = 1024: more K steps than stages)
-    from mok_plugin.fp8.recipe import E4M3
+def _fc1_case(family, I, H, E, T, K, kind, dtype, a_format, seed=7):
+    """(schedule, fp8_gate_up_fwd over quantised random inputs of these sizes) for one family."""
     from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows
-    from mok_plugin.testing import EXPERT_FAMILIES
 
-    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
-    family = EXPERT_FAMILIES[family_name]
-    g = torch.Generator().manual_seed(7)
-    sched = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)
-    x = torch.randn(T, H, generator=g).cuda().bfloat16()
-    w13 = (torch.randn(E, family.fc1_width(I), H, generator=g) / H**0.5).cuda().bfloat16()
-    b1 = (torch.randn(E, family.fc1_width(I), generator=g) * 0.1).cuda().bfloat16() if family.fc1_bias else None
+    g = torch.Generator().manual_seed(seed)
+    routing = crafted_routing(max(T, 1), E, K, kind, g)[:T]
+    sched = build_schedule(routing.cuda(), E, tile_m=128)
+    x = torch.randn(T, H, generator=g).cuda().to(dtype)
+    w13 = (torch.randn(E, family.fc1_width(I), H, generator=g) / H**0.5).cuda().to(dtype)
+    b1 = (torch.randn(E, family.fc1_width(I), generator=g) * 0.1).cuda().to(dtype) if family.fc1_bias else None
     x_q, x_s = quantize_rows(x, E4M3)
     w13_q, w13_s = quantize_fc1(w13, E4M3, gated=family.gated)
 
     def fc1():
         return fp8_mlp.fp8_gate_up_fwd(
-            x_q, x_s, w13_q, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m, E4M3,
-            out_dtype=torch.bfloat16, gate_up_bias=b1, activation=family.activation, gated=family.gated,
-            clamp=family.clamp, offset=family.linear_offset,
+            x_q, x_s, w13_q, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m, a_format,
+            out_dtype=dtype, gate_up_bias=b1, activation=family.activation, gated=family.gated, clamp=family.clamp,
+            offset=family.linear_offset,
         )  # fmt: skip
 
+    return sched, fc1
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in FP8.values() else t
+
+
+@hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
+@pytest.mark.parametrize(
+    "family_name, I, dtype, a_fmt",
+    [("swiglu", 256, "bfloat16", "e4m3"), ("swiglu", 192, "float16", "e5m2"), ("gpt_oss", 384, "bfloat16", "e4m3"),
+     ("mlp_gelu_bias", 128, "bfloat16", "e4m3"), ("mlp_gelu_bias", 192, "bfloat16", "e4m3")],
+)  # fmt: skip
+@pytest.mark.parametrize("H, E, T, K, kind", [(512, 8, 600, 2, "skewed"), (1024, 4, 900, 2, "uniform"),
+                                              (320, 6, 500, 3, "uniform")])  # fmt: skip
+def test_fc1_forward_bitwise_the_triton_kernel(monkeypatch, programs, family_name, I, dtype, a_fmt, H, E, T, K, kind):
+    # x's rows copied into row order and fc1 on the Gluon kernel: h, A_q and A's scales bit for bit the
+    # Triton kernel's on the real rows, and the same again (H = 1024: more K steps than stages; 320: a
+    # partial last K block, as gpt-oss-120b's 2880; I = 192: a partial last I block)
+    from mok_plugin.testing import EXPERT_FAMILIES
+
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
+    a_format = {"e4m3": E4M3, "e5m2": E5M2}[a_fmt]
+    sched, fc1 = _fc1_case(EXPERT_FAMILIES[family_name], I, H, E, T, K, kind, getattr(torch, dtype), a_format)
     valid = sched.row_to_token >= 0
-    want = [t[valid] for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", fc1)]
+    want = [_bits(t[valid]) for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", fc1)]
     launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
-    got = [t[valid] for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)]
+    got = [_bits(t[valid]) for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)]
     assert launches == ["fp8_fc1_hopper"]
-    for name, g_t, w_t in zip(("h", "a_q", "a_scale_inv"), got, want, strict=True):
-        assert torch.equal(g_t.view(torch.uint8) if g_t.dtype in FP8.values() else g_t,
-                           w_t.view(torch.uint8) if w_t.dtype in FP8.values() else w_t), name  # fmt: skip
+    for name, got_t, want_t in zip(("h", "a_q", "a_scale_inv"), got, want, strict=True):
+        assert torch.equal(got_t, want_t), name
+    assert all(torch.equal(_bits(t[valid]), g_t) for t, g_t in zip(fc1(), got, strict=True))
+
+
+@hopper_only
+def test_fc1_forward_with_no_tokens_keeps_the_triton_kernel(monkeypatch):
+    # An expert-parallel rank that receives no tokens: every tile is padding, and the copy of x's rows
+    # would have no token to stand in for them; the Triton kernel (which does nothing) runs.
+    from mok_plugin.testing import EXPERT_FAMILIES
+
+    sched, fc1 = _fc1_case(EXPERT_FAMILIES["swiglu"], 256, 512, 8, 0, 2, "uniform", torch.bfloat16, E4M3)
+    launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    h, a_q, a_scale = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)
+    torch.cuda.synchronize()
+    assert launches == [] and h.shape[0] == sched.row_to_token.shape[0]
 
 
 # --- through the FP8 experts ------------------------------------------------------------------------
@@ -360,7 +391,7 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     # the same output and gradients, bit for bit. I = 200: not a multiple of 16, so the row GEMMs'
     # halves cannot be TMA views and the Triton kernels stay (still the same results).
     from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
-    from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
+    from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
     from mok_plugin.testing import EXPERT_FAMILIES
 
     g = torch.Generator().manual_seed(11)

@@ -40,18 +40,19 @@ if gluon is not None:
 
 __all__ = ["fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
 
-_GATED_STAGE = (BLOCK_M + 2 * BLOCK_N) * BLOCK_K  # x's rows, the gate's and the up's weight rows (1 B each)
 # Each MMA warpgroup holds the gate's and the up's sums and the MMA's product (3 x 64 registers a
 # thread): at 232 registers, as fp8_hopper's kernels, the main loop spilled 144 bytes a thread (sm_90
 # compile, Triton 3.6), at 240 (2 x 240 + 24 of the 3 x 168) 96. Not timed on a GPU yet.
 MMA_REGS = 240
 
 
-def stages_for(out_dtype: torch.dtype) -> int:
+def stages_for(out_dtype: torch.dtype, gated: bool) -> int:
     """The ring's depth beside the two warpgroups' output buffers (h's half in out_dtype and A_q's in
-    FP8, 64 x 128 each), at most 6."""
+    FP8, 64 x 128 each), at most 6: a stage holds x's 128 rows and the gate's (and the up's) 128
+    weight rows, 1 B an element."""
+    stage = (BLOCK_M + (1 + gated) * BLOCK_N) * BLOCK_K
     outputs = 2 * HALF_M * BLOCK_N * (out_dtype.itemsize + 1)
-    return min(6, (SHARED_BYTES - 4096 - outputs) // _GATED_STAGE)  # 4 KiB: barriers and layout scratch
+    return min(6, (SHARED_BYTES - 4096 - outputs) // stage)  # 4 KiB: barriers and layout scratch
 
 
 def usable(x_rows: torch.Tensor, w13_rows: torch.Tensor, h_halves: tuple, a_q: torch.Tensor, tile_m: int,
@@ -180,7 +181,9 @@ if gluon is not None:
                 idx = (c + s) % S
                 x_scale = gl.load(x_scales + s, mask=ms < M, other=0.0)
                 gate_scale = gl.load(w_scales + s)
-                up_scale = gl.load(w_scales + stride_ws_half + s)
+                up_scale = gate_scale
+                if GATED:  # (the scales' up half: past the last expert's scales without one)
+                    up_scale = gl.load(w_scales + stride_ws_half + s)
                 mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
                 x_half = x_bufs.index(idx).slice(WHICH * HALF, HALF)
                 partial = warpgroup_mma(x_half, g_bufs.index(idx).permute((1, 0)), partial, use_acc=False)
@@ -251,7 +254,7 @@ def kernel_arguments(out_dtype: torch.dtype, fmt_dtype: torch.dtype, bias: bool,
         "POWER_OF_2": power_of_2,
         "H_LAYOUT": fp8_hopper.shared_layout((HALF_M, BLOCK_N), out_dtype),
         "A_LAYOUT": fp8_hopper.shared_layout((HALF_M, BLOCK_N), fmt_dtype),
-        "STAGES": stages_for(out_dtype),
+        "STAGES": stages_for(out_dtype, gated),
         "LOADER_WARPS": fp8_hopper.LOADER_WARPS,
         "LOADER_REGS": fp8_hopper.LOADER_REGS,
         "MMA_REGS": MMA_REGS,

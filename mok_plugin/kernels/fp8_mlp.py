@@ -281,7 +281,9 @@ def fp8_gate_up_fwd(
     h = torch.empty(num_rows, N1, dtype=out_dtype, device=x_q.device)
     a_q = torch.empty(num_rows, I, dtype=fmt.dtype, device=x_q.device)
     a_scale_inv = torch.empty(num_rows, cdiv(I, scale_block), dtype=torch.float32, device=x_q.device)
-    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING) and w13_q.is_contiguous():
+    # (no tokens: every tile is padding, and the copy of x's rows would have no token 0 to stand in)
+    hopper = scale_block == fp8_hopper.BLOCK_K and x_q.shape[0] > 0 and w13_q.is_contiguous()
+    if hopper and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
         h_halves = (h[:, :I], h[:, I:]) if gated else (h,)
         w13_rows = w13_q.view(E * N1, H)
         if fp8_fc1_hopper.usable(x_q, w13_rows, h_halves, a_q, tile_m, activation):
