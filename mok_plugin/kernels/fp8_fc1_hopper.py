@@ -35,7 +35,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-    from mok_plugin.kernels.fp8_hopper import spread
+    from mok_plugin.kernels.fp8_hopper import spread, stage_barriers, stages_of
     from mok_plugin.kernels.wgrad_hopper import store_tile
 
 __all__ = ["fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
@@ -208,16 +208,12 @@ if gluon is not None:
         H_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        x_bufs = stages_of(x_desc, STAGES)
+        g_bufs = stages_of(w_desc, STAGES)
         u_bufs = g_bufs
         if GATED:
-            u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # freed once both MMA warpgroups have read it
+            u_bufs = stages_of(w_desc, STAGES)
+        ready, empty = stage_barriers(STAGES)
         h0 = gl.allocate_shared_memory(h_gate_desc.dtype, h_gate_desc.block_type.shape[1:], H_LAYOUT)
         a0 = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape[1:], A_LAYOUT)
         h1 = gl.allocate_shared_memory(h_gate_desc.dtype, h_gate_desc.block_type.shape[1:], H_LAYOUT)

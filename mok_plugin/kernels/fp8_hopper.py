@@ -323,18 +323,30 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
+    def stages_of(desc, STAGES: gl.constexpr):
+        """A ring of STAGES shared-memory buffers for `desc`'s blocks."""
+        return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def stage_barriers(STAGES: gl.constexpr):
+        """The ring's ready (loaded: the loader's expected bytes) and empty (consumed) barriers; a stage
+        is freed once both MMA warpgroups have read it."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return ready, empty
+
+    @gluon.jit
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        a_bufs = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape, b0_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # freed once both MMA warpgroups have read it
+        a_bufs = stages_of(a0_desc, STAGES)
+        b_bufs = stages_of(b0_desc, STAGES)
+        ready, empty = stage_barriers(STAGES)
         c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         bufs, bars = (a_bufs, b_bufs), (ready, empty)
