@@ -69,8 +69,8 @@ def usable(x_rows: torch.Tensor, w13_rows: torch.Tensor, h_halves: tuple, a_q: t
 
 
 def gathered_rows(x_q: torch.Tensor, x_scale_inv: torch.Tensor, row_to_token: torch.Tensor):
-    """(x_q's rows, their scales) in the schedule's row order; a padding row takes token 0's (its
-    outputs are never read: every consumer masks padding rows)."""
+    """(x_q's rows, their scales) in the schedule's row order; a padding row takes token 0's (what it
+    yields is never read: downstream, padding rows are masked, or only feed other padding rows)."""
     tokens = row_to_token.clamp(min=0)
     rows = x_q.view(torch.uint8).index_select(0, tokens).view(x_q.dtype)
     return rows, x_scale_inv.index_select(0, tokens)
