@@ -189,8 +189,13 @@ def compile_wgrad_hopper(schedule: str = "cooperative"):
     )  # fmt: skip
 
 
-_SPELLED = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16", torch.float16: "fp16",
-            torch.float32: "fp32"}  # fmt: skip
+def _fp8_descriptors(blocks: dict) -> dict:
+    """compile_gluon_for_hopper's descriptors from {name: (torch dtype, block)}: the element type as
+    Triton spells it (its Gluon dtype's name) and fp8_hopper's shared layout of the block."""
+    from mok_plugin.kernels import fp8_hopper as fh
+
+    return {name: (fh.GL_DTYPES[dtype].name, block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
+            blocks.items()}  # fmt: skip
 
 
 def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloat16,
@@ -204,12 +209,11 @@ def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloa
     blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}
     blocks |= {f"b{half}_desc": (b_dtype, (fh.BLOCK_N, fh.BLOCK_K)) for half in "01"}
     blocks["out_desc"] = (out_dtype, (1, fh.HALF_M, fh.BLOCK_N))
-    descriptors = {name: (_SPELLED[dtype], block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
-                   blocks.items()}  # fmt: skip
+    descriptors = _fp8_descriptors(blocks)
     kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing)
     if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
         work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
-        epilogue = (f"*{_SPELLED[out_dtype]}", "i32", "*fp32", "*i64")
+        epilogue = (f"*{fh.GL_DTYPES[out_dtype].name}", "i32", "*fp32", "*i64")
     else:  # offsets, counts, both operands' scales and their strides
         work, epilogue = ("*i64", "*i64", "*fp32", "*fp32", "i32", "i32"), ()
     return compile_gluon_for_hopper(
@@ -234,14 +238,13 @@ def compile_fp8_fc1_hopper(out_dtype: torch.dtype = torch.bfloat16, fmt: str = "
               "w_desc": (torch.float8_e4m3fn, (fh.BLOCK_N, fh.BLOCK_K)),
               "h_gate_desc": (out_dtype, half), "h_up_desc": (out_dtype, half),
               "a_desc": (a_format.dtype, half)}  # fmt: skip
-    descriptors = {name: (_SPELLED[dtype], block, fh.shared_layout(block, dtype)) for name, (dtype, block) in
-                   blocks.items()}  # fmt: skip
+    descriptors = _fp8_descriptors(blocks)
     kernel, constexprs = f1.kernel_arguments(out_dtype, a_format.dtype, bias, gated, activation, clamp, offset,
                                              a_format, True)  # fmt: skip
-    bias_ptr = f"*{_SPELLED[out_dtype]}" if bias else "*fp32"
-    work = ("*i64", "i32", "i32", "*fp32", "i32", bias_ptr, "i32", "*fp32", "i32", "*fp32", "i32", "i32", "i32")
+    bias_ptr = f"*{fh.GL_DTYPES[out_dtype].name}" if bias else "*fp32"
+    work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", bias_ptr, "i32", "*fp32", "i32", "*fp32", "i32", "i32", "i32")
     return compile_gluon_for_hopper(
-        kernel, descriptors, {"work": work}, ("I", "N1", "M", "num_tiles", "N_TILES"), constexprs,
+        kernel, descriptors, {"work": work}, ("I", "N1", "M", "num_tiles"), constexprs,
         {"num_warps": 4, "maxnreg": fh.MAX_REGS},
     )  # fmt: skip
 

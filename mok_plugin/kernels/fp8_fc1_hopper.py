@@ -35,7 +35,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-    from mok_plugin.kernels.fp8_hopper import spread, stage_barriers, stages_of
+    from mok_plugin.kernels.fp8_hopper import rows_tile, spread, stage_barriers, stages_of
     from mok_plugin.kernels.wgrad_hopper import store_tile
 
 __all__ = ["fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
@@ -81,16 +81,7 @@ if gluon is not None:
     g_quantize_block = gluon.jit(quantize_block.fn)
 
     @gluon.jit
-    def fc1_tile(t, work, N_TILES):
-        """(expert, m0, n0, K steps) of tile t: row block t // N_TILES, I-block t % N_TILES (column
-        blocks fastest: the rows' x in L2); expert < 0 (padding): no steps, no stores."""
-        tile_to_expert_ptr, k_steps, tile_m = work[0], work[1], work[2]
-        m0 = (t // N_TILES) * 128
-        expert = gl.load(tile_to_expert_ptr + m0 // tile_m).to(gl.int32)
-        return expert, m0, (t % N_TILES) * 128, gl.where(expert >= 0, k_steps, 0)
-
-    @gluon.jit
-    def fc1_loader(x_desc, w_desc, work, I, N1, num_tiles, N_TILES, bufs, bars, GATED: gl.constexpr):
+    def fc1_loader(x_desc, w_desc, work, I, N1, M, num_tiles, bufs, bars, GATED: gl.constexpr):
         """Each K step's x rows at (m0, k) and the weight rows of the gate (expert * N1 + n0) and of the
         up (expert * N1 + I + n0), from W13_q flattened [E * N1, H], into the ring. A gate block past I
         reads up rows, an up block past N1 the next expert's: columns the stores clip."""
@@ -101,7 +92,7 @@ if gluon is not None:
         nbytes: gl.constexpr = x_desc.block_type.nbytes + (1 + GATED) * w_desc.block_type.nbytes
         p = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0, steps = fc1_tile(t, work, N_TILES)
+            expert, m0, n0, steps, _ = rows_tile(t, work, M, I, 128, 128, BK)
             for s in range(steps):
                 idx = p % S
                 mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once
@@ -123,7 +114,7 @@ if gluon is not None:
         the params dtype, A from the stored h, quantised 1 x 128 (its columns past I zeros), A_q and
         its scales stored."""
         h_gate_desc, h_up_desc, a_desc, h_smem, a_smem = outs
-        b1_ptr, stride_b1_e, a_scale_ptr, stride_as_r = work[5], work[6], work[7], work[8]
+        b1_ptr, stride_b1_e, a_scale_ptr, stride_as_r = work[6], work[7], work[8], work[9]
         rows_layout: gl.constexpr = gl.SliceLayout(1, gate.type.layout)
         cols_layout: gl.constexpr = gl.SliceLayout(0, gate.type.layout)
         num_warps: gl.constexpr = gl.num_warps()
@@ -151,7 +142,7 @@ if gluon is not None:
         gl.store(a_scale_ptr + ms * stride_as_r + n0 // 128, a_scale_inv, mask=ms < M)
 
     @gluon.jit
-    def fc1_half(work, outs, I, M, num_tiles, N_TILES, bufs, bars, WHICH: gl.constexpr, BIAS: gl.constexpr,
+    def fc1_half(work, outs, I, M, num_tiles, bufs, bars, WHICH: gl.constexpr, BIAS: gl.constexpr,
                  GATED: gl.constexpr, ACT: gl.constexpr, CLAMP: gl.constexpr, OFFSET: gl.constexpr,
                  MAX: gl.constexpr, MANTISSA_BITS: gl.constexpr, MIN_NORMAL_EXPONENT: gl.constexpr,
                  POWER_OF_2: gl.constexpr):  # fmt: skip
@@ -165,12 +156,12 @@ if gluon is not None:
         HALF: gl.constexpr = 64
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])  # fmt: skip
-        x_scale_ptr, stride_xs_r = work[3], work[4]
-        w_scale_ptr, stride_ws_e, stride_ws_half, stride_ws_n = work[9], work[10], work[11], work[12]
+        x_scale_ptr, stride_xs_r = work[4], work[5]
+        w_scale_ptr, stride_ws_e, stride_ws_half, stride_ws_n = work[10], work[11], work[12], work[13]
         partial = gl.zeros((HALF, 128), dtype=gl.float32, layout=acc_layout)
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0, steps = fc1_tile(t, work, N_TILES)
+            expert, m0, n0, steps, _ = rows_tile(t, work, M, I, 128, 128, 128)
             m_half = m0 + WHICH * HALF
             ms = m_half + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             x_scales = x_scale_ptr + ms * stride_xs_r
@@ -202,7 +193,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fp8_fc1_hopper_kernel(
-        x_desc, w_desc, h_gate_desc, h_up_desc, a_desc, work, I, N1, M, num_tiles, N_TILES, BIAS: gl.constexpr,
+        x_desc, w_desc, h_gate_desc, h_up_desc, a_desc, work, I, N1, M, num_tiles, BIAS: gl.constexpr,
         GATED: gl.constexpr, ACT: gl.constexpr, CLAMP: gl.constexpr, OFFSET: gl.constexpr, MAX: gl.constexpr,
         MANTISSA_BITS: gl.constexpr, MIN_NORMAL_EXPONENT: gl.constexpr, POWER_OF_2: gl.constexpr,
         H_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
@@ -223,11 +214,11 @@ if gluon is not None:
         bufs, bars = (x_bufs, g_bufs, u_bufs), (ready, empty)
         gl.warp_specialize(
             [
-                (fc1_half, (work, outs0, I, M, num_tiles, N_TILES, bufs, bars, 0, BIAS, GATED, ACT, CLAMP, OFFSET, MAX,
+                (fc1_half, (work, outs0, I, M, num_tiles, bufs, bars, 0, BIAS, GATED, ACT, CLAMP, OFFSET, MAX,
                             MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2)),  # fmt: skip
-                (fc1_half, (work, outs1, I, M, num_tiles, N_TILES, bufs, bars, 1, BIAS, GATED, ACT, CLAMP, OFFSET, MAX,
+                (fc1_half, (work, outs1, I, M, num_tiles, bufs, bars, 1, BIAS, GATED, ACT, CLAMP, OFFSET, MAX,
                             MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2)),  # fmt: skip
-                (fc1_loader, (x_desc, w_desc, work, I, N1, num_tiles, N_TILES, bufs, bars, GATED)),
+                (fc1_loader, (x_desc, w_desc, work, I, N1, M, num_tiles, bufs, bars, GATED)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
             [MMA_REGS, LOADER_REGS],
@@ -271,14 +262,14 @@ def fp8_fc1_hopper(
     R, H = x_rows.shape
     E, N1, _ = w13_q.shape
     I = a_q.shape[1]
-    n_tiles = cdiv(I, BLOCK_N)
-    num_tiles = R // BLOCK_M * n_tiles
+    num_tiles = R // BLOCK_M * cdiv(I, BLOCK_N)
     if num_tiles == 0:
         return
     w_s = w13_scale_inv.reshape(E, 1 + gated, *w13_scale_inv.shape[-2:])
     bias = (gate_up_bias, gate_up_bias.stride(0)) if gate_up_bias is not None else (a_scale_inv, 0)  # unread without
-    work = (tile_to_expert, cdiv(H, BLOCK_K), tile_m, x_rows_scale_inv, x_rows_scale_inv.stride(0), *bias, a_scale_inv,
-            a_scale_inv.stride(0), w_s, w_s.stride(0), w_s.stride(1), w_s.stride(2))  # fmt: skip
+    # its first four as fp8_hopper's row GEMMs' (rows_tile: tile_to_expert, K steps, one "half", tile_m)
+    work = (tile_to_expert, cdiv(H, BLOCK_K), 1, tile_m, x_rows_scale_inv, x_rows_scale_inv.stride(0), *bias,
+            a_scale_inv, a_scale_inv.stride(0), w_s, w_s.stride(0), w_s.stride(1), w_s.stride(2))  # fmt: skip
     halves = (h[:, :I], h[:, I:]) if gated else (h,)
     desc = fp8_hopper._descriptor
     out_block = (1, HALF_M, BLOCK_N)
@@ -288,6 +279,6 @@ def fp8_fc1_hopper(
     kernel[grid](
         desc(x_rows, (BLOCK_M, BLOCK_K)), desc(w13_q.view(E * N1, H), (BLOCK_N, BLOCK_K)),
         desc(halves[0].unsqueeze(0), out_block), desc(halves[-1].unsqueeze(0), out_block),
-        desc(a_q.unsqueeze(0), out_block), work, I, N1, R, num_tiles, n_tiles, num_warps=4,
+        desc(a_q.unsqueeze(0), out_block), work, I, N1, R, num_tiles, num_warps=4,
         maxnreg=fp8_hopper.MAX_REGS, **constexprs,
     )  # fmt: skip

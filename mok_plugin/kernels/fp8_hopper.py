@@ -45,7 +45,7 @@ try:  # Gluon is experimental: absent from older Triton, so this module works wi
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mok_plugin.kernels.wgrad_hopper import store_tile
+    from mok_plugin.kernels.wgrad_hopper import store_tile, tile_of
 except ImportError:
     gluon = None
 
@@ -132,18 +132,16 @@ if gluon is not None:
         """(expert, m0, n0, K steps, first row) of weight-gradient tile t, expert-major: consecutive
         programs share the expert's rows in L2. Every tile is stored, zeros for an expert with no rows."""
         offsets_ptr, counts_ptr = work[0], work[1]
-        tiles_n = gl.cdiv(N, BN)
-        per_expert = gl.cdiv(M, BM) * tiles_n
-        expert = t // per_expert
-        local = t - expert * per_expert
+        expert, m0, n0 = tile_of(t, M, N, BM, BN)
         first_row = gl.load(offsets_ptr + expert).to(gl.int32)
         steps = gl.cdiv(gl.load(counts_ptr + expert), BK).to(gl.int32)
-        return expert, (local // tiles_n) * BM, (local % tiles_n) * BN, steps, first_row
+        return expert, m0, n0, steps, first_row
 
     @gluon.jit
     def rows_tile(t, work, M, N, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
         """(expert, m0, n0, K steps, 0) of row tile t, column blocks fastest (the rows' A in L2);
-        expert < 0 (padding): no steps and no store."""
+        expert < 0 (padding): no steps and no store. work starts (tile_to_expert, K steps a half,
+        halves, tile_m) (fp8_fc1_hopper.py's too)."""
         tile_to_expert_ptr, k_steps, halves, tile_m = work[0], work[1], work[2], work[3]
         tiles_n = gl.cdiv(N, BN)
         m0 = (t // tiles_n) * BM
