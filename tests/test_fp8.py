@@ -2,6 +2,11 @@
 that define the numbers, and the Triton helpers the fused kernels will quantise with, which must give
 those numbers bit for bit (interpreted on the CPU, compiled on a GPU)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -25,6 +30,7 @@ from mok_plugin.fp8.recipe import (
 )
 from mok_plugin.kernels.fp8 import (
     block_scale,
+    quantize_fc1,
     quantize_gathered_columns,
     quantize_rows,
     quantize_weights,
@@ -34,6 +40,7 @@ from mok_plugin.kernels.fp8 import (
 from mok_plugin.schedule import build_schedule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
 FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 
 
@@ -234,3 +241,43 @@ def test_gathered_rows_quantised_along_the_rows_per_expert_block_and_stored_tran
     data, inv = quantize_weights(src[:130].reshape(1, 130, N).to(DEVICE), fmt)
     data_tt, inv_t = transposed_copy(data, inv)
     assert _same_bits(data_tt.transpose(-1, -2), data) and torch.equal(inv_t.transpose(-1, -2), inv)
+
+
+def _same_copy(got: tuple, want: tuple) -> bool:
+    return _same_bits(got[0], want[0]) and got[0].shape == want[0].shape and torch.equal(got[1], want[1])
+
+
+@FORMATS
+def test_weights_quantised_with_their_transposes_in_one_pass(fmt):
+    # with_transpose: the copy and its transposed_copy, as the two passes give them, for experts'
+    # matrices and one matrix, and for fc1's halves (side by side in the transpose), with partial
+    # 128-blocks at both edges (I = 200, H = 72 and 300)
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(3, 200, 300, generator=g) / 16).half().to(DEVICE)
+    for weights in (w, w[1]):
+        copy, transposed = quantize_weights(weights, fmt, with_transpose=True)
+        assert _same_copy(copy, quantize_weights(weights, fmt)) and _same_copy(transposed, transposed_copy(*copy))
+    for gated, n1 in ((True, 400), (False, 200)):
+        w13 = (torch.randn(2, n1, 72, generator=g) / 8).half().to(DEVICE)
+        copy, transposed = quantize_fc1(w13, fmt, gated, with_transpose=True)
+        assert _same_copy(copy, quantize_fc1(w13, fmt, gated))
+        assert _same_copy(transposed, transposed_copy(*copy)) and transposed[0].shape == (2, 72, n1)
+
+
+def test_weight_quantiser_compiles_for_sm90_without_spills():
+    # The weights' quantiser holds a 32-row chunk of its 128 x 128 tile, not the tile: the whole tile
+    # took 255 registers and 400 bytes of stack with the transposed store (167 without) in 4 warps.
+    # In its own process: outside the interpreter the test session turns on.
+    code = (
+        "from mok_plugin.bench.inspect import compile_weight_quantiser, resource_usage\n"
+        "for with_transpose in (False, True):\n"
+        "    k = compile_weight_quantiser(with_transpose)\n"
+        "    ptx = k.asm['ptx']\n"
+        "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for line in run.stdout.splitlines()[-2:]:
+        registers, stack, vector_loads, two_byte_loads = map(int, line.split())
+        assert registers <= 64 and stack == 0 and vector_loads > 0 and two_byte_loads == 0, line

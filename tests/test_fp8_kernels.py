@@ -127,3 +127,29 @@ def test_fp8_experts_op_differentiates_through_the_fp8_backward():
     assert _relative_error(out, want["out"]) < TOLERANCE
     for name, grad in zip(("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"), grads, strict=True):
         assert grad.shape == want[name].shape and _relative_error(grad, want[name]) < TOLERANCE, name
+
+
+def test_fp8_experts_without_a_backward_make_no_transposed_copies():
+    # Under no_grad (or frozen inputs) the op runs the forward alone: the same output as with grad,
+    # and the kept copies hold the forward's FP8 weights only; a training step after it makes the
+    # transposes in its backward and gets the same gradients as a step whose forward made them.
+    from mok_plugin.fp8.weight_copies import FP8WeightCopies
+
+    fam = EXPERT_FAMILIES["swiglu"]
+    recipe = BlockwiseFP8Recipe()
+    inp = _inputs(fam)
+    leaves = [inp[k].clone().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
+    d_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, DTYPE)
+    results = []
+    for evaluate_first in (False, True):
+        copies = FP8WeightCopies()
+        if evaluate_first:
+            with torch.no_grad():
+                evaluated = fp8_moe_experts(*leaves, inp["schedule"], recipe, fam, weight_copies=copies)
+            assert "w13" in copies and "w13 derived" not in copies and "w2 derived" not in copies
+        out = fp8_moe_experts(*leaves, inp["schedule"], recipe, fam, weight_copies=copies)
+        assert ("w13 derived" in copies) is not evaluate_first  # made with the forward's copies
+        results.append((out, *torch.autograd.grad(out, leaves, d_out)))
+        assert "w13 derived" in copies and "w2 derived" in copies
+    assert not evaluated.requires_grad and torch.equal(evaluated, results[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -117,6 +117,23 @@ def test_copies_derived_in_a_backward_come_from_its_own_forwards_weights():
     assert copies.derived("w13", w_step2, transpose) == ("W2^T", "s") and made == ["W1", "W1", "W2"]
 
 
+def test_a_copy_made_with_its_derived_copy_keeps_both():
+    # a forward with a backward to follow makes the transposes in the same pass (get_with_derived):
+    # the backward's derived() finds them; after clear(), both are made again
+    copies = FP8WeightCopies()
+    made: list[str] = []
+
+    def both(name):
+        made.append(name)
+        return (name, "s"), (name + "^T", "s")
+
+    w_step1 = copies.get_with_derived("w13", lambda: both("W1"))
+    assert w_step1 == ("W1", "s") and copies.get_with_derived("w13", lambda: both("W1")) is w_step1
+    assert copies.derived("w13", w_step1, lambda *_: pytest.fail("made again")) == ("W1^T", "s")
+    copies.clear()
+    assert copies.get_with_derived("w13", lambda: both("W2")) == ("W2", "s") and made == ["W1", "W2"]
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

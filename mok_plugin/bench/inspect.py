@@ -115,12 +115,15 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
 
 
 def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: dict | None = None,
-                           scalars: tuple[str, ...] = (), num_warps: int = 8, num_stages: int = 3):  # fmt: skip
-    """A jit function compiled for sm_90 with these constexprs (ALIGN = align) and its other
-    arguments typed by the kernels' naming: bf16 pointers but the int64, int32 and fp32 ones named above,
-    `descriptors` as tensor descriptors of those block shapes, 32-bit sizes and strides divisible by
-    16 only when align is 16, and `scalars` as plain 32-bit integers."""
-    constexprs = dict(constexprs, ALIGN=align)
+                           scalars: tuple[str, ...] = (), num_warps: int = 8, num_stages: int = 3,
+                           pointer_types: dict[str, str] | None = None):  # fmt: skip
+    """A jit function compiled for sm_90 with these constexprs (and ALIGN = align if it takes one), its other
+    arguments typed by the kernels' naming: bf16 pointers but the int64, int32 and fp32 ones named above
+    and those `pointer_types` names (e.g. {"data_ptr": "*fp8e4nv"}), `descriptors` as tensor descriptors
+    of those block shapes, 32-bit sizes and strides divisible by 16 only when align is 16, and
+    `scalars` as plain 32-bit integers."""
+    pointer_types = pointer_types or {}
+    constexprs = dict(constexprs, ALIGN=align) if "ALIGN" in fn.arg_names else constexprs
     descriptors = descriptors or {}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -133,7 +136,9 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
         if name in scalars:
             signature[name] = "i32"
             continue
-        if _is_pointer(name):
+        if name in pointer_types:
+            signature[name] = pointer_types[name]
+        elif _is_pointer(name):
             signature[name] = ("*i64" if name in INT64_POINTERS else "*i32" if name in INT32_POINTERS
                                else "*fp32" if name in FP32_POINTERS else "*bf16")  # fmt: skip
         else:
@@ -164,6 +169,20 @@ def compile_gluon_for_hopper(kernel, descriptors: dict, pointers: dict[str, str 
                 attrs[(args.index(name), *path)] = [["tt.divisibility", 16]]
     source = GluonASTSource(kernel, {name: signature[name] for name in args}, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options=options)
+
+
+def compile_weight_quantiser(with_transpose: bool = True):
+    """kernels/fp8.py's weight quantiser as quantize_fc1 launches it (bf16 weights into E4M3, a glu's
+    two halves; with_transpose: the transposed copy stored too), compiled for sm_90."""
+    from mok_plugin.kernels import fp8
+
+    fp8_pointers = {"data_ptr": "*fp8e4nv", "data_t_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32"}
+    constexprs = {"MAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL_EXPONENT": -6, "POWER_OF_2": True, "BLOCK": 128,
+                  "CHUNK": fp8.TILE_QUANTISER_CHUNK, "HALVES": 2}  # fmt: skip
+    if not with_transpose:
+        constexprs["data_t_ptr"] = None
+    return compile_jit_for_hopper(fp8._quantize_tiles_kernel, constexprs, num_warps=fp8.TILE_QUANTISER_WARPS,
+                                  pointer_types=fp8_pointers)  # fmt: skip
 
 
 def compile_wgrad_hopper(schedule: str = "cooperative"):

@@ -50,8 +50,9 @@ def fp8_experts_forward(
     weight_copies: FP8WeightCopies | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype: the routed experts' output under `recipe`. With `saved` (a dict), what
-    fp8_experts_backward needs is put in it; with `weight_copies`, the weights' FP8 copies are taken
-    from it (made there when missing) instead of made for this call alone.
+    fp8_experts_backward needs is put in it, and the weights' transposed FP8 copies its dgrads read
+    are made with the forward's, in one pass over the weights; with `weight_copies`, the weights' FP8
+    copies are taken from it (made there when missing) instead of made for this call alone.
 
     Raises:
         ValueError: a linear expert (no fc1), or a recipe whose block is not 128 (the kernels' tiles).
@@ -63,8 +64,16 @@ def fp8_experts_forward(
     fmt, pow2 = recipe.forward, recipe.power_of_2_scales
     x_q, x_s = quantize_rows(x, fmt, power_of_2=pow2)
     copies = FP8WeightCopies() if weight_copies is None else weight_copies
-    w13 = copies.get("w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2))
-    w2 = copies.get("w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2))
+    if saved is None:
+        w13 = copies.get("w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2))
+        w2 = copies.get("w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2))
+    else:  # a backward follows: the transposes its dgrads read, written in the same pass over the weights
+        w13 = copies.get_with_derived(
+            "w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2, with_transpose=True)
+        )
+        w2 = copies.get_with_derived(
+            "w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2, with_transpose=True)
+        )
     (w13_q, w13_s), (w2_q, w2_s) = w13, w2
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     h, a_q, a_s = fp8_gate_up_fwd(
@@ -93,9 +102,9 @@ def fp8_experts_backward(
     T, K, dtype = x.shape[0], schedule.top_k, x.dtype
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
-    # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), made
-    # here, where they are used, so that a forward without a backward does not pay for them; from the
-    # copies this forward used (the kept ones may have been cleared or replaced since)
+    # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), from
+    # the copies this forward used (the kept ones may have been cleared or replaced since); the forward
+    # made them with its copies unless those were kept from a forward without a backward (no grad)
     copies = saved["weight_copies"]
     w13t = copies.derived("w13", saved["w13"], transposed_copy)
     w2t = copies.derived("w2", saved["w2"], transposed_copy)
@@ -184,5 +193,8 @@ def fp8_moe_experts(
     x, topk_weights = x.contiguous(), topk_weights.float().contiguous()
     b1 = None if gate_up_bias is None else gate_up_bias.contiguous()
     b2 = None if down_bias is None else down_bias.contiguous()
-    return _FP8Experts.apply(x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), b1, b2, schedule,
-                             recipe, family, weight_copies)  # fmt: skip
+    leaves = (x, topk_weights, gate_up_proj.contiguous(), down_proj.contiguous(), b1, b2)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
+        # no backward: nothing saved, and no transposed weight copies made for one
+        return fp8_experts_forward(*leaves[:4], schedule, recipe, family, b1, b2, weight_copies=weight_copies)
+    return _FP8Experts.apply(*leaves, schedule, recipe, family, weight_copies)

@@ -24,6 +24,9 @@ class FP8WeightCopies:
     def __init__(self) -> None:
         self._copies: dict[str, Copy] = {}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._copies
+
     def clear(self) -> None:
         self._copies.clear()
 
@@ -31,6 +34,13 @@ class FP8WeightCopies:
         """The copy called `name`, made by make() if not kept yet."""
         if name not in self._copies:
             self._copies[name] = make()
+        return self._copies[name]
+
+    def get_with_derived(self, name: str, make: Callable[[], tuple[Copy, Copy]]) -> Copy:
+        """The copy called `name`; when not kept yet, make() gives it together with the copy that
+        derived(name, ...) would make from it (one pass over the weights for both), and both are kept."""
+        if name not in self._copies:
+            self._copies[name], self._copies[f"{name} derived"] = make()
         return self._copies[name]
 
     def derived(self, name: str, source: Copy, make: Callable[..., Copy]) -> Copy:

@@ -9,6 +9,8 @@ interpreted, and the cast that follows has nothing left to round.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import triton
 import triton.language as tl
@@ -108,33 +110,41 @@ def _quantize_rows_kernel(
 
 @triton.jit
 def _quantize_tiles_kernel(
-    src_ptr,
-    data_ptr,
-    scale_inv_ptr,
-    R,
-    C,
-    stride_src_e,
-    stride_src_r,
-    stride_data_e,
-    stride_data_r,
-    stride_scale_e,
-    stride_scale_r,
-    MAX: tl.constexpr,
-    MANTISSA_BITS: tl.constexpr,
-    MIN_NORMAL_EXPONENT: tl.constexpr,
-    POWER_OF_2: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Grid: (E, cdiv(R, BLOCK), cdiv(C, BLOCK)); program (e, i, j) quantises tile (i, j) of matrix e."""
+    src_ptr, data_ptr, scale_inv_ptr, data_t_ptr, R, C, stride_src_e, stride_src_r, stride_data_e, stride_data_r,
+    stride_scale_e, stride_scale_r, stride_t_e, stride_t_c, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    HALVES: tl.constexpr,
+):  # fmt: skip
+    """Grid: (E, cdiv(R, BLOCK), cdiv(C, BLOCK)); program (e, i, j) quantises tile (i, j) of matrix e.
+    With data_t_ptr it also stores the tile transposed (the same bytes; a square tile's scale is its
+    transpose's): matrix e's [C, R] transpose at column (e % HALVES) * R of transposed matrix e // HALVES,
+    so a glu's two halves, quantised as two matrices, sit side by side as in transposed_copy's result.
+
+    CHUNK rows at a time, twice (the tile's amax, then its values; the second read from L2): the whole
+    128 x 128 fp32 tile in registers took 167 of them in 4 warps, and with the transposed store 255
+    and 400 bytes of stack; in 32-row chunks and 8 warps, 40 and 48, no stack (sm_90 compiles, Triton
+    3.6). max is exact, so the bits are quantize_block's."""
     e = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    src = src_ptr + e * stride_src_e + rows[:, None] * stride_src_r + cols[None, :]
-    v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, None)
-    data = data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :]
-    tl.store(data, q.to(data_ptr.dtype.element_ty), mask=mask)
+    col_ok = (cols < C)[None, :]
+    src = src_ptr + e * stride_src_e + cols[None, :]
+    magnitudes = tl.zeros((CHUNK, BLOCK), dtype=tl.float32)
+    for r0 in tl.static_range(0, BLOCK, CHUNK):  # unrolled: the whole tile's loads in flight at once
+        rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
+        part = tl.load(src + rows[:, None] * stride_src_r, mask=(rows < R)[:, None] & col_ok, other=0.0)
+        magnitudes = tl.maximum(magnitudes, tl.abs(part.to(tl.float32)))
+    scale = block_scale(tl.max(magnitudes), MAX, POWER_OF_2)
+    for r0 in range(0, BLOCK, CHUNK):
+        rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
+        mask = (rows < R)[:, None] & col_ok
+        v = tl.load(src + rows[:, None] * stride_src_r, mask=mask, other=0.0).to(tl.float32)
+        q = round_to_fp8_grid(v * scale, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT).to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :], q, mask=mask)
+        if data_t_ptr is not None:
+            data_t = data_t_ptr + (e // HALVES) * stride_t_e + (e % HALVES) * R
+            tl.store(data_t + cols[:, None].to(tl.int64) * stride_t_c + rows[None, :], tl.trans(q),
+                     mask=tl.trans(mask))  # fmt: skip
+    scale_inv = tl.div_rn(1.0, scale)  # IEEE, as quantize_block's
     tl.store(scale_inv_ptr + e * stride_scale_e + tl.program_id(1) * stride_scale_r + tl.program_id(2), scale_inv)
 
 
@@ -157,38 +167,83 @@ def quantize_rows(
     return data, scale_inv
 
 
+Copy = tuple[torch.Tensor, torch.Tensor]  # (FP8 values, fp32 scale_inv)
+
+
+@overload
+def quantize_weights(w: torch.Tensor, fmt: FP8Format, block: int = ..., power_of_2: bool = ..., *,
+                     with_transpose: Literal[False] = ...) -> Copy: ...  # fmt: skip
+@overload
+def quantize_weights(w: torch.Tensor, fmt: FP8Format, block: int = ..., power_of_2: bool = ..., *,
+                     with_transpose: Literal[True]) -> tuple[Copy, Copy]: ...  # fmt: skip
 def quantize_weights(
-    w: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True, *, with_transpose: bool = False
+) -> Copy | tuple[Copy, Copy]:
     """`quantize_2d(w, fmt, block)` in one launch: (data in fmt.dtype shaped as w, fp32 scale_inv
     [E, cdiv(R, block), cdiv(C, block)]) of experts' weights w [E, R, C] (or one matrix [R, C]),
-    made once per step."""
+    made once per step. with_transpose: (that copy, `transposed_copy(*copy)`) from the same pass over
+    w, which the backward's dgrads read (one read of the bf16 weights instead of two passes)."""
+    return _quantize_tiles(w, fmt, block, power_of_2, halves=1, with_transpose=with_transpose)
+
+
+@overload
+def quantize_fc1(w13: torch.Tensor, fmt: FP8Format, gated: bool, block: int = ..., power_of_2: bool = ..., *,
+                 with_transpose: Literal[False] = ...) -> Copy: ...  # fmt: skip
+@overload
+def quantize_fc1(w13: torch.Tensor, fmt: FP8Format, gated: bool, block: int = ..., power_of_2: bool = ..., *,
+                 with_transpose: Literal[True]) -> tuple[Copy, Copy]: ...  # fmt: skip
+def quantize_fc1(
+    w13: torch.Tensor, fmt: FP8Format, gated: bool, block: int = 128, power_of_2: bool = True, *,
+    with_transpose: bool = False,
+) -> Copy | tuple[Copy, Copy]:  # fmt: skip
+    """(data [E, N1, H] in fmt.dtype, fp32 scale_inv [E, halves, cdiv(N1 / halves, block), cdiv(H, block)])
+    of the experts' fc1 weights, a glu's gate and up halves quantised as two matrices (so that blocks
+    line up with the halves for any I; fp8/reference.py). with_transpose: also its `transposed_copy`
+    ([E, H, N1], the halves side by side), from the same pass."""
+    E, N1, H = w13.shape
+    halves = 2 if gated else 1
+    made = _quantize_tiles(w13.reshape(E * halves, N1 // halves, H), fmt, block, power_of_2, halves, with_transpose)
+
+    def with_halves(data: torch.Tensor, scale_inv: torch.Tensor) -> Copy:  # the scales' halves as a dimension
+        return data, scale_inv.view(E, halves, *scale_inv.shape[1:])
+
+    if not with_transpose:
+        data, scale_inv = made
+        return with_halves(data.view(E, N1, H), scale_inv)
+    (data, scale_inv), transposed = made
+    return with_halves(data.view(E, N1, H), scale_inv), with_halves(*transposed)
+
+
+# rows of a weight tile quantised at a time, and the warps (_quantize_tiles_kernel)
+TILE_QUANTISER_CHUNK = 32
+TILE_QUANTISER_WARPS = 8
+
+
+def _quantize_tiles(
+    w: torch.Tensor, fmt: FP8Format, block: int, power_of_2: bool, halves: int, with_transpose: bool
+) -> Copy | tuple[Copy, Copy]:
+    """quantize_weights' launch; the transposed values go into [E / halves, C, halves * R] (the matrices
+    that are one expert's halves side by side), their scales are the tile scales transposed."""
     matrices = w if w.dim() == 3 else w.unsqueeze(0)
     check_tensor("w", matrices, 3)
     E, R, C = matrices.shape
     data = torch.empty(E, R, C, dtype=fmt.dtype, device=w.device)
     scale_inv = torch.empty(E, cdiv(R, block), cdiv(C, block), dtype=torch.float32, device=w.device)
+    data_t = torch.empty(E // halves, C, halves * R, dtype=fmt.dtype, device=w.device) if with_transpose else None
+    t_strides = data_t.stride()[:2] if data_t is not None else (0, 0)
     if matrices.numel():
         _quantize_tiles_kernel[(E, scale_inv.shape[1], scale_inv.shape[2])](
-            matrices, data, scale_inv, R, C, matrices.stride(0), matrices.stride(1), data.stride(0), data.stride(1),
-            scale_inv.stride(0), scale_inv.stride(1), fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent,
-            power_of_2, BLOCK=block,
+            matrices, data, scale_inv, data_t, R, C, matrices.stride(0), matrices.stride(1), data.stride(0),
+            data.stride(1), scale_inv.stride(0), scale_inv.stride(1), *t_strides, fmt.max, fmt.mantissa_bits,
+            fmt.min_normal_exponent, power_of_2, BLOCK=block, CHUNK=TILE_QUANTISER_CHUNK, HALVES=halves,
+            num_warps=TILE_QUANTISER_WARPS,
         )  # fmt: skip
-    if w.dim() == 2:
-        return data[0], scale_inv[0]
-    return data, scale_inv
-
-
-def quantize_fc1(
-    w13: torch.Tensor, fmt: FP8Format, gated: bool, block: int = 128, power_of_2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data [E, N1, H] in fmt.dtype, fp32 scale_inv [E, halves, cdiv(N1 / halves, block), cdiv(H, block)])
-    of the experts' fc1 weights, a glu's gate and up halves quantised as two matrices (so that blocks
-    line up with the halves for any I; fp8/reference.py)."""
-    E, N1, H = w13.shape
-    halves = 2 if gated else 1
-    data, scale_inv = quantize_weights(w13.reshape(E * halves, N1 // halves, H), fmt, block, power_of_2)
-    return data.view(E, N1, H), scale_inv.view(E, halves, *scale_inv.shape[1:])
+    copy = (data[0], scale_inv[0]) if w.dim() == 2 else (data, scale_inv)
+    if not with_transpose:
+        return copy
+    scale_inv_t = scale_inv.transpose(-1, -2).contiguous()
+    transposed = (data_t[0], scale_inv_t[0]) if w.dim() == 2 else (data_t, scale_inv_t)
+    return copy, transposed
 
 
 @triton.jit
