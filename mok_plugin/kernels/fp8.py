@@ -1,10 +1,11 @@
 """Triton building blocks of blockwise FP8 (mok_plugin/fp8): rounding onto an FP8 grid and the scale
 of a block, so that the kernels quantise exactly as `mok_plugin.fp8.quantize` defines.
 
-Why round by hand: a value already on the FP8 grid converts exactly everywhere, but Triton's CPU
-interpreter mis-converts fp32 values whose rounding carries into the next power of two (7.89 became
-4.0 instead of 8.0 in E4M3). Rounding first with fp32 arithmetic gives the same bits compiled and
-interpreted, and the cast that follows has nothing left to round.
+Compiled, the GPU's conversion rounds (`cvt.rn.satfinite`: to nearest even, saturating at +-MAX,
+one instruction for two values). Triton's CPU interpreter mis-converts fp32 values whose rounding
+carries into the next power of two (7.89 became 4.0 instead of 8.0 in E4M3), so there the values
+are rounded by hand with fp32 arithmetic first (the cast that follows has nothing left to round):
+the same bits both ways, the quantisers' (`quantize.fp8_round`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,24 @@ __all__ = [
 ]
 
 
+# Decided when the module is imported, as Triton decides whether its kernels are interpreted.
+HARDWARE_ROUNDING = tl.constexpr(not interpreter_on())
+
+
 @triton.jit
 def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr):
     """fp32 v clamped to +-MAX and rounded to nearest even on the FP8 grid (MANTISSA_BITS bits below
     the leading one; a fixed step of 2^(MIN_NORMAL_EXPONENT - MANTISSA_BITS) below the smallest normal).
 
-    |v| + C, where C is the grid step times 2^23, lands in the binade of C, whose fp32 spacing is the
-    step: fp32's own round-to-nearest-even does the rounding, and subtracting C is exact."""
+    Compiled: the conversion to E4M3 (MANTISSA_BITS 3) or E5M2 and back (sm_90: 11 instructions a
+    value by hand, ~2 so). Interpreted: |v| + C, where C is the grid step times 2^23, lands in the
+    binade of C, whose fp32 spacing is the step: fp32's own round-to-nearest-even does the rounding,
+    and subtracting C is exact."""
+    if HARDWARE_ROUNDING:
+        if MANTISSA_BITS == 3:
+            return v.to(tl.float32).to(tl.float8e4nv).to(tl.float32)
+        else:
+            return v.to(tl.float32).to(tl.float8e5).to(tl.float32)
     magnitude = tl.minimum(tl.abs(v.to(tl.float32)), MAX)
     exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_NORMAL_EXPONENT)
