@@ -124,11 +124,13 @@ def _tiles(bm: int | None, bn: int | None, warps: int, stages: int) -> dict[str,
 
 # Candidates per kernel (BLOCK_M, BLOCK_N where the kernel has it, warps, stages); what the H200 gave
 # on qwen3-30b-a3b is in BENCHMARKS.md ("FP8 selectable, K-major backward").
-SWEEP: dict[str, list[dict[str, int]]] = {
+SWEEP: dict[str, list[dict[str, int | bool]]] = {
     "gate_up_fwd": [_tiles(128, None, 8, 3), _tiles(64, None, 4, 3), _tiles(64, None, 4, 4), _tiles(128, None, 8, 4)],
     "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
     "down_dgrad_gemm": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4), _tiles(64, 256, 8, 3)],
-    "down_dgrad_epilogue": [_tiles(None, None, 8, 1), _tiles(None, None, 16, 1), _tiles(None, None, 4, 1)],
+    "down_dgrad_epilogue": [
+        dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 32, 8) for up_with_a in (False, True)
+    ],
     "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
     "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],
 }

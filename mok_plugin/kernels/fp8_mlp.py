@@ -214,14 +214,16 @@ def _fp8_down_fwd_kernel(
 # (down_fwd, down_dgrad_gemm, gate_up_dgrad, wgrad), warps and pipeline stages. Under the interpreter: small tiles.
 # A tile shape changes no sum's order (each K step is one scale block, added in ascending order), so
 # the values are the same bits for every entry; `mok bench fp8 --sweep` times the candidates.
-TILES: dict[str, dict[str, int]] = {
+TILES: dict[str, dict[str, int | bool]] = {
     "gate_up_fwd": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3},
     "down_fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     # fc2's dgrad as two kernels: the GEMM (dA' in fp32) and its epilogue (f3; fused, 6.5 ms on qwen3-30b-a3b).
     # Swept on qwen3-30b-a3b (H200): the GEMM 0.63 ms at 64 x 128 w4 s4 against 0.68 at 128 x 128 w8 s3;
-    # the epilogue 1.42 ms in 16 warps against 2.66 in 8 (5.00 in 4)
+    # the epilogue 1.42 ms in 16 warps against 2.66 in 8 (5.00 in 4). UP_WITH_A (dh's up half in A's
+    # pass: two passes, not three) not yet timed: sm_90, 16 warps, 6264 instructions a thread against
+    # 6688, but 192 bytes of stack against 56
     "down_dgrad_gemm": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
-    "down_dgrad_epilogue": {"num_warps": 16, "num_stages": 1},
+    "down_dgrad_epilogue": {"num_warps": 16, "num_stages": 1, "UP_WITH_A": False},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
@@ -230,8 +232,10 @@ _INTERPRETED = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 def _tiles(kernel: str) -> dict[str, int]:
-    """TILES[kernel] compiled, or the interpreter's small tiles."""
-    return {key: _INTERPRETED[key] for key in TILES[kernel]} if interpreter_on() else dict(TILES[kernel])
+    """TILES[kernel] compiled, or the interpreter's small tiles (its choices that are not sizes kept)."""
+    if not interpreter_on():
+        return dict(TILES[kernel])
+    return {key: _INTERPRETED.get(key, value) for key, value in TILES[kernel].items()}
 
 
 def _row_tiles(
@@ -386,7 +390,7 @@ def _fp8_down_dgrad_epilogue_kernel(
     stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr,
     F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr,
-    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr,
+    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
     from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
@@ -398,15 +402,16 @@ def _fp8_down_dgrad_epilogue_kernel(
     )
     if expert >= 0:
         valid = row_ok[:, None] & col_ok[None, :]
-        # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
-        every_row = (rows >= 0)[:, None] & col_ok[None, :]
         w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-        # Three passes over the tile, each reloading dA' and h (from L2) and computing only what it
-        # stores (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
+        dh = (dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
+              stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale)  # fmt: skip
+        # Passes over the tile, each reloading dA' and h (from L2) and computing only what it stores
+        # (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
         # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
-        #    w * A, 128 x 1 along the rows (dW2), from the unquantised A
+        #    w * A, 128 x 1 along the rows (dW2), from the unquantised A; with UP_WITH_A, dh's up
+        #    columns too, which need A's act(gate) only (one pass fewer, more registers live)
         d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
-        a, _, _ = activation_grad_of_rows(
+        a, _, d_up = activation_grad_of_rows(
             h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
         )
         a = tl.where(valid, a, 0.0)
@@ -414,29 +419,44 @@ def _fp8_down_dgrad_epilogue_kernel(
         tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
                  mask=row_ok)  # fmt: skip
         q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0)
+        # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
         tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q.to(wa_colt_ptr.dtype.element_ty),
-                 mask=every_row)  # fmt: skip
+                 mask=col_ok[None, :])  # fmt: skip
         tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
-        # 2. dh's gate columns (3. its up columns): 1 x 128 along the columns (dX), 128 x 1 along the
-        #    rows (dW13); zeros on padding rows (the weight gradients read whole blocks)
-        dh_rows = dh_q_ptr + rows[:, None] * stride_dh_r + cols[None, :]
-        dh_col_rows = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]  # transposed
-        dh_ty = dh_q_ptr.dtype.element_ty
-        for half in tl.static_range(2 if GATED else 1):
+        if GATED and UP_WITH_A:
+            _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I, B_MAX,
+                             B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+        # 2. dh's gate columns (without a gate: dh); 3. its up columns, unless pass 1 stored them
+        for half in tl.static_range(2 if GATED and not UP_WITH_A else 1):
             d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
             _, d_gate, d_up = activation_grad_of_rows(
                 h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
             )
-            d_h = tl.where(valid, d_gate if half == 0 else d_up, 0.0)
-            if dh_ptr is not None:  # unquantised, for the fc1 bias's gradient
-                dh_plain = dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :]
-                tl.store(dh_plain, d_h.to(dh_ptr.dtype.element_ty), mask=valid)
-            q, s = quantize_block(d_h, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 1)
-            tl.store(dh_rows + half * I, q.to(dh_ty), mask=valid)
-            tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
-            q, s = quantize_block(d_h, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, 0)
-            tl.store(dh_col_rows + half * I * stride_dh_colt, q.to(dh_ty), mask=every_row)
-            tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
+            _dh_half_outputs(tl.where(valid, d_gate if half == 0 else d_up, 0.0), half, *dh, rows, row_ok, cols,
+                             col_ok, pid_m, pid_n, I, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+
+
+@triton.jit
+def _dh_half_outputs(
+    d_h, half, dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
+    stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, rows, row_ok, cols, col_ok, pid_m, pid_n, I,
+    MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr,
+):  # fmt: skip
+    """One half of dh (0: gate columns, 1: up) of the epilogue's tile, zeros outside the valid rows
+    and columns: unquantised into dh_ptr (the fc1 bias's gradient; None without one), 1 x 128 along
+    the columns (dX) and 128 x 1 along the rows, stored transposed with padding rows' zeros (dW13)."""
+    valid = row_ok[:, None] & col_ok[None, :]
+    dh_ty = dh_q_ptr.dtype.element_ty
+    if dh_ptr is not None:
+        tl.store(dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], d_h.to(dh_ptr.dtype.element_ty),
+                 mask=valid)  # fmt: skip
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1)
+    tl.store(dh_q_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], q.to(dh_ty), mask=valid)
+    tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0)
+    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q.to(dh_ty),
+             mask=col_ok[None, :])  # fmt: skip
+    tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
 
 
 @triton.jit
