@@ -34,7 +34,8 @@
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
 #              deepseek-v3 (one process each: FP8 vs bf16 time, errors against float64 and the separate-cast
-#              peer); the harness for 200 steps with --fp8 e4m3 on the single-H200 config
+#              peer); fc2's dgrad epilogue's tile choices on qwen3-30b-a3b (--sweep down_dgrad_epilogue); the
+#              harness for 200 steps with --fp8 e4m3 on the single-H200 config
 #   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, opt-in): tests/test_fp8_hopper.py, then
 #              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
 #              and row GEMMs on the Triton kernels and on the Gluon ones, bits compared)
@@ -155,6 +156,8 @@ for part in "${parts[@]}"; do
         for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             run_part "fp8-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --out "$out/fp8-$shape"
         done
+        run_part fp8-epilogue-sweep python3 scripts/bench_fp8.py --shapes qwen3-30b-a3b --sweep down_dgrad_epilogue \
+            --out "$out/fp8-epilogue-sweep"
         run_part fp8-compare python3 scripts/compare.py --config configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml \
             --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;
     fp8-hopper)

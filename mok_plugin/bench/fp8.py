@@ -50,9 +50,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"],
                         help=f"named ({', '.join(sorted(NAMED_SHAPES))}) or T,H,I,E,K")  # fmt: skip
     parser.add_argument("--recipe", choices=["e4m3", "hybrid"], default="e4m3", help="Megatron's --fp8-format")
-    parser.add_argument("--sweep", action="store_true",
-                        help="instead: time each FP8 kernel under the tile candidates of SWEEP (fp8_mlp.TILES), "
-                             "checking that each gives the default's bits")  # fmt: skip
+    parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP), metavar="KERNEL",
+                        help="instead: time each FP8 kernel (or those named) under the tile candidates of SWEEP "
+                             "(fp8_mlp.TILES), checking that each gives the default's bits")  # fmt: skip
     parser.add_argument("--hopper", action="store_true",
                         help="instead: forward + backward (weights kept) with the weight gradients and the row "
                              "GEMMs on the Triton kernels and on the Gluon ones (MOK_HOPPER_FP8_WGRAD, "
@@ -136,14 +136,16 @@ SWEEP: dict[str, list[dict[str, int | bool]]] = {
 }
 
 
-def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float) -> list[dict]:
-    """Each kernel's GPU time in a forward + backward under each SWEEP candidate (the others at
-    TILES), and whether its results are the default tiles' bits."""
+def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels: list[str]) -> list[dict]:
+    """Each kernel's (of `kernels`; all of SWEEP when empty) GPU time in a forward + backward under
+    each SWEEP candidate (the others at TILES), and whether its results are the default tiles' bits."""
     from mok_plugin.kernels import fp8_mlp
 
     both = _fp8_case(name, recipe)[-1]
     want, rows = both(), []
     for kernel, candidates in SWEEP.items():
+        if kernels and kernel not in kernels:
+            continue
         default = fp8_mlp.TILES[kernel]
         try:
             for tiles in candidates:
@@ -255,9 +257,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"{row['shape']:<16} {row['setting']:<18} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
                   f"{row['rows ms']:8.3f}  {row['same_bits']}")  # fmt: skip
         return 0
-    if args.sweep:
+    if args.sweep is not None:
         for name in args.shapes:
-            rows += _sweep_shape(name, recipe, args.settle_s)
+            rows += _sweep_shape(name, recipe, args.settle_s, args.sweep)
         (args.out / "bench_fp8_sweep.json").write_text(json.dumps(rows, indent=2))
         print(f"details in {args.out / 'bench_fp8_sweep.json'}")
         return 0
