@@ -35,6 +35,7 @@ from mok_plugin.kernels.fp8 import (
     quantize_rows,
     quantize_weights,
     round_to_fp8_grid,
+    scale_inverse,
     transposed_copy,
 )
 from mok_plugin.schedule import build_schedule
@@ -146,16 +147,20 @@ def _round_and_scale_kernel(
     v_ptr,
     rounded_ptr,
     scale_ptr,
+    inverse_ptr,
     MAX: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXPONENT: tl.constexpr,
     POWER_OF_2: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_BITS: tl.constexpr = True,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + offs)
     tl.store(rounded_ptr + offs, round_to_fp8_grid(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT))
-    tl.store(scale_ptr + offs, block_scale(tl.abs(v), MAX, POWER_OF_2))
+    scale = block_scale(tl.abs(v), MAX, POWER_OF_2, FROM_BITS)
+    tl.store(scale_ptr + offs, scale)
+    tl.store(inverse_ptr + offs, scale_inverse(scale, POWER_OF_2, FROM_BITS))
 
 
 def _positive_grid(fmt) -> torch.Tensor:
@@ -181,9 +186,9 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     values = torch.cat([grid, mid, mid * (1 + eps), mid * (1 - eps), powers * (1 - eps), special, rand])
     values = torch.cat([values, -values]).clamp(-fmt.max, fmt.max)
     values = torch.nn.functional.pad(values, (0, -values.numel() % 1024), value=1.0).to(DEVICE)
-    rounded, scale = torch.empty_like(values), torch.empty_like(values)
+    rounded, scale, inverse = torch.empty_like(values), torch.empty_like(values), torch.empty_like(values)
     _round_and_scale_kernel[(values.numel() // 1024,)](
-        values, rounded, scale, fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=1024
+        values, rounded, scale, inverse, fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=1024
     )
     want = fp8_round(values.cpu(), fmt)
     # bit patterns, not values: -0.0 (a tiny negative value rounded to zero) must stay -0.0
@@ -191,6 +196,42 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     assert not differ.any(), f"{differ.sum()} values rounded differently, e.g. {values.cpu()[differ][:4].tolist()}"
     assert torch.equal(rounded.cpu().to(fmt.dtype).float(), want)  # on the grid: the cast changes nothing
     assert torch.equal(scale.cpu(), block_scales(values.cpu().abs(), fmt, power_of_2))
+
+
+@FORMATS
+@pytest.mark.parametrize(
+    "power_of_2, from_bits", [(True, True), (True, False), (False, True)], ids=["pow2", "pow2_divided", "fp32_scales"]
+)
+def test_block_scales_of_every_binade_are_the_quantisers(fmt, power_of_2, from_bits):
+    # The power-of-two scale comes from exponent and mantissa bits, not a division (or by division,
+    # FROM_BITS=False, as fc1's Gluon kernel asks): every fp32 binade (subnormals, those whose quotient
+    # overflows, FLT_MAX's), the mantissas either side of MAX's (where the quotient drops a binade),
+    # and zero, inf and NaN, against block_scales' IEEE division; and their inverses (scale_inv)
+    max_mantissa = torch.tensor([fmt.max], dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF
+    mantissas = torch.tensor([0, 1, max_mantissa - 1, max_mantissa, max_mantissa + 1, 0x7FFFFF], dtype=torch.int32)
+    exponents = torch.arange(0, 255, dtype=torch.int32)
+    bits = ((exponents[:, None] << 23) | mantissas[None, :]).flatten()
+    specials = torch.tensor([0.0, float("inf"), float("nan")]).view(torch.int32)
+    amax = torch.cat([bits, specials]).view(torch.float32)
+    amax = torch.nn.functional.pad(amax, (0, -amax.numel() % 1024), value=1.0).to(DEVICE)
+    rounded, scale, inverse = torch.empty_like(amax), torch.empty_like(amax), torch.empty_like(amax)
+    _round_and_scale_kernel[(amax.numel() // 1024,)](
+        amax,
+        rounded,
+        scale,
+        inverse,
+        fmt.max,
+        fmt.mantissa_bits,
+        fmt.min_normal_exponent,
+        power_of_2,
+        BLOCK=1024,
+        FROM_BITS=from_bits,
+    )
+    want = block_scales(amax.cpu(), fmt, power_of_2)
+    differ = scale.cpu().view(torch.int32) != want.view(torch.int32)
+    assert not differ.any(), f"{differ.sum()} scales differ, e.g. amax {amax.cpu()[differ][:4].tolist()}"
+    differ = inverse.cpu().view(torch.int32) != (1 / want).view(torch.int32)  # scale_inv: IEEE 1 / scale
+    assert not differ.any(), f"{differ.sum()} inverses differ, e.g. scale {want[differ][:4].tolist()}"
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from mok_plugin.kernels.launch import cdiv, check_tensor
 
 __all__ = [
     "block_scale",
+    "scale_inverse",
     "quantize_block",
     "quantize_fc1",
     "quantize_gathered_columns",
@@ -62,35 +63,63 @@ def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NOR
 
 
 @triton.jit
-def block_scale(amax, MAX: tl.constexpr, POWER_OF_2: tl.constexpr):
+def block_scale(amax, MAX: tl.constexpr, POWER_OF_2: tl.constexpr, FROM_BITS: tl.constexpr = True):
     """fp32 scale of blocks whose largest magnitude is amax: MAX / amax (1 where amax is 0, the
-    largest finite fp32 where that overflows), its mantissa cleared when POWER_OF_2 (quantize.block_scales)."""
-    # IEEE division: the compiled `/` is approximate, and an amax of exactly MAX / 2^k must give 2^k.
+    largest finite fp32 where that overflows), its mantissa cleared when POWER_OF_2 (quantize.block_scales).
+    FROM_BITS=False: a power of two by IEEE division too (the same bits)."""
     # MAX as a tensor by `where`, not tl.full: Gluon kernels import these functions (fp8_hopper.py), and
     # Gluon's full needs a layout; the same constant either way.
     nonzero = amax > 0
-    scale = tl.where(nonzero, tl.div_rn(tl.where(nonzero, MAX, MAX), tl.where(nonzero, amax, 1.0)), 1.0)
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
-    if POWER_OF_2:
-        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
-    return scale
+    max_value = tl.where(nonzero, MAX, MAX)
+    if POWER_OF_2 and FROM_BITS:
+        # The IEEE quotient's exponent, from the exponents and mantissas: MAX / amax lies in
+        # [2^(eM - ea), 2^(eM - ea + 1)) when amax's mantissa is at most MAX's, else one binade lower
+        # (never rounded up into the next: the quotient's distance below it is at least 2^-24 of it,
+        # over half an ulp); an overflow (at most 2^127 once cleared) and a subnormal amax clamp at
+        # 2^127. Integer work where the division cost ~10 instructions and a slow-path branch (sm_90).
+        bits = amax.to(tl.int32, bitcast=True)
+        max_bits = max_value.to(tl.int32, bitcast=True)
+        binade_lower = ((bits & 0x7FFFFF) > (max_bits & 0x7FFFFF)).to(tl.int32)
+        exponent = tl.minimum((max_bits >> 23) - ((bits >> 23) & 0xFF) + 127 - binade_lower, 254)
+        scale = tl.where(nonzero, (exponent << 23).to(tl.float32, bitcast=True), 1.0)
+        return tl.where(amax == float("inf"), 0.0, scale)  # MAX / inf
+    else:
+        # IEEE division: the compiled `/` is approximate, and an amax of exactly MAX / 2^k must give 2^k.
+        scale = tl.where(nonzero, tl.div_rn(max_value, tl.where(nonzero, amax, 1.0)), 1.0)
+        scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+        if POWER_OF_2:
+            scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
+        return scale
+
+
+@triton.jit
+def scale_inverse(scale, POWER_OF_2: tl.constexpr, FROM_BITS: tl.constexpr = True):
+    """1 / scale, as IEEE division gives it, of block_scale's scales (scale_inv: what dequantises);
+    FROM_BITS=False: by the division for powers of two too."""
+    if POWER_OF_2 and FROM_BITS:  # 2^k's inverse 2^-k from its exponent: 2^-127 subnormal, 1 / 0 (amax inf) inf
+        biased = scale.to(tl.int32, bitcast=True) >> 23
+        inverse = tl.where(biased == 254, 0x400000, tl.where(biased == 0, 0x7F800000, (254 - biased) << 23))
+        return inverse.to(tl.float32, bitcast=True)
+    else:  # IEEE, as quantize_1d's 1 / scale
+        return tl.div_rn(tl.where(scale > 0, 1.0, 1.0), scale)
 
 
 @triton.jit
 def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr,
-                   POWER_OF_2: tl.constexpr, AXIS: tl.constexpr):  # fmt: skip
+                   POWER_OF_2: tl.constexpr, AXIS: tl.constexpr, FROM_BITS: tl.constexpr = True):  # fmt: skip
     """(values on the FP8 grid, fp32 scale_inv) of a 2-D fp32 tile quantised in blocks that are its
-    rows (AXIS 1), its columns (AXIS 0) or the whole tile (AXIS None)."""
+    rows (AXIS 1), its columns (AXIS 0) or the whole tile (AXIS None); FROM_BITS: block_scale's."""
     amax = tl.max(tl.abs(v), axis=AXIS)
-    scale = block_scale(amax, MAX, POWER_OF_2)
+    scale = block_scale(amax, MAX, POWER_OF_2, FROM_BITS)
     if AXIS == 1:
         scaled = v * scale[:, None]
     elif AXIS == 0:
         scaled = v * scale[None, :]
     else:
         scaled = v * scale
-    scale_inv = tl.div_rn(tl.where(scale > 0, 1.0, 1.0), scale)  # IEEE, as quantize_1d's 1 / scale
-    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inv
+    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inverse(
+        scale, POWER_OF_2, FROM_BITS
+    )
 
 
 @triton.jit
@@ -156,7 +185,7 @@ def _quantize_tiles_kernel(
             data_t = data_t_ptr + (e // HALVES) * stride_t_e + (e % HALVES) * R
             tl.store(data_t + cols[:, None].to(tl.int64) * stride_t_c + rows[None, :], tl.trans(q),
                      mask=tl.trans(mask))  # fmt: skip
-    scale_inv = tl.div_rn(1.0, scale)  # IEEE, as quantize_block's
+    scale_inv = scale_inverse(scale, POWER_OF_2)
     tl.store(scale_inv_ptr + e * stride_scale_e + tl.program_id(1) * stride_scale_r + tl.program_id(2), scale_inv)
 
 

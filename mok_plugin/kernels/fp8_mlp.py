@@ -219,9 +219,10 @@ TILES: dict[str, dict[str, int | bool]] = {
     "down_fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     # fc2's dgrad as two kernels: the GEMM (dA' in fp32) and its epilogue (f3; fused, 6.5 ms on qwen3-30b-a3b).
     # Swept on qwen3-30b-a3b (H200): the GEMM 0.63 ms at 64 x 128 w4 s4 against 0.68 at 128 x 128 w8 s3;
-    # the epilogue 1.42 ms in 16 warps against 2.66 in 8 (5.00 in 4). UP_WITH_A (dh's up half in A's
-    # pass: two passes, not three) not yet timed: sm_90, 16 warps, 6264 instructions a thread against
-    # 6688, but 192 bytes of stack against 56
+    # the epilogue 1.42 ms in 16 warps against 2.66 in 8 (5.00 in 4). Since then (sm_90 compiles, not timed)
+    # 7560 -> 5136 instructions a thread in 16 warps (the GPU's FP8 conversion, scales from exponent
+    # bits); UP_WITH_A (dh's up half in A's pass: two passes, not three) 4736, both 8 bytes of stack;
+    # in 32 warps 3440 (64 registers: two programs an SM's worth of warps)
     "down_dgrad_gemm": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "down_dgrad_epilogue": {"num_warps": 16, "num_stages": 1, "UP_WITH_A": False},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
