@@ -22,13 +22,13 @@ from mok_plugin.kernels.launch import cdiv, check_tensor
 
 __all__ = [
     "block_scale",
-    "scale_inverse",
     "quantize_block",
     "quantize_fc1",
     "quantize_gathered_columns",
     "quantize_rows",
     "quantize_weights",
     "round_to_fp8_grid",
+    "scale_inverse",
     "transposed_copy",
 ]
 
@@ -117,9 +117,8 @@ def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL
         scaled = v * scale[None, :]
     else:
         scaled = v * scale
-    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inverse(
-        scale, POWER_OF_2, FROM_BITS
-    )
+    scale_inv = scale_inverse(scale, POWER_OF_2, FROM_BITS)
+    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inv
 
 
 @triton.jit
