@@ -349,20 +349,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 )  # fmt: skip
 @pytest.mark.parametrize("H, E, T, K, kind", [(512, 8, 600, 2, "skewed"), (1024, 4, 900, 2, "uniform"),
                                               (320, 6, 500, 3, "uniform")])  # fmt: skip
-def test_fc1_forward_bitwise_the_triton_kernel(monkeypatch, programs, family_name, I, dtype, a_fmt, H, E, T, K, kind):
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_fc1_forward_bitwise_the_triton_kernel(monkeypatch, programs, family_name, I, dtype, a_fmt, H, E, T, K, kind,
+                                               split):  # fmt: skip
     # x's rows copied into row order and fc1 on the Gluon kernel: h, A_q and A's scales bit for bit the
     # Triton kernel's on the real rows, and the same again (H = 1024: more K steps than stages; 320: a
-    # partial last K block, as gpt-oss-120b's 2880; I = 192: a partial last I block)
+    # partial last K block, as gpt-oss-120b's 2880; I = 192: a partial last I block). split
+    # (MOK_HOPPER_FP8_FC1_SPLIT): h by the row GEMM over N1 and A apart where I is a multiple of 128,
+    # else the fused kernel all the same
     from mok_plugin.testing import EXPERT_FAMILIES
 
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
+    monkeypatch.setenv(fp8_fc1_hopper.SPLIT_SETTING, str(int(split)))
     a_format = {"e4m3": E4M3, "e5m2": E5M2}[a_fmt]
     sched, fc1 = _fc1_case(EXPERT_FAMILIES[family_name], I, H, E, T, K, kind, getattr(torch, dtype), a_format)
     valid = sched.row_to_token >= 0
     want = [_bits(t[valid]) for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", fc1)]
-    launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    fused = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    rows = _counting(monkeypatch, "fp8_rows_hopper")
     got = [_bits(t[valid]) for t in _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)]
-    assert launches == ["fp8_fc1_hopper"]
+    taken = ([], ["fp8_rows_hopper"]) if split and I % 128 == 0 else (["fp8_fc1_hopper"], [])
+    assert (fused, rows) == taken
     for name, got_t, want_t in zip(("h", "a_q", "a_scale_inv"), got, want, strict=True):
         assert torch.equal(got_t, want_t), name
     assert all(torch.equal(_bits(t[valid]), g_t) for t, g_t in zip(fc1(), got, strict=True))

@@ -175,3 +175,25 @@ def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
         results.append(fp8_experts_backward(d_out, saved))
     for name, value in results[0].items():
         assert (value is None and results[1][name] is None) or torch.equal(value, results[1][name]), name
+
+
+@pytest.mark.parametrize("family, fmt", [("swiglu", E4M3), ("gpt_oss_clamp_4", E5M2), ("mlp_gelu_bias", E4M3)])
+def test_activation_from_h_is_fc1s_own(family, fmt):
+    # fc1's forward split in two (MOK_HOPPER_FP8_FC1_SPLIT: the GEMM on the Gluon row kernel, then A):
+    # A_q and its scales from the h that fc1's fused kernel stored are that kernel's, bit for bit
+    from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows
+    from mok_plugin.kernels.fp8_mlp import fp8_activation, fp8_gate_up_fwd
+
+    fam = BACKWARD_FAMILIES[family]
+    inp = _inputs(fam, T=60, I=256)
+    sched = inp["schedule"]
+    x_q, x_s = quantize_rows(inp["x"], E4M3)
+    w13_q, w13_s = quantize_fc1(inp["gate_up_proj"], E4M3, fam.gated)
+    kwargs = {"activation": fam.activation, "gated": fam.gated, "clamp": fam.clamp, "offset": fam.linear_offset}
+    h, a_q, a_s = fp8_gate_up_fwd(x_q, x_s, w13_q, w13_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m, fmt,
+                                  out_dtype=DTYPE, gate_up_bias=inp["gate_up_bias"], **kwargs)  # fmt: skip
+    again_q, again_s = torch.full_like(a_q, float("nan")), torch.full_like(a_s, float("nan"))
+    fp8_activation(h, again_q, again_s, sched.row_to_token, sched.tile_to_expert, sched.tile_m, fmt, **kwargs)
+    valid = sched.row_to_token >= 0
+    assert torch.equal(again_q[valid].view(torch.uint8), a_q[valid].view(torch.uint8))
+    assert torch.equal(again_s[valid], a_s[valid])

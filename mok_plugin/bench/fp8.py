@@ -34,7 +34,7 @@ from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
-from mok_plugin.kernels import fp8_hopper
+from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
 from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
@@ -164,13 +164,14 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels
 
 def _hopper_settings() -> dict[str, dict[str, str]]:
     """The environments `--hopper` compares: the Triton kernels, then the Gluon weight gradients, row
-    GEMMs and both."""
-    wgrad, rows = fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING
+    GEMMs and both, and both with fc1's forward split (its GEMM on the row kernel, A apart)."""
+    wgrad, rows, split = fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING
     return {
-        "none (Triton)": {wgrad: "0", rows: "0"},
-        "weight gradients": {wgrad: "1", rows: "0"},
-        "row GEMMs": {wgrad: "0", rows: "1"},
-        "both": {wgrad: "1", rows: "1"},
+        "none (Triton)": {wgrad: "0", rows: "0", split: "0"},
+        "weight gradients": {wgrad: "1", rows: "0", split: "0"},
+        "row GEMMs": {wgrad: "0", rows: "1", split: "0"},
+        "both": {wgrad: "1", rows: "1", split: "0"},
+        "both, fc1 split": {wgrad: "1", rows: "1", split: "1"},
     }
 
 
@@ -198,10 +199,11 @@ def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: f
     return rows
 
 
-# the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), and the copy of
-# x's rows fc1's needs (torch's index_select: indexSelect...Index kernels)
+# the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), the copy of x's
+# rows fc1's needs (torch's index_select: indexSelect...Index kernels) and A from h when fc1 is split
 _ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_up_fwd_kernel",
-                "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "indexSelect")  # fmt: skip
+                "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "_fp8_activation_kernel",
+                "indexSelect")  # fmt: skip
 
 
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about

@@ -38,7 +38,12 @@ if gluon is not None:
     from mok_plugin.kernels.fp8_hopper import rows_tile, spread, stage_barriers, stages_of
     from mok_plugin.kernels.wgrad_hopper import store_tile
 
-__all__ = ["fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
+__all__ = ["SPLIT_SETTING", "fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
+
+# With MOK_HOPPER_FP8_ROWS=1: 1 computes fc1's forward as fp8_hopper's row GEMM over all N1 columns and A
+# from h apart (fp8_mlp._fp8_activation_kernel) instead of this kernel, whose main loop spills; both
+# untimed, for the GPU to choose between (`mok bench fp8 --hopper`)
+SPLIT_SETTING = "MOK_HOPPER_FP8_FC1_SPLIT"
 
 # Each MMA warpgroup holds the gate's and the up's sums and the MMA's product (3 x 64 registers a
 # thread): at 232 registers, as fp8_hopper's kernels, the main loop spilled 144 bytes a thread (sm_90

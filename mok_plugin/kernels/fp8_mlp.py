@@ -36,7 +36,15 @@ from mok_plugin.kernels.tiles import (
     tile_rows,
 )
 
-__all__ = ["fp8_block_matmul", "fp8_down_dgrad", "fp8_down_fwd", "fp8_gate_up_dgrad", "fp8_gate_up_fwd", "fp8_wgrad"]
+__all__ = [
+    "fp8_activation",
+    "fp8_block_matmul",
+    "fp8_down_dgrad",
+    "fp8_down_fwd",
+    "fp8_gate_up_dgrad",
+    "fp8_gate_up_fwd",
+    "fp8_wgrad",
+]
 
 
 @triton.jit
@@ -156,13 +164,53 @@ def _fp8_gate_up_fwd_kernel(
             if b1_ptr is not None:
                 up += tl.load(b1_ptr + expert * stride_b1_e + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(h_tile + I, up.to(out_ty), mask=mask)
-        # A from the rounded h (as the backward recomputes it), quantised: its columns are one block
-        a = expert_activation(gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32), ACT=ACT, GATED=GATED,
-                              CLAMP=CLAMP, OFFSET=OFFSET)  # fmt: skip
-        a = tl.where(col_ok[None, :], a, 0.0)
-        a_q, a_scale_inv = quantize_block(a, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
-        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a_q.to(a_ptr.dtype.element_ty), mask=mask)
-        tl.store(a_scale_ptr + rows * stride_a_scale + pid_n, a_scale_inv, mask=row_ok)
+        # A from the rounded h (as the backward recomputes it)
+        _store_quantised_activation(
+            gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32), a_ptr, a_scale_ptr, rows, row_ok, cols,
+            col_ok, pid_n, stride_a_r, stride_a_scale, ACT, GATED, CLAMP, OFFSET, MAX, MANTISSA_BITS,
+            MIN_NORMAL_EXPONENT, POWER_OF_2,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_quantised_activation(
+    gate, up, a_ptr, a_scale_ptr, rows, row_ok, cols, col_ok, pid_n, stride_a_r, stride_a_scale, ACT: tl.constexpr,
+    GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr,
+):  # fmt: skip
+    """A = act(h) of a tile of fc1's rows and one 128-wide I-block (h's halves in fp32, as stored),
+    quantised 1 x 128 (its columns are one block; those past I zeros): A_q and its scale column pid_n."""
+    a = expert_activation(gate, up, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
+    a = tl.where(col_ok[None, :], a, 0.0)
+    a_q, a_scale_inv = quantize_block(a, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a_q.to(a_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_scale_ptr + rows * stride_a_scale + pid_n, a_scale_inv, mask=row_ok)
+
+
+@triton.jit
+def _fp8_activation_kernel(
+    h_ptr, a_ptr, a_scale_ptr, row_to_token_ptr, tile_to_expert_ptr, I, stride_h_r, stride_a_r, stride_a_scale,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    CLAMP: tl.constexpr, OFFSET: tl.constexpr, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr,
+):  # fmt: skip
+    """_fp8_gate_up_fwd_kernel's grid and A_q, from the h it would store: fc1's forward split in two,
+    the GEMM on fp8_hopper's row kernel (MOK_HOPPER_FP8_FC1_SPLIT), then this."""
+    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
+        row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, BLOCK_M, SCALE_BLOCK
+    )
+    if expert >= 0:
+        h_tile = h_ptr + rows[:, None] * stride_h_r + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+        up = gate
+        if GATED:
+            up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+        _store_quantised_activation(
+            gate, up, a_ptr, a_scale_ptr, rows, row_ok, cols, col_ok, pid_n, stride_a_r, stride_a_scale, ACT, GATED,
+            CLAMP, OFFSET, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -224,6 +272,8 @@ TILES: dict[str, dict[str, int | bool]] = {
     # bits); UP_WITH_A (dh's up half in A's pass: two passes, not three) 4736, both 8 bytes of stack;
     # in 32 warps 3440 (64 registers: two programs an SM's worth of warps)
     "down_dgrad_gemm": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+    # A from h when fc1's GEMM runs apart (MOK_HOPPER_FP8_FC1_SPLIT): elementwise, 32 rows of a 128-wide block
+    "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
     "down_dgrad_epilogue": {"num_warps": 16, "num_stages": 1, "UP_WITH_A": False},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
@@ -275,7 +325,8 @@ def fp8_gate_up_fwd(
     [E, halves, cdiv(I, 128), cdiv(H, 128)]: a glu's gate and up quantised apart, `quantize_fc1`); A is
     quantised into `fmt`. Padding rows untouched (by the Triton kernel). On Hopper, where
     `MOK_HOPPER_FP8_ROWS=1` asks for it, the Gluon kernel (fp8_fc1_hopper.py), on x_q's rows copied
-    into row order."""
+    into row order; with `MOK_HOPPER_FP8_FC1_SPLIT=1` too (and I a multiple of 128), h by fp8_hopper's
+    row GEMM over all N1 columns and A from h by `_fp8_activation_kernel` (the same bits)."""
     check_tensor("x_q", x_q, 2)
     check_tensor("w13_q", w13_q, 3, x_q.dtype)
     E, N1, H = w13_q.shape
@@ -291,6 +342,19 @@ def fp8_gate_up_fwd(
     if hopper and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
         h_halves = (h[:, :I], h[:, I:]) if gated else (h,)
         w13_rows = w13_q.view(E * N1, H)
+        split = fp8_hopper.enabled(fp8_fc1_hopper.SPLIT_SETTING) and I % scale_block == 0
+        if split and fp8_hopper.usable((x_q, w13_rows), h, tile_m):
+            # h as one GEMM over fc1's N1 columns (each 128-column block inside a half, whose scales then
+            # lie in order), A from h by its own kernel: no warpgroup holds the gate's and up's sums at once
+            x_rows, x_rows_scale = fp8_fc1_hopper.gathered_rows(x_q, x_scale_inv, row_to_token)
+            w_scales = w13_scale_inv.reshape(E, N1 // scale_block, -1)
+            fp8_hopper.fp8_rows_hopper((x_rows,), x_rows_scale, (w13_rows,), w_scales, h, tile_to_expert, tile_m,
+                                       down_bias=gate_up_bias)  # fmt: skip
+            fp8_activation(
+                h, a_q, a_scale_inv, row_to_token, tile_to_expert, tile_m, fmt, scale_block=scale_block,
+                power_of_2=power_of_2, activation=activation, gated=gated, clamp=clamp, offset=offset,
+            )  # fmt: skip
+            return h, a_q, a_scale_inv
         if fp8_fc1_hopper.usable(x_q, w13_rows, h_halves, a_q, tile_m, activation):
             x_rows, x_rows_scale = fp8_fc1_hopper.gathered_rows(x_q, x_scale_inv, row_to_token)
             fp8_fc1_hopper.fp8_fc1_hopper(
@@ -310,6 +374,25 @@ def fp8_gate_up_fwd(
             MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2, **meta,
         )  # fmt: skip
     return h, a_q, a_scale_inv
+
+
+def fp8_activation(
+    h: torch.Tensor, a_q: torch.Tensor, a_scale_inv: torch.Tensor, row_to_token: torch.Tensor,
+    tile_to_expert: torch.Tensor, tile_m: int, fmt: FP8Format, *, scale_block: int = 128, power_of_2: bool = True,
+    activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
+) -> None:  # fmt: skip
+    """A_q [R_pad, I] and its scales [R_pad, cdiv(I, 128)] from fc1's output h [R_pad, N1] (as
+    fp8_gate_up_fwd stores it), as fp8_gate_up_fwd computes them: fc1's forward when its GEMM ran
+    apart. Padding rows untouched."""
+    num_rows, I = a_q.shape
+    grid, meta, _ = _row_tiles("activation", num_rows, I, tile_m, block_n=scale_block)
+    if grid[0]:
+        _fp8_activation_kernel[grid](
+            h, a_q, a_scale_inv, row_to_token, tile_to_expert, I, h.stride(0), a_q.stride(0), a_scale_inv.stride(0),
+            SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, MAX=fmt.max,
+            MANTISSA_BITS=fmt.mantissa_bits, MIN_NORMAL_EXPONENT=fmt.min_normal_exponent, POWER_OF_2=power_of_2,
+            **meta,
+        )  # fmt: skip
 
 
 def fp8_down_fwd(
