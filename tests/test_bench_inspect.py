@@ -2,36 +2,25 @@
 how deep each K loop is pipelined from the TTGIR."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+from triton_cases import outside_the_interpreter
 
 from mok_plugin.bench.inspect import pipeline_report
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_inspect_kernels_compiles_for_hopper_without_a_gpu():
     # Outside Triton's interpreter (which the test session turns on), so in its own process; a
     # pre-gathered weight gradient has no by-token operand, so its K loop gets at least the buffers
     # of the gathered one.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "mok_plugin.cli", "bench", "inspect", "--kernels", "wgrad_gate_up", "--candidates",
-         "128x128x64w8s4", "128x128x64w8s4g"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--kernels", "wgrad_gate_up",
+                                     "--candidates", "128x128x64w8s4", "128x128x64w8s4g")  # fmt: skip
     # the two candidates' rows (the pinned config's row is marked)
-    rows = [
-        line.split() for line in run.stdout.splitlines() if line.startswith("wgrad_gate_up") and "(pinned)" not in line
-    ]
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("wgrad_gate_up") and "(pinned)" not in line]
     # kernel, config (three words, four with "gather"), buffers, async copies, smem KiB, note
     buffers = {"gather" in row: int(row[5] if "gather" in row else row[4]) for row in rows}
-    assert set(buffers) == {False, True}, run.stdout
-    assert 1 <= buffers[False] <= buffers[True] <= 4, run.stdout
-    pinned = next(line for line in run.stdout.splitlines() if "(pinned)" in line)
+    assert set(buffers) == {False, True}, stdout
+    assert 1 <= buffers[False] <= buffers[True] <= 4, stdout
+    pinned = next(line for line in stdout.splitlines() if "(pinned)" in line)
     assert "tma" in pinned and "compile failed" not in pinned  # TMA configs compile with descriptor arguments
 
 
@@ -50,17 +39,12 @@ def test_sizes_that_are_multiples_of_8_but_not_16_keep_vector_loads(tmp_path):
     # row GEMMs' loads went 2 bytes wide, unpipelined, with spills (gate_up_fwd 24.5 ms vs 1.3 on the
     # H200), and the weight gradient's store 2 bytes wide (the sweep spilled). Restated as multiples
     # of ALIGN (tiles.aligned), they compile as the aligned shapes do.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     kernels = ["gate_up_fwd", "down_fwd", "down_dgrad", "wgrad_down"]
-    run = subprocess.run(
-        [sys.executable, "-m", "mok_plugin.cli", "bench", "inspect", "--align", "8", "--kernels", *kernels,
-         "--dump", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "divisible by 8, not 16" in run.stdout
-    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line.split()[0] in kernels]
-    assert len(rows) == 6, run.stdout  # wgrad_down: pre-gathered, in the loop, and the sweep
+    stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--align", "8", "--kernels", *kernels,
+                                     "--dump", str(tmp_path))  # fmt: skip
+    assert "divisible by 8, not 16" in stdout
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] and line.split()[0] in kernels]
+    assert len(rows) == 6, stdout  # wgrad_down: pre-gathered, in the loop, and the sweep
     for fields in rows:
         # kernel, config words (..., sN, ...), buffers, async copies, smem KiB, regs, stack, (pinned)
         stages = next(int(word[1:]) for word in fields if word[0] == "s" and word[1:].isdigit())
@@ -98,9 +82,6 @@ for fn, constexprs, scalars, warps in kernels:
                                             ptx.count("ld.global.v"), compiled.metadata.shared]
 print(json.dumps(counts))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    counts = json.loads(run.stdout.splitlines()[-1])
+    counts = json.loads(outside_the_interpreter("-c", code, timeout=600).splitlines()[-1])
     for name in ("_bias_grad_kernel", "_bias_router_grad_kernel", "_forward_megakernel", "_backward_megakernel"):
         assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][2] > 0, counts

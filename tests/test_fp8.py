@@ -2,15 +2,11 @@
 that define the numbers, and the Triton helpers the fused kernels will quantise with, which must give
 those numbers bit for bit (interpreted on the CPU, compiled on a GPU)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton_cases import outside_the_interpreter
 
 from mok_plugin.fp8.quantize import (
     block_scales,
@@ -41,7 +37,6 @@ from mok_plugin.kernels.fp8 import (
 from mok_plugin.schedule import build_schedule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[1]
 FORMATS = pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 
 
@@ -316,9 +311,6 @@ def test_weight_quantiser_compiles_for_sm90_without_spills():
         "    ptx = k.asm['ptx']\n"
         "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for line in run.stdout.splitlines()[-2:]:
+    for line in outside_the_interpreter("-c", code).splitlines()[-2:]:
         registers, stack, vector_loads, two_byte_loads = map(int, line.split())
         assert registers <= 64 and stack == 0 and vector_loads > 0 and two_byte_loads == 0, line

@@ -5,23 +5,18 @@ on an sm_90 GPU, bitwise the Triton kernels (`fp8_mlp.py`) they stand in for, di
 FP8 experts' forward and backward, close to a float64 sum, and bitwise repeatable."""
 
 import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the FP8 kernels need triton")
 
-from triton_cases import crafted_routing, hopper_only  # noqa: E402
+from triton_cases import crafted_routing, hopper_only, outside_the_interpreter  # noqa: E402
 
 from mok_plugin.fp8.recipe import E4M3, E5M2  # noqa: E402
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper, fp8_mlp  # noqa: E402
 from mok_plugin.schedule import build_schedule  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SETTINGS = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING)
 
@@ -92,10 +87,7 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
         "mma = len(re.findall(r'wgmma.mma_async.sync.aligned.m64n128k32.f32.e[45]m[23].e[45]m[23]', k.asm['ptx']))\n"
         "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return tuple(map(int, run.stdout.split()[-6:]))
+    return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
 
 
 @pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)

@@ -3,23 +3,16 @@ the Triton kernels' sums (which every pinned weight-gradient entry gives, so exp
 that pick different kernels agree), close to a float64 sum, bitwise repeatable, and the same over
 any column blocks of the gathered operand; off Hopper (and on the CPU) it is never chosen."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from triton_cases import ON_HOPPER, crafted_routing, hopper_only  # noqa: E402
+from triton_cases import ON_HOPPER, crafted_routing, hopper_only, outside_the_interpreter  # noqa: E402
 
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = [
     pytest.param((512, 384, 256, 16, 2, "skewed"), id="skewed_empty_experts"),
@@ -142,10 +135,7 @@ def test_hopper_wgrad_compiles_for_sm90_without_a_gpu(schedule):
         f"wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.{shape}')\n"
         "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    shared, registers, stack, wgmma = map(int, run.stdout.split()[-4:])
+    shared, registers, stack, wgmma = map(int, outside_the_interpreter("-c", code).split()[-4:])
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= wgrad_hopper.MAX_REGS

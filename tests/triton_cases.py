@@ -6,6 +6,10 @@ in fp32 and fp16: the interpreter's bf16 tl.dot is unreliable. With CUDA the sam
 """
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +38,20 @@ CASES = [
     pytest.param(4, 256, 32, 4, 2, "uniform", None, id="rows_fewer_than_E_times_H"),  # wide H: no config narrows
     pytest.param(48, 32, 16, 4, 2, "one_expert", 20, id="capacity_drops"),  # expert 3's 48 rows cut to 20
 ]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def outside_the_interpreter(*python_args: str, timeout: int = 300) -> str:
+    """The stdout of `python *python_args` (e.g. "-c", code) run from the repository in a process of
+    its own without TRITON_INTERPRET, which this test session sets: how the tests compile kernels for
+    sm_90 on a machine without a GPU. Fails the test with the process's stderr if it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, *python_args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
 
 
 def crafted_routing(T: int, E: int, K: int, kind: str, generator: torch.Generator) -> torch.Tensor:
