@@ -560,5 +560,6 @@ def debug_checks_from_env() -> bool:
 
 
 def triton_interpreter_from_env() -> bool:
-    """`TRITON_INTERPRET=1` (Triton's own switch) lets the triton backend run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """`TRITON_INTERPRET=1` (Triton's own switch; true, on, yes as Triton reads them) lets the triton
+    backend run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")

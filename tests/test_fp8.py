@@ -169,7 +169,8 @@ def _positive_grid(fmt) -> torch.Tensor:
 def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of_2):
     # Every grid value, every midpoint between neighbours (ties: to even) and the fp32 values either
     # side of each midpoint, the values just under each power of two (a carry into the exponent:
-    # the interpreter's own cast gets these wrong), subnormals, zeros, and random values.
+    # the interpreter's own cast gets these wrong), subnormals, zeros, random values, and values past
+    # max up to inf (clamped to max: the GPU's conversion saturates).
     grid = _positive_grid(fmt)
     mid = (grid[1:] + grid[:-1]) / 2
     eps = torch.finfo(torch.float32).eps
@@ -180,6 +181,8 @@ def test_triton_rounding_and_scales_are_the_quantisers_bit_for_bit(fmt, power_of
     special = torch.tensor([0.0, fmt.max, step / 2, step / 4, step * 0.75, 1e-30])  # negated below: -0.0 too
     values = torch.cat([grid, mid, mid * (1 + eps), mid * (1 - eps), powers * (1 - eps), special, rand])
     values = torch.cat([values, -values]).clamp(-fmt.max, fmt.max)
+    beyond = torch.tensor([fmt.max * (1 + eps), fmt.max * 1.5, fmt.max * 4, 1e30, float("inf")])  # saturate at max
+    values = torch.cat([values, beyond, -beyond])
     values = torch.nn.functional.pad(values, (0, -values.numel() % 1024), value=1.0).to(DEVICE)
     rounded, scale, inverse = torch.empty_like(values), torch.empty_like(values), torch.empty_like(values)
     _round_and_scale_kernel[(values.numel() // 1024,)](
@@ -300,7 +303,7 @@ def test_weights_quantised_with_their_transposes_in_one_pass(fmt):
         assert _same_copy(transposed, transposed_copy(*copy)) and transposed[0].shape == (2, 72, n1)
 
 
-def test_weight_quantiser_compiles_for_sm90_without_spills():
+def test_weight_quantiser_compiles_for_sm90_without_spills_and_rounds_by_conversion():
     # The weights' quantiser holds a 32-row chunk of its 128 x 128 tile, not the tile: the whole tile
     # took 255 registers and 400 bytes of stack with the transposed store (167 without) in 4 warps.
     # In its own process: outside the interpreter the test session turns on.
@@ -309,8 +312,12 @@ def test_weight_quantiser_compiles_for_sm90_without_spills():
         "for with_transpose in (False, True):\n"
         "    k = compile_weight_quantiser(with_transpose)\n"
         "    ptx = k.asm['ptx']\n"
-        "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'))\n"
+        "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'),\n"
+        "          ptx.count('cvt.rn.f16x2.e4m3x2'), ptx.count('cvt.rz.f16.f32'))\n"
     )
     for line in outside_the_interpreter("-c", code).splitlines()[-2:]:
-        registers, stack, vector_loads, two_byte_loads = map(int, line.split())
+        registers, stack, vector_loads, two_byte_loads, back_from_fp8, through_f16 = map(int, line.split())
         assert registers <= 64 and stack == 0 and vector_loads > 0 and two_byte_loads == 0, line
+        # rounded by the GPU's one-step conversion from f32 and read back (round_to_fp8_grid), not by hand,
+        # nor twice through f16 as on sm_89
+        assert back_from_fp8 > 0 and through_f16 == 0, line

@@ -153,6 +153,33 @@ def test_fp8_experts_without_a_backward_make_no_transposed_copies():
         assert "w13 derived" in copies and "w2 derived" in copies
     assert not evaluated.requires_grad and torch.equal(evaluated, results[0][0])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    # grad mode on but nothing to differentiate (frozen inputs): the forward alone too
+    copies = FP8WeightCopies()
+    frozen = fp8_moe_experts(*(t.detach() for t in leaves), inp["schedule"], recipe, fam, weight_copies=copies)
+    assert frozen.grad_fn is None and torch.equal(frozen, results[0][0]) and "w13 derived" not in copies
+
+
+def test_a_backward_uses_the_transposes_its_forward_made(monkeypatch):
+    # Two forwards before the first one's backward (pipeline parallelism's 1F1B), the kept copies
+    # cleared in between (no micro-batch signal): each backward reads the transposes its own forward
+    # wrote, none made again, and its gradients are those of a forward + backward alone
+    from mok_plugin.fp8 import pipeline
+    from mok_plugin.fp8.weight_copies import FP8WeightCopies
+
+    fam = EXPERT_FAMILIES["swiglu"]
+    recipe = BlockwiseFP8Recipe()
+    first, second = _inputs(fam, seed=1), _inputs(fam, seed=2)
+    d_out = torch.randn(first["x"].shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    alone: dict = {}
+    _run(functools.partial(fp8_experts_forward, saved=alone), first, fam, recipe)
+    want = fp8_experts_backward(d_out, alone)
+    copies, saved = FP8WeightCopies(), [{}, {}]
+    for inputs, kept in zip((first, second), saved, strict=True):
+        copies.clear()
+        _run(functools.partial(fp8_experts_forward, saved=kept, weight_copies=copies), inputs, fam, recipe)
+    monkeypatch.setattr(pipeline, "transposed_copy", lambda *a: pytest.fail("transposed again"))
+    got = fp8_experts_backward(d_out, saved[0])
+    assert all(torch.equal(got[name], value) for name, value in want.items() if value is not None)
 
 
 @pytest.mark.parametrize("family", ["swiglu", "gpt_oss_clamp_4", "mlp_gelu_bias"])

@@ -127,11 +127,16 @@ def test_a_copy_made_with_its_derived_copy_keeps_both():
         made.append(name)
         return (name, "s"), (name + "^T", "s")
 
-    w_step1 = copies.get_with_derived("w13", lambda: both("W1"))
-    assert w_step1 == ("W1", "s") and copies.get_with_derived("w13", lambda: both("W1")) is w_step1
+    w_step1, t_step1 = copies.get_with_derived("w13", lambda: both("W1"))
+    assert (w_step1, t_step1) == (("W1", "s"), ("W1^T", "s"))
+    assert copies.get_with_derived("w13", lambda: both("W1")) == (w_step1, t_step1) and made == ["W1"]
     assert copies.derived("w13", w_step1, lambda *_: pytest.fail("made again")) == ("W1^T", "s")
     copies.clear()
-    assert copies.get_with_derived("w13", lambda: both("W2")) == ("W2", "s") and made == ["W1", "W2"]
+    assert copies.get_with_derived("w13", lambda: both("W2")) == (("W2", "s"), ("W2^T", "s")) and made == ["W1", "W2"]
+    # kept by a forward without a backward (get): no derived copy to give yet
+    copies.clear()
+    copies.get("w13", lambda: ("W3", "s"))
+    assert copies.get_with_derived("w13", lambda: both("W3")) == (("W3", "s"), None) and made == ["W1", "W2"]
 
 
 @pytest.mark.parametrize(

@@ -64,14 +64,15 @@ def fp8_experts_forward(
     fmt, pow2 = recipe.forward, recipe.power_of_2_scales
     x_q, x_s = quantize_rows(x, fmt, power_of_2=pow2)
     copies = FP8WeightCopies() if weight_copies is None else weight_copies
+    w13t = w2t = None
     if saved is None:
         w13 = copies.get("w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2))
         w2 = copies.get("w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2))
     else:  # a backward follows: the transposes its dgrads read, written in the same pass over the weights
-        w13 = copies.get_with_derived(
+        w13, w13t = copies.get_with_derived(
             "w13", lambda: quantize_fc1(gate_up_proj, fmt, family.gated, power_of_2=pow2, with_transpose=True)
         )
-        w2 = copies.get_with_derived(
+        w2, w2t = copies.get_with_derived(
             "w2", lambda: quantize_weights(down_proj, fmt, power_of_2=pow2, with_transpose=True)
         )
     (w13_q, w13_s), (w2_q, w2_s) = w13, w2
@@ -83,8 +84,10 @@ def fp8_experts_forward(
     y = fp8_down_fwd(a_q, a_s, w2_q, w2_s, topk_weights, schedule.row_to_tk, *rows, out_dtype=x.dtype,
                      down_bias=down_bias)  # fmt: skip
     if saved is not None:
-        saved.update(x=x, topk_weights=topk_weights, h=h, w13=w13, w2=w2, schedule=schedule, recipe=recipe,
-                     family=family, gate_up_bias=gate_up_bias, down_bias=down_bias, weight_copies=copies)  # fmt: skip
+        # the transposes too: another forward may clear or replace the kept copies before this backward
+        saved.update(x=x, topk_weights=topk_weights, h=h, w13=w13, w2=w2, w13t=w13t, w2t=w2t, schedule=schedule,
+                     recipe=recipe, family=family, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                     weight_copies=copies)  # fmt: skip
     return combine_rows(y, schedule.tk_to_row, x.shape[0], schedule.top_k)
 
 
@@ -102,12 +105,12 @@ def fp8_experts_backward(
     T, K, dtype = x.shape[0], schedule.top_k, x.dtype
     rows = (schedule.row_to_token, schedule.tile_to_expert, schedule.tile_m)
     d_o_q, d_o_s = quantize_rows(d_out, bwd, power_of_2=pow2)
-    # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), from
-    # the copies this forward used (the kept ones may have been cleared or replaced since); the forward
-    # made them with its copies unless those were kept from a forward without a backward (no grad)
+    # the dgrads reduce over the weights' rows: their transposes, K-major (the same FP8 values), as the
+    # forward made them with its copies, else (those kept from a forward without a backward) from the
+    # copies this forward used (the kept ones may have been cleared or replaced since)
     copies = saved["weight_copies"]
-    w13t = copies.derived("w13", saved["w13"], transposed_copy)
-    w2t = copies.derived("w2", saved["w2"], transposed_copy)
+    w13t = saved.get("w13t") or copies.derived("w13", saved["w13"], transposed_copy)
+    w2t = saved.get("w2t") or copies.derived("w2", saved["w2"], transposed_copy)
     down = fp8_down_dgrad(
         d_o_q, d_o_s, *w2t, saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,

@@ -12,8 +12,9 @@ Under the Triton interpreter (CPU tests) small tiles keep numpy work and program
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
+
+from mok_plugin.config import triton_interpreter_from_env
 
 __all__ = [
     "MoKTileConfig",
@@ -58,8 +59,8 @@ class MoKTileConfig:
 
 
 def interpreter_on() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, or true, on, yes)."""
+    return triton_interpreter_from_env()
 
 
 # Pinned per kernel (bf16/fp16 on Hopper). Chosen from scripts/tune_kernels.py on the H200 over

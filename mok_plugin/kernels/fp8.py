@@ -1,11 +1,12 @@
 """Triton building blocks of blockwise FP8 (mok_plugin/fp8): rounding onto an FP8 grid and the scale
 of a block, so that the kernels quantise exactly as `mok_plugin.fp8.quantize` defines.
 
-Compiled, the GPU's conversion rounds (`cvt.rn.satfinite`: to nearest even, saturating at +-MAX,
-one instruction for two values). Triton's CPU interpreter mis-converts fp32 values whose rounding
-carries into the next power of two (7.89 became 4.0 instead of 8.0 in E4M3), so there the values
-are rounded by hand with fp32 arithmetic first (the cast that follows has nothing left to round):
-the same bits both ways, the quantisers' (`quantize.fp8_round`).
+Compiled for sm_90 or later, the GPU's conversion rounds (`cvt.rn.satfinite`: to nearest even,
+saturating at +-MAX, one instruction for two values). Triton's CPU interpreter mis-converts fp32
+values whose rounding carries into the next power of two (7.89 became 4.0 instead of 8.0 in E4M3),
+and sm_89 converts through f16 (two roundings), so there the values are rounded by hand with fp32
+arithmetic first (the cast that follows has nothing left to round): the same bits every way, the
+quantisers' (`quantize.fp8_round`), NaN aside.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Literal, overload
 import torch
 import triton
 import triton.language as tl
+from triton.language.target_info import current_target
+from triton.runtime.jit import constexpr_function
 
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels.configs import interpreter_on
@@ -34,19 +37,31 @@ __all__ = [
 
 
 # Decided when the module is imported, as Triton decides whether its kernels are interpreted.
-HARDWARE_ROUNDING = tl.constexpr(not interpreter_on())
+COMPILED = tl.constexpr(not interpreter_on())
+
+
+@constexpr_function
+def conversion_rounds_once() -> bool:
+    """Whether the GPU the kernels compile for converts fp32 to FP8 in one rounding (cvt.rn.satfinite
+    from f32: sm_90 and later; sm_89's goes through f16, rounding twice). Without a GPU (a compile for
+    sm_90 that inspects the code), yes."""
+    target = current_target()
+    return target is None or (target.backend == "cuda" and target.arch >= 90)
 
 
 @triton.jit
 def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr):
     """fp32 v clamped to +-MAX and rounded to nearest even on the FP8 grid (MANTISSA_BITS bits below
     the leading one; a fixed step of 2^(MIN_NORMAL_EXPONENT - MANTISSA_BITS) below the smallest normal).
+    NaN is not kept (a NaN block's scale is NaN anyway): by hand it becomes a number, the conversion
+    gives the format's NaN.
 
-    Compiled: the conversion to E4M3 (MANTISSA_BITS 3) or E5M2 and back (sm_90: 11 instructions a
-    value by hand, ~2 so). Interpreted: |v| + C, where C is the grid step times 2^23, lands in the
+    Compiled for sm_90 or later: the conversion to E4M3 (448) or E5M2 (57344) and back (11 instructions
+    a value by hand, ~2 so). Otherwise: |v| + C, where C is the grid step times 2^23, lands in the
     binade of C, whose fp32 spacing is the step: fp32's own round-to-nearest-even does the rounding,
     and subtracting C is exact."""
-    if HARDWARE_ROUNDING:
+    if COMPILED and conversion_rounds_once():
+        tl.static_assert((MANTISSA_BITS == 3 and MAX == 448.0) or (MANTISSA_BITS == 2 and MAX == 57344.0))
         if MANTISSA_BITS == 3:
             return v.to(tl.float32).to(tl.float8e4nv).to(tl.float32)
         else:
