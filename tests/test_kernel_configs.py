@@ -12,6 +12,7 @@ from mok_plugin.kernels.configs import (
     PRE_GATHER_MIN_WIDTH,
     SWEEP_MAX_ROWS,
     MoKTileConfig,
+    interpreter_on,
     kernel_config,
     swap_pinned,
     wgrad_kernel,
@@ -98,3 +99,12 @@ def test_weight_gradients_copy_their_gathered_rows_only_for_wide_by_row_operands
     assert kernel_config("wgrad", 14336).gather_rows
     # weight-gradient tiles are not narrowed by the output width
     assert kernel_config("wgrad_in_loop", 64) == kernel_config("wgrad_in_loop", 4096)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "yes", "Y", "0", "false", "off", "no", "", "2", "t"])
+def test_interpreter_on_reads_the_setting_as_triton_does(monkeypatch, value):
+    # The FP8 kernels round by the GPU's conversion unless interpreted (kernels/fp8.py): a value Triton
+    # reads as true but MoK did not would send the interpreter down the conversion, which it mis-rounds
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_on() == triton.knobs.runtime.interpret

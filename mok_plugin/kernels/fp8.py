@@ -362,7 +362,8 @@ def transposed_copy(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
     """A quantised weight's transpose, the same FP8 values and 128 x 128 scales: (data [..., C, R],
     scale_inv [..., cdiv(C, 128), cdiv(R, 128)]) of (data [..., R, C], scale_inv [..., cdiv(R, 128),
     cdiv(C, 128)]). The backward's dgrads reduce over a weight's rows, and Hopper's FP8 MMA takes its
-    operands K-major only; made in the backward, from the forward's FP8 weights. The values by a
+    operands K-major only; made here from the forward's FP8 weights where the forward did not make
+    them with its own (`quantize_weights(..., with_transpose=True)`: no grad then). The values by a
     tiled kernel: torch's strided copy of one-byte elements took 3.4 ms for qwen3-30b-a3b's experts
     on the H200 (f2), about 7x their bytes' time."""
     check_tensor("data", data, data.dim())
