@@ -38,7 +38,8 @@
 #              harness for 200 steps with --fp8 e4m3 on the single-H200 config
 #   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, opt-in): tests/test_fp8_hopper.py, then
 #              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
-#              and row GEMMs on the Triton kernels and on the Gluon ones, bits compared)
+#              and row GEMMs on the Triton kernels and on the Gluon ones, fc1 fused and split, bits compared);
+#              fp8-hopper-tests and fp8-hopper-bench run one half each (if one call cannot hold both)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -160,12 +161,18 @@ for part in "${parts[@]}"; do
             --out "$out/fp8-epilogue-sweep"
         run_part fp8-compare python3 scripts/compare.py --config configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml \
             --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;
-    fp8-hopper)
-        run_part fp8-hopper-tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_hopper.py
-        for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-            run_part "fp8-hopper-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper \
-                --out "$out/fp8-hopper-$shape"
-        done ;;
+    fp8-hopper | fp8-hopper-tests | fp8-hopper-bench)
+        if [ "$part" != fp8-hopper-bench ]; then
+            spread=()
+            python3 -c "import xdist" 2>/dev/null && spread=(-n 8)
+            run_part fp8-hopper-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8_hopper.py
+        fi
+        if [ "$part" != fp8-hopper-tests ]; then
+            for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+                run_part "fp8-hopper-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --hopper \
+                    --out "$out/fp8-hopper-$shape"
+            done
+        fi ;;
     *) echo "unknown part: $part" >&2 && exit 2 ;;
     esac
 done
