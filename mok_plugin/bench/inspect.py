@@ -174,11 +174,12 @@ def compile_gluon_for_hopper(kernel, descriptors: dict, pointers: dict[str, str 
 def compile_weight_quantiser(with_transpose: bool = True):
     """kernels/fp8.py's weight quantiser as quantize_fc1 launches it (bf16 weights into E4M3, a glu's
     two halves; with_transpose: the transposed copy stored too), compiled for sm_90."""
+    from mok_plugin.fp8.recipe import E4M3
     from mok_plugin.kernels import fp8
 
     fp8_pointers = {"data_ptr": "*fp8e4nv", "data_t_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32"}
-    constexprs = {"MAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL_EXPONENT": -6, "POWER_OF_2": True, "BLOCK": 128,
-                  "CHUNK": fp8.TILE_QUANTISER_CHUNK, "HALVES": 2}  # fmt: skip
+    constexprs = {"MAX": E4M3.max, "MANTISSA_BITS": E4M3.mantissa_bits, "MIN_NORMAL_EXPONENT": E4M3.min_normal_exponent,
+                  "POWER_OF_2": True, "BLOCK": 128, "CHUNK": fp8.TILE_QUANTISER_CHUNK, "HALVES": 2}  # fmt: skip
     if not with_transpose:
         constexprs["data_t_ptr"] = None
     return compile_jit_for_hopper(fp8._quantize_tiles_kernel, constexprs, num_warps=fp8.TILE_QUANTISER_WARPS,
