@@ -13,8 +13,9 @@ pytest.importorskip("triton", reason="the FP8 kernels need triton")
 
 from triton_cases import crafted_routing, hopper_only, outside_the_interpreter  # noqa: E402
 
-from mok_plugin.fp8.recipe import E4M3, E5M2  # noqa: E402
+from mok_plugin.fp8.recipe import E4M3, E5M2, FP8_FORMATS  # noqa: E402
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper, fp8_mlp  # noqa: E402
+from mok_plugin.kernels.fp8 import quantize_rows, quantize_weights  # noqa: E402
 from mok_plugin.schedule import build_schedule  # noqa: E402
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -305,6 +306,42 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt
     _assert_rows_bitwise_the_triton_kernel(monkeypatch, dgrad, sched)
 
 
+@hopper_only
+@pytest.mark.parametrize("programs", PROGRAMS)
+@pytest.mark.parametrize("d_out_fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
+def test_fc2_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, d_out_fmt, H, I, E, T, K, kind):
+    # The GEMM on dO's rows copied into row order (the hybrid recipe's E5M2 dO by E4M3 W2 too); every
+    # output of the epilogue that reads it compared on the rows and 128-row blocks it writes.
+    monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
+    g = torch.Generator().manual_seed(5)
+    sched = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)
+    d_out = torch.randn(T, H, generator=g).cuda().bfloat16()
+    h = torch.randn(sched.row_to_token.shape[0], 2 * I, generator=g).cuda().bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).cuda().bfloat16()
+    weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
+    d_out_q, d_out_s = quantize_rows(d_out, FP8_FORMATS[d_out_fmt])
+    _, (w2t_q, w2t_s) = quantize_weights(w2, E4M3, with_transpose=True)
+
+    def dgrad():
+        return fp8_mlp.fp8_down_dgrad(d_out_q, d_out_s, w2t_q, w2t_s, h, weights, sched.row_to_tk, sched.row_to_token,
+                                      sched.tile_to_expert, sched.tile_m, E4M3, FP8_FORMATS[d_out_fmt])  # fmt: skip
+
+    valid = sched.row_to_token >= 0
+    blocks = sched.tile_to_expert >= 0  # (tile_m = 128: a tile is one scale block)
+    written = {"dh_q": valid, "dh_scale_inv": valid, "partial": valid, "dh_colt": (slice(None), valid),
+               "wa_colt": (slice(None), valid), "dh_col_scale_inv": blocks, "wa_col_scale_inv": blocks}  # fmt: skip
+    want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", dgrad)
+    launches = _counting(monkeypatch, "fp8_rows_hopper")
+    got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", dgrad)
+    assert launches == ["fp8_rows_hopper"]
+    assert sorted(got) == sorted(written)
+    for name, rows in written.items():
+        assert torch.equal(_bits(got[name][rows]), _bits(want[name][rows])), name
+    again = dgrad()
+    assert all(torch.equal(_bits(again[name][rows]), _bits(got[name][rows])) for name, rows in written.items())
+
+
 def _fc1_case(family, I, H, E, T, K, kind, dtype, a_format, seed=7):
     """(schedule, fp8_gate_up_fwd over quantised random inputs of these sizes) for one family."""
     from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows
@@ -419,5 +456,7 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
         if want is not None:
             assert torch.equal(results["1"][name], want), name
     assert len(wgrad_launches) == 2  # dW13 and dW2, in the second run only
-    assert len(rows_launches) == (0 if I % 16 else 2)  # fc2's forward and fc1's dgrad, where TMA can read them
+    # fc2's dgrad (its rows H wide: TMA reads them at any I); fc2's forward and fc1's dgrad, where TMA can read
+    # their I-wide rows
+    assert len(rows_launches) == (1 if I % 16 else 3)
     assert len(fc1_launches) == (0 if I % 16 else 1)  # fc1's forward (h's halves TMA views)

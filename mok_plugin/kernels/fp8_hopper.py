@@ -1,5 +1,6 @@
 """Blockwise-FP8 GEMMs on Hopper as warp-specialised, persistent Gluon kernels (issue 25): the weight
-gradients, and the row GEMMs whose operands are contiguous rows (fc2's forward, fc1's dgrad).
+gradients, and the row GEMMs whose operands are contiguous rows (fc2's forward, fc1's dgrad; fc2's
+dgrad and fc1's forward on their gathered FP8 rows copied into row order).
 
 Both compute what `fp8_mlp.py`'s Triton kernels compute, from the same operands: every K step is one
 128-wide scale block, its FP8 product summed by the MMA in fp32, then scaled and added to an fp32
@@ -9,7 +10,7 @@ accumulator in ascending order (the recipe's promotion), with the Triton kernels
   operands quantised along the schedule's rows and stored transposed, [M or N, R_pad]);
 - row GEMMs: out[r] = sum over fc1's halves, then K blocks, of A[r, kb] . B[e, :, kb]^T for row r of
   expert e, `acc += partial * (a_scale * b_scale)[:, None]` (one B scale per 128-column tile:
-  `fp8_mlp.fp8_block_matmul`), then fc2's epilogue (`+ b2`, `* w_r`) or none (fc1's dgrad).
+  `fp8_mlp.fp8_block_matmul`), then fc2's epilogue (`+ b2`, `* w_r`) or none (the dgrads).
 So each output has one owner and one order: meant to be bitwise the Triton kernels, which the GPU
 tests check. (fc1's dgrad sums both halves into one accumulator in both.)
 

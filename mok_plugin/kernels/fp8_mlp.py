@@ -623,7 +623,8 @@ def fp8_down_dgrad(
     `fwd`), "partial" fp32 [R_pad, cdiv(I, 128)] (the router gradient's per-block sums, for
     combine.reduce_router_grad)}. With gate_up_bias (True: the experts' fc1 has one) also "dh"
     [R_pad, N1], unquantised in h's dtype; with down_bias (b2 [E, H]) one more partial column,
-    <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`)."""
+    <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`). On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks for
+    it, the GEMM by the Gluon row kernel (fp8_hopper.py), on dO_q's rows copied into row order."""
     topk_weights = routing_weights_arg(topk_weights)
     if tile_m % scale_block:
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
@@ -644,12 +645,15 @@ def fp8_down_dgrad(
         out["dh"] = torch.empty(num_rows, n1, dtype=h.dtype, device=dev)
     if num_rows:
         d_a_prime = torch.empty(num_rows, I, dtype=torch.float32, device=dev)  # dA', between the two kernels
-        grid, meta, block_n = _row_tiles("down_dgrad_gemm", num_rows, I, tile_m)
-        _fp8_down_dgrad_gemm_kernel[grid](
-            d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token, tile_to_expert, H, I,
-            d_out_q.stride(0), d_out_scale_inv.stride(0), w2t_q.stride(0), w2t_q.stride(1), w2t_scale_inv.stride(0),
-            w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n, SCALE_BLOCK=scale_block, **meta,
-        )  # fmt: skip
+        if not _down_dgrad_gemm_on_hopper(d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token,
+                                          tile_to_expert, tile_m, scale_block):  # fmt: skip
+            grid, meta, block_n = _row_tiles("down_dgrad_gemm", num_rows, I, tile_m)
+            _fp8_down_dgrad_gemm_kernel[grid](
+                d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token, tile_to_expert, H, I,
+                d_out_q.stride(0), d_out_scale_inv.stride(0), w2t_q.stride(0), w2t_q.stride(1),
+                w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n,
+                SCALE_BLOCK=scale_block, **meta,
+            )  # fmt: skip
         _fp8_down_dgrad_epilogue_kernel[(num_rows // scale_block * blocks,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
@@ -670,6 +674,23 @@ def fp8_down_dgrad(
             BLOCK_M=_BIAS_ROUTER_ROWS, SCALE_BLOCK=scale_block, num_warps=8,
         )  # fmt: skip
     return out
+
+
+def _down_dgrad_gemm_on_hopper(
+    d_out_q: torch.Tensor, d_out_scale_inv: torch.Tensor, w2t_q: torch.Tensor, w2t_scale_inv: torch.Tensor,
+    d_a_prime: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, scale_block: int,
+) -> bool:  # fmt: skip
+    """dA' = dO_q W2_q (fp8_down_dgrad's GEMM) by the Gluon row kernel, on dO_q's rows copied into row
+    order (as fc1's forward copies x_q's), where `MOK_HOPPER_FP8_ROWS=1` asks for it and it can run:
+    whether it did. Its padding rows get values of no meaning (the epilogue masks them)."""
+    if scale_block != fp8_hopper.BLOCK_K or d_out_q.shape[0] == 0 or not fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
+        return False
+    operands = fp8_hopper.row_gemm_operands(d_out_q, w2t_q, gated=False)
+    if operands is None or not fp8_hopper.usable(operands[0] + operands[1], d_a_prime, tile_m):
+        return False
+    rows, rows_scale = fp8_fc1_hopper.gathered_rows(d_out_q, d_out_scale_inv, row_to_token)
+    fp8_hopper.fp8_rows_hopper((rows,), rows_scale, operands[1], w2t_scale_inv, d_a_prime, tile_to_expert, tile_m)
+    return True
 
 
 _BIAS_ROUTER_ROWS = 32
