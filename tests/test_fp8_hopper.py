@@ -61,6 +61,7 @@ COMPILED = [
     ("wgrad", "e5m2", "e4m3", "float32", False),
     ("rows", "e4m3", "e4m3", "bfloat16", True),
     ("rows", "e5m2", "e4m3", "float16", False),
+    ("rows", "e5m2", "e4m3", "float32", False),  # fc2's dgrad: dA' in fp32 for its epilogue kernel
 ]
 
 
