@@ -178,7 +178,7 @@ def _hopper_settings() -> dict[str, dict[str, str]]:
 def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
     """Forward + backward with the weights' FP8 copies kept (as within a step), in each environment of
     `_hopper_settings`: the call's time, the GPU time of the weight gradients and of the row GEMMs
-    the Gluon kernels replace (fc2's forward, fc1's dgrad and forward), and whether every result is
+    the Gluon kernels replace (fc2's forward and dgrad GEMM, fc1's dgrad and forward), and whether every result is
     the Triton kernels' bits."""
     both = _fp8_case(name, recipe)[-1]
     kept = FP8WeightCopies()
@@ -199,9 +199,11 @@ def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: f
     return rows
 
 
-# the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), the copy of x's
-# rows fc1's needs (torch's index_select: indexSelect...Index kernels) and A from h when fc1 is split
+# the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), the copies of x's
+# and dO's rows fc1's forward and fc2's dgrad need (torch's index_select: indexSelect...Index kernels) and A
+# from h when fc1 is split
 _ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_up_fwd_kernel",
+                "_fp8_down_dgrad_gemm_kernel",
                 "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "_fp8_activation_kernel",
                 "indexSelect")  # fmt: skip
 
