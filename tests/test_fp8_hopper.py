@@ -335,7 +335,7 @@ def test_fc2_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, d_out_fmt, H
     want = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "0", dgrad)
     launches = _counting(monkeypatch, "fp8_rows_hopper")
     got = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", dgrad)
-    assert launches == ["fp8_rows_hopper"]
+    assert launches == ([] if H % 16 else ["fp8_rows_hopper"])  # TMA reads dO's H-byte rows 16-byte aligned
     assert sorted(got) == sorted(written)
     for name, rows in written.items():
         assert torch.equal(_bits(got[name][rows]), _bits(want[name][rows])), name
