@@ -1,5 +1,5 @@
-"""The blockwise-FP8 Gluon kernels for Hopper (kernels/fp8_hopper.py, issue 25): off unless
-MOK_HOPPER_FP8_WGRAD=1 / MOK_HOPPER_FP8_ROWS=1 ask for them; compiled for sm_90 on the CPU, they fit
+"""The blockwise-FP8 Gluon kernels for Hopper (kernels/fp8_hopper.py, issue 25): on unless
+MOK_HOPPER_FP8_WGRAD=0 / MOK_HOPPER_FP8_ROWS=0 turn them off; compiled for sm_90 on the CPU, they fit
 Hopper's shared memory without spilling and ptxas pipelines their wgmma;
 on an sm_90 GPU, bitwise the Triton kernels (`fp8_mlp.py`) they stand in for, directly and through the
 FP8 experts' forward and backward, close to a float64 sum, and bitwise repeatable."""
@@ -22,10 +22,10 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SETTINGS = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING)
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_off_unless_the_environment_asks(monkeypatch, setting):
+@pytest.mark.parametrize("setting", [*SETTINGS, fp8_fc1_hopper.SPLIT_SETTING])
+def test_on_unless_the_environment_says_0(monkeypatch, setting):
     monkeypatch.delenv(setting, raising=False)
-    assert not fp8_hopper.enabled(setting)
+    assert fp8_hopper.enabled(setting)
     monkeypatch.setenv(setting, "0")
     assert not fp8_hopper.enabled(setting)
     monkeypatch.setenv(setting, "1")
@@ -195,7 +195,7 @@ def _float64_wgrad(operands):
     left = left_t.double() * left_s.double()[blocks].T
     right = right_t.double() * right_s.double()[blocks].T
     out = []
-    for start, count in zip(schedule.expert_offsets.tolist(), schedule.tokens_per_expert.tolist(), strict=True):
+    for start, count in zip(schedule.expert_offsets[:-1].tolist(), schedule.tokens_per_expert.tolist(), strict=True):
         out.append(left[:, start : start + count] @ right[:, start : start + count].T)
     return torch.stack(out)
 
@@ -424,9 +424,10 @@ def test_fc1_forward_with_no_tokens_keeps_the_triton_kernel(monkeypatch):
 @hopper_only
 @pytest.mark.parametrize("family_name, I", [("swiglu", 384), ("gpt_oss", 192), ("mlp_gelu_bias", 256), ("swiglu", 200)])
 def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
-    # Forward and backward (hybrid recipe) with every Gluon kernel asked for against the Triton ones:
-    # the same output and gradients, bit for bit. I = 200: not a multiple of 16, so the row GEMMs'
-    # halves cannot be TMA views and the Triton kernels stay (still the same results).
+    # Forward and backward (hybrid recipe) with the Gluon kernels on (the defaults) against the Triton
+    # ones: the same output and gradients, bit for bit. fc1's forward split where I is a multiple of 128
+    # (384, 256), by its fused kernel at 192; I = 200: not a multiple of 16, so the I-wide rows cannot be
+    # TMA views and those GEMMs stay in Triton (still the same results).
     from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
     from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
     from mok_plugin.testing import EXPERT_FAMILIES
@@ -446,6 +447,7 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     wgrad_launches = _counting(monkeypatch, "fp8_wgrad_hopper")
     rows_launches = _counting(monkeypatch, "fp8_rows_hopper")
     fc1_launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    monkeypatch.delenv(fp8_fc1_hopper.SPLIT_SETTING, raising=False)
     for setting in ("0", "1"):
         for name in SETTINGS:
             monkeypatch.setenv(name, setting)
@@ -457,7 +459,8 @@ def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
         if want is not None:
             assert torch.equal(results["1"][name], want), name
     assert len(wgrad_launches) == 2  # dW13 and dW2, in the second run only
-    # fc2's dgrad (its rows H wide: TMA reads them at any I); fc2's forward and fc1's dgrad, where TMA can read
-    # their I-wide rows
-    assert len(rows_launches) == (1 if I % 16 else 3)
-    assert len(fc1_launches) == (0 if I % 16 else 1)  # fc1's forward (h's halves TMA views)
+    # fc2's dgrad (its rows H wide: TMA reads them at any I); where TMA can read the I-wide rows, fc2's
+    # forward, fc1's dgrad and fc1's forward, split (the row kernel) or fused (fp8_fc1_hopper)
+    split = I % 128 == 0
+    assert len(rows_launches) == (1 if I % 16 else 3 + split)
+    assert len(fc1_launches) == (0 if I % 16 or split else 1)

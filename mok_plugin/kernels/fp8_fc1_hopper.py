@@ -16,8 +16,9 @@ and up's 128 weight rows, 48 KiB), two MMA warpgroups in partitions of their own
 every tile, and per K step run the gate's MMA, promote it, the up's, promote it, free the stage. The
 epilogue stores h's gate and up halves and A_q through TMA (clipped at I) and A's scales directly.
 
-Off unless `MOK_HOPPER_FP8_ROWS=1` (with fp8_hopper.py's row GEMMs). Written and compiled for sm_90
-without a GPU (2026-12-04); results and speed not yet measured on one.
+With fp8_hopper.py's row GEMMs (`MOK_HOPPER_FP8_ROWS`, on by default on Hopper) where fc1's forward is
+not split (`SPLIT_SETTING`, below: on by default, and chosen when I is a multiple of 128). On the H200
+(2026-12-05) bitwise the Triton kernel; the split form was faster on every shape timed (BENCHMARKS.md, f6).
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ if gluon is not None:
 
 __all__ = ["SPLIT_SETTING", "fp8_fc1_hopper", "gathered_rows", "stages_for", "usable"]
 
-# With MOK_HOPPER_FP8_ROWS=1: 1 computes fc1's forward as fp8_hopper's row GEMM over all N1 columns and A
-# from h apart (fp8_mlp._fp8_activation_kernel) instead of this kernel, whose main loop spills; both
-# untimed, for the GPU to choose between (`mok bench fp8 --hopper`)
+# With the row GEMMs on: 1 (the default) computes fc1's forward as fp8_hopper's row GEMM over all N1
+# columns and A from h apart (fp8_mlp._fp8_activation_kernel) instead of this kernel, whose main loop
+# spills; 0 this kernel. `mok bench fp8 --hopper` on the H200 (4aaa485), forward + backward with the
+# weights kept: split 7.59 / 24.60 / 33.73 ms against fused 7.92 / 25.42 / 34.90 (qwen3-30b-a3b,
+# mixtral-8x7b, deepseek-v3)
 SPLIT_SETTING = "MOK_HOPPER_FP8_FC1_SPLIT"
 
 # Each MMA warpgroup holds the gate's and the up's sums and the MMA's product (3 x 64 registers a
 # thread): at 232 registers, as fp8_hopper's kernels, the main loop spilled 144 bytes a thread (sm_90
-# compile, Triton 3.6), at 240 (2 x 240 + 24 of the 3 x 168) 96. Not timed on a GPU yet.
+# compile, Triton 3.6), at 240 (2 x 240 + 24 of the 3 x 168) 96.
 MMA_REGS = 240
 
 

@@ -25,9 +25,11 @@ MMA; a stage is freed once both have read it. Finished halves leave through asyn
 (A first version overlapped within a warpgroup, two products in flight; ptxas serialised its wgmmas
 whenever the compiler copied a product still being written, which it did by the code's shape: C7514.)
 
-Off unless asked for in the environment: `MOK_HOPPER_FP8_WGRAD=1` and `MOK_HOPPER_FP8_ROWS=1`. Written
-and compiled for sm_90 without a GPU (2026-12-04); results and speed not yet measured on one
-(`enabled`, `usable`; the Triton kernels otherwise).
+On by default on Hopper (`usable`); `MOK_HOPPER_FP8_WGRAD=0` / `MOK_HOPPER_FP8_ROWS=0` keep the Triton
+kernels (`enabled`). Written without a GPU (2026-12-04); on the H200 (2026-12-05, 4aaa485) bitwise the
+Triton kernels (tests/test_fp8_hopper.py) and faster on every shape: forward + backward with the weights
+kept 9.16 -> 7.59 ms on qwen3-30b-a3b, 32.72 -> 24.60 on mixtral-8x7b, 45.68 -> 33.73 on deepseek-v3
+(with fc1's forward split; BENCHMARKS.md, f6).
 """
 
 from __future__ import annotations
@@ -83,9 +85,11 @@ def stages_for(out_dtype: torch.dtype) -> int:
 
 
 def enabled(setting: str) -> bool:
-    """Whether environment variable `setting` (WGRAD_SETTING or ROWS_SETTING) asks for the Gluon
-    kernel: 1, or unset / 0 for the Triton kernels; a ValueError names the setting otherwise."""
-    value = os.environ.get(setting, "0")
+    """Whether environment variable `setting` (WGRAD_SETTING, ROWS_SETTING or fp8_fc1_hopper's
+    SPLIT_SETTING) leaves the Gluon kernel on: unset or 1 (on Hopper, where `usable`), 0 for the
+    Triton kernels; a ValueError names the setting otherwise. On by default since the H200 measured
+    them bitwise the Triton kernels and faster on every shape (BENCHMARKS.md, f6)."""
+    value = os.environ.get(setting, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{setting}={value!r}: expected 0 (the Triton kernels) or 1 (the Gluon kernel on Hopper)")
     return value == "1"

@@ -274,7 +274,9 @@ TILES: dict[str, dict[str, int | bool]] = {
     "down_dgrad_gemm": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     # A from h when fc1's GEMM runs apart (MOK_HOPPER_FP8_FC1_SPLIT): elementwise, 32 rows of a 128-wide block
     "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
-    "down_dgrad_epilogue": {"num_warps": 16, "num_stages": 1, "UP_WITH_A": False},
+    # the sweep at 4aaa485 (qwen3-30b-a3b, H200): 8 warps with UP_WITH_A 0.98 ms; 16 warps 1.13 (1.08 with it);
+    # 32 warps 1.53-1.57; 8 warps without it 1.71
+    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
@@ -323,10 +325,10 @@ def fp8_gate_up_fwd(
     """(h [R_pad, N1] in out_dtype, A_q [R_pad, I] in fmt.dtype, fp32 A scale_inv [R_pad, cdiv(I, 128)])
     of the gathered rows of x_q ([T, H], 1 x 128 scales) and the experts' W13_q ([E, N1, H], scales
     [E, halves, cdiv(I, 128), cdiv(H, 128)]: a glu's gate and up quantised apart, `quantize_fc1`); A is
-    quantised into `fmt`. Padding rows untouched (by the Triton kernel). On Hopper, where
-    `MOK_HOPPER_FP8_ROWS=1` asks for it, the Gluon kernel (fp8_fc1_hopper.py), on x_q's rows copied
-    into row order; with `MOK_HOPPER_FP8_FC1_SPLIT=1` too (and I a multiple of 128), h by fp8_hopper's
-    row GEMM over all N1 columns and A from h by `_fp8_activation_kernel` (the same bits)."""
+    quantised into `fmt`. Padding rows untouched (by the Triton kernel). On Hopper, unless
+    `MOK_HOPPER_FP8_ROWS=0`, on x_q's rows copied into row order: where I is a multiple of 128, h by
+    fp8_hopper's row GEMM over all N1 columns and A from h by `_fp8_activation_kernel`, else (or with
+    `MOK_HOPPER_FP8_FC1_SPLIT=0`) the fused Gluon kernel (fp8_fc1_hopper.py); the same bits."""
     check_tensor("x_q", x_q, 2)
     check_tensor("w13_q", w13_q, 3, x_q.dtype)
     E, N1, H = w13_q.shape
@@ -411,8 +413,8 @@ def fp8_down_fwd(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] in out_dtype = w_r * (A_q[r] @ W2_q[e]^T, block-scaled, + b2_e), from A_q ([R_pad, I],
-    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales). On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks
-    for it, the Gluon kernel (fp8_hopper.py)."""
+    1 x 128 scales) and W2_q ([E, H, I], 128 x 128 scales). On Hopper, unless `MOK_HOPPER_FP8_ROWS=0`, the
+    Gluon kernel (fp8_hopper.py)."""
     check_tensor("a_q", a_q, 2)
     check_tensor("w2_q", w2_q, 3, a_q.dtype)
     topk_weights = routing_weights_arg(topk_weights)
@@ -623,8 +625,8 @@ def fp8_down_dgrad(
     `fwd`), "partial" fp32 [R_pad, cdiv(I, 128)] (the router gradient's per-block sums, for
     combine.reduce_router_grad)}. With gate_up_bias (True: the experts' fc1 has one) also "dh"
     [R_pad, N1], unquantised in h's dtype; with down_bias (b2 [E, H]) one more partial column,
-    <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`). On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks for
-    it, the GEMM by the Gluon row kernel (fp8_hopper.py), on dO_q's rows copied into row order."""
+    <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`). On Hopper, unless `MOK_HOPPER_FP8_ROWS=0`, the
+    GEMM by the Gluon row kernel (fp8_hopper.py), on dO_q's rows copied into row order."""
     topk_weights = routing_weights_arg(topk_weights)
     if tile_m % scale_block:
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
@@ -681,8 +683,8 @@ def _down_dgrad_gemm_on_hopper(
     d_a_prime: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, scale_block: int,
 ) -> bool:  # fmt: skip
     """dA' = dO_q W2_q (fp8_down_dgrad's GEMM) by the Gluon row kernel, on dO_q's rows copied into row
-    order (as fc1's forward copies x_q's), where `MOK_HOPPER_FP8_ROWS=1` asks for it and it can run:
-    whether it did. Its padding rows get values of no meaning (the epilogue masks them)."""
+    order (as fc1's forward copies x_q's), where it can run unless `MOK_HOPPER_FP8_ROWS=0`: whether
+    it did. Its padding rows get values of no meaning (the epilogue masks them)."""
     if scale_block != fp8_hopper.BLOCK_K or d_out_q.shape[0] == 0 or not fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
         return False
     operands = fp8_hopper.row_gemm_operands(d_out_q, w2t_q, gated=False)
@@ -718,7 +720,7 @@ def fp8_gate_up_dgrad(
 ) -> torch.Tensor:  # fmt: skip
     """dx rows [R_pad, H] in out_dtype = dh_q W13_q, block-scaled (dh 1 x 128 per half; W13's transposed
     FP8 copy [E, H, N1], scales [E, halves, cdiv(H, 128), cdiv(I, 128)]); summed over k by
-    combine.combine_rows. On Hopper, where `MOK_HOPPER_FP8_ROWS=1` asks for it, the Gluon kernel
+    combine.combine_rows. On Hopper, unless `MOK_HOPPER_FP8_ROWS=0`, the Gluon kernel
     (fp8_hopper.py)."""
     E, H, N1 = w13t_q.shape
     I = N1 // 2 if gated else N1
@@ -749,7 +751,7 @@ def fp8_wgrad(
     128 x 1 along the schedule's rows and stored transposed (left_t [M, R_pad], right_t [N, R_pad];
     scales [R_pad / 128, M] and [R_pad / 128, N]). expert_offsets must be multiples of 128 (a
     schedule with tile_m a multiple of 128, which fp8_down_dgrad checks): the kernel relies on it.
-    On Hopper, where `MOK_HOPPER_FP8_WGRAD=1` asks for it, the Gluon kernel (fp8_hopper.py)."""
+    On Hopper, unless `MOK_HOPPER_FP8_WGRAD=0`, the Gluon kernel (fp8_hopper.py)."""
     E = tokens_per_expert.shape[0]
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
