@@ -153,17 +153,17 @@ def test_fp8_experts_take_the_fp8_rate_and_keep_weight_copies():
 
 
 def test_fp8_on_hopper_takes_the_measured_speed_not_the_fp8_peak():
-    # MoK's FP8 experts measured on the H200 run under bf16's speed (their GEMMs at bf16's rate,
-    # BENCHMARKS.md): a plan on a Hopper machine takes that, not the datasheet's 2x.
+    # MoK's FP8 experts measured on the H200 run at 1.13-1.21x bf16's speed (BENCHMARKS.md), far from the
+    # datasheet's 2x: a plan on a Hopper machine takes the measured speed, not the FP8 peak.
     data = yaml.safe_load((TOPOLOGIES / "qwen3-30b-a3b_hgx-h200_ep8.yaml").read_text())
     data["mok"].pop("fp8", None)
     bf16 = RunConfig(**data)
     data["mok"]["fp8"] = "e4m3"
     t_bf16, t_fp8 = layer_time(bf16), layer_time(RunConfig(**data))
     speedup = MACHINES["hgx-h200"].fp8_speedup
-    assert speedup is not None and speedup < 1
+    assert speedup is not None and 1 < speedup < 2
     assert t_fp8.expert_ms == pytest.approx(t_bf16.expert_ms / speedup)
-    assert expert_rate_tflops(MACHINES["hgx-h200"], fp8=True) < MACHINES["hgx-h200"].bf16_tflops
+    assert expert_rate_tflops(MACHINES["hgx-h200"], fp8=True) < MACHINES["hgx-h200"].fp8_tflops
     # Blackwell: not measured, the dense FP8 rate
     assert MACHINES["gb300-nvl72"].fp8_speedup is None
     assert expert_rate_tflops(MACHINES["gb300-nvl72"], fp8=True) == MACHINES["gb300-nvl72"].fp8_tflops

@@ -91,9 +91,10 @@ _H100 = (
 )
 
 # mok.fp8 on Hopper (sm_90, the H200's kernels on the H100 too): bf16 time / FP8 time, forward + backward
-# with the weights kept, 0.90-0.93 on qwen3-30b-a3b, mixtral-8x7b and deepseek-v3 (BENCHMARKS.md, "FP8,
-# f3-f5", commit d9c430a): the FP8 GEMMs still run at bf16's rate. Remeasure when the FP8 kernels change.
-HOPPER_FP8_SPEEDUP = 0.90
+# with the weights kept, 1.13 on qwen3-30b-a3b, 1.21 on mixtral-8x7b and deepseek-v3 with the Gluon FP8
+# kernels (BENCHMARKS.md, "FP8 on Hopper in Gluon, measured", commit 4aaa485; 0.90-0.93 with the Triton
+# ones at d9c430a); the smallest of the three. Remeasure when the FP8 kernels change.
+HOPPER_FP8_SPEEDUP = 1.13
 
 MACHINES: dict[str, Machine] = {
     m.name: m
