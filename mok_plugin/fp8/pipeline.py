@@ -117,8 +117,7 @@ def fp8_experts_backward(
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
         offset=family.linear_offset, gate_up_bias=b1 is not None, down_bias=b2,
         # dO's 128 x 1 copy for dW2 made with the GEMM's rows where it reads them in row order; not when
-        # the weight gradients are deferred, which would hold it until then (R_pad x H bytes: at top-8, 4x
-        # dO's own bf16)
+        # the weight gradients are deferred, which would hold it (8 bytes of rows a token at top-8) until then
         d_out=d_out if defer is None else None,
     )  # fmt: skip
     d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *w13t, *rows, out_dtype=dtype,
