@@ -282,30 +282,6 @@ def test_gathered_rows_quantised_along_the_rows_per_expert_block_and_stored_tran
     assert _same_bits(data_tt.transpose(-1, -2), data) and torch.equal(inv_t.transpose(-1, -2), inv)
 
 
-@FORMATS
-def test_gathered_rows_quantised_both_ways_from_one_read(fmt):
-    # with_rows: the 128 x 1 copy as without it, and the rows in schedule order quantised 1 x 128 as
-    # quantize_rows quantises their tokens (zeros, scale 1, on padding rows), bit for bit; N = 300: a
-    # partial last 128-column block; bitwise repeatable
-    g = torch.Generator().manual_seed(9)
-    T, N, E = 150, 300, 3
-    src = (torch.randn(T, N, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())).half()
-    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
-    schedule = build_schedule(ids.to(DEVICE), E)
-    src = src.to(DEVICE)
-    columns, (rows, rows_inv) = quantize_gathered_columns(src, schedule.row_to_token, fmt, with_rows=True)
-    assert _same_copy(columns, quantize_gathered_columns(src, schedule.row_to_token, fmt))
-    tokens = schedule.row_to_token
-    valid = tokens >= 0
-    by_token, by_token_inv = quantize_rows(src, fmt)
-    assert rows.shape == (tokens.numel(), N) and rows_inv.shape == (tokens.numel(), 3)
-    real = tokens[valid]
-    assert _same_bits(rows[valid], by_token[real]) and torch.equal(rows_inv[valid], by_token_inv[real])
-    assert not rows[~valid].float().any() and torch.equal(rows_inv[~valid], torch.ones_like(rows_inv[~valid]))
-    again = quantize_gathered_columns(src, schedule.row_to_token, fmt, with_rows=True)
-    assert _same_copy(again[0], columns) and _same_copy(again[1], (rows, rows_inv))
-
-
 def _same_copy(got: tuple, want: tuple) -> bool:
     return _same_bits(got[0], want[0]) and got[0].shape == want[0].shape and torch.equal(got[1], want[1])
 
@@ -325,18 +301,6 @@ def test_weights_quantised_with_their_transposes_in_one_pass(fmt):
         copy, transposed = quantize_fc1(w13, fmt, gated, with_transpose=True)
         assert _same_copy(copy, quantize_fc1(w13, fmt, gated))
         assert _same_copy(transposed, transposed_copy(*copy)) and transposed[0].shape == (2, 72, n1)
-
-
-def test_gathered_quantiser_compiles_for_sm90_without_spills():
-    # with the rows too, a program holds its whole 128 x 128 tile (quantised twice): 8 warps, no stack
-    code = (
-        "from mok_plugin.bench.inspect import compile_gathered_quantiser, resource_usage\n"
-        "for with_rows in (False, True):\n"
-        "    print(*resource_usage(compile_gathered_quantiser(with_rows).asm['cubin']))\n"
-    )
-    for line in outside_the_interpreter("-c", code).splitlines()[-2:]:
-        registers, stack = map(int, line.split())
-        assert registers <= 128 and stack == 0, line
 
 
 def test_weight_quantiser_compiles_for_sm90_without_spills_and_rounds_by_conversion():

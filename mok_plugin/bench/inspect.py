@@ -186,22 +186,6 @@ def compile_weight_quantiser(with_transpose: bool = True):
                                   pointer_types=fp8_pointers)  # fmt: skip
 
 
-def compile_gathered_quantiser(with_rows: bool = True):
-    """kernels/fp8.py's gathered 128 x 1 quantiser as quantize_gathered_columns launches it (bf16 rows
-    into E5M2, the hybrid recipe's dO; with_rows: the 1 x 128 row copy too), compiled for sm_90."""
-    from mok_plugin.fp8.recipe import E5M2
-    from mok_plugin.kernels import fp8
-
-    pointers = {"data_ptr": "*fp8e5", "rows_ptr": "*fp8e5", "scale_inv_ptr": "*fp32", "rows_scale_ptr": "*fp32"}
-    constexprs = {"MAX": E5M2.max, "MANTISSA_BITS": E5M2.mantissa_bits, "MIN_NORMAL_EXPONENT": E5M2.min_normal_exponent,
-                  "POWER_OF_2": True, "BLOCK": 128, "BLOCK_N": 128 if with_rows else 64}  # fmt: skip
-    if not with_rows:
-        constexprs |= {"rows_ptr": None, "rows_scale_ptr": None}
-    warps = fp8.GATHERED_BOTH_WARPS if with_rows else 4
-    return compile_jit_for_hopper(fp8._quantize_gathered_columns_kernel, constexprs, num_warps=warps,
-                                  pointer_types=pointers)  # fmt: skip
-
-
 def compile_wgrad_hopper(schedule: str = "cooperative"):
     """The Gluon weight-gradient kernel (kernels/wgrad_hopper.py) under one of its SCHEDULES,
     compiled for sm_90 as its launcher specialises a bf16 call: descriptors of its block shapes

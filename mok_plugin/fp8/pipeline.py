@@ -5,8 +5,7 @@ forward:  x quantised per token, the weights per 128 x 128 tile (a glu's halves 
           quantised in its epilogue, fc2, the bf16 combine.
 backward: dO quantised per token; fc2's dgrad with dh (both ways), w*A (128 x 1) and the router
           partials in its epilogue; fc1's dgrad and the combine of dX; x and dO rows quantised
-          128 x 1 in schedule order (dO's with fc2's dgrad where its Gluon GEMM reads dO's rows in
-          row order: both copies from one read); the two weight gradients over those operands.
+          128 x 1 in schedule order; the two weight gradients over those column-quantised operands.
 Every backward GEMM reads its operands K-major (the reduction dimension contiguous), which Hopper's
 FP8 MMA requires: the weights' transposed FP8 copies, and the 128 x 1 operands stored transposed.
 """
@@ -116,9 +115,6 @@ def fp8_experts_backward(
         d_o_q, d_o_s, *w2t, saved["h"], saved["topk_weights"], schedule.row_to_tk, *rows, fwd, bwd,
         power_of_2=pow2, activation=family.activation, gated=family.gated, clamp=family.clamp,
         offset=family.linear_offset, gate_up_bias=b1 is not None, down_bias=b2,
-        # dO's 128 x 1 copy for dW2 made with the GEMM's rows where it reads them in row order; not when
-        # the weight gradients are deferred, which would hold it (8 bytes of rows a token at top-8) until then
-        d_out=d_out if defer is None else None,
     )  # fmt: skip
     d_x_rows = fp8_gate_up_dgrad(down["dh_q"], down["dh_scale_inv"], *w13t, *rows, out_dtype=dtype,
                                  gated=family.gated)  # fmt: skip
@@ -129,9 +125,7 @@ def fp8_experts_backward(
 
     def weight_grads() -> tuple[torch.Tensor | None, ...]:
         segments = (schedule.expert_offsets, schedule.tokens_per_expert)
-        d_o_col = down.get("d_out_colt"), down.get("d_out_col_scale_inv")
-        if d_o_col[0] is None:
-            d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
+        d_o_col = quantize_gathered_columns(d_out, schedule.row_to_token, bwd, power_of_2=pow2)
         x_col = quantize_gathered_columns(x, schedule.row_to_token, fwd, power_of_2=pow2)
         d_b1 = d_b2 = None
         if b1 is not None:

@@ -272,7 +272,6 @@ def quantize_fc1(
 # rows of a weight tile quantised at a time, and the warps (_quantize_tiles_kernel)
 TILE_QUANTISER_CHUNK = 32
 TILE_QUANTISER_WARPS = 8
-GATHERED_BOTH_WARPS = 8  # quantize_gathered_columns(..., with_rows=True)
 
 
 def _quantize_tiles(
@@ -304,14 +303,12 @@ def _quantize_tiles(
 
 @triton.jit
 def _quantize_gathered_columns_kernel(
-    src_ptr, row_to_token_ptr, data_ptr, scale_inv_ptr, rows_ptr, rows_scale_ptr, N, stride_src, stride_data,
-    stride_scale, stride_rows, stride_rows_scale, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-    MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    src_ptr, row_to_token_ptr, data_ptr, scale_inv_ptr, N, stride_src, stride_data, stride_scale, MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / BLOCK, cdiv(N, BLOCK_N)); program (b, n) quantises row block b of the gathered
-    rows (padding rows: zeros) in BLOCK x 1 blocks, columns n-block, and stores them transposed. With
-    rows_ptr (BLOCK_N then the row blocks' width), the same tile quantised 1 x BLOCK_N too, stored in
-    row order: quantize_rows's values of each row's token, from the same read."""
+    rows (padding rows: zeros) in BLOCK x 1 blocks, columns n-block, and stores them transposed."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -322,53 +319,28 @@ def _quantize_gathered_columns_kernel(
     tl.store(data_ptr + cols[None, :] * stride_data + rows[:, None], q.to(data_ptr.dtype.element_ty),
              mask=col_ok[None, :])  # fmt: skip
     tl.store(scale_inv_ptr + tl.program_id(0) * stride_scale + cols, scale_inv, mask=col_ok)
-    if rows_ptr is not None:
-        q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
-        tl.store(rows_ptr + rows[:, None] * stride_rows + cols[None, :], q.to(rows_ptr.dtype.element_ty),
-                 mask=col_ok[None, :])  # fmt: skip
-        tl.store(rows_scale_ptr + rows * stride_rows_scale + tl.program_id(1), scale_inv)
 
 
-@overload
-def quantize_gathered_columns(src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = ...,
-                              power_of_2: bool = ..., *, with_rows: Literal[False] = ...) -> Copy: ...
-@overload
-def quantize_gathered_columns(src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = ...,
-                              power_of_2: bool = ..., *, with_rows: Literal[True]) -> tuple[Copy, Copy]: ...
 def quantize_gathered_columns(
-    src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True, *,
-    with_rows: bool = False,
-) -> Copy | tuple[Copy, Copy]:  # fmt: skip
+    src: torch.Tensor, row_to_token: torch.Tensor, fmt: FP8Format, block: int = 128, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(data [N, R_pad] in fmt.dtype, fp32 scale_inv [R_pad / block, N]): the rows of src [T, N] in
     schedule order (src[row_to_token[r]], zeros on padding rows), quantised in block x 1 blocks along
     the rows and stored transposed (the rows contiguous: K-major for the weight gradients, which
     reduce over them): their by-token operands x and dO. Segments must start at multiples of `block`,
-    so that a block holds one expert's rows. with_rows: (that, (rows [R_pad, N] in fmt.dtype, fp32
-    scale_inv [R_pad, cdiv(N, block)])), the same rows quantised 1 x block too, from the same read:
-    `quantize_rows(src)`'s values and scales of each row's token (zeros on padding rows), in row order
-    for a GEMM that reads rows through TMA."""
+    so that a block holds one expert's rows."""
     check_tensor("src", src, 2)
     num_rows, N = row_to_token.shape[0], src.shape[1]
     if num_rows % block:
         raise ValueError(f"{num_rows} schedule rows: not a whole number of {block}-row blocks")
     data = torch.empty(N, num_rows, dtype=fmt.dtype, device=src.device)
     scale_inv = torch.empty(num_rows // block, N, dtype=torch.float32, device=src.device)
-    rows = rows_scale_inv = None
-    # with the rows, a program's columns are one 1 x block block: its 128 x 128 tile in 8 warps took 128
-    # registers, no stack (sm_90 compile, Triton 3.8; 4 warps over 64 columns without the rows: 72)
-    block_n, warps = (block, GATHERED_BOTH_WARPS) if with_rows else (32 if interpreter_on() else 64, 4)
-    if with_rows:
-        rows = torch.empty(num_rows, N, dtype=fmt.dtype, device=src.device)
-        rows_scale_inv = torch.empty(num_rows, cdiv(N, block), dtype=torch.float32, device=src.device)
+    block_n = 32 if interpreter_on() else 64
     if num_rows and N:
         _quantize_gathered_columns_kernel[(num_rows // block, cdiv(N, block_n))](
-            src, row_to_token, data, scale_inv, rows, rows_scale_inv, N, src.stride(0), data.stride(0),
-            scale_inv.stride(0), 0 if rows is None else rows.stride(0), 0 if rows is None else rows_scale_inv.stride(0),
-            fmt.max, fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=block, BLOCK_N=block_n,
-            num_warps=warps,
+            src, row_to_token, data, scale_inv, N, src.stride(0), data.stride(0), scale_inv.stride(0), fmt.max,
+            fmt.mantissa_bits, fmt.min_normal_exponent, power_of_2, BLOCK=block, BLOCK_N=block_n,
         )  # fmt: skip
-    if with_rows:
-        return (data, scale_inv), (rows, rows_scale_inv)
     return data, scale_inv
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
 from mok_plugin.kernels.configs import interpreter_on
-from mok_plugin.kernels.fp8 import quantize_block, quantize_gathered_columns
+from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
 from mok_plugin.kernels.tiles import (
     activation_grad_of_rows,
@@ -616,7 +616,6 @@ def fp8_down_dgrad(
     tile_to_expert: torch.Tensor, tile_m: int, fwd: FP8Format, bwd: FP8Format, *, scale_block: int = 128,
     power_of_2: bool = True, activation: str = "silu", gated: bool = True, clamp: float | None = None,
     offset: float = 0.0, gate_up_bias: bool = False, down_bias: torch.Tensor | None = None,
-    d_out: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The FP8 backward through fc2 and the activation, from dO_q ([T, H], 1 x 128 scales), W2's
     transposed FP8 copy (`transposed_copy`: [E, I, H], scales [E, cdiv(I, 128), cdiv(H, 128)]) and the
@@ -627,10 +626,7 @@ def fp8_down_dgrad(
     combine.reduce_router_grad)}. With gate_up_bias (True: the experts' fc1 has one) also "dh"
     [R_pad, N1], unquantised in h's dtype; with down_bias (b2 [E, H]) one more partial column,
     <dO_q[t_r], b2_e> (`_fp8_bias_router_kernel`). On Hopper, unless `MOK_HOPPER_FP8_ROWS=0`, the
-    GEMM by the Gluon row kernel (fp8_hopper.py), on dO_q's rows copied into row order; given d_out
-    (dO unquantised, [T, H]), those rows are quantised from it instead, with its 128 x 1 copy for dW2
-    in the same pass (`quantize_gathered_columns(..., with_rows=True)`: the same bits), returned as
-    "d_out_colt" [H, R_pad] and "d_out_col_scale_inv" [R_pad / 128, H] (only where the Gluon GEMM ran)."""
+    GEMM by the Gluon row kernel (fp8_hopper.py), on dO_q's rows copied into row order."""
     topk_weights = routing_weights_arg(topk_weights)
     if tile_m % scale_block:
         raise ValueError(f"segments padded to {tile_m} rows: the FP8 backward needs a multiple of {scale_block}")
@@ -651,11 +647,8 @@ def fp8_down_dgrad(
         out["dh"] = torch.empty(num_rows, n1, dtype=h.dtype, device=dev)
     if num_rows:
         d_a_prime = torch.empty(num_rows, I, dtype=torch.float32, device=dev)  # dA', between the two kernels
-        columns = _down_dgrad_gemm_on_hopper(d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token,
-                                             tile_to_expert, tile_m, scale_block, d_out, bwd, power_of_2)  # fmt: skip
-        if columns:  # (the Gluon GEMM ran on rows quantised from d_out)
-            out["d_out_colt"], out["d_out_col_scale_inv"] = columns
-        if columns is None:  # (it did not run)
+        if not _down_dgrad_gemm_on_hopper(d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token,
+                                          tile_to_expert, tile_m, scale_block):  # fmt: skip
             grid, meta, block_n = _row_tiles("down_dgrad_gemm", num_rows, I, tile_m)
             _fp8_down_dgrad_gemm_kernel[grid](
                 d_out_q, d_out_scale_inv, w2t_q, w2t_scale_inv, d_a_prime, row_to_token, tile_to_expert, H, I,
@@ -688,25 +681,18 @@ def fp8_down_dgrad(
 def _down_dgrad_gemm_on_hopper(
     d_out_q: torch.Tensor, d_out_scale_inv: torch.Tensor, w2t_q: torch.Tensor, w2t_scale_inv: torch.Tensor,
     d_a_prime: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, scale_block: int,
-    d_out: torch.Tensor | None, fmt: FP8Format, power_of_2: bool,
-) -> tuple | None:  # fmt: skip
-    """dA' = dO_q W2_q (fp8_down_dgrad's GEMM) by the Gluon row kernel where it can run unless
-    `MOK_HOPPER_FP8_ROWS=0`, on dO's FP8 rows in row order: copied from dO_q's (as fc1's forward copies
-    x_q's), or quantised from d_out with its 128 x 1 copy. None where it did not run; else that copy
-    (data_t, scale_inv), or () without d_out. Its padding rows get values of no meaning (the epilogue
-    masks them)."""
+) -> bool:  # fmt: skip
+    """dA' = dO_q W2_q (fp8_down_dgrad's GEMM) by the Gluon row kernel, on dO_q's rows copied into row
+    order (as fc1's forward copies x_q's), where it can run unless `MOK_HOPPER_FP8_ROWS=0`: whether
+    it did. Its padding rows get values of no meaning (the epilogue masks them)."""
     if scale_block != fp8_hopper.BLOCK_K or d_out_q.shape[0] == 0 or not fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
-        return None
+        return False
     operands = fp8_hopper.row_gemm_operands(d_out_q, w2t_q, gated=False)
     if operands is None or not fp8_hopper.usable(operands[0] + operands[1], d_a_prime, tile_m):
-        return None
-    if d_out is None:
-        columns, (rows, rows_scale) = (), fp8_fc1_hopper.gathered_rows(d_out_q, d_out_scale_inv, row_to_token)
-    else:  # one read of dO's gathered rows for both copies, instead of dO_q's rows copied and dO read again for dW2
-        columns, (rows, rows_scale) = quantize_gathered_columns(d_out, row_to_token, fmt, scale_block, power_of_2,
-                                                                with_rows=True)  # fmt: skip
+        return False
+    rows, rows_scale = fp8_fc1_hopper.gathered_rows(d_out_q, d_out_scale_inv, row_to_token)
     fp8_hopper.fp8_rows_hopper((rows,), rows_scale, operands[1], w2t_scale_inv, d_a_prime, tile_to_expert, tile_m)
-    return columns
+    return True
 
 
 _BIAS_ROUTER_ROWS = 32
