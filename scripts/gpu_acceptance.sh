@@ -36,7 +36,7 @@
 #              deepseek-v3 (one process each: FP8 vs bf16 time, errors against float64 and the separate-cast
 #              peer); fc2's dgrad epilogue's tile choices on qwen3-30b-a3b (--sweep down_dgrad_epilogue); the
 #              harness for 200 steps with --fp8 e4m3 on the single-H200 config
-#   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, opt-in): tests/test_fp8_hopper.py, then
+#   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, on by default): tests/test_fp8_hopper.py, then
 #              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
 #              and row GEMMs on the Triton kernels and on the Gluon ones, fc1 fused and split, bits compared);
 #              fp8-hopper-tests and fp8-hopper-bench run one half each (if one call cannot hold both)
