@@ -113,7 +113,8 @@ def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
 
 # fc1's forward: (keyword arguments of compile_fp8_fc1_hopper, the stack a thread it compiles to) --
 # the gated families' main loop holds two sums and a product and spills (fp8_fc1_hopper.MMA_REGS);
-# the bound catches a change that makes it worse, until a GPU says whether it matters
+# the bound catches a change that makes it worse (the split form, the default, does not spill: it ran 3-4 %
+# faster on the H200)
 FC1_COMPILED = [
     pytest.param("", 96, id="swiglu"),
     pytest.param("bias=True, activation='quick_gelu', clamp=7.0, offset=1.0", 192, id="gpt_oss"),
@@ -412,10 +413,11 @@ def test_fc1_forward_with_no_tokens_keeps_the_triton_kernel(monkeypatch):
     from mok_plugin.testing import EXPERT_FAMILIES
 
     sched, fc1 = _fc1_case(EXPERT_FAMILIES["swiglu"], 256, 512, 8, 0, 2, "uniform", torch.bfloat16, E4M3)
-    launches = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    fused = _counting_module(monkeypatch, fp8_fc1_hopper, "fp8_fc1_hopper")
+    rows = _counting(monkeypatch, "fp8_rows_hopper")  # (I = 256: the split form where it runs)
     h, a_q, a_scale = _with(monkeypatch, fp8_hopper.ROWS_SETTING, "1", fc1)
     torch.cuda.synchronize()
-    assert launches == [] and h.shape[0] == sched.row_to_token.shape[0]
+    assert fused == [] and rows == [] and h.shape[0] == sched.row_to_token.shape[0]
 
 
 # --- through the FP8 experts ------------------------------------------------------------------------

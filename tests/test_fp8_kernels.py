@@ -12,6 +12,7 @@ import torch
 from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward, fp8_moe_experts
 from mok_plugin.fp8.recipe import E4M3, E5M2, BlockwiseFP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
+from mok_plugin.kernels import fp8_hopper
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import EXPERT_FAMILIES
 
@@ -205,9 +206,12 @@ def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
 
 
 @pytest.mark.parametrize("family, fmt", [("swiglu", E4M3), ("gpt_oss_clamp_4", E5M2), ("mlp_gelu_bias", E4M3)])
-def test_activation_from_h_is_fc1s_own(family, fmt):
+def test_activation_from_h_is_fc1s_own(monkeypatch, family, fmt):
     # fc1's forward split in two (MOK_HOPPER_FP8_FC1_SPLIT: the GEMM on the Gluon row kernel, then A):
-    # A_q and its scales from the h that fc1's fused kernel stored are that kernel's, bit for bit
+    # A_q and its scales from the h that fc1's fused Triton kernel stored are that kernel's, bit for bit
+    # (on Hopper the split itself is the default: the Triton kernels asked for, so that the reference is
+    # the fused kernel, not fp8_activation again)
+    monkeypatch.setenv(fp8_hopper.ROWS_SETTING, "0")
     from mok_plugin.kernels.fp8 import quantize_fc1, quantize_rows
     from mok_plugin.kernels.fp8_mlp import fp8_activation, fp8_gate_up_fwd
 

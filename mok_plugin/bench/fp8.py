@@ -138,27 +138,31 @@ SWEEP: dict[str, list[dict[str, int | bool]]] = {
 
 def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels: list[str]) -> list[dict]:
     """Each kernel's (of `kernels`; all of SWEEP when empty) GPU time in a forward + backward under
-    each SWEEP candidate (the others at TILES), and whether its results are the default tiles' bits."""
+    each SWEEP candidate (the others at TILES), and whether its results are the default tiles' bits.
+    The Triton kernels throughout: on Hopper the Gluon ones (the default there) would stand in for the
+    GEMMs swept, and nothing of theirs would be timed."""
     from mok_plugin.kernels import fp8_mlp
 
-    both = _fp8_case(name, recipe)[-1]
-    want, rows = both(), []
-    for kernel, candidates in SWEEP.items():
-        if kernels and kernel not in kernels:
-            continue
-        default = fp8_mlp.TILES[kernel]
-        try:
-            for tiles in candidates:
-                fp8_mlp.TILES[kernel] = tiles
-                got = both()
-                same = _same_bits(got, want)
-                breakdown, _ = kernel_breakdown(both, iters=3, settle_s=settle_s)
-                ms = sum(r["ms"] for r in breakdown if kernel in r["kernel"])
-                rows.append({"shape": name, "kernel": kernel, "tiles": tiles, "ms": ms, "same_bits": same,
-                             "default": tiles == default})  # fmt: skip
-                print(f"{name} {kernel:<14} {json.dumps(tiles):<62} {ms:8.3f} ms  same bits {same}", flush=True)
-        finally:
-            fp8_mlp.TILES[kernel] = default
+    rows = []
+    with mock.patch.dict(os.environ, _hopper_settings()["none (Triton)"]):
+        both = _fp8_case(name, recipe)[-1]
+        want = both()
+        for kernel, candidates in SWEEP.items():
+            if kernels and kernel not in kernels:
+                continue
+            default = fp8_mlp.TILES[kernel]
+            try:
+                for tiles in candidates:
+                    fp8_mlp.TILES[kernel] = tiles
+                    got = both()
+                    same = _same_bits(got, want)
+                    breakdown, _ = kernel_breakdown(both, iters=3, settle_s=settle_s)
+                    ms = sum(r["ms"] for r in breakdown if kernel in r["kernel"])
+                    rows.append({"shape": name, "kernel": kernel, "tiles": tiles, "ms": ms, "same_bits": same,
+                                 "default": tiles == default})  # fmt: skip
+                    print(f"{name} {kernel:<14} {json.dumps(tiles):<62} {ms:8.3f} ms  same bits {same}", flush=True)
+            finally:
+                fp8_mlp.TILES[kernel] = default
     return rows
 
 
@@ -200,12 +204,12 @@ def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: f
 
 
 # the row GEMMs the Gluon kernels replace, by kernel name (Triton's, and the Gluon ones'), the copies of x's
-# and dO's rows fc1's forward and fc2's dgrad need (torch's index_select: indexSelect...Index kernels) and A
-# from h when fc1 is split
+# and dO's rows fc1's forward and fc2's dgrad need (torch's index_select: indexSelect...Index kernels, or
+# vectorized_gather_kernel in torch 2.11) and A from h when fc1 is split
 _ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_up_fwd_kernel",
                 "_fp8_down_dgrad_gemm_kernel",
                 "_fp8_rows_hopper_kernel", "_fp8_fc1_hopper_kernel", "_fp8_activation_kernel",
-                "indexSelect")  # fmt: skip
+                "indexSelect", "gather_kernel")  # fmt: skip
 
 
 # The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about

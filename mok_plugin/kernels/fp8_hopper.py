@@ -85,13 +85,14 @@ def stages_for(out_dtype: torch.dtype) -> int:
 
 
 def enabled(setting: str) -> bool:
-    """Whether environment variable `setting` (WGRAD_SETTING, ROWS_SETTING or fp8_fc1_hopper's
-    SPLIT_SETTING) leaves the Gluon kernel on: unset or 1 (on Hopper, where `usable`), 0 for the
-    Triton kernels; a ValueError names the setting otherwise. On by default since the H200 measured
-    them bitwise the Triton kernels and faster on every shape (BENCHMARKS.md, f6)."""
+    """Whether environment variable `setting` leaves its choice on: unset or 1. WGRAD_SETTING and
+    ROWS_SETTING: the Gluon kernels (on Hopper, where `usable`), 0 for the Triton ones; fp8_fc1_hopper's
+    SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon kernel. A ValueError
+    names the setting otherwise. On by default since the H200 measured them bitwise the Triton kernels
+    and faster on every shape (BENCHMARKS.md, f6)."""
     value = os.environ.get(setting, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{setting}={value!r}: expected 0 (the Triton kernels) or 1 (the Gluon kernel on Hopper)")
+        raise ValueError(f"{setting}={value!r}: expected 1 (the default) or 0 (see the README's environment table)")
     return value == "1"
 
 
