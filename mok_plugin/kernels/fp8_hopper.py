@@ -62,6 +62,7 @@ __all__ = [
     "fp8_rows_hopper",
     "fp8_wgrad_hopper",
     "row_gemm_operands",
+    "usable_row_gemm",
     "stages_for",
     "usable",
 ]
@@ -130,6 +131,19 @@ def row_gemm_operands(rows: torch.Tensor, weights: torch.Tensor, gated: bool) ->
     k = width // 2
     return (rows[:, :k], rows[:, k:]), (flat[:, :k], flat[:, k:])
 
+
+
+def usable_row_gemm(rows: torch.Tensor, weights: torch.Tensor, gated: bool, out: torch.Tensor, tile_m: int,
+                    scale_block: int) -> tuple[tuple, tuple] | None:  # fmt: skip
+    """`row_gemm_operands(rows, weights, gated)` where the Gluon row kernel takes this GEMM: its scale
+    blocks BLOCK_K wide, the row GEMMs on (ROWS_SETTING) and `usable` with `out` and tile_m; else None
+    (the Triton kernel computes it)."""
+    if scale_block != BLOCK_K or not enabled(ROWS_SETTING):
+        return None
+    operands = row_gemm_operands(rows, weights, gated)
+    if operands is None or not usable(operands[0] + operands[1], out, tile_m):
+        return None
+    return operands
 
 if gluon is not None:
 

@@ -421,13 +421,12 @@ def fp8_down_fwd(
     E, H, I = w2_q.shape
     num_rows = row_to_token.shape[0]
     y = torch.empty(num_rows, H, dtype=out_dtype, device=a_q.device)
-    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
-        operands = fp8_hopper.row_gemm_operands(a_q, w2_q, gated=False)
-        if operands is not None and fp8_hopper.usable(operands[0] + operands[1], y, tile_m):
-            rows, weights = operands
-            fp8_hopper.fp8_rows_hopper(rows, a_scale_inv, weights, w2_scale_inv, y, tile_to_expert, tile_m,
-                                       down_bias=down_bias, routing=(topk_weights, row_to_tk))  # fmt: skip
-            return y
+    operands = fp8_hopper.usable_row_gemm(a_q, w2_q, False, y, tile_m, scale_block)
+    if operands is not None:
+        rows, weights = operands
+        fp8_hopper.fp8_rows_hopper(rows, a_scale_inv, weights, w2_scale_inv, y, tile_to_expert, tile_m,
+                                   down_bias=down_bias, routing=(topk_weights, row_to_tk))  # fmt: skip
+        return y
     grid, meta, block_n = _row_tiles("down_fwd", num_rows, H, tile_m)
     if grid[0]:
         _fp8_down_fwd_kernel[grid](
@@ -685,10 +684,10 @@ def _down_dgrad_gemm_on_hopper(
     """dA' = dO_q W2_q (fp8_down_dgrad's GEMM) by the Gluon row kernel, on dO_q's rows copied into row
     order (as fc1's forward copies x_q's), where it can run unless `MOK_HOPPER_FP8_ROWS=0`: whether
     it did. Its padding rows get values of no meaning (the epilogue masks them)."""
-    if scale_block != fp8_hopper.BLOCK_K or d_out_q.shape[0] == 0 or not fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
-        return False
-    operands = fp8_hopper.row_gemm_operands(d_out_q, w2t_q, gated=False)
-    if operands is None or not fp8_hopper.usable(operands[0] + operands[1], d_a_prime, tile_m):
+    # (no tokens: the copy of dO's rows would have no token 0 to stand in for padding rows)
+    operands = None if d_out_q.shape[0] == 0 else fp8_hopper.usable_row_gemm(d_out_q, w2t_q, False, d_a_prime,
+                                                                             tile_m, scale_block)  # fmt: skip
+    if operands is None:
         return False
     rows, rows_scale = fp8_fc1_hopper.gathered_rows(d_out_q, d_out_scale_inv, row_to_token)
     fp8_hopper.fp8_rows_hopper((rows,), rows_scale, operands[1], w2t_scale_inv, d_a_prime, tile_to_expert, tile_m)
@@ -726,12 +725,10 @@ def fp8_gate_up_dgrad(
     I = N1 // 2 if gated else N1
     num_rows = row_to_token.shape[0]
     dx = torch.empty(num_rows, H, dtype=out_dtype, device=dh_q.device)
-    if scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.ROWS_SETTING):
-        operands = fp8_hopper.row_gemm_operands(dh_q, w13t_q, gated)
-        if operands is not None and fp8_hopper.usable(operands[0] + operands[1], dx, tile_m):
-            fp8_hopper.fp8_rows_hopper(operands[0], dh_scale_inv, operands[1], w13t_scale_inv, dx, tile_to_expert,
-                                       tile_m)  # fmt: skip
-            return dx
+    operands = fp8_hopper.usable_row_gemm(dh_q, w13t_q, gated, dx, tile_m, scale_block)
+    if operands is not None:
+        fp8_hopper.fp8_rows_hopper(operands[0], dh_scale_inv, operands[1], w13t_scale_inv, dx, tile_to_expert, tile_m)
+        return dx
     grid, meta, block_n = _row_tiles("gate_up_dgrad", num_rows, H, tile_m)
     if grid[0]:
         _fp8_gate_up_dgrad_kernel[grid](
