@@ -35,6 +35,16 @@ def test_on_unless_the_environment_says_0(monkeypatch, setting):
         fp8_hopper.enabled(setting)
 
 
+def test_ahead_is_off_unless_the_environment_says_1(monkeypatch):
+    monkeypatch.delenv(fp8_hopper.AHEAD_SETTING, raising=False)
+    assert not fp8_hopper.enabled(fp8_hopper.AHEAD_SETTING, default="0")
+    monkeypatch.setenv(fp8_hopper.AHEAD_SETTING, "1")
+    assert fp8_hopper.enabled(fp8_hopper.AHEAD_SETTING, default="0")
+    monkeypatch.setenv(fp8_hopper.AHEAD_SETTING, "on")
+    with pytest.raises(ValueError, match=f"{fp8_hopper.AHEAD_SETTING}='on'"):
+        fp8_hopper.enabled(fp8_hopper.AHEAD_SETTING, default="0")
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype):
     stages = fp8_hopper.stages_for(out_dtype)
@@ -92,21 +102,25 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
     return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_turn", "ahead"])
 @pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
+def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue, ahead):
     # Compiled as its launcher specialises the call: its shared memory fits Hopper's 227 KiB, nothing
     # spills, each warpgroup's K step is four FP8 wgmma k32 issued back to back (ptxas serialises a
     # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
-    # ptxas reports no serialised wgmma (C7511-C7515).
+    # ptxas reports no serialised wgmma (C7511-C7515). ahead (MOK_HOPPER_FP8_AHEAD): the MMA in flight
+    # under each tile's epilogue, which an MMA issued in a branch had serialised (C7515).
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
         f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
-        f"routing={epilogue})"
+        f"routing={epilogue}, ahead={ahead})"
     )
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= fp8_hopper.MAX_REGS
-    assert mma == 2 * 4  # the two warpgroups' functions, four k32 steps each
+    # the two warpgroups' functions, four k32 steps each (ahead: issued in two places, before the first
+    # tile and after each step)
+    assert mma == 2 * 4 * (1 + ahead)
     assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
     assert serialised == 0
 
@@ -216,11 +230,20 @@ WGRAD_CASES = [
 PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs")]
 
 
+@pytest.fixture(params=["0", "1"], ids=["in_turn", "ahead"])
+def ahead(request, monkeypatch):
+    """The Gluon kernels with each tile's epilogue after its last MMA (the default) and under the next
+    tile's first (MOK_HOPPER_FP8_AHEAD=1: with a ring step without operands for a tile with no K steps,
+    padding row tiles and empty experts, and one at the end)."""
+    monkeypatch.setenv(fp8_hopper.AHEAD_SETTING, request.param)
+    return request.param
+
+
 @hopper_only
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
-def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, programs, out_dtype, M, N, E, T, K, kind, left,
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, ahead, programs, out_dtype, M, N, E, T, K, kind, left,
                                                     right):  # fmt: skip
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
@@ -279,7 +302,7 @@ ROWS_CASES = [
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, programs, bias, H, I, E, T, K, kind):
+def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, ahead, programs, bias, H, I, E, T, K, kind):
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, a, a_s, w2, w2_s, g = _rows_case(H, I, E, T, K, kind, gated=False, a_fmt="e4m3")
     weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
@@ -297,7 +320,7 @@ def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, programs, bias, H, I
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("gated, a_fmt", [(True, "e4m3"), (True, "e5m2"), (False, "e4m3")])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt, H, I, E, T, K, kind):
+def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, ahead, programs, gated, a_fmt, H, I, E, T, K, kind):
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, dh, dh_s, w13, w13_s, _ = _rows_case(H, I, E, T, K, kind, gated=gated, a_fmt=a_fmt)
 
@@ -312,7 +335,7 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("d_out_fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc2_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, d_out_fmt, H, I, E, T, K, kind):
+def test_fc2_dgrad_bitwise_the_triton_kernel(monkeypatch, ahead, programs, d_out_fmt, H, I, E, T, K, kind):
     # The GEMM on dO's rows copied into row order (the hybrid recipe's E5M2 dO by E4M3 W2 too); every
     # output of the epilogue that reads it compared on the rows and 128-row blocks it writes.
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
@@ -425,7 +448,7 @@ def test_fc1_forward_with_no_tokens_keeps_the_triton_kernel(monkeypatch):
 
 @hopper_only
 @pytest.mark.parametrize("family_name, I", [("swiglu", 384), ("gpt_oss", 192), ("mlp_gelu_bias", 256), ("swiglu", 200)])
-def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
+def test_the_fp8_experts_give_the_same_results(monkeypatch, ahead, family_name, I):
     # Forward and backward (hybrid recipe) with the Gluon kernels on (the defaults) against the Triton
     # ones: the same output and gradients, bit for bit. fc1's forward split where I is a multiple of 128
     # (384, 256), by its fused kernel at 192; I = 200: not a multiple of 16, so the I-wide rows cannot be

@@ -168,14 +168,17 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels
 
 def _hopper_settings() -> dict[str, dict[str, str]]:
     """The environments `--hopper` compares: the Triton kernels, then the Gluon weight gradients, row
-    GEMMs and both, and both with fc1's forward split (its GEMM on the row kernel, A apart)."""
-    wgrad, rows, split = fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING
+    GEMMs and both, both with fc1's forward split (its GEMM on the row kernel, A apart; the default),
+    and that with each tile's epilogue under the next tile's first MMA (MOK_HOPPER_FP8_AHEAD)."""
+    wgrad, rows, split, ahead = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING,
+                                 fp8_hopper.AHEAD_SETTING)  # fmt: skip
     return {
-        "none (Triton)": {wgrad: "0", rows: "0", split: "0"},
-        "weight gradients": {wgrad: "1", rows: "0", split: "0"},
-        "row GEMMs": {wgrad: "0", rows: "1", split: "0"},
-        "both": {wgrad: "1", rows: "1", split: "0"},
-        "both, fc1 split": {wgrad: "1", rows: "1", split: "1"},
+        "none (Triton)": {wgrad: "0", rows: "0", split: "0", ahead: "0"},
+        "weight gradients": {wgrad: "1", rows: "0", split: "0", ahead: "0"},
+        "row GEMMs": {wgrad: "0", rows: "1", split: "0", ahead: "0"},
+        "both": {wgrad: "1", rows: "1", split: "0", ahead: "0"},
+        "both, fc1 split": {wgrad: "1", rows: "1", split: "1", ahead: "0"},
+        "split, ahead": {wgrad: "1", rows: "1", split: "1", ahead: "1"},
     }
 
 

@@ -45,7 +45,13 @@ from mok_plugin.kernels.wgrad_hopper import _num_sms
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mok_plugin.kernels.wgrad_hopper import store_tile, tile_of
@@ -53,6 +59,7 @@ except ImportError:
     gluon = None
 
 __all__ = [
+    "AHEAD_SETTING",
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
@@ -75,6 +82,7 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
+AHEAD_SETTING = "MOK_HOPPER_FP8_AHEAD"
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
@@ -85,15 +93,16 @@ def stages_for(out_dtype: torch.dtype) -> int:
     return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
 
 
-def enabled(setting: str) -> bool:
-    """Whether environment variable `setting` leaves its choice on: unset or 1. WGRAD_SETTING and
-    ROWS_SETTING: the Gluon kernels (on Hopper, where `usable`), 0 for the Triton ones; fp8_fc1_hopper's
-    SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon kernel. A ValueError
-    names the setting otherwise. On by default since the H200 measured them bitwise the Triton kernels
-    and faster on every shape (BENCHMARKS.md, f6)."""
-    value = os.environ.get(setting, "1")
+def enabled(setting: str, default: str = "1") -> bool:
+    """Whether environment variable `setting` (unset: `default`) is 1; a ValueError names it unless 0 or 1.
+    WGRAD_SETTING and ROWS_SETTING: the Gluon kernels (on Hopper, where `usable`), 0 for the Triton
+    ones; fp8_fc1_hopper's SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon
+    kernel. Those are on by default since the H200 measured them bitwise the Triton kernels and faster
+    on every shape (BENCHMARKS.md, f6). AHEAD_SETTING (off by default: not yet timed): the Gluon
+    kernels issue each tile's next MMA before its epilogue (`half_multiplier`)."""
+    value = os.environ.get(setting, default)
     if value not in ("0", "1"):
-        raise ValueError(f"{setting}={value!r}: expected 1 (the default) or 0 (see the README's environment table)")
+        raise ValueError(f"{setting}={value!r}: expected 0 or 1 (unset: {default}; see the README's environment table)")
     return value == "1"
 
 
@@ -178,12 +187,14 @@ if gluon is not None:
         return work_of_tile
 
     @gluon.jit
-    def loader(a_descs, b_descs, work, M, N, num_tiles, bufs, bars, ROWS: gl.constexpr):
+    def loader(a_descs, b_descs, work, M, N, num_tiles, bufs, bars, ROWS: gl.constexpr, AHEAD: gl.constexpr):
         """Both operands' K steps for every tile of this program, in order, into the ring. Weight
         gradients: A = left_t at (m0, row), B = right_t at (n0, row). Row GEMMs: A = the rows at
         (m0, k), B = the expert's weight, flattened [E * N, K], at (expert * N + n0, k) (a block past N
         reads the next expert's rows into output columns the store clips), from the descriptors of
-        the step's half (fc1's gate, then its up)."""
+        the step's half (fc1's gate, then its up). AHEAD (`half_multiplier_ahead`): a tile without K
+        steps gets one step without operands (the ready barrier arrived on, nothing loaded), and so
+        does the end."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         BM: gl.constexpr = a_descs[0].block_type.shape[0]
@@ -194,6 +205,10 @@ if gluon is not None:
         p = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
+            if AHEAD:
+                if steps == 0:
+                    arrive_empty_step(bars, p, S)
+                    p += 1
             for s in range(steps):
                 idx = p % S
                 mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once
@@ -213,6 +228,15 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(a_descs[0], [m0, row], ready.index(idx), a_bufs.index(idx))
                     tma.async_copy_global_to_shared(b_descs[0], [n0, row], ready.index(idx), b_bufs.index(idx))
                 p += 1
+        if AHEAD:
+            arrive_empty_step(bars, p, S)
+
+    @gluon.jit
+    def arrive_empty_step(bars, p, S: gl.constexpr):
+        """Ring step p without operands (AHEAD): once its stage is free, its ready barrier arrived on."""
+        idx = p % S
+        mbarrier.wait(bars[1].index(idx), ((p // S) & 1) ^ 1)
+        mbarrier.arrive(bars[0].index(idx), count=1)
 
     @gluon.jit
     def tile_scales(acc, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
@@ -279,13 +303,11 @@ if gluon is not None:
         return gl.convert_layout(values, layout)
 
     @gluon.jit
-    def finish_half(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
-                    BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
+    def epilogue_half(acc, expert, m0, n0, epilogue, M, N, out_dtype: gl.constexpr, ROWS: gl.constexpr,
+                      BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
         """A warpgroup's half of a tile through fc2's epilogue where asked (`+ b2[expert]`,
-        `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), then out by wgrad_hopper's
-        asynchronous TMA store, which clips at the output's edges. Row tiles of padding (expert < 0)
-        are neither computed nor stored; padding rows inside a real tile are written, with values of
-        no meaning (the Triton kernels leave them; nothing reads them)."""
+        `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), in the output's dtype. Row
+        tiles of padding (expert < 0) are not computed (nor stored: `store_half`)."""
         if ROWS:
             if expert >= 0:
                 num_warps: gl.constexpr = gl.num_warps()
@@ -301,9 +323,29 @@ if gluon is not None:
                     tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
                     w = spread(topk_weights_ptr, tk, tk >= 0, gl.SliceLayout(1, acc.type.layout))
                     acc = acc * w[:, None]
-                store_tile(out_desc, c_smem, acc, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
+        return acc.to(out_dtype)
+
+    @gluon.jit
+    def store_half(out_desc, c_smem, values, expert, m0, n0, ROWS: gl.constexpr):
+        """A warpgroup's finished half out by wgrad_hopper's asynchronous TMA store, which clips at the
+        output's edges. Padding rows inside a real row tile are written, with values of no meaning (the
+        Triton kernels leave them; nothing reads them)."""
+        if ROWS:
+            if expert >= 0:
+                store_tile(out_desc, c_smem, values, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
         else:
-            store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
+            store_tile(out_desc, c_smem, values, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
+
+    @gluon.jit
+    def issue_mma(bufs, ready, p, partial, HALF: gl.constexpr, WHICH: gl.constexpr, IS_ASYNC: gl.constexpr):
+        """Wait for ring step p's operands, then this warpgroup's MMA on its half (HALF rows) of them,
+        into the product's registers (not read: use_acc=False), asynchronously where asked."""
+        a_bufs, b_bufs = bufs
+        S: gl.constexpr = a_bufs.type.shape[0]
+        idx = p % S
+        mbarrier.wait(ready.index(idx), (p // S) & 1)
+        return warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF), b_bufs.index(idx).permute((1, 0)),
+                             partial, use_acc=False, is_async=IS_ASYNC)  # fmt: skip
 
     @gluon.jit
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
@@ -329,16 +371,68 @@ if gluon is not None:
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
             scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
             for s in range(steps):
-                idx = (c + s) % S
                 values = step_scales(s, scales, work, ROWS)
-                mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-                partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
-                                        b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
-                mbarrier.arrive(empty.index(idx), count=1)
+                partial = issue_mma(bufs, ready, c + s, partial, HALF, WHICH, False)
+                mbarrier.arrive(empty.index((c + s) % S), count=1)
                 acc = promote(acc, partial, values, ROWS)
-            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
+            values = epilogue_half(acc, expert, m_half, n0, epilogue, M, N, out_desc.dtype, ROWS, BIAS, ROUTING)
+            store_half(out_desc, c_smem, values, expert, m_half, n0, ROWS)
         tma.store_wait(0)
+
+    @gluon.jit
+    def half_multiplier_ahead(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
+                              BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+        """`half_multiplier`, with each tile's epilogue under the next tile's first MMA (AHEAD), written
+        (2026-12-05, not yet timed) for short tiles, whose epilogues otherwise leave the tensor cores
+        idle: deepseek-v3's weight gradients take 2 K steps a tile, and their kernel ran at 460 TFLOP/s
+        against 700 on qwen3-30b-a3b's 8. The MMA after each step is issued, and waited on,
+        unconditionally: an MMA in flight across a branch gets its registers copied, and ptxas then
+        serialises every wgmma (C7515). So every tile takes at least one ring step and one follows the
+        last (the loader's AHEAD form: an arrival without operands); such a step multiplies stale
+        shared memory, and its product is not promoted (its scales are not read: M and N as 0 mask
+        them)."""
+        a_bufs, b_bufs = bufs
+        ready, empty = bars[0], bars[1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        HALF: gl.constexpr = c_smem.type.shape[0]
+        BN: gl.constexpr = c_smem.type.shape[1]
+        BM: gl.constexpr = 2 * HALF
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 32])  # fmt: skip
+        partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+        mma = issue_mma(bufs, ready, 0, warpgroup_mma_init(partial), HALF, WHICH, True)
+        p = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
+            m_half = m0 + WHICH * HALF
+            acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+            real = steps > 0
+            scales = tile_scales(acc, gl.maximum(expert, 0), m_half, n0, first_row, work, gl.where(real, M, 0),
+                                 gl.where(real, N, 0), ROWS)  # fmt: skip
+            for s in range(gl.maximum(steps, 1)):
+                values = step_scales(s, scales, work, ROWS)
+                partial = warpgroup_mma_wait(0, deps=[mma, a_bufs, b_bufs])[0]
+                mbarrier.arrive(empty.index(p % S), count=1)
+                if real:
+                    acc = promote(acc, partial, values, ROWS)
+                p += 1
+                mma = issue_mma(bufs, ready, p, warpgroup_mma_init(partial), HALF, WHICH, True)
+            values = epilogue_half(acc, expert, m_half, n0, epilogue, M, N, out_desc.dtype, ROWS, BIAS, ROUTING)
+            store_half(out_desc, c_smem, values, expert, m_half, n0, ROWS)
+        warpgroup_mma_wait(0, deps=[mma, a_bufs, b_bufs])  # the step after the last tile's
+        tma.store_wait(0)
+
+    @gluon.jit
+    def multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
+                   BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
+        """An MMA warpgroup's partition: `half_multiplier`, or with AHEAD `half_multiplier_ahead`."""
+        if AHEAD:
+            half_multiplier_ahead(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS, BIAS, ROUTING,
+                                  WHICH)  # fmt: skip
+        else:
+            half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS, BIAS, ROUTING, WHICH)
 
     @gluon.jit
     def stages_of(desc, STAGES: gl.constexpr):
@@ -360,7 +454,7 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, AHEAD: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
@@ -370,11 +464,11 @@ if gluon is not None:
         bufs, bars = (a_bufs, b_bufs), (ready, empty)
         gl.warp_specialize(
             [
-                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
-                                   ROUTING, 0)),  # fmt: skip
-                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
-                                   ROUTING, 1)),  # fmt: skip
-                (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
+                (multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS, ROUTING, 0,
+                              AHEAD)),  # fmt: skip
+                (multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS, ROUTING, 1,
+                              AHEAD)),  # fmt: skip
+                (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS, AHEAD)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
             [MMA_REGS, LOADER_REGS],
@@ -386,17 +480,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -413,11 +507,11 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
-def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
-                     routing: bool = False) -> tuple[object, dict]:  # fmt: skip
+def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, routing: bool = False,
+                     ahead: bool = False) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
-    fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles for sm_90
-    without a GPU."""
+    fc2's epilogue's parts; `ahead`: each tile's epilogue under the next tile's first MMA): what the
+    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
@@ -426,6 +520,7 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
+        "AHEAD": ahead,
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
@@ -442,7 +537,7 @@ def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple,
         return
     a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
     b_descs = [_descriptor(t, (BLOCK_N, BLOCK_K)) for t in b]
-    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
+    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing, enabled(AHEAD_SETTING, default="0"))
     grid = (min(num_tiles, PROGRAMS or _num_sms(out.device.index)),)
     kernel[grid](
         a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,
