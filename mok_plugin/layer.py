@@ -498,7 +498,8 @@ class MoKMoE(nn.Module):
             if self.backend == "triton" and runs_pytorch_path(recipe):
                 warnings.warn(
                     f"mok.fp8_scaling={recipe.scaling!r} runs MoK's PyTorch FP8 path (fp8/reference.py): the "
-                    "recipe's numbers, not fused kernels (MoK's Triton FP8 kernels implement blockwise only)",
+                    "recipe's numbers, not fused kernels (MoK's Triton FP8 kernels implement blockwise only; "
+                    "mxfp8's GEMMs by block-scaled MMA on Blackwell, kernels/mxfp8.py)",
                     stacklevel=1,  # always this line: Python's default filter shows it once per process
                 )
             # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).

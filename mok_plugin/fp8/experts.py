@@ -4,18 +4,22 @@ the reference backend, the PyTorch oracle (`reference.moe_experts_fp8_reference`
 differentiable, so that a layer with mok.fp8 runs on the CPU too and computes the same numbers there.
 
 The tensorwise and mxfp8 recipes run the differentiable oracle on every backend, CUDA included (in
-fp32 on a GPU, fp64 on the CPU): the recipe's numbers, not fused kernels. The Triton kernels implement
-blockwise only; for mxfp8, Blackwell's block-scaled MMA kernel is not written (the numbers are TE's
-MXFP8 format, emulated by quantising and dequantising)."""
+fp32 on a GPU, fp64 on the CPU): the recipe's numbers, not fused kernels (the Triton kernels implement
+blockwise only). Under mxfp8 the oracle's GEMMs multiply the dequantised values, except where
+`block_scaled_mma_chosen`: on Blackwell (and wherever MOK_MXFP8_MMA=1 asks) they go to the block-scaled
+MMA kernel (kernels/mxfp8.py) with the quantised values and their E8M0 exponents, as TE's MXFP8 GEMMs
+do. That kernel has not run on Blackwell here (module docstring of kernels/mxfp8.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 
 import torch
 
+from mok_plugin.config import triton_interpreter_from_env
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.fp8.recipe import FP8Recipe
 from mok_plugin.fp8.reference import moe_experts_fp8_reference
@@ -23,7 +27,15 @@ from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.schedule import MoKSchedule
 from mok_plugin.wgrad import note_deferral
 
-__all__ = ["fp8_experts_function", "moe_experts_fp8_reference_autograd", "runs_pytorch_path"]
+__all__ = [
+    "MXFP8_MMA_SETTING",
+    "block_scaled_mma_chosen",
+    "fp8_experts_function",
+    "moe_experts_fp8_reference_autograd",
+    "runs_pytorch_path",
+]
+
+MXFP8_MMA_SETTING = "MOK_MXFP8_MMA"
 
 
 class _FP8ReferenceExperts(torch.autograd.Function):
@@ -32,14 +44,16 @@ class _FP8ReferenceExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, schedule, recipe, family,  # type: ignore[override]
-                compute_dtype):  # fmt: skip
+                compute_dtype, block_scaled_mma):  # fmt: skip
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
         ctx.schedule, ctx.recipe, ctx.family, ctx.compute_dtype = schedule, recipe, family, compute_dtype
+        ctx.block_scaled_mma = block_scaled_mma
         note_deferral(ctx, gate_up_proj, down_proj, gate_up_bias, down_bias)  # --delay-wgrad-compute (wgrad.py)
         with _full_fp32_gemms(compute_dtype):
             return moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, schedule, recipe, family=family,
                                              gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                             compute_dtype=compute_dtype)["out"]  # fmt: skip
+                                             compute_dtype=compute_dtype,
+                                             block_scaled_mma=block_scaled_mma)["out"]  # fmt: skip
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
@@ -47,13 +61,14 @@ class _FP8ReferenceExperts(torch.autograd.Function):
         with _full_fp32_gemms(ctx.compute_dtype):
             grads = moe_experts_fp8_reference(x, topk_weights, gate_up_proj, down_proj, ctx.schedule, ctx.recipe,
                                               d_out=d_out, family=ctx.family, gate_up_bias=b1, down_bias=b2,
-                                              compute_dtype=ctx.compute_dtype)  # fmt: skip
+                                              compute_dtype=ctx.compute_dtype,
+                                              block_scaled_mma=ctx.block_scaled_mma)  # fmt: skip
         d_topk = grads["d_topk_weights"].to(topk_weights.dtype)
         weight_grads = tuple(grads[k] for k in ("d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"))
         if ctx.deferral is not None:  # handed over when the queue runs, as the other backends' are
             ctx.deferral.add(functools.partial(tuple, weight_grads), ctx.weights)
             weight_grads = (None,) * 4
-        return grads["d_x"], d_topk, *weight_grads, None, None, None, None
+        return grads["d_x"], d_topk, *weight_grads, None, None, None, None, None
 
 
 @contextlib.contextmanager
@@ -86,10 +101,32 @@ def moe_experts_fp8_reference_autograd(
     compute_dtype: torch.dtype | None = torch.float64,
 ) -> torch.Tensor:
     """`moe_experts_fp8_reference`'s output, differentiable (the contract of fp8_moe_experts).
-    compute_dtype None: float64 on the CPU, float32 on a GPU (`_runtime_compute_dtype`)."""
+    compute_dtype None: float64 on the CPU, float32 on a GPU (`_runtime_compute_dtype`); mxfp8's GEMMs
+    by block-scaled MMA where `block_scaled_mma_chosen`."""
     dtype = _runtime_compute_dtype(x.device) if compute_dtype is None else compute_dtype
     return _FP8ReferenceExperts.apply(x, topk_weights.float(), gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                      schedule, recipe, family, dtype)  # fmt: skip
+                                      schedule, recipe, family, dtype,
+                                      block_scaled_mma_chosen(recipe, x.device))  # fmt: skip
+
+
+def block_scaled_mma_chosen(recipe: FP8Recipe, device: torch.device) -> bool:
+    """Whether the mxfp8 recipe's GEMMs go to the block-scaled MMA kernel (kernels/mxfp8.py) on
+    `device`. MOK_MXFP8_MMA unset: where Triton runs it as the GPU's own instruction (Blackwell);
+    1: wherever Triton runs (a CUDA GPU, emulated off Blackwell; the CPU under Triton's interpreter),
+    to test it; 0: never (the fp32 GEMMs of the dequantised values, as on other GPUs).
+
+    Raises:
+        ValueError: MOK_MXFP8_MMA set to anything but 0 or 1.
+    """
+    setting = os.environ.get(MXFP8_MMA_SETTING)
+    if setting not in (None, "0", "1"):
+        raise ValueError(f"{MXFP8_MMA_SETTING}={setting!r}: expected 0 or 1, or unset (Blackwell's MMA where it is)")
+    if recipe.scaling != "mxfp8" or setting == "0":
+        return False
+    if setting == "1":
+        return device.type == "cuda" or triton_interpreter_from_env()
+    # Triton lowers tl.dot_scaled to tcgen05's block-scaled MMA on the data-centre Blackwells (sm_100, sm_103)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
 def _runtime_compute_dtype(device: torch.device) -> torch.dtype:

@@ -2,7 +2,8 @@
 quantised, in which direction and format, and what is kept in higher precision. The oracle the FP8
 kernels are tested against and the definition of every recipe's numbers; forward and backward
 explicit, no autograd. For tensorwise and mxfp8 it is also what runs (fp8/experts.py): the Triton
-kernels implement blockwise only, and Blackwell's block-scaled MMA kernel for mxfp8 is not written.
+kernels implement blockwise only; under mxfp8 on Blackwell its GEMMs run by the block-scaled MMA
+kernel (`block_scaled_mma`, kernels/mxfp8.py) rather than on the dequantised values.
 
 Every GEMM multiplies FP8 operands and sums in fp32 with the scales applied per K block (blockwise,
 mxfp8: power-of-two scales on whole K blocks) or to the whole product (tensorwise: cuBLAS's FP8 GEMM).
@@ -70,10 +71,26 @@ FP8ExpertsResult = dict[str, torch.Tensor | None]
 
 
 class _Operands:
-    """How `recipe` quantises a GEMM operand, as its dequantised values in the compute dtype."""
+    """How `recipe` quantises a GEMM operand, as its dequantised values in the compute dtype; with
+    block_scaled_mma (mxfp8 only), also the GEMMs of its quantised values by block-scaled MMA."""
 
-    def __init__(self, recipe: FP8Recipe, dtype: torch.dtype) -> None:
+    def __init__(self, recipe: FP8Recipe, dtype: torch.dtype, block_scaled_mma: bool = False) -> None:
         self.recipe, self.dtype = recipe, dtype
+        self.block_scaled_mma = block_scaled_mma and recipe.scaling == "mxfp8"
+
+    def mx_product(self, a: torch.Tensor, fa: FP8Format, b: torch.Tensor, fb: FP8Format,
+                   halves: int = 1) -> torch.Tensor:  # fmt: skip
+        """a [M, K] and b [N, K], each quantised along K (`along(t, fmt, -1)`), multiplied by the
+        block-scaled MMA kernel (kernels/mxfp8.py): [M, N] in the compute dtype. halves: K as that many
+        equal parts quantised apart (a glu's gate and up: their blocks restart at I), summed in turn."""
+        from mok_plugin.kernels.mxfp8 import mx_matmul  # imports Triton, which the oracle does not need
+
+        out = None
+        for a_part, b_part in zip(a.chunk(halves, -1), b.chunk(halves, -1), strict=True):
+            a_q, a_e = quantize_mxfp8(a_part, fa, -1, self.recipe.block)
+            b_q, b_e = quantize_mxfp8(b_part, fb, -1, self.recipe.block)
+            out = mx_matmul(a_q, a_e, fa, b_q, b_e, fb, out=out)
+        return out.to(self.dtype)
 
     def along(self, t: torch.Tensor, fmt: FP8Format, dim: int) -> torch.Tensor:
         """t quantised for a GEMM reducing over its dimension `dim` (the module docstring's table)."""
@@ -133,6 +150,7 @@ def moe_experts_fp8_reference(
     down_bias: torch.Tensor | None = None,
     separate_casts: bool = False,
     compute_dtype: torch.dtype = torch.float64,
+    block_scaled_mma: bool = False,
 ) -> FP8ExpertsResult:
     """The routed experts under `recipe` (module docstring): {"out"}, and with d_out also
     {"d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias"}.
@@ -143,6 +161,9 @@ def moe_experts_fp8_reference(
     compute_dtype: the GEMMs' and the activation's dtype: float64 (the oracle) or float32 (on a GPU at
     run time, where fp64 would cost time and twice the memory); each expert's weights are quantised
     inside the expert loop, so only one expert's dequantised copies exist at a time.
+    block_scaled_mma (mxfp8): every GEMM by the block-scaled MMA kernel (kernels/mxfp8.py, Blackwell's)
+    from the quantised values and their E8M0 exponents, not by dequantising them: the same products,
+    summed in another order (fp32).
 
     Raises:
         ValueError: a linear expert (no fc1: nothing of it is quantised yet).
@@ -152,7 +173,8 @@ def moe_experts_fp8_reference(
     T, H = x.shape
     K, dtype, gated = schedule.top_k, x.dtype, family.gated
     fwd, bwd = recipe.forward, recipe.backward
-    ops = _Operands(recipe, compute_dtype)
+    ops = _Operands(recipe, compute_dtype, block_scaled_mma)
+    mma = ops.block_scaled_mma
     w_R = values_per_row(topk_weights, schedule.row_to_tk).to(compute_dtype)
     segments = expert_segments(schedule)
 
@@ -165,11 +187,18 @@ def moe_experts_fp8_reference(
     h_R = x.new_zeros(schedule.num_rows, gate_up_proj.shape[1])
     y_R = x.new_zeros(schedule.num_rows, H)
     for e, s, n in segments:
-        x_q = ops.along(x[schedule.row_to_token[s : s + n]], fwd, -1)
-        w13_q = ops.weight(_halves(gate_up_proj[e], gated), fwd, -1).flatten(-3, -2)
-        h_R[s : s + n] = plus_bias(x_q @ w13_q.t(), gate_up_bias, e).to(dtype)
-        a_q = ops.along(stored(_activation(h_R[s : s + n], family, compute_dtype)), fwd, -1)
-        z = plus_bias(a_q @ ops.weight(down_proj[e], fwd, -1).t(), down_bias, e)
+        x_rows = x[schedule.row_to_token[s : s + n]]
+        if mma:  # (a weight's mxfp8 blocks are 1 x 32 along its rows: its glu halves change nothing here)
+            h = ops.mx_product(x_rows, fwd, gate_up_proj[e], fwd)
+        else:
+            h = ops.along(x_rows, fwd, -1) @ ops.weight(_halves(gate_up_proj[e], gated), fwd, -1).flatten(-3, -2).t()
+        h_R[s : s + n] = plus_bias(h, gate_up_bias, e).to(dtype)
+        a = stored(_activation(h_R[s : s + n], family, compute_dtype))
+        if mma:
+            z = ops.mx_product(a, fwd, down_proj[e], fwd)
+        else:
+            z = ops.along(a, fwd, -1) @ ops.weight(down_proj[e], fwd, -1).t()
+        z = plus_bias(z, down_bias, e)
         y_R[s : s + n] = (w_R[s : s + n, None] * z).to(dtype)
     result: FP8ExpertsResult = {"out": sum_over_k(rows_in_tk_order(y_R, schedule.tk_to_row, T, K), dtype)}
     if d_out is None:
@@ -186,18 +215,27 @@ def moe_experts_fp8_reference(
         a = stored(_activation(h, family, compute_dtype))
         a_q = ops.along(a, fwd, -1)
         d_o_q = ops.along(d_o, bwd, -1)
-        d_a_prime = stored(d_o_q @ ops.weight(down_proj[e], fwd, -2))
+        if mma:
+            d_a_prime = stored(ops.mx_product(d_o, bwd, down_proj[e].t(), fwd))
+        else:
+            d_a_prime = stored(d_o_q @ ops.weight(down_proj[e], fwd, -2))
         d_w = (d_a_prime * a_q).sum(dim=-1)
         if down_bias is not None:
             d_w = d_w + d_o_q @ down_bias[e].to(compute_dtype)
         d_w_R[s : s + n] = d_w
         d_h = stored(_activation_backward(h, w * d_a_prime, family, compute_dtype))
-        d_h_q = ops.along(_column_halves(d_h, gated), bwd, -1).flatten(-2)
-        w13_q = ops.weight(_halves(gate_up_proj[e], gated), fwd, -2).flatten(-3, -2)
-        d_x_R[s : s + n] = (d_h_q @ w13_q).to(dtype)
-        # weight gradients: both operands along the expert's rows
-        d_down[e] = (ops.along(d_o, bwd, 0).t() @ ops.along(stored(w * a), fwd, 0)).to(dtype)
-        d_gate_up[e] = (ops.along(d_h, bwd, 0).t() @ ops.along(x[tokens], fwd, 0)).to(dtype)
+        if mma:
+            d_x_R[s : s + n] = ops.mx_product(d_h, bwd, gate_up_proj[e].t(), fwd, halves=1 + gated).to(dtype)
+            # weight gradients: both operands along the expert's rows
+            d_down[e] = ops.mx_product(d_o.t(), bwd, stored(w * a).t(), fwd).to(dtype)
+            d_gate_up[e] = ops.mx_product(d_h.t(), bwd, x[tokens].t(), fwd).to(dtype)
+        else:
+            d_h_q = ops.along(_column_halves(d_h, gated), bwd, -1).flatten(-2)
+            w13_q = ops.weight(_halves(gate_up_proj[e], gated), fwd, -2).flatten(-3, -2)
+            d_x_R[s : s + n] = (d_h_q @ w13_q).to(dtype)
+            # weight gradients: both operands along the expert's rows
+            d_down[e] = (ops.along(d_o, bwd, 0).t() @ ops.along(stored(w * a), fwd, 0)).to(dtype)
+            d_gate_up[e] = (ops.along(d_h, bwd, 0).t() @ ops.along(x[tokens], fwd, 0)).to(dtype)
         if down_bias is not None:
             d_down_bias[e] = (w * d_o.to(compute_dtype)).sum(dim=0).to(dtype)
         if gate_up_bias is not None:
