@@ -45,12 +45,24 @@ def test_ahead_is_off_unless_the_environment_says_1(monkeypatch):
         fp8_hopper.enabled(fp8_hopper.AHEAD_SETTING, default="0")
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype):
-    stages = fp8_hopper.stages_for(out_dtype)
-    tiles = fp8_hopper.BLOCK_M * fp8_hopper.BLOCK_N * out_dtype.itemsize  # the two warpgroups' halves
+@pytest.mark.parametrize("out_dtype, out_buffers", [(torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 2)])
+def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype, out_buffers):
+    stages = fp8_hopper.stages_for(out_dtype, out_buffers)
+    tiles = out_buffers * fp8_hopper.BLOCK_M * fp8_hopper.BLOCK_N * out_dtype.itemsize  # the warpgroups' halves
     assert 4 <= stages <= 8  # deep enough to run ahead across a short tile's two K steps
     assert stages * (fp8_hopper.BLOCK_M + fp8_hopper.BLOCK_N) * fp8_hopper.BLOCK_K + tiles <= 227 * 1024
+
+
+def test_two_output_buffers_only_ahead_and_for_16_bit_outputs(monkeypatch):
+    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, "2")
+    assert fp8_hopper.out_buffers_for(torch.bfloat16, ahead=True) == 2
+    assert fp8_hopper.out_buffers_for(torch.bfloat16, ahead=False) == 1
+    assert fp8_hopper.out_buffers_for(torch.float32, ahead=True) == 1  # fp32's two would leave 3 stages
+    monkeypatch.delenv(fp8_hopper.OUT_BUFFERS_SETTING)
+    assert fp8_hopper.out_buffers_for(torch.bfloat16, ahead=True) == 1
+    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, "3")
+    with pytest.raises(ValueError, match=f"{fp8_hopper.OUT_BUFFERS_SETTING}='3'"):
+        fp8_hopper.out_buffers_for(torch.bfloat16, ahead=True)
 
 
 def test_row_gemm_operands_are_views_of_the_halves():
@@ -102,15 +114,18 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
     return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["in_turn", "ahead"])
+@pytest.mark.parametrize("ahead, out_buffers", [(False, "1"), (True, "1"), (True, "2")],
+                         ids=["in_turn", "ahead", "ahead_2_buffers"])  # fmt: skip
 @pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue, ahead):
+def test_compiles_for_sm90_without_a_gpu(monkeypatch, kind, a, b, out, epilogue, ahead, out_buffers):
     # Compiled as its launcher specialises the call: its shared memory fits Hopper's 227 KiB, nothing
     # spills, each warpgroup's K step is four FP8 wgmma k32 issued back to back (ptxas serialises a
     # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
     # ptxas reports no serialised wgmma (C7511-C7515). ahead (MOK_HOPPER_FP8_AHEAD): the MMA in flight
-    # under each tile's epilogue, which an MMA issued in a branch had serialised (C7515).
+    # under each tile's epilogue, which an MMA issued in a branch had serialised (C7515); with two
+    # output buffers a warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS=2, 16-bit outputs) one stage fewer.
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
+    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, out_buffers)  # read by the compile's process
     shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
         f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
         f"routing={epilogue}, ahead={ahead})"
@@ -230,12 +245,14 @@ WGRAD_CASES = [
 PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs")]
 
 
-@pytest.fixture(params=["0", "1"], ids=["in_turn", "ahead"])
+@pytest.fixture(params=[("0", "1"), ("1", "1"), ("1", "2")], ids=["in_turn", "ahead", "ahead_2_buffers"])
 def ahead(request, monkeypatch):
     """The Gluon kernels with each tile's epilogue after its last MMA (the default) and under the next
     tile's first (MOK_HOPPER_FP8_AHEAD=1: with a ring step without operands for a tile with no K steps,
-    padding row tiles and empty experts, and one at the end)."""
-    monkeypatch.setenv(fp8_hopper.AHEAD_SETTING, request.param)
+    padding row tiles and empty experts, and one at the end), with one or two output buffers a
+    warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS; two for 16-bit outputs only)."""
+    monkeypatch.setenv(fp8_hopper.AHEAD_SETTING, request.param[0])
+    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, request.param[1])
     return request.param
 
 

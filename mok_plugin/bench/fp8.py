@@ -169,16 +169,21 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels
 def _hopper_settings() -> dict[str, dict[str, str]]:
     """The environments `--hopper` compares: the Triton kernels, then the Gluon weight gradients, row
     GEMMs and both, both with fc1's forward split (its GEMM on the row kernel, A apart; the default),
-    and that with each tile's epilogue under the next tile's first MMA (MOK_HOPPER_FP8_AHEAD)."""
-    wgrad, rows, split, ahead = (fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING,
-                                 fp8_hopper.AHEAD_SETTING)  # fmt: skip
+    and that with each tile's epilogue under the next tile's first MMA (MOK_HOPPER_FP8_AHEAD), with one
+    and with two output buffers a warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS)."""
+    wgrad, rows, split = fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING
+    ahead, buffers = fp8_hopper.AHEAD_SETTING, fp8_hopper.OUT_BUFFERS_SETTING
     return {
-        "none (Triton)": {wgrad: "0", rows: "0", split: "0", ahead: "0"},
-        "weight gradients": {wgrad: "1", rows: "0", split: "0", ahead: "0"},
-        "row GEMMs": {wgrad: "0", rows: "1", split: "0", ahead: "0"},
-        "both": {wgrad: "1", rows: "1", split: "0", ahead: "0"},
-        "both, fc1 split": {wgrad: "1", rows: "1", split: "1", ahead: "0"},
-        "split, ahead": {wgrad: "1", rows: "1", split: "1", ahead: "1"},
+        label: {wgrad: w, rows: r, split: f, ahead: a, buffers: b}
+        for label, (w, r, f, a, b) in {  # the five settings' values, in that order
+            "none (Triton)": "00001",
+            "weight gradients": "10001",
+            "row GEMMs": "01001",
+            "both": "11001",
+            "both, fc1 split": "11101",
+            "split, ahead": "11111",
+            "split, ahead, 2 bufs": "11112",
+        }.items()
     }
 
 
@@ -263,9 +268,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for name in args.shapes:
             rows += _hopper_shape(name, recipe, args.iters, args.settle_s)
         (args.out / "bench_fp8_hopper.json").write_text(json.dumps(rows, indent=2))
-        print(f"\n{'shape':<16} {'Gluon kernels':<18} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
+        print(f"\n{'shape':<16} {'Gluon kernels':<22} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
         for row in rows:
-            print(f"{row['shape']:<16} {row['setting']:<18} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
+            print(f"{row['shape']:<16} {row['setting']:<22} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
                   f"{row['rows ms']:8.3f}  {row['same_bits']}")  # fmt: skip
         return 0
     if args.sweep is not None:

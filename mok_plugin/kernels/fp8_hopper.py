@@ -63,6 +63,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
+    "OUT_BUFFERS_SETTING",
     "ROWS_SETTING",
     "WGRAD_SETTING",
     "enabled",
@@ -83,14 +84,25 @@ SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
 AHEAD_SETTING = "MOK_HOPPER_FP8_AHEAD"
+OUT_BUFFERS_SETTING = "MOK_HOPPER_FP8_OUT_BUFFERS"  # with AHEAD: 2 output buffers a warpgroup (16-bit outputs)
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
-def stages_for(out_dtype: torch.dtype) -> int:
+def stages_for(out_dtype: torch.dtype, out_buffers: int = 1) -> int:
     """The ring's depth: as many FP8 operand stages (a 128-row A block and a 128-row B block of 128
-    bytes each) as fit beside the two warpgroups' output halves in Hopper's shared memory, at most 8."""
+    bytes each) as fit beside the two warpgroups' output halves (out_buffers of each) in Hopper's
+    shared memory, at most 8."""
     stage = (BLOCK_M + BLOCK_N) * BLOCK_K  # one byte an FP8 element
-    return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
+    return min(8, (SHARED_BYTES - BARRIER_BYTES - out_buffers * BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
+
+
+def out_buffers_for(out_dtype: torch.dtype, ahead: bool) -> int:
+    """Output buffers a warpgroup: 2 where AHEAD, OUT_BUFFERS_SETTING=2 and a 16-bit output (so that an
+    epilogue never waits for the store before it; fp32's would leave 3 stages), else 1."""
+    value = os.environ.get(OUT_BUFFERS_SETTING, "1")
+    if value not in ("1", "2"):
+        raise ValueError(f"{OUT_BUFFERS_SETTING}={value!r}: expected 1 (the default) or 2 (with {AHEAD_SETTING}=1)")
+    return 2 if ahead and value == "2" and out_dtype.itemsize == 2 else 1
 
 
 def enabled(setting: str, default: str = "1") -> bool:
@@ -337,6 +349,21 @@ if gluon is not None:
             store_tile(out_desc, c_smem, values, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
+    def store_half_buffered(out_desc, c_bufs, values, expert, m0, n0, stored, ROWS: gl.constexpr):
+        """`store_half` through c_bufs' buffers in turn ([B, HALF, BN]: this warpgroup's `stored`-th
+        store takes buffer stored % B, once at most B - 1 of its stores are still reading theirs):
+        the stores so far, this one counted."""
+        B: gl.constexpr = c_bufs.type.shape[0]
+        if ROWS:  # out_desc: the rows as [1, R, N]; a row tile of padding is not stored
+            stores = expert >= 0
+            if stores:
+                store_tile(out_desc, c_bufs.index(stored % B), values, expert * 0, m0, n0, B - 1)
+        else:  # out_desc: dW [E, M, N], clipped at each M
+            stores = expert >= 0  # (always)
+            store_tile(out_desc, c_bufs.index(stored % B), values, expert, m0, n0, B - 1)
+        return stored + stores.to(gl.int32)
+
+    @gluon.jit
     def issue_mma(bufs, ready, p, partial, HALF: gl.constexpr, WHICH: gl.constexpr, IS_ASYNC: gl.constexpr):
         """Wait for ring step p's operands, then this warpgroup's MMA on its half (HALF rows) of them,
         into the product's registers (not read: use_acc=False), asynchronously where asked."""
@@ -395,8 +422,8 @@ if gluon is not None:
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = a_bufs.type.shape[0]
-        HALF: gl.constexpr = c_smem.type.shape[0]
-        BN: gl.constexpr = c_smem.type.shape[1]
+        HALF: gl.constexpr = c_smem.type.shape[1]  # c_smem: [output buffers, HALF, BN]
+        BN: gl.constexpr = c_smem.type.shape[2]
         BM: gl.constexpr = 2 * HALF
         BK: gl.constexpr = a_bufs.type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -404,6 +431,7 @@ if gluon is not None:
         partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
         mma = issue_mma(bufs, ready, 0, warpgroup_mma_init(partial), HALF, WHICH, True)
         p = 0
+        stored = 0  # this warpgroup's stores so far: they take the output buffers in turn
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             m_half = m0 + WHICH * HALF
@@ -420,7 +448,7 @@ if gluon is not None:
                 p += 1
                 mma = issue_mma(bufs, ready, p, warpgroup_mma_init(partial), HALF, WHICH, True)
             values = epilogue_half(acc, expert, m_half, n0, epilogue, M, N, out_desc.dtype, ROWS, BIAS, ROUTING)
-            store_half(out_desc, c_smem, values, expert, m_half, n0, ROWS)
+            stored = store_half_buffered(out_desc, c_smem, values, expert, m_half, n0, stored, ROWS)
         warpgroup_mma_wait(0, deps=[mma, a_bufs, b_bufs])  # the step after the last tile's
         tma.store_wait(0)
 
@@ -455,12 +483,19 @@ if gluon is not None:
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, AHEAD: gl.constexpr,
+        OUT_BUFFERS: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
         ready, empty = stage_barriers(STAGES)
-        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        if AHEAD:  # OUT_BUFFERS output halves a warpgroup, taken in turn
+            c0_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_BUFFERS] + out_desc.block_type.shape[1:],
+                                                C_LAYOUT)  # fmt: skip
+            c1_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_BUFFERS] + out_desc.block_type.shape[1:],
+                                                C_LAYOUT)  # fmt: skip
+        else:
+            c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+            c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         bufs, bars = (a_bufs, b_bufs), (ready, empty)
         gl.warp_specialize(
             [
@@ -480,17 +515,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr, AHEAD: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD, OUT_BUFFERS)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr, AHEAD: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD, OUT_BUFFERS)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -511,16 +546,19 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, rou
                      ahead: bool = False) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
     fc2's epilogue's parts; `ahead`: each tile's epilogue under the next tile's first MMA): what the
-    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU."""
+    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU. With `ahead`, the
+    output buffers `out_buffers_for` says."""
+    out_buffers = out_buffers_for(out_dtype, ahead)
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
         "C_LAYOUT": shared_layout((HALF_M, BLOCK_N), out_dtype),
-        "STAGES": stages_for(out_dtype),
+        "STAGES": stages_for(out_dtype, out_buffers),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
         "AHEAD": ahead,
+        "OUT_BUFFERS": out_buffers,
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
