@@ -499,7 +499,7 @@ class MoKMoE(nn.Module):
                 warnings.warn(
                     f"mok.fp8_scaling={recipe.scaling!r} runs MoK's PyTorch FP8 path (fp8/reference.py): the "
                     "recipe's numbers, not fused kernels (MoK's Triton FP8 kernels implement blockwise only; "
-                    "mxfp8's GEMMs by block-scaled MMA on Blackwell, kernels/mxfp8.py)",
+                    "MOK_MXFP8_MMA=1: mxfp8's GEMMs by Blackwell's block-scaled MMA, kernels/mxfp8.py)",
                     stacklevel=1,  # always this line: Python's default filter shows it once per process
                 )
             # The shared experts too, as one more expert (Megatron runs every linear layer under its recipe).

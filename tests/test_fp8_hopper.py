@@ -89,7 +89,8 @@ COMPILED = [
 
 def _compiled_report(compile_call: str) -> tuple[int, ...]:
     """(shared bytes, registers, stack bytes, FP8 wgmma in the PTX, the shortest run of wgmma between
-    waits in the SASS, serialisation warnings in ptxas's log) of a kernel compiled for sm_90 by
+    waits in the SASS, serialisation warnings in ptxas's log, TMA store waits that leave one store
+    reading its buffer) of a kernel compiled for sm_90 by
     `compile_call` (an expression over mok_plugin.bench.inspect's names and torch), in its own process:
     outside the interpreter the test session turns on."""
     code = (
@@ -109,9 +110,11 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
         "steps = re.findall(r'(QGMMA|WARPGROUP.DEPBAR)', sass)\n"
         "runs = [len(run) for run in ''.join('q' if s == 'QGMMA' else ' ' for s in steps).split()]\n"
         "mma = len(re.findall(r'wgmma.mma_async.sync.aligned.m64n128k32.f32.e[45]m[23].e[45]m[23]', k.asm['ptx']))\n"
-        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)))\n"
+        "waits = len(re.findall(r'cp.async.bulk.wait_group.read\\s+1;', k.asm['ptx']))\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)),\n"
+        "      waits)\n"
     )
-    return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
+    return tuple(map(int, outside_the_interpreter("-c", code).split()[-7:]))
 
 
 @pytest.mark.parametrize("ahead, out_buffers", [(False, "1"), (True, "1"), (True, "2")],
@@ -126,7 +129,9 @@ def test_compiles_for_sm90_without_a_gpu(monkeypatch, kind, a, b, out, epilogue,
     # output buffers a warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS=2, 16-bit outputs) one stage fewer.
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, out_buffers)  # read by the compile's process
-    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
+    if out_buffers == "2" and out == "float32":
+        pytest.skip("fp32 outputs keep one buffer a warpgroup: the same kernel as `ahead`")
+    shared, registers, stack, mma, shortest_run, serialised, store_waits = _compiled_report(
         f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
         f"routing={epilogue}, ahead={ahead})"
     )
@@ -136,6 +141,7 @@ def test_compiles_for_sm90_without_a_gpu(monkeypatch, kind, a, b, out, epilogue,
     # the two warpgroups' functions, four k32 steps each (ahead: issued in two places, before the first
     # tile and after each step)
     assert mma == 2 * 4 * (1 + ahead)
+    assert (store_waits > 0) == (out_buffers == "2")  # two buffers: each store waits for all but one
     assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
     assert serialised == 0
 
@@ -155,7 +161,8 @@ FC1_COMPILED = [
 @pytest.mark.parametrize("arguments, stack_bound", FC1_COMPILED)
 def test_fc1_compiles_for_sm90_without_a_gpu(arguments, stack_bound):
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
-    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(f"compile_fp8_fc1_hopper({arguments})")
+    report = _compiled_report(f"compile_fp8_fc1_hopper({arguments})")
+    shared, registers, stack, mma, shortest_run, serialised = report[:6]
     gated = "gated=False" not in arguments
     assert shared <= 227 * 1024
     assert stack <= stack_bound
@@ -256,12 +263,19 @@ def ahead(request, monkeypatch):
     return request.param
 
 
+def _skip_one_buffer_twice(ahead, out_dtype):
+    """fp32 outputs keep one buffer a warpgroup: their `ahead_2_buffers` case is the `ahead` one."""
+    if ahead[1] == "2" and out_dtype.itemsize == 4:
+        pytest.skip("fp32 outputs keep one output buffer: the same kernel as the ahead case")
+
+
 @hopper_only
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
 def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, ahead, programs, out_dtype, M, N, E, T, K, kind, left,
                                                     right):  # fmt: skip
+    _skip_one_buffer_twice(ahead, out_dtype)
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
     want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
@@ -355,6 +369,7 @@ def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, ahead, programs, gated
 def test_fc2_dgrad_bitwise_the_triton_kernel(monkeypatch, ahead, programs, d_out_fmt, H, I, E, T, K, kind):
     # The GEMM on dO's rows copied into row order (the hybrid recipe's E5M2 dO by E4M3 W2 too); every
     # output of the epilogue that reads it compared on the rows and 128-row blocks it writes.
+    _skip_one_buffer_twice(ahead, torch.float32)  # (dA', fp32)
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     g = torch.Generator().manual_seed(5)
     sched = build_schedule(crafted_routing(T, E, K, kind, g).cuda(), E, tile_m=128)

@@ -27,12 +27,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: Triton's in
 
 
 def _quantised(shape, fmt, generator, scale=1.0, transposed=False):
-    """(values, E8M0 exponents) of fresh random values quantised along their last dim, on DEVICE; the
-    values as a transposed view of a [K, M] tensor where asked (strides that are not row-major)."""
+    """(values, E8M0 exponents) of fresh random values quantised along their last dim, on DEVICE; both
+    as transposed views of column-major copies where asked (strides that are not row-major)."""
     values = torch.randn(shape, generator=generator) * scale
     data, exponents = quantize_mxfp8(values, fmt, -1)
     if transposed:
-        data = data.t().contiguous().t()
+        data, exponents = data.t().contiguous().t(), exponents.t().contiguous().t()
     return data.to(DEVICE), exponents.to(DEVICE)
 
 
@@ -50,12 +50,13 @@ def _float64_product(a, a_e, b, b_e):
         pytest.param(16, 24, 16, E4M3, E4M3, False, id="K_under_a_block"),
         pytest.param(70, 33, 300, E5M2, E4M3, True, id="e5m2_by_e4m3_strided"),
         pytest.param(20, 40, 256, E4M3, E5M2, False, id="K_whole_tiles"),
+        pytest.param(150, 130, 96, E4M3, E4M3, True, id="several_tiles_each_way_strided"),
     ],
 )
 def test_mx_matmul_is_the_product_of_the_dequantised_operands(M, N, K, fa, fb, transposed):
     g = torch.Generator().manual_seed(M + N + K)
     a, a_e = _quantised((M, K), fa, g, scale=30.0, transposed=transposed)
-    b, b_e = _quantised((N, K), fb, g, scale=0.01)  # the two far apart: the exponents carry it
+    b, b_e = _quantised((N, K), fb, g, scale=0.01, transposed=transposed)  # far apart: the exponents carry it
     got = mx_matmul(a, a_e, fa, b, b_e, fb)
     want = _float64_product(a, a_e, b, b_e)
     assert got.dtype == torch.float32 and got.shape == (M, N)
@@ -144,7 +145,9 @@ def test_experts_by_block_scaled_mma_are_the_oracles_numbers(family_name, I):
 def test_where_the_block_scaled_mma_is_chosen(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(MXFP8_MMA_SETTING, raising=False)
-    assert not block_scaled_mma_chosen(MXFP8Recipe(), cpu)  # no Blackwell here: the oracle's GEMMs
+    assert not block_scaled_mma_chosen(MXFP8Recipe(), cpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not block_scaled_mma_chosen(MXFP8Recipe(), torch.device("cuda", 0))  # opt-in on Blackwell too
     monkeypatch.setenv(MXFP8_MMA_SETTING, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert block_scaled_mma_chosen(MXFP8Recipe(), cpu)
@@ -156,6 +159,8 @@ def test_where_the_block_scaled_mma_is_chosen(monkeypatch):
     monkeypatch.setenv(MXFP8_MMA_SETTING, "yes")
     with pytest.raises(ValueError, match=f"{MXFP8_MMA_SETTING}='yes'"):
         block_scaled_mma_chosen(MXFP8Recipe(), cpu)
+    monkeypatch.setenv(MXFP8_MMA_SETTING, "1")
+    assert block_scaled_mma_chosen(MXFP8Recipe(), torch.device("cuda", 0))  # a CUDA device, asked for
 
 
 BLACKWELL_MMA = r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale"

@@ -5,10 +5,10 @@ differentiable, so that a layer with mok.fp8 runs on the CPU too and computes th
 
 The tensorwise and mxfp8 recipes run the differentiable oracle on every backend, CUDA included (in
 fp32 on a GPU, fp64 on the CPU): the recipe's numbers, not fused kernels (the Triton kernels implement
-blockwise only). Under mxfp8 the oracle's GEMMs multiply the dequantised values, except where
-`block_scaled_mma_chosen`: on Blackwell (and wherever MOK_MXFP8_MMA=1 asks) they go to the block-scaled
-MMA kernel (kernels/mxfp8.py) with the quantised values and their E8M0 exponents, as TE's MXFP8 GEMMs
-do. That kernel has not run on Blackwell here (module docstring of kernels/mxfp8.py)."""
+blockwise only). Under mxfp8 the oracle's GEMMs multiply the dequantised values, unless
+MOK_MXFP8_MMA=1 asks for the block-scaled MMA kernel (kernels/mxfp8.py: Blackwell's, emulated
+elsewhere) with the quantised values and their E8M0 exponents, as TE's MXFP8 GEMMs do. Opt-in because
+that kernel has not run on Blackwell here (module docstring of kernels/mxfp8.py)."""
 
 from __future__ import annotations
 
@@ -111,22 +111,20 @@ def moe_experts_fp8_reference_autograd(
 
 def block_scaled_mma_chosen(recipe: FP8Recipe, device: torch.device) -> bool:
     """Whether the mxfp8 recipe's GEMMs go to the block-scaled MMA kernel (kernels/mxfp8.py) on
-    `device`. MOK_MXFP8_MMA unset: where Triton runs it as the GPU's own instruction (Blackwell);
-    1: wherever Triton runs (a CUDA GPU, emulated off Blackwell; the CPU under Triton's interpreter),
-    to test it; 0: never (the fp32 GEMMs of the dequantised values, as on other GPUs).
+    `device`: where MOK_MXFP8_MMA=1 and Triton runs there (a CUDA GPU: Blackwell's tcgen05 MMA on
+    the data-centre Blackwells, emulated by Triton on others; the CPU under Triton's interpreter).
+    Unset or 0: never (the fp32 GEMMs of the dequantised values). Opt-in, Blackwell included, until
+    the kernel has run there.
 
     Raises:
         ValueError: MOK_MXFP8_MMA set to anything but 0 or 1.
     """
-    setting = os.environ.get(MXFP8_MMA_SETTING)
-    if setting not in (None, "0", "1"):
-        raise ValueError(f"{MXFP8_MMA_SETTING}={setting!r}: expected 0 or 1, or unset (Blackwell's MMA where it is)")
+    setting = os.environ.get(MXFP8_MMA_SETTING, "0")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{MXFP8_MMA_SETTING}={setting!r}: expected 0 (the default) or 1")
     if recipe.scaling != "mxfp8" or setting == "0":
         return False
-    if setting == "1":
-        return device.type == "cuda" or triton_interpreter_from_env()
-    # Triton lowers tl.dot_scaled to tcgen05's block-scaled MMA on the data-centre Blackwells (sm_100, sm_103)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+    return device.type == "cuda" or triton_interpreter_from_env()
 
 
 def _runtime_compute_dtype(device: torch.device) -> torch.dtype:

@@ -41,8 +41,8 @@ Read in TransformerEngine:
     (2^-127 as the subnormal 0x00400000; 255 -> NaN).
   - docs/features/low_precision_training/mxfp8/mxfp8.rst: rowwise and columnwise copies differ and
     are both made from the high-precision tensor.
-MoK computes these numbers in PyTorch; on Blackwell its GEMMs run by the block-scaled MMA
-(kernels/mxfp8.py, Triton's tl.dot_scaled), written against the format and not run on Blackwell here.
+MoK computes these numbers in PyTorch; with MOK_MXFP8_MMA=1 its GEMMs run by Blackwell's block-scaled
+MMA (kernels/mxfp8.py, Triton's tl.dot_scaled), written against the format, not run on Blackwell here.
 
 Megatron builds each recipe from --fp8-format (e4m3 -> Format.E4M3, hybrid -> Format.HYBRID: E4M3
 forward, E5M2 gradients) in megatron/core/fp8_utils.py (get_fp8_recipe): Float8CurrentScaling(

@@ -2,8 +2,8 @@
 quantised, in which direction and format, and what is kept in higher precision. The oracle the FP8
 kernels are tested against and the definition of every recipe's numbers; forward and backward
 explicit, no autograd. For tensorwise and mxfp8 it is also what runs (fp8/experts.py): the Triton
-kernels implement blockwise only; under mxfp8 on Blackwell its GEMMs run by the block-scaled MMA
-kernel (`block_scaled_mma`, kernels/mxfp8.py) rather than on the dequantised values.
+kernels implement blockwise only; under mxfp8 its GEMMs can run by the block-scaled MMA kernel
+(`block_scaled_mma`, kernels/mxfp8.py: Blackwell's) rather than on the dequantised values.
 
 Every GEMM multiplies FP8 operands and sums in fp32 with the scales applied per K block (blockwise,
 mxfp8: power-of-two scales on whole K blocks) or to the whole product (tensorwise: cuBLAS's FP8 GEMM).

@@ -111,7 +111,7 @@ def enabled(setting: str, default: str = "1") -> bool:
     ones; fp8_fc1_hopper's SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon
     kernel. Those are on by default since the H200 measured them bitwise the Triton kernels and faster
     on every shape (BENCHMARKS.md, f6). AHEAD_SETTING (off by default: not yet timed): the Gluon
-    kernels issue each tile's next MMA before its epilogue (`half_multiplier`)."""
+    kernels issue each tile's next MMA before its epilogue (`half_multiplier_ahead`)."""
     value = os.environ.get(setting, default)
     if value not in ("0", "1"):
         raise ValueError(f"{setting}={value!r}: expected 0 or 1 (unset: {default}; see the README's environment table)")
@@ -417,8 +417,8 @@ if gluon is not None:
         unconditionally: an MMA in flight across a branch gets its registers copied, and ptxas then
         serialises every wgmma (C7515). So every tile takes at least one ring step and one follows the
         last (the loader's AHEAD form: an arrival without operands); such a step multiplies stale
-        shared memory, and its product is not promoted (its scales are not read: M and N as 0 mask
-        them)."""
+        shared memory, and its product is not promoted (its scales are masked by M and N as 0, but for
+        a row tile's B scale, read in bounds at expert 0)."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = a_bufs.type.shape[0]

@@ -9,8 +9,9 @@ Blackwell's block-scaled MMA (tcgen05.mma with scale factors, sm_100) and emulat
 scaling the operands into bf16 for an ordinary MMA (Hopper) or in NumPy (its interpreter). This
 project has no Blackwell GPU: the kernel is tested on the CPU (Triton's interpreter) and on the
 H200 (the emulation) against the float64 product of the dequantised operands, and compiled for
-sm_100 on the CPU, where its PTX must hold the block-scaled MMA; it has not run on Blackwell.
-fp8/experts.py's `block_scaled_mma_chosen` says where the mxfp8 recipe's GEMMs take it.
+sm_100 on the CPU, where its PTX must hold the block-scaled MMA; it has not run on Blackwell, so
+the mxfp8 recipe's GEMMs take it only where MOK_MXFP8_MMA=1 asks (fp8/experts.py's
+`block_scaled_mma_chosen`).
 
 Each product of two FP8 values scaled by powers of two is exact in fp32 (4 + 4 significant bits);
 the K blocks are summed in ascending order into an fp32 accumulator, so a result is the same every
@@ -45,8 +46,8 @@ def _mx_matmul_kernel(
     summed over K in BLOCK_K steps, ascending (plus out's values where ACCUMULATE). Past K the values
     load as 0 with exponent 0 (2^-127): they add nothing."""
     SCALES: tl.constexpr = BLOCK_K // 32
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: offsets past 2^31 elements
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
