@@ -7,8 +7,9 @@ Written against Triton's `tl.dot_scaled` (the documented operands: lhs [M, K] wi
 [M, K / 32], rhs [K, N] with rhs_scale [N, K / 32], E8M0 scales as uint8), which Triton lowers to
 Blackwell's block-scaled MMA (tcgen05.mma with scale factors, sm_100) and emulates elsewhere by
 scaling the operands into bf16 for an ordinary MMA (Hopper) or in NumPy (its interpreter). This
-project has no Blackwell GPU: the kernel is tested on the CPU (Triton's interpreter) and on the
-H200 (the emulation) against the float64 product of the dequantised operands, and compiled for
+project has no Blackwell GPU: the kernel is tested on the CPU (Triton's interpreter; on the H200,
+through the emulation, its tests are in the GPU suite, not yet run) against the float64 product of
+the dequantised operands, and compiled for
 sm_100 on the CPU, where its PTX must hold the block-scaled MMA; it has not run on Blackwell, so
 the mxfp8 recipe's GEMMs take it only where MOK_MXFP8_MMA=1 asks (fp8/experts.py's
 `block_scaled_mma_chosen`).
