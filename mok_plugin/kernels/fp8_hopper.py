@@ -338,30 +338,29 @@ if gluon is not None:
         return acc.to(out_dtype)
 
     @gluon.jit
-    def store_half(out_desc, c_smem, values, expert, m0, n0, ROWS: gl.constexpr):
-        """A warpgroup's finished half out by wgrad_hopper's asynchronous TMA store, which clips at the
-        output's edges. Padding rows inside a real row tile are written, with values of no meaning (the
-        Triton kernels leave them; nothing reads them)."""
+    def store_half(out_desc, c_smem, values, expert, m0, n0, ROWS: gl.constexpr, PENDINGS: gl.constexpr = 0):
+        """A warpgroup's finished half out by wgrad_hopper's asynchronous TMA store (`store_tile`, which
+        clips at the output's edges and first waits until at most PENDINGS of this warpgroup's stores
+        still read their buffers). Padding rows inside a real row tile are written, with values of no
+        meaning (the Triton kernels leave them; nothing reads them); row tiles of padding are not."""
         if ROWS:
             if expert >= 0:
-                store_tile(out_desc, c_smem, values, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
+                store_tile(out_desc, c_smem, values, expert * 0, m0, n0, PENDINGS)  # out_desc: the rows as [1, R, N]
         else:
-            store_tile(out_desc, c_smem, values, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
+            store_tile(out_desc, c_smem, values, expert, m0, n0, PENDINGS)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
     def store_half_buffered(out_desc, c_bufs, values, expert, m0, n0, stored, ROWS: gl.constexpr):
         """`store_half` through c_bufs' buffers in turn ([B, HALF, BN]: this warpgroup's `stored`-th
         store takes buffer stored % B, once at most B - 1 of its stores are still reading theirs):
-        the stores so far, this one counted."""
+        the stores so far, this one counted (a row tile of padding is not stored)."""
         B: gl.constexpr = c_bufs.type.shape[0]
-        if ROWS:  # out_desc: the rows as [1, R, N]; a row tile of padding is not stored
-            stores = expert >= 0
-            if stores:
-                store_tile(out_desc, c_bufs.index(stored % B), values, expert * 0, m0, n0, B - 1)
-        else:  # out_desc: dW [E, M, N], clipped at each M
-            stores = expert >= 0  # (always)
-            store_tile(out_desc, c_bufs.index(stored % B), values, expert, m0, n0, B - 1)
-        return stored + stores.to(gl.int32)
+        store_half(out_desc, c_bufs.index(stored % B), values, expert, m0, n0, ROWS, B - 1)
+        if ROWS:
+            stored += (expert >= 0).to(gl.int32)
+        else:
+            stored += 1
+        return stored
 
     @gluon.jit
     def issue_mma(bufs, ready, p, partial, HALF: gl.constexpr, WHICH: gl.constexpr, IS_ASYNC: gl.constexpr):

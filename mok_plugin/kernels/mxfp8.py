@@ -25,14 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.fp8.recipe import E4M3, E5M2, FP8Format
+from mok_plugin.fp8.recipe import FP8_FORMATS, FP8Format, MXFP8Recipe
 from mok_plugin.kernels.configs import interpreter_on
 from mok_plugin.kernels.launch import cdiv
 
 __all__ = ["MX_BLOCK", "mx_matmul"]
 
-MX_BLOCK = 32  # values along K per E8M0 scale (the format's, and dot_scaled's)
-_FORMATS = {E4M3.name: "e4m3", E5M2.name: "e5m2"}
+MX_BLOCK = MXFP8Recipe.block  # values along K per E8M0 scale (the format's, and dot_scaled's)
 TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 _INTERPRETED = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}  # few programs
 
@@ -90,7 +89,7 @@ def mx_matmul(
                          f"{tuple(b.shape)} with {tuple(b_exponents.shape)}: expected [M, K], [M, "
                          f"cdiv(K, {MX_BLOCK})], [N, K] and [N, cdiv(K, {MX_BLOCK})]")  # fmt: skip
     for name, t, fmt in (("A", a, a_format), ("B", b, b_format)):
-        if t.dtype != fmt.dtype or fmt.name not in _FORMATS:
+        if t.dtype != fmt.dtype or fmt.name not in FP8_FORMATS:
             raise ValueError(f"mx_matmul: {name} is {t.dtype}, expected {fmt.name}'s {fmt.dtype} (E4M3 or E5M2)")
     if a_exponents.dtype != torch.uint8 or b_exponents.dtype != torch.uint8:
         raise ValueError("mx_matmul: the E8M0 exponents must be uint8")
@@ -110,6 +109,6 @@ def mx_matmul(
     _mx_matmul_kernel[grid](
         a, a_exponents, b, b_exponents, out, M, N, K, a.stride(0), a.stride(1), a_exponents.stride(0),
         a_exponents.stride(1), b.stride(0), b.stride(1), b_exponents.stride(0), b_exponents.stride(1), out.stride(0),
-        A_FORMAT=_FORMATS[a_format.name], B_FORMAT=_FORMATS[b_format.name], ACCUMULATE=accumulate, **meta,
+        A_FORMAT=a_format.name, B_FORMAT=b_format.name, ACCUMULATE=accumulate, **meta,  # dot_scaled's names too
     )  # fmt: skip
     return out
