@@ -313,11 +313,11 @@ def test_weight_quantiser_compiles_for_sm90_without_spills_and_rounds_by_convers
         "    k = compile_weight_quantiser(with_transpose)\n"
         "    ptx = k.asm['ptx']\n"
         "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'),\n"
-        "          ptx.count('cvt.rn.f16x2.e4m3x2'), ptx.count('cvt.rz.f16.f32'))\n"
+        "          ptx.count('cvt.rn.satfinite.e4m3x2.f32'), ptx.count('cvt.rn.f16x2.e4m3x2'), ptx.count('cvt.rz.f16.f32'))\n"
     )
     for line in outside_the_interpreter("-c", code).splitlines()[-2:]:
-        registers, stack, vector_loads, two_byte_loads, back_from_fp8, through_f16 = map(int, line.split())
+        registers, stack, vector_loads, two_byte_loads, to_fp8, back_from_fp8, through_f16 = map(int, line.split())
         assert registers <= 64 and stack == 0 and vector_loads > 0 and two_byte_loads == 0, line
-        # rounded by the GPU's one-step conversion from f32 and read back (round_to_fp8_grid), not by hand,
-        # nor twice through f16 as on sm_89
-        assert back_from_fp8 > 0 and through_f16 == 0, line
+        # rounded by the GPU's one-step conversion from f32 (fp8_of), not by hand, nor twice through f16 as
+        # on sm_89, and stored as converted: not read back to fp32 and converted again
+        assert to_fp8 > 0 and back_from_fp8 == 0 and through_f16 == 0, line

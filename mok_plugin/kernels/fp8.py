@@ -25,6 +25,7 @@ from mok_plugin.kernels.launch import cdiv, check_tensor
 
 __all__ = [
     "block_scale",
+    "fp8_of",
     "quantize_block",
     "quantize_fc1",
     "quantize_gathered_columns",
@@ -78,6 +79,19 @@ def round_to_fp8_grid(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NOR
 
 
 @triton.jit
+def fp8_of(v, DTYPE: tl.constexpr, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr):
+    """fp32 v in the FP8 DTYPE (the format of MAX and MANTISSA_BITS), rounded as round_to_fp8_grid rounds.
+    Compiled for sm_90 or later by the conversion alone: `round_to_fp8_grid(v).to(DTYPE)` converts there
+    to FP8, back to fp32 and to FP8 again (~2 instructions a value more; the compiler keeps all three)."""
+    if COMPILED and conversion_rounds_once():
+        tl.static_assert((MANTISSA_BITS == 3 and MAX == 448.0) or (MANTISSA_BITS == 2 and MAX == 57344.0))
+        q = v.to(tl.float32).to(DTYPE)
+    else:
+        q = round_to_fp8_grid(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT).to(DTYPE)
+    return q
+
+
+@triton.jit
 def block_scale(amax, MAX: tl.constexpr, POWER_OF_2: tl.constexpr, FROM_BITS: tl.constexpr = True):
     """fp32 scale of blocks whose largest magnitude is amax: MAX / amax (1 where amax is 0, the
     largest finite fp32 where that overflows), its mantissa cleared when POWER_OF_2 (quantize.block_scales).
@@ -121,9 +135,11 @@ def scale_inverse(scale, POWER_OF_2: tl.constexpr, FROM_BITS: tl.constexpr = Tru
 
 @triton.jit
 def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr,
-                   POWER_OF_2: tl.constexpr, AXIS: tl.constexpr, FROM_BITS: tl.constexpr = True):  # fmt: skip
+                   POWER_OF_2: tl.constexpr, AXIS: tl.constexpr, FROM_BITS: tl.constexpr = True,
+                   STORED: tl.constexpr = None):  # fmt: skip
     """(values on the FP8 grid, fp32 scale_inv) of a 2-D fp32 tile quantised in blocks that are its
-    rows (AXIS 1), its columns (AXIS 0) or the whole tile (AXIS None); FROM_BITS: block_scale's."""
+    rows (AXIS 1), its columns (AXIS 0) or the whole tile (AXIS None); FROM_BITS: block_scale's.
+    STORED (an FP8 dtype): the values in it, for a store (`fp8_of`), instead of fp32."""
     amax = tl.max(tl.abs(v), axis=AXIS)
     scale = block_scale(amax, MAX, POWER_OF_2, FROM_BITS)
     if AXIS == 1:
@@ -133,7 +149,11 @@ def quantize_block(v, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL
     else:
         scaled = v * scale
     scale_inv = scale_inverse(scale, POWER_OF_2, FROM_BITS)
-    return round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT), scale_inv
+    if STORED is None:
+        q = round_to_fp8_grid(scaled, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT)
+    else:
+        q = fp8_of(scaled, STORED, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT)
+    return q, scale_inv
 
 
 @triton.jit
@@ -158,8 +178,9 @@ def _quantize_rows_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     v = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
-    tl.store(data_ptr + rows[:, None] * stride_data + cols[None, :], q.to(data_ptr.dtype.element_ty), mask=mask)
+    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1,
+                                  STORED=data_ptr.dtype.element_ty)  # fmt: skip
+    tl.store(data_ptr + rows[:, None] * stride_data + cols[None, :], q, mask=mask)
     tl.store(scale_inv_ptr + rows * stride_scale + tl.program_id(1), scale_inv, mask=rows < M)
 
 
@@ -193,7 +214,7 @@ def _quantize_tiles_kernel(
         rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
         mask = (rows < R)[:, None] & col_ok
         v = tl.load(src + rows[:, None] * stride_src_r, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_fp8_grid(v * scale, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT).to(data_ptr.dtype.element_ty)
+        q = fp8_of(v * scale, data_ptr.dtype.element_ty, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT)
         tl.store(data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :], q, mask=mask)
         if data_t_ptr is not None:
             data_t = data_t_ptr + (e // HALVES) * stride_t_e + (e % HALVES) * R
@@ -315,9 +336,9 @@ def _quantize_gathered_columns_kernel(
     tokens = tl.load(row_to_token_ptr + rows)
     v = tl.load(src_ptr + tokens[:, None] * stride_src + cols[None, :], mask=(tokens >= 0)[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)  # fmt: skip
-    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 0)
-    tl.store(data_ptr + cols[None, :] * stride_data + rows[:, None], q.to(data_ptr.dtype.element_ty),
-             mask=col_ok[None, :])  # fmt: skip
+    q, scale_inv = quantize_block(v, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 0,
+                                  STORED=data_ptr.dtype.element_ty)  # fmt: skip
+    tl.store(data_ptr + cols[None, :] * stride_data + rows[:, None], q, mask=col_ok[None, :])
     tl.store(scale_inv_ptr + tl.program_id(0) * stride_scale + cols, scale_inv, mask=col_ok)
 
 

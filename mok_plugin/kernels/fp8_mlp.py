@@ -182,9 +182,10 @@ def _store_quantised_activation(
     quantised 1 x 128 (its columns are one block; those past I zeros): A_q and its scale column pid_n."""
     a = expert_activation(gate, up, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
     a = tl.where(col_ok[None, :], a, 0.0)
-    a_q, a_scale_inv = quantize_block(a, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1)
+    a_q, a_scale_inv = quantize_block(a, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, POWER_OF_2, 1,
+                                      STORED=a_ptr.dtype.element_ty)  # fmt: skip
     mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a_q.to(a_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a_q, mask=mask)
     tl.store(a_scale_ptr + rows * stride_a_scale + pid_n, a_scale_inv, mask=row_ok)
 
 
@@ -503,10 +504,10 @@ def _fp8_down_dgrad_epilogue_kernel(
         a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
         tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
                  mask=row_ok)  # fmt: skip
-        q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0)
+        q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0,
+                              STORED=wa_colt_ptr.dtype.element_ty)  # fmt: skip
         # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
-        tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q.to(wa_colt_ptr.dtype.element_ty),
-                 mask=col_ok[None, :])  # fmt: skip
+        tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
         tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
         if GATED and UP_WITH_A:
             _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I, B_MAX,
@@ -535,12 +536,11 @@ def _dh_half_outputs(
     if dh_ptr is not None:
         tl.store(dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], d_h.to(dh_ptr.dtype.element_ty),
                  mask=valid)  # fmt: skip
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1)
-    tl.store(dh_q_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], q.to(dh_ty), mask=valid)
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1, STORED=dh_ty)
+    tl.store(dh_q_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], q, mask=valid)
     tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0)
-    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q.to(dh_ty),
-             mask=col_ok[None, :])  # fmt: skip
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0, STORED=dh_ty)
+    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q, mask=col_ok[None, :])
     tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
 
 
