@@ -313,7 +313,8 @@ def test_weight_quantiser_compiles_for_sm90_without_spills_and_rounds_by_convers
         "    k = compile_weight_quantiser(with_transpose)\n"
         "    ptx = k.asm['ptx']\n"
         "    print(*resource_usage(k.asm['cubin']), ptx.count('ld.global.v4'), ptx.count('ld.global.b16'),\n"
-        "          ptx.count('cvt.rn.satfinite.e4m3x2.f32'), ptx.count('cvt.rn.f16x2.e4m3x2'), ptx.count('cvt.rz.f16.f32'))\n"
+        "          ptx.count('cvt.rn.satfinite.e4m3x2.f32'), ptx.count('cvt.rn.f16x2.e4m3x2'),\n"
+        "          ptx.count('cvt.rz.f16.f32'))\n"
     )
     for line in outside_the_interpreter("-c", code).splitlines()[-2:]:
         registers, stack, vector_loads, two_byte_loads, to_fp8, back_from_fp8, through_f16 = map(int, line.split())
