@@ -129,7 +129,15 @@ SWEEP: dict[str, list[dict[str, int | bool]]] = {
     "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
     "down_dgrad_gemm": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4), _tiles(64, 256, 8, 3)],
     "down_dgrad_epilogue": [
-        dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 32, 8) for up_with_a in (False, True)
+        *(dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 8) for up_with_a in (False, True)),
+        # the tile a chunk of rows at a time (sm_90 compiles: 124 registers at 16 rows in 8 warps, two programs
+        # an SM; 121 at 8 rows in 4 warps, four; 127 at 32 rows in 16 warps), and with the next chunk's loads
+        # pipelined
+        *(
+            dict(_tiles(None, None, warps, stages), CHUNK=chunk)
+            for chunk, warps in ((16, 8), (8, 4), (32, 16))
+            for stages in (1, 2)
+        ),
     ],
     "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
     "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],

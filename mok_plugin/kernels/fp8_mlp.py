@@ -26,7 +26,7 @@ import triton.language as tl
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
 from mok_plugin.kernels.configs import interpreter_on
-from mok_plugin.kernels.fp8 import quantize_block
+from mok_plugin.kernels.fp8 import block_scale, fp8_of, quantize_block, scale_inverse
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
 from mok_plugin.kernels.tiles import (
     activation_grad_of_rows,
@@ -531,17 +531,117 @@ def _dh_half_outputs(
     """One half of dh (0: gate columns, 1: up) of the epilogue's tile, zeros outside the valid rows
     and columns: unquantised into dh_ptr (the fc1 bias's gradient; None without one), 1 x 128 along
     the columns (dX) and 128 x 1 along the rows, stored transposed with padding rows' zeros (dW13)."""
+    _dh_half_rows(d_h, half, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half,
+                  rows, row_ok, cols, col_ok, pid_n, I, MAX, MANTISSA, MIN_EXP, POWER_OF_2)  # fmt: skip
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0, STORED=dh_q_ptr.dtype.element_ty)
+    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q, mask=col_ok[None, :])
+    tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
+
+
+@triton.jit
+def _dh_half_rows(
+    d_h, half, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, rows, row_ok,
+    cols, col_ok, pid_n, I, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+    POWER_OF_2: tl.constexpr,
+):  # fmt: skip
+    """_dh_half_outputs' row-wise part, of any number of the tile's rows: dh unquantised (dh_ptr not
+    None) and quantised 1 x 128 along the columns."""
     valid = row_ok[:, None] & col_ok[None, :]
-    dh_ty = dh_q_ptr.dtype.element_ty
     if dh_ptr is not None:
         tl.store(dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], d_h.to(dh_ptr.dtype.element_ty),
                  mask=valid)  # fmt: skip
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1, STORED=dh_ty)
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1, STORED=dh_q_ptr.dtype.element_ty)
     tl.store(dh_q_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], q, mask=valid)
     tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0, STORED=dh_ty)
-    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q, mask=col_ok[None, :])
-    tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
+
+
+@triton.jit
+def _fp8_down_dgrad_epilogue_chunks_kernel(
+    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr, dh_q_ptr,
+    dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I, stride_da_r,
+    stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale,
+    stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr,
+    F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr,
+    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """_fp8_down_dgrad_epilogue_kernel's outputs, bit for bit, from CHUNK rows of its tile at a time:
+    first every row-wise output (A's router partial, dh 1 x 128) and each column's running amax of
+    w * A and dh, then the column scales, then the 128 x 1 values from a second pass over the chunks
+    (dA' and h again, from L2). Few registers (a chunk's values, not the tile's), so several programs
+    share an SM and one's loads run under another's arithmetic: the whole tile held 255 registers, one
+    8-warp program an SM, its loads and its arithmetic in turn."""
+    num_pid_n = tl.cdiv(I, SCALE_BLOCK)
+    pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
+    expert = tl.load(tile_to_expert_ptr + (pid_m * SCALE_BLOCK) // TILE_M)
+    if expert >= 0:
+        cols = pid_n.to(tl.int64) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+        col_ok = cols < I
+        first_row = pid_m.to(tl.int64) * SCALE_BLOCK
+        wa_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)  # max is exact: any grouping, the same amax
+        gate_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)
+        up_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)
+        for c in range(0, SCALE_BLOCK, CHUNK):
+            rows, row_ok, d_a_prime, wa, a, d_gate, d_up = _epilogue_chunk(
+                d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row + c, cols, col_ok, I,
+                stride_da_r, stride_h_r, CHUNK, ACT, GATED, CLAMP, OFFSET,
+            )  # fmt: skip
+            a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
+            tl.store(partial_ptr + rows * stride_part_r + pid_n,
+                     tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1), mask=row_ok)  # fmt: skip
+            wa_max = tl.maximum(wa_max, tl.abs(wa))
+            _dh_half_rows(d_gate, 0, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r,
+                          stride_dh_scale_half, rows, row_ok, cols, col_ok, pid_n, I, B_MAX, B_MANTISSA, B_MIN_EXP,
+                          POWER_OF_2)  # fmt: skip
+            gate_max = tl.maximum(gate_max, tl.abs(d_gate))
+            if GATED:
+                _dh_half_rows(d_up, 1, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r,
+                              stride_dh_scale_half, rows, row_ok, cols, col_ok, pid_n, I, B_MAX, B_MANTISSA,
+                              B_MIN_EXP, POWER_OF_2)  # fmt: skip
+                up_max = tl.maximum(up_max, tl.abs(d_up))
+        # the column scales, as quantize_block(..., AXIS=0) makes them from the whole tile
+        wa_scale = block_scale(tl.max(wa_max, axis=0), F_MAX, POWER_OF_2)
+        tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, scale_inverse(wa_scale, POWER_OF_2),
+                 mask=col_ok)  # fmt: skip
+        dh_col_scales = dh_col_scale_ptr + pid_m * stride_dh_col_scale + cols
+        gate_scale = block_scale(tl.max(gate_max, axis=0), B_MAX, POWER_OF_2)
+        tl.store(dh_col_scales, scale_inverse(gate_scale, POWER_OF_2), mask=col_ok)
+        up_scale = block_scale(tl.max(gate_max, axis=0), B_MAX, POWER_OF_2)
+        if GATED:
+            tl.store(dh_col_scales + I, scale_inverse(up_scale, POWER_OF_2), mask=col_ok)
+        for c in range(0, SCALE_BLOCK, CHUNK):  # the 128 x 1 copies, padding rows too (zeros), transposed
+            rows, row_ok, d_a_prime, wa, a, d_gate, d_up = _epilogue_chunk(
+                d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row + c, cols, col_ok, I,
+                stride_da_r, stride_h_r, CHUNK, ACT, GATED, CLAMP, OFFSET,
+            )  # fmt: skip
+            q = fp8_of(wa * wa_scale[None, :], wa_colt_ptr.dtype.element_ty, F_MAX, F_MANTISSA, F_MIN_EXP)
+            tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
+            dh_colt = dh_colt_ptr + cols[None, :] * stride_dh_colt + rows[:, None]
+            q = fp8_of(d_gate * gate_scale[None, :], dh_colt_ptr.dtype.element_ty, B_MAX, B_MANTISSA, B_MIN_EXP)
+            tl.store(dh_colt, q, mask=col_ok[None, :])
+            if GATED:
+                q = fp8_of(d_up * up_scale[None, :], dh_colt_ptr.dtype.element_ty, B_MAX, B_MANTISSA, B_MIN_EXP)
+                tl.store(dh_colt + I * stride_dh_colt, q, mask=col_ok[None, :])
+
+
+@triton.jit
+def _epilogue_chunk(
+    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row, cols, col_ok, I, stride_da_r,
+    stride_h_r, CHUNK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+    OFFSET: tl.constexpr,
+):  # fmt: skip
+    """(rows, row_ok, dA', w * A, A, d_gate, d_up) of CHUNK rows from first_row, as the whole-tile
+    epilogue computes them: zeros outside the valid rows and columns (d_up is d_gate without a gate)."""
+    rows = first_row + tl.arange(0, CHUNK)
+    row_ok = tl.load(row_to_token_ptr + rows) >= 0
+    valid = row_ok[:, None] & col_ok[None, :]
+    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+    d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
+    a, d_gate, d_up = activation_grad_of_rows(
+        h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
+    )
+    a = tl.where(valid, a, 0.0)
+    return rows, row_ok, d_a_prime, w[:, None] * a, a, tl.where(valid, d_gate, 0.0), tl.where(valid, d_up, 0.0)
 
 
 @triton.jit
@@ -655,7 +755,14 @@ def fp8_down_dgrad(
                 w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n,
                 SCALE_BLOCK=scale_block, **meta,
             )  # fmt: skip
-        _fp8_down_dgrad_epilogue_kernel[(num_rows // scale_block * blocks,)](
+        tiles = _tiles("down_dgrad_epilogue")
+        chunk = tiles.pop("CHUNK", 0)
+        if chunk:
+            tiles.pop("UP_WITH_A", None)  # (a pass-count choice of the whole-tile kernel)
+            epilogue, tiles["CHUNK"] = _fp8_down_dgrad_epilogue_chunks_kernel, chunk
+        else:
+            epilogue = _fp8_down_dgrad_epilogue_kernel
+        epilogue[(num_rows // scale_block * blocks,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
             out["partial"], I, d_a_prime.stride(0), h.stride(0), out["dh_q"].stride(0), out["dh_scale_inv"].stride(0),
@@ -663,8 +770,7 @@ def fp8_down_dgrad(
             out["wa_colt"].stride(0), out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m,
             SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
             F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
-            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
-            **_tiles("down_dgrad_epilogue"),
+            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **tiles,
         )  # fmt: skip
     if down_bias is not None and num_rows:
         # 32 rows in 8 warps a program: 128 rows in 4 spilled in an sm_90 compile (255 registers, 1.5 KB
