@@ -112,3 +112,15 @@ def test_console_script_is_registered():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     assert config["options.entry_points"]["console_scripts"].split() == ["mok", "=", "mok_plugin.cli:main"]
+
+
+def test_bench_fp8_hopper_settings_are_the_tables_labels(capsys):
+    # `--hopper-settings` takes the labels of `--hopper`'s table (quoted) and refuses any other by name
+    from mok_plugin.bench import fp8
+
+    parser = fp8.build_parser()
+    labels = list(fp8._hopper_settings())
+    assert parser.parse_args(["--hopper", "--hopper-settings", labels[-1]]).hopper_settings == [labels[-1]]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hopper", "--hopper-settings", "ahead"])
+    assert "invalid choice: 'ahead'" in capsys.readouterr().err

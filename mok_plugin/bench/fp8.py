@@ -57,6 +57,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="instead: forward + backward (weights kept) with the weight gradients and the row "
                              "GEMMs on the Triton kernels and on the Gluon ones (MOK_HOPPER_FP8_WGRAD, "
                              "MOK_HOPPER_FP8_ROWS), checking that each gives the Triton kernels' bits")  # fmt: skip
+    parser.add_argument("--hopper-settings", nargs="+", choices=list(_hopper_settings()), metavar="SETTING",
+                        help="with --hopper: only these settings (quoted labels of the table; the Triton kernels "
+                             "always run first, as the bits to compare with)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -195,15 +198,20 @@ def _hopper_settings() -> dict[str, dict[str, str]]:
     }
 
 
-def _hopper_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float) -> list[dict]:
+def _hopper_shape(
+    name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: float, labels: list[str] | None = None
+) -> list[dict]:
     """Forward + backward with the weights' FP8 copies kept (as within a step), in each environment of
-    `_hopper_settings`: the call's time, the GPU time of the weight gradients and of the row GEMMs
-    the Gluon kernels replace (fc2's forward and dgrad GEMM, fc1's dgrad and forward), and whether every result is
-    the Triton kernels' bits."""
+    `_hopper_settings` (or of those labelled, after the Triton kernels'): the call's time, the GPU time of
+    the weight gradients and of the row GEMMs the Gluon kernels replace (fc2's forward and dgrad GEMM,
+    fc1's dgrad and forward), and whether every result is the Triton kernels' bits."""
     both = _fp8_case(name, recipe)[-1]
     kept = FP8WeightCopies()
     rows, want = [], None
-    for label, environment in _hopper_settings().items():
+    settings = _hopper_settings()
+    triton_first = next(iter(settings))
+    chosen = [triton_first, *(label for label in labels or settings if label != triton_first)]
+    for label, environment in ((label, settings[label]) for label in chosen):
         with mock.patch.dict(os.environ, environment):
             got = both(kept)
             want = got if want is None else want
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.hopper:
         for name in args.shapes:
-            rows += _hopper_shape(name, recipe, args.iters, args.settle_s)
+            rows += _hopper_shape(name, recipe, args.iters, args.settle_s, args.hopper_settings)
         (args.out / "bench_fp8_hopper.json").write_text(json.dumps(rows, indent=2))
         print(f"\n{'shape':<16} {'Gluon kernels':<22} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
         for row in rows:
