@@ -606,7 +606,7 @@ def _fp8_down_dgrad_epilogue_chunks_kernel(
         dh_col_scales = dh_col_scale_ptr + pid_m * stride_dh_col_scale + cols
         gate_scale = block_scale(tl.max(gate_max, axis=0), B_MAX, POWER_OF_2)
         tl.store(dh_col_scales, scale_inverse(gate_scale, POWER_OF_2), mask=col_ok)
-        up_scale = block_scale(tl.max(gate_max, axis=0), B_MAX, POWER_OF_2)
+        up_scale = block_scale(tl.max(up_max, axis=0), B_MAX, POWER_OF_2)
         if GATED:
             tl.store(dh_col_scales + I, scale_inverse(up_scale, POWER_OF_2), mask=col_ok)
         for c in range(0, SCALE_BLOCK, CHUNK):  # the 128 x 1 copies, padding rows too (zeros), transposed
