@@ -276,7 +276,8 @@ TILES: dict[str, dict[str, int | bool]] = {
     # A from h when fc1's GEMM runs apart (MOK_HOPPER_FP8_FC1_SPLIT): elementwise, 32 rows of a 128-wide block
     "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
     # the sweep at 4aaa485 (qwen3-30b-a3b, H200): 8 warps with UP_WITH_A 0.98 ms; 16 warps 1.12 (1.08 with it);
-    # 32 warps 1.53-1.57; 8 warps without it 1.71
+    # 32 warps 1.53-1.57; 8 warps without it 1.71. CHUNK (rows): `_fp8_down_dgrad_epilogue_chunks_kernel` instead,
+    # the sweep's other candidates (written 2026-12-05, not yet timed)
     "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
