@@ -186,7 +186,7 @@ def test_a_backward_uses_the_transposes_its_forward_made(monkeypatch):
 @pytest.mark.parametrize("family", ["swiglu", "gpt_oss_clamp_4", "mlp_gelu_bias"])
 def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
     # UP_WITH_A (dh's up half in A's pass: two passes over the tile, not three) and CHUNK (the tile's
-    # rows a chunk at a time, `_fp8_down_dgrad_epilogue_chunks_kernel`) are choices of speed for the
+    # rows a chunk at a time, in the same kernel) are choices of speed for the
     # sweep: every output of the backward bit for bit the three-pass kernel's, with a gate (and
     # GPT-OSS's biases, clamp and offset) and without
     from mok_plugin.kernels import fp8_mlp
