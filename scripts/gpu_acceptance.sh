@@ -38,9 +38,8 @@
 #              harness for 200 steps with --fp8 e4m3 on the single-H200 config
 #   fp8-hopper issue 25's Gluon kernels (kernels/fp8_hopper.py, on by default): tests/test_fp8_hopper.py, then
 #              scripts/bench_fp8.py --hopper on the same three shapes (one process each: the weight gradients
-#              and row GEMMs on the Triton kernels and on the Gluon ones, fc1 fused and split, and split with
-#              MOK_HOPPER_FP8_AHEAD=1, bits compared); fp8-hopper-tests and fp8-hopper-bench run one half each
-#              (if one call cannot hold both)
+#              and row GEMMs on the Triton kernels and on the Gluon ones, fc1 fused and split, bits compared);
+#              fp8-hopper-tests and fp8-hopper-bench run one half each (if one call cannot hold both)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
 # --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -84,7 +83,7 @@ for part in "${parts[@]}"; do
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
             tests/test_bench_host.py tests/test_compile_eager_parts.py tests/test_deepspeed_structure.py \
-            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py -k "not ahead" ;;  # (AHEAD's cases: part fp8-hopper)
+            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
@@ -154,7 +153,7 @@ for part in "${parts[@]}"; do
         python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
         run_part fp8-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8.py \
             tests/test_fp8_kernels.py tests/test_fp8_reference.py tests/test_fp8_layer.py tests/test_megatron_fp8.py \
-            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py -k "not ahead"
+            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py
         for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             run_part "fp8-$shape" python3 scripts/bench_fp8.py --shapes "$shape" --out "$out/fp8-$shape"
         done
@@ -166,11 +165,7 @@ for part in "${parts[@]}"; do
         if [ "$part" != fp8-hopper-bench ]; then
             spread=()
             python3 -c "import xdist" 2>/dev/null && spread=(-n 8)
-            # MOK_HOPPER_FP8_AHEAD's cases first and under a timeout: a mistake in its ring protocol would hang
-            run_part fp8-hopper-ahead timeout 300 python3 -m pytest -q "${spread[@]}" -p no:cacheprovider \
-                tests/test_fp8_hopper.py -k ahead
-            run_part fp8-hopper-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8_hopper.py \
-                -k "not ahead"
+            run_part fp8-hopper-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8_hopper.py
         fi
         if [ "$part" != fp8-hopper-tests ]; then
             for shape in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do

@@ -132,15 +132,7 @@ SWEEP: dict[str, list[dict[str, int | bool]]] = {
     "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
     "down_dgrad_gemm": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4), _tiles(64, 256, 8, 3)],
     "down_dgrad_epilogue": [
-        *(dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 8) for up_with_a in (False, True)),
-        # the tile a chunk of rows at a time (sm_90 compiles: 124 registers at 16 rows in 8 warps, two programs
-        # an SM; 96 at 8 rows in 4 warps, five; 127 at 32 rows in 16 warps), and with the next chunk's loads
-        # pipelined
-        *(
-            dict(_tiles(None, None, warps, stages), CHUNK=chunk)
-            for chunk, warps in ((16, 8), (8, 4), (32, 16))
-            for stages in (1, 2)
-        ),
+        dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 8) for up_with_a in (False, True)
     ],
     "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
     "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],
@@ -179,22 +171,14 @@ def _sweep_shape(name: str, recipe: BlockwiseFP8Recipe, settle_s: float, kernels
 
 def _hopper_settings() -> dict[str, dict[str, str]]:
     """The environments `--hopper` compares: the Triton kernels, then the Gluon weight gradients, row
-    GEMMs and both, both with fc1's forward split (its GEMM on the row kernel, A apart; the default),
-    and that with each tile's epilogue under the next tile's first MMA (MOK_HOPPER_FP8_AHEAD), with one
-    and with two output buffers a warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS)."""
+    GEMMs and both, and both with fc1's forward split (its GEMM on the row kernel, A apart; the default)."""
     wgrad, rows, split = fp8_hopper.WGRAD_SETTING, fp8_hopper.ROWS_SETTING, fp8_fc1_hopper.SPLIT_SETTING
-    ahead, buffers = fp8_hopper.AHEAD_SETTING, fp8_hopper.OUT_BUFFERS_SETTING
     return {
-        label: {wgrad: w, rows: r, split: f, ahead: a, buffers: b}
-        for label, (w, r, f, a, b) in {  # the five settings' values, in that order
-            "none (Triton)": "00001",
-            "weight gradients": "10001",
-            "row GEMMs": "01001",
-            "both": "11001",
-            "both, fc1 split": "11101",
-            "split, ahead": "11111",
-            "split, ahead, 2 bufs": "11112",
-        }.items()
+        "none (Triton)": {wgrad: "0", rows: "0", split: "0"},
+        "weight gradients": {wgrad: "1", rows: "0", split: "0"},
+        "row GEMMs": {wgrad: "0", rows: "1", split: "0"},
+        "both": {wgrad: "1", rows: "1", split: "0"},
+        "both, fc1 split": {wgrad: "1", rows: "1", split: "1"},
     }
 
 

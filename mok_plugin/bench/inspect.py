@@ -220,18 +220,17 @@ def _fp8_descriptors(blocks: dict) -> dict:
 
 def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloat16,
                        a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
-                       bias: bool = False, routing: bool = False, ahead: bool = False):  # fmt: skip
+                       bias: bool = False, routing: bool = False):  # fmt: skip
     """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad") or row
-    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked; `ahead`: each tile's
-    epilogue under the next tile's first MMA), compiled for sm_90 as its launcher specialises a call
-    with these dtypes. Needs Triton's Gluon (ImportError without it)."""
+    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked), compiled for sm_90
+    as its launcher specialises a call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
     from mok_plugin.kernels import fp8_hopper as fh
 
     blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}
     blocks |= {f"b{half}_desc": (b_dtype, (fh.BLOCK_N, fh.BLOCK_K)) for half in "01"}
     blocks["out_desc"] = (out_dtype, (1, fh.HALF_M, fh.BLOCK_N))
     descriptors = _fp8_descriptors(blocks)
-    kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing, ahead)
+    kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing)
     if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
         work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
         epilogue = (f"*{fh.GL_DTYPES[out_dtype].name}", "i32", "*fp32", "*i64")

@@ -45,13 +45,7 @@ from mok_plugin.kernels.wgrad_hopper import _num_sms
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mok_plugin.kernels.wgrad_hopper import store_tile, tile_of
@@ -59,11 +53,9 @@ except ImportError:
     gluon = None
 
 __all__ = [
-    "AHEAD_SETTING",
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
-    "OUT_BUFFERS_SETTING",
     "ROWS_SETTING",
     "WGRAD_SETTING",
     "enabled",
@@ -83,38 +75,25 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
-AHEAD_SETTING = "MOK_HOPPER_FP8_AHEAD"
-OUT_BUFFERS_SETTING = "MOK_HOPPER_FP8_OUT_BUFFERS"  # with AHEAD: 2 output buffers a warpgroup (16-bit outputs)
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
-def stages_for(out_dtype: torch.dtype, out_buffers: int = 1) -> int:
+def stages_for(out_dtype: torch.dtype) -> int:
     """The ring's depth: as many FP8 operand stages (a 128-row A block and a 128-row B block of 128
-    bytes each) as fit beside the two warpgroups' output halves (out_buffers of each) in Hopper's
-    shared memory, at most 8."""
+    bytes each) as fit beside the two warpgroups' output halves in Hopper's shared memory, at most 8."""
     stage = (BLOCK_M + BLOCK_N) * BLOCK_K  # one byte an FP8 element
-    return min(8, (SHARED_BYTES - BARRIER_BYTES - out_buffers * BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
+    return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
 
 
-def out_buffers_for(out_dtype: torch.dtype, ahead: bool) -> int:
-    """Output buffers a warpgroup: 2 where AHEAD, OUT_BUFFERS_SETTING=2 and a 16-bit output (so that an
-    epilogue never waits for the store before it; fp32's would leave 3 stages), else 1."""
-    value = os.environ.get(OUT_BUFFERS_SETTING, "1")
-    if value not in ("1", "2"):
-        raise ValueError(f"{OUT_BUFFERS_SETTING}={value!r}: expected 1 (the default) or 2 (with {AHEAD_SETTING}=1)")
-    return 2 if ahead and value == "2" and out_dtype.itemsize == 2 else 1
-
-
-def enabled(setting: str, default: str = "1") -> bool:
-    """Whether environment variable `setting` (unset: `default`) is 1; a ValueError names it unless 0 or 1.
-    WGRAD_SETTING and ROWS_SETTING: the Gluon kernels (on Hopper, where `usable`), 0 for the Triton
-    ones; fp8_fc1_hopper's SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon
-    kernel. Those are on by default since the H200 measured them bitwise the Triton kernels and faster
-    on every shape (BENCHMARKS.md, f6). AHEAD_SETTING (off by default: not yet timed): the Gluon
-    kernels issue each tile's next MMA before its epilogue (`half_multiplier_ahead`)."""
-    value = os.environ.get(setting, default)
+def enabled(setting: str) -> bool:
+    """Whether environment variable `setting` leaves its choice on: unset or 1. WGRAD_SETTING and
+    ROWS_SETTING: the Gluon kernels (on Hopper, where `usable`), 0 for the Triton ones; fp8_fc1_hopper's
+    SPLIT_SETTING: fc1's forward split (row GEMM, then A), 0 for its fused Gluon kernel. A ValueError
+    names the setting otherwise. On by default since the H200 measured them bitwise the Triton kernels
+    and faster on every shape (BENCHMARKS.md, f6)."""
+    value = os.environ.get(setting, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{setting}={value!r}: expected 0 or 1 (unset: {default}; see the README's environment table)")
+        raise ValueError(f"{setting}={value!r}: expected 1 (the default) or 0 (see the README's environment table)")
     return value == "1"
 
 
@@ -199,14 +178,12 @@ if gluon is not None:
         return work_of_tile
 
     @gluon.jit
-    def loader(a_descs, b_descs, work, M, N, num_tiles, bufs, bars, ROWS: gl.constexpr, AHEAD: gl.constexpr):
+    def loader(a_descs, b_descs, work, M, N, num_tiles, bufs, bars, ROWS: gl.constexpr):
         """Both operands' K steps for every tile of this program, in order, into the ring. Weight
         gradients: A = left_t at (m0, row), B = right_t at (n0, row). Row GEMMs: A = the rows at
         (m0, k), B = the expert's weight, flattened [E * N, K], at (expert * N + n0, k) (a block past N
         reads the next expert's rows into output columns the store clips), from the descriptors of
-        the step's half (fc1's gate, then its up). AHEAD (`half_multiplier_ahead`): a tile without K
-        steps gets one step without operands (the ready barrier arrived on, nothing loaded), and so
-        does the end."""
+        the step's half (fc1's gate, then its up)."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         BM: gl.constexpr = a_descs[0].block_type.shape[0]
@@ -217,10 +194,6 @@ if gluon is not None:
         p = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            if AHEAD:
-                if steps == 0:
-                    arrive_empty_step(bars, p, S)
-                    p += 1
             for s in range(steps):
                 idx = p % S
                 mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once
@@ -240,15 +213,6 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(a_descs[0], [m0, row], ready.index(idx), a_bufs.index(idx))
                     tma.async_copy_global_to_shared(b_descs[0], [n0, row], ready.index(idx), b_bufs.index(idx))
                 p += 1
-        if AHEAD:
-            arrive_empty_step(bars, p, S)
-
-    @gluon.jit
-    def arrive_empty_step(bars, p, S: gl.constexpr):
-        """Ring step p without operands (AHEAD): once its stage is free, its ready barrier arrived on."""
-        idx = p % S
-        mbarrier.wait(bars[1].index(idx), ((p // S) & 1) ^ 1)
-        mbarrier.arrive(bars[0].index(idx), count=1)
 
     @gluon.jit
     def tile_scales(acc, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
@@ -315,11 +279,13 @@ if gluon is not None:
         return gl.convert_layout(values, layout)
 
     @gluon.jit
-    def epilogue_half(acc, expert, m0, n0, epilogue, M, N, out_dtype: gl.constexpr, ROWS: gl.constexpr,
-                      BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
+    def finish_half(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
+                    BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
         """A warpgroup's half of a tile through fc2's epilogue where asked (`+ b2[expert]`,
-        `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), in the output's dtype. Row
-        tiles of padding (expert < 0) are not computed (nor stored: `store_half`)."""
+        `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), then out by wgrad_hopper's
+        asynchronous TMA store, which clips at the output's edges. Row tiles of padding (expert < 0)
+        are neither computed nor stored; padding rows inside a real tile are written, with values of
+        no meaning (the Triton kernels leave them; nothing reads them)."""
         if ROWS:
             if expert >= 0:
                 num_warps: gl.constexpr = gl.num_warps()
@@ -335,43 +301,9 @@ if gluon is not None:
                     tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
                     w = spread(topk_weights_ptr, tk, tk >= 0, gl.SliceLayout(1, acc.type.layout))
                     acc = acc * w[:, None]
-        return acc.to(out_dtype)
-
-    @gluon.jit
-    def store_half(out_desc, c_smem, values, expert, m0, n0, ROWS: gl.constexpr, PENDINGS: gl.constexpr = 0):
-        """A warpgroup's finished half out by wgrad_hopper's asynchronous TMA store (`store_tile`, which
-        clips at the output's edges and first waits until at most PENDINGS of this warpgroup's stores
-        still read their buffers). Padding rows inside a real row tile are written, with values of no
-        meaning (the Triton kernels leave them; nothing reads them); row tiles of padding are not."""
-        if ROWS:
-            if expert >= 0:
-                store_tile(out_desc, c_smem, values, expert * 0, m0, n0, PENDINGS)  # out_desc: the rows as [1, R, N]
+                store_tile(out_desc, c_smem, acc, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
         else:
-            store_tile(out_desc, c_smem, values, expert, m0, n0, PENDINGS)  # out_desc: dW [E, M, N], clipped at each M
-
-    @gluon.jit
-    def store_half_buffered(out_desc, c_bufs, values, expert, m0, n0, stored, ROWS: gl.constexpr):
-        """`store_half` through c_bufs' buffers in turn ([B, HALF, BN]: this warpgroup's `stored`-th
-        store takes buffer stored % B, once at most B - 1 of its stores are still reading theirs):
-        the stores so far, this one counted (a row tile of padding is not stored)."""
-        B: gl.constexpr = c_bufs.type.shape[0]
-        store_half(out_desc, c_bufs.index(stored % B), values, expert, m0, n0, ROWS, B - 1)
-        if ROWS:
-            stored += (expert >= 0).to(gl.int32)
-        else:
-            stored += 1
-        return stored
-
-    @gluon.jit
-    def issue_mma(bufs, ready, p, partial, HALF: gl.constexpr, WHICH: gl.constexpr, IS_ASYNC: gl.constexpr):
-        """Wait for ring step p's operands, then this warpgroup's MMA on its half (HALF rows) of them,
-        into the product's registers (not read: use_acc=False), asynchronously where asked."""
-        a_bufs, b_bufs = bufs
-        S: gl.constexpr = a_bufs.type.shape[0]
-        idx = p % S
-        mbarrier.wait(ready.index(idx), (p // S) & 1)
-        return warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF), b_bufs.index(idx).permute((1, 0)),
-                             partial, use_acc=False, is_async=IS_ASYNC)  # fmt: skip
+            store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
@@ -397,69 +329,16 @@ if gluon is not None:
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
             scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
             for s in range(steps):
+                idx = (c + s) % S
                 values = step_scales(s, scales, work, ROWS)
-                partial = issue_mma(bufs, ready, c + s, partial, HALF, WHICH, False)
-                mbarrier.arrive(empty.index((c + s) % S), count=1)
+                mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+                partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
+                                        b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
+                mbarrier.arrive(empty.index(idx), count=1)
                 acc = promote(acc, partial, values, ROWS)
+            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
-            values = epilogue_half(acc, expert, m_half, n0, epilogue, M, N, out_desc.dtype, ROWS, BIAS, ROUTING)
-            store_half(out_desc, c_smem, values, expert, m_half, n0, ROWS)
         tma.store_wait(0)
-
-    @gluon.jit
-    def half_multiplier_ahead(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                              BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
-        """`half_multiplier`, with each tile's epilogue under the next tile's first MMA (AHEAD), written
-        (2026-12-05, not yet timed) for short tiles, whose epilogues otherwise leave the tensor cores
-        idle: deepseek-v3's weight gradients take 2 K steps a tile, and their kernel ran at 460 TFLOP/s
-        against 700 on qwen3-30b-a3b's 8. The MMA after each step is issued, and waited on,
-        unconditionally: an MMA in flight across a branch gets its registers copied, and ptxas then
-        serialises every wgmma (C7515). So every tile takes at least one ring step and one follows the
-        last (the loader's AHEAD form: an arrival without operands); such a step multiplies stale
-        shared memory, and its product is not promoted (its scales are masked by M and N as 0, but for
-        a row tile's B scale, read in bounds at expert 0)."""
-        a_bufs, b_bufs = bufs
-        ready, empty = bars[0], bars[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
-        HALF: gl.constexpr = c_smem.type.shape[1]  # c_smem: [output buffers, HALF, BN]
-        BN: gl.constexpr = c_smem.type.shape[2]
-        BM: gl.constexpr = 2 * HALF
-        BK: gl.constexpr = a_bufs.type.shape[2]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 32])  # fmt: skip
-        partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-        mma = issue_mma(bufs, ready, 0, warpgroup_mma_init(partial), HALF, WHICH, True)
-        p = 0
-        stored = 0  # this warpgroup's stores so far: they take the output buffers in turn
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            m_half = m0 + WHICH * HALF
-            acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-            real = steps > 0
-            scales = tile_scales(acc, gl.maximum(expert, 0), m_half, n0, first_row, work, gl.where(real, M, 0),
-                                 gl.where(real, N, 0), ROWS)  # fmt: skip
-            for s in range(gl.maximum(steps, 1)):
-                values = step_scales(s, scales, work, ROWS)
-                partial = warpgroup_mma_wait(0, deps=[mma, a_bufs, b_bufs])[0]
-                mbarrier.arrive(empty.index(p % S), count=1)
-                if real:
-                    acc = promote(acc, partial, values, ROWS)
-                p += 1
-                mma = issue_mma(bufs, ready, p, warpgroup_mma_init(partial), HALF, WHICH, True)
-            values = epilogue_half(acc, expert, m_half, n0, epilogue, M, N, out_desc.dtype, ROWS, BIAS, ROUTING)
-            stored = store_half_buffered(out_desc, c_smem, values, expert, m_half, n0, stored, ROWS)
-        warpgroup_mma_wait(0, deps=[mma, a_bufs, b_bufs])  # the step after the last tile's
-        tma.store_wait(0)
-
-    @gluon.jit
-    def multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                   BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
-        """An MMA warpgroup's partition: `half_multiplier`, or with AHEAD `half_multiplier_ahead`."""
-        if AHEAD:
-            half_multiplier_ahead(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS, BIAS, ROUTING,
-                                  WHICH)  # fmt: skip
-        else:
-            half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS, BIAS, ROUTING, WHICH)
 
     @gluon.jit
     def stages_of(desc, STAGES: gl.constexpr):
@@ -481,28 +360,21 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, AHEAD: gl.constexpr,
-        OUT_BUFFERS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
         ready, empty = stage_barriers(STAGES)
-        if AHEAD:  # OUT_BUFFERS output halves a warpgroup, taken in turn
-            c0_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_BUFFERS] + out_desc.block_type.shape[1:],
-                                                C_LAYOUT)  # fmt: skip
-            c1_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_BUFFERS] + out_desc.block_type.shape[1:],
-                                                C_LAYOUT)  # fmt: skip
-        else:
-            c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-            c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         bufs, bars = (a_bufs, b_bufs), (ready, empty)
         gl.warp_specialize(
             [
-                (multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS, ROUTING, 0,
-                              AHEAD)),  # fmt: skip
-                (multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS, ROUTING, 1,
-                              AHEAD)),  # fmt: skip
-                (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS, AHEAD)),
+                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
+                                   ROUTING, 0)),  # fmt: skip
+                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
+                                   ROUTING, 1)),  # fmt: skip
+                (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
             [MMA_REGS, LOADER_REGS],
@@ -514,17 +386,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr, AHEAD: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD, OUT_BUFFERS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr, AHEAD: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, AHEAD, OUT_BUFFERS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -541,23 +413,19 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
-def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, routing: bool = False,
-                     ahead: bool = False) -> tuple[object, dict]:  # fmt: skip
+def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
+                     routing: bool = False) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
-    fc2's epilogue's parts; `ahead`: each tile's epilogue under the next tile's first MMA): what the
-    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU. With `ahead`, the
-    output buffers `out_buffers_for` says."""
-    out_buffers = out_buffers_for(out_dtype, ahead)
+    fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles for sm_90
+    without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
         "C_LAYOUT": shared_layout((HALF_M, BLOCK_N), out_dtype),
-        "STAGES": stages_for(out_dtype, out_buffers),
+        "STAGES": stages_for(out_dtype),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
-        "AHEAD": ahead,
-        "OUT_BUFFERS": out_buffers,
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
@@ -574,7 +442,7 @@ def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple,
         return
     a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
     b_descs = [_descriptor(t, (BLOCK_N, BLOCK_K)) for t in b]
-    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing, enabled(AHEAD_SETTING, default="0"))
+    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
     grid = (min(num_tiles, PROGRAMS or _num_sms(out.device.index)),)
     kernel[grid](
         a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,

@@ -26,7 +26,7 @@ import triton.language as tl
 from mok_plugin.fp8.recipe import FP8Format
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
 from mok_plugin.kernels.configs import interpreter_on
-from mok_plugin.kernels.fp8 import block_scale, fp8_of, quantize_block, scale_inverse
+from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.launch import cdiv, check_tensor, routing_weights_arg
 from mok_plugin.kernels.tiles import (
     activation_grad_of_rows,
@@ -276,8 +276,7 @@ TILES: dict[str, dict[str, int | bool]] = {
     # A from h when fc1's GEMM runs apart (MOK_HOPPER_FP8_FC1_SPLIT): elementwise, 32 rows of a 128-wide block
     "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
     # the sweep at 4aaa485 (qwen3-30b-a3b, H200): 8 warps with UP_WITH_A 0.98 ms; 16 warps 1.12 (1.08 with it);
-    # 32 warps 1.53-1.57; 8 warps without it 1.71. CHUNK (rows; 0 or absent: the whole tile): the tile a chunk
-    # at a time, the sweep's other candidates (written 2026-12-05, not yet timed)
+    # 32 warps 1.53-1.57; 8 warps without it 1.71
     "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
@@ -477,106 +476,50 @@ def _fp8_down_dgrad_epilogue_kernel(
     stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr,
     F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr,
-    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr, CHUNK: tl.constexpr,
+    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr,
 ):  # fmt: skip
     """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
     from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
     n. The 128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients.
     dh_ptr (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its
-    gradient. Apart from the GEMM (v10's split for bf16): fused, the epilogue's live tiles spilled.
-
-    CHUNK 0: the whole tile in registers (255 a thread in 8 warps: one program an SM, its loads and
-    its arithmetic in turn), in two or three passes (UP_WITH_A). CHUNK rows: the same outputs bit for
-    bit from CHUNK rows at a time: first every row-wise output (A's router partial, dh 1 x 128) and
-    each column's running amax of w * A and dh, then the column scales, then the 128 x 1 values from
-    a second pass over the chunks (dA' and h again, from L2). A chunk's values, not the tile's, are
-    live, so several programs share an SM and one's loads run under another's arithmetic."""
+    gradient. Apart from the GEMM (v10's split for bf16): fused, the epilogue's live tiles spilled."""
     expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
         row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, SCALE_BLOCK, SCALE_BLOCK
     )
     if expert >= 0:
-        if CHUNK > 0:
-            first_row = pid_m.to(tl.int64) * SCALE_BLOCK
-            dh_rows = (dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half)
-            wa_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)  # max is exact: any grouping, the same amax
-            gate_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)
-            up_max = tl.zeros((CHUNK, SCALE_BLOCK), dtype=tl.float32)
-            for c in range(0, SCALE_BLOCK, CHUNK):
-                chunk_rows, chunk_ok, d_a_prime, wa, a, d_gate, d_up = _epilogue_chunk(
-                    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row + c, cols, col_ok,
-                    I, stride_da_r, stride_h_r, CHUNK, ACT, GATED, CLAMP, OFFSET,
-                )  # fmt: skip
-                a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
-                tl.store(partial_ptr + chunk_rows * stride_part_r + pid_n,
-                         tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1), mask=chunk_ok)  # fmt: skip
-                wa_max = tl.maximum(wa_max, tl.abs(wa))
-                _dh_half_rows(d_gate, 0, *dh_rows, chunk_rows, chunk_ok, cols, col_ok, pid_n, I, B_MAX, B_MANTISSA,
-                              B_MIN_EXP, POWER_OF_2)  # fmt: skip
-                gate_max = tl.maximum(gate_max, tl.abs(d_gate))
-                if GATED:
-                    _dh_half_rows(d_up, 1, *dh_rows, chunk_rows, chunk_ok, cols, col_ok, pid_n, I, B_MAX, B_MANTISSA,
-                                  B_MIN_EXP, POWER_OF_2)  # fmt: skip
-                    up_max = tl.maximum(up_max, tl.abs(d_up))
-            # the column scales, as quantize_block(..., AXIS=0) makes them from the whole tile
-            wa_scale = block_scale(tl.max(wa_max, axis=0), F_MAX, POWER_OF_2)
-            tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, scale_inverse(wa_scale, POWER_OF_2),
-                     mask=col_ok)  # fmt: skip
-            dh_col_scales = dh_col_scale_ptr + pid_m * stride_dh_col_scale + cols
-            gate_scale = block_scale(tl.max(gate_max, axis=0), B_MAX, POWER_OF_2)
-            tl.store(dh_col_scales, scale_inverse(gate_scale, POWER_OF_2), mask=col_ok)
-            up_scale = block_scale(tl.max(up_max, axis=0), B_MAX, POWER_OF_2)
-            if GATED:
-                tl.store(dh_col_scales + I, scale_inverse(up_scale, POWER_OF_2), mask=col_ok)
-            for c in range(0, SCALE_BLOCK, CHUNK):  # the 128 x 1 copies, padding rows too (zeros), transposed
-                chunk_rows, chunk_ok, d_a_prime, wa, a, d_gate, d_up = _epilogue_chunk(
-                    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row + c, cols, col_ok,
-                    I, stride_da_r, stride_h_r, CHUNK, ACT, GATED, CLAMP, OFFSET,
-                )  # fmt: skip
-                q = fp8_of(wa * wa_scale[None, :], wa_colt_ptr.dtype.element_ty, F_MAX, F_MANTISSA, F_MIN_EXP)
-                tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + chunk_rows[:, None], q,
-                         mask=col_ok[None, :])  # fmt: skip
-                dh_colt = dh_colt_ptr + cols[None, :] * stride_dh_colt + chunk_rows[:, None]
-                dh_ty = dh_colt_ptr.dtype.element_ty
-                tl.store(dh_colt, fp8_of(d_gate * gate_scale[None, :], dh_ty, B_MAX, B_MANTISSA, B_MIN_EXP),
-                         mask=col_ok[None, :])  # fmt: skip
-                if GATED:
-                    tl.store(dh_colt + I * stride_dh_colt, fp8_of(d_up * up_scale[None, :], dh_ty, B_MAX, B_MANTISSA,
-                                                                  B_MIN_EXP), mask=col_ok[None, :])  # fmt: skip
-        else:
-            valid = row_ok[:, None] & col_ok[None, :]
-            w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-            dh = (dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
-                  stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale)  # fmt: skip
-            # Passes over the tile, each reloading dA' and h (from L2) and computing only what it stores
-            # (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
-            # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
-            #    w * A, 128 x 1 along the rows (dW2), from the unquantised A; with UP_WITH_A, dh's up
-            #    columns too, which need A's act(gate) only (one pass fewer, more registers live)
+        valid = row_ok[:, None] & col_ok[None, :]
+        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+        dh = (dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
+              stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale)  # fmt: skip
+        # Passes over the tile, each reloading dA' and h (from L2) and computing only what it stores
+        # (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
+        # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
+        #    w * A, 128 x 1 along the rows (dW2), from the unquantised A; with UP_WITH_A, dh's up
+        #    columns too, which need A's act(gate) only (one pass fewer, more registers live)
+        d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
+        a, _, d_up = activation_grad_of_rows(
+            h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
+        )
+        a = tl.where(valid, a, 0.0)
+        a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
+        tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
+                 mask=row_ok)  # fmt: skip
+        q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0,
+                              STORED=wa_colt_ptr.dtype.element_ty)  # fmt: skip
+        # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
+        tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
+        tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
+        if GATED and UP_WITH_A:
+            _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I, B_MAX,
+                             B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+        # 2. dh's gate columns (without a gate: dh); 3. its up columns, unless pass 1 stored them
+        for half in tl.static_range(2 if GATED and not UP_WITH_A else 1):
             d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
-            a, _, d_up = activation_grad_of_rows(
+            _, d_gate, d_up = activation_grad_of_rows(
                 h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
             )
-            a = tl.where(valid, a, 0.0)
-            a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
-            tl.store(partial_ptr + rows * stride_part_r + pid_n,
-                     tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1), mask=row_ok)  # fmt: skip
-            q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0,
-                                  STORED=wa_colt_ptr.dtype.element_ty)  # fmt: skip
-            # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
-            tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
-            tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
-            if GATED and UP_WITH_A:
-                _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I,
-                                 B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
-            # 2. dh's gate columns (without a gate: dh); 3. its up columns, unless pass 1 stored them
-            for half in tl.static_range(2 if GATED and not UP_WITH_A else 1):
-                d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
-                _, d_gate, d_up = activation_grad_of_rows(
-                    h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP,
-                    OFFSET,
-                )  # fmt: skip
-                _dh_half_outputs(tl.where(valid, d_gate if half == 0 else d_up, 0.0), half, *dh, rows, row_ok, cols,
-                                 col_ok, pid_m, pid_n, I, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+            _dh_half_outputs(tl.where(valid, d_gate if half == 0 else d_up, 0.0), half, *dh, rows, row_ok, cols,
+                             col_ok, pid_m, pid_n, I, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
 
 
 @triton.jit
@@ -588,48 +531,17 @@ def _dh_half_outputs(
     """One half of dh (0: gate columns, 1: up) of the epilogue's tile, zeros outside the valid rows
     and columns: unquantised into dh_ptr (the fc1 bias's gradient; None without one), 1 x 128 along
     the columns (dX) and 128 x 1 along the rows, stored transposed with padding rows' zeros (dW13)."""
-    _dh_half_rows(d_h, half, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half,
-                  rows, row_ok, cols, col_ok, pid_n, I, MAX, MANTISSA, MIN_EXP, POWER_OF_2)  # fmt: skip
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0, STORED=dh_q_ptr.dtype.element_ty)
-    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q, mask=col_ok[None, :])
-    tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
-
-
-@triton.jit
-def _dh_half_rows(
-    d_h, half, dh_ptr, dh_q_ptr, dh_scale_ptr, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, rows, row_ok,
-    cols, col_ok, pid_n, I, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
-    POWER_OF_2: tl.constexpr,
-):  # fmt: skip
-    """_dh_half_outputs' row-wise part, of any number of the tile's rows: dh unquantised (dh_ptr not
-    None) and quantised 1 x 128 along the columns."""
     valid = row_ok[:, None] & col_ok[None, :]
+    dh_ty = dh_q_ptr.dtype.element_ty
     if dh_ptr is not None:
         tl.store(dh_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], d_h.to(dh_ptr.dtype.element_ty),
                  mask=valid)  # fmt: skip
-    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1, STORED=dh_q_ptr.dtype.element_ty)
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 1, STORED=dh_ty)
     tl.store(dh_q_ptr + rows[:, None] * stride_dh_r + half * I + cols[None, :], q, mask=valid)
     tl.store(dh_scale_ptr + rows * stride_dh_scale_r + half * stride_dh_scale_half + pid_n, s, mask=row_ok)
-
-
-@triton.jit
-def _epilogue_chunk(
-    d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, first_row, cols, col_ok, I, stride_da_r,
-    stride_h_r, CHUNK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr,
-):  # fmt: skip
-    """(rows, row_ok, dA', w * A, A, d_gate, d_up) of CHUNK rows from first_row, as the whole-tile
-    epilogue computes them: zeros outside the valid rows and columns (d_up is d_gate without a gate)."""
-    rows = first_row + tl.arange(0, CHUNK)
-    row_ok = tl.load(row_to_token_ptr + rows) >= 0
-    valid = row_ok[:, None] & col_ok[None, :]
-    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-    d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
-    a, d_gate, d_up = activation_grad_of_rows(
-        h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
-    )
-    a = tl.where(valid, a, 0.0)
-    return rows, row_ok, d_a_prime, w[:, None] * a, a, tl.where(valid, d_gate, 0.0), tl.where(valid, d_up, 0.0)
+    q, s = quantize_block(d_h, MAX, MANTISSA, MIN_EXP, POWER_OF_2, 0, STORED=dh_ty)
+    tl.store(dh_colt_ptr + (half * I + cols[None, :]) * stride_dh_colt + rows[:, None], q, mask=col_ok[None, :])
+    tl.store(dh_col_scale_ptr + pid_m * stride_dh_col_scale + half * I + cols, s, mask=col_ok)
 
 
 @triton.jit
@@ -743,8 +655,6 @@ def fp8_down_dgrad(
                 w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n,
                 SCALE_BLOCK=scale_block, **meta,
             )  # fmt: skip
-        # (UP_WITH_A: the whole tile's pass count; CHUNK 0: the whole tile)
-        tiles = {"UP_WITH_A": False, "CHUNK": 0, **_tiles("down_dgrad_epilogue")}
         _fp8_down_dgrad_epilogue_kernel[(num_rows // scale_block * blocks,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
@@ -753,7 +663,8 @@ def fp8_down_dgrad(
             out["wa_colt"].stride(0), out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m,
             SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
             F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
-            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **tiles,
+            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
+            **_tiles("down_dgrad_epilogue"),
         )  # fmt: skip
     if down_bias is not None and num_rows:
         # 32 rows in 8 warps a program: 128 rows in 4 spilled in an sm_90 compile (255 registers, 1.5 KB
