@@ -35,23 +35,12 @@ def test_on_unless_the_environment_says_0(monkeypatch, setting):
         fp8_hopper.enabled(setting)
 
 
-@pytest.mark.parametrize("out_dtype, out_buffers", [(torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 2)])
-def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype, out_buffers):
-    stages = fp8_hopper.stages_for(out_dtype, out_buffers)
-    tiles = out_buffers * fp8_hopper.BLOCK_M * fp8_hopper.BLOCK_N * out_dtype.itemsize  # the warpgroups' halves
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype):
+    stages = fp8_hopper.stages_for(out_dtype)
+    tiles = fp8_hopper.BLOCK_M * fp8_hopper.BLOCK_N * out_dtype.itemsize  # the two warpgroups' halves
     assert 4 <= stages <= 8  # deep enough to run ahead across a short tile's two K steps
     assert stages * (fp8_hopper.BLOCK_M + fp8_hopper.BLOCK_N) * fp8_hopper.BLOCK_K + tiles <= 227 * 1024
-
-
-def test_two_output_buffers_where_the_environment_says_2_and_outputs_are_16_bit(monkeypatch):
-    monkeypatch.delenv(fp8_hopper.OUT_BUFFERS_SETTING, raising=False)
-    assert fp8_hopper.out_buffers_for(torch.bfloat16) == 1
-    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, "2")
-    assert fp8_hopper.out_buffers_for(torch.bfloat16) == fp8_hopper.out_buffers_for(torch.float16) == 2
-    assert fp8_hopper.out_buffers_for(torch.float32) == 1  # fp32's second half would leave 3 ring stages
-    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, "3")
-    with pytest.raises(ValueError, match=f"{fp8_hopper.OUT_BUFFERS_SETTING}='3'"):
-        fp8_hopper.out_buffers_for(torch.bfloat16)
 
 
 def test_row_gemm_operands_are_views_of_the_halves():
@@ -78,8 +67,7 @@ COMPILED = [
 
 def _compiled_report(compile_call: str) -> tuple[int, ...]:
     """(shared bytes, registers, stack bytes, FP8 wgmma in the PTX, the shortest run of wgmma between
-    waits in the SASS, serialisation warnings in ptxas's log, TMA store waits that leave one store
-    reading its buffer) of a kernel compiled for sm_90 by
+    waits in the SASS, serialisation warnings in ptxas's log) of a kernel compiled for sm_90 by
     `compile_call` (an expression over mok_plugin.bench.inspect's names and torch), in its own process:
     outside the interpreter the test session turns on."""
     code = (
@@ -99,26 +87,19 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
         "steps = re.findall(r'(QGMMA|WARPGROUP.DEPBAR)', sass)\n"
         "runs = [len(run) for run in ''.join('q' if s == 'QGMMA' else ' ' for s in steps).split()]\n"
         "mma = len(re.findall(r'wgmma.mma_async.sync.aligned.m64n128k32.f32.e[45]m[23].e[45]m[23]', k.asm['ptx']))\n"
-        "waits = len(re.findall(r'cp.async.bulk.wait_group.read\\s+1;', k.asm['ptx']))\n"
-        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)),\n"
-        "      waits)\n"
+        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), mma, min(runs), len(re.findall('C751[1-5]', log)))\n"
     )
-    return tuple(map(int, outside_the_interpreter("-c", code).split()[-7:]))
+    return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
 
 
-@pytest.mark.parametrize("out_buffers", ["1", "2"])
 @pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(monkeypatch, kind, a, b, out, epilogue, out_buffers):
+def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
     # Compiled as its launcher specialises the call: its shared memory fits Hopper's 227 KiB, nothing
     # spills, each warpgroup's K step is four FP8 wgmma k32 issued back to back (ptxas serialises a
     # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
-    # ptxas reports no serialised wgmma (C7511-C7515). With two output buffers a warpgroup
-    # (MOK_HOPPER_FP8_OUT_BUFFERS=2, 16-bit outputs) each store waits for all its stores but the last.
+    # ptxas reports no serialised wgmma (C7511-C7515).
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
-    if out_buffers == "2" and out == "float32":
-        pytest.skip("fp32 outputs keep one buffer a warpgroup: the same kernel as with 1")
-    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, out_buffers)  # read by the compile's process
-    shared, registers, stack, mma, shortest_run, serialised, store_waits = _compiled_report(
+    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
         f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
         f"routing={epilogue})"
     )
@@ -126,7 +107,6 @@ def test_compiles_for_sm90_without_a_gpu(monkeypatch, kind, a, b, out, epilogue,
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= fp8_hopper.MAX_REGS
     assert mma == 2 * 4  # the two warpgroups' functions, four k32 steps each
-    assert (store_waits > 0) == (out_buffers == "2")
     assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
     assert serialised == 0
 
@@ -146,8 +126,7 @@ FC1_COMPILED = [
 @pytest.mark.parametrize("arguments, stack_bound", FC1_COMPILED)
 def test_fc1_compiles_for_sm90_without_a_gpu(arguments, stack_bound):
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
-    report = _compiled_report(f"compile_fp8_fc1_hopper({arguments})")
-    shared, registers, stack, mma, shortest_run, serialised = report[:6]
+    shared, registers, stack, mma, shortest_run, serialised = _compiled_report(f"compile_fp8_fc1_hopper({arguments})")
     gated = "gated=False" not in arguments
     assert shared <= 227 * 1024
     assert stack <= stack_bound
@@ -237,22 +216,12 @@ WGRAD_CASES = [
 PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs")]
 
 
-@pytest.fixture(params=["1", "2"], ids=["one_out_buffer", "two_out_buffers"])
-def out_buffers(request, monkeypatch):
-    """The Gluon kernels with one or two output buffers a warpgroup (MOK_HOPPER_FP8_OUT_BUFFERS; two
-    for 16-bit outputs only, so an fp32 output's case with two is its case with one)."""
-    monkeypatch.setenv(fp8_hopper.OUT_BUFFERS_SETTING, request.param)
-    return request.param
-
-
 @hopper_only
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
-def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, out_buffers, programs, out_dtype, M, N, E, T, K, kind,
-                                                    left, right):  # fmt: skip
-    if out_buffers == "2" and out_dtype == torch.float32:
-        pytest.skip("fp32 outputs keep one buffer a warpgroup: the same kernel as with 1")
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, programs, out_dtype, M, N, E, T, K, kind, left,
+                                                    right):  # fmt: skip
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
     want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
@@ -310,7 +279,7 @@ ROWS_CASES = [
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, out_buffers, programs, bias, H, I, E, T, K, kind):
+def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, programs, bias, H, I, E, T, K, kind):
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, a, a_s, w2, w2_s, g = _rows_case(H, I, E, T, K, kind, gated=False, a_fmt="e4m3")
     weights = torch.rand(T, K, generator=g).softmax(-1).cuda()
@@ -328,7 +297,7 @@ def test_fc2_forward_bitwise_the_triton_kernel(monkeypatch, out_buffers, program
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("gated, a_fmt", [(True, "e4m3"), (True, "e5m2"), (False, "e4m3")])
 @pytest.mark.parametrize("H, I, E, T, K, kind", ROWS_CASES)
-def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, out_buffers, programs, gated, a_fmt, H, I, E, T, K, kind):
+def test_fc1_dgrad_bitwise_the_triton_kernel(monkeypatch, programs, gated, a_fmt, H, I, E, T, K, kind):
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     sched, dh, dh_s, w13, w13_s, _ = _rows_case(H, I, E, T, K, kind, gated=gated, a_fmt=a_fmt)
 
@@ -456,7 +425,7 @@ def test_fc1_forward_with_no_tokens_keeps_the_triton_kernel(monkeypatch):
 
 @hopper_only
 @pytest.mark.parametrize("family_name, I", [("swiglu", 384), ("gpt_oss", 192), ("mlp_gelu_bias", 256), ("swiglu", 200)])
-def test_the_fp8_experts_give_the_same_results(monkeypatch, out_buffers, family_name, I):
+def test_the_fp8_experts_give_the_same_results(monkeypatch, family_name, I):
     # Forward and backward (hybrid recipe) with the Gluon kernels on (the defaults) against the Triton
     # ones: the same output and gradients, bit for bit. fc1's forward split where I is a multiple of 128
     # (384, 256), by its fused kernel at 192; I = 200: not a multiple of 16, so the I-wide rows cannot be

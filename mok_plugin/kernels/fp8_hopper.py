@@ -56,11 +56,9 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
-    "OUT_BUFFERS_SETTING",
     "ROWS_SETTING",
     "WGRAD_SETTING",
     "enabled",
-    "out_buffers_for",
     "fp8_rows_hopper",
     "fp8_wgrad_hopper",
     "row_gemm_operands",
@@ -77,27 +75,14 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
-OUT_BUFFERS_SETTING = "MOK_HOPPER_FP8_OUT_BUFFERS"  # 2: two output halves a warpgroup (16-bit outputs)
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
-def stages_for(out_dtype: torch.dtype, out_buffers: int = 1) -> int:
+def stages_for(out_dtype: torch.dtype) -> int:
     """The ring's depth: as many FP8 operand stages (a 128-row A block and a 128-row B block of 128
-    bytes each) as fit beside the two warpgroups' output halves (out_buffers each) in Hopper's shared
-    memory, at most 8."""
+    bytes each) as fit beside the two warpgroups' output halves in Hopper's shared memory, at most 8."""
     stage = (BLOCK_M + BLOCK_N) * BLOCK_K  # one byte an FP8 element
-    return min(8, (SHARED_BYTES - BARRIER_BYTES - out_buffers * BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
-
-
-def out_buffers_for(out_dtype: torch.dtype) -> int:
-    """Output halves a warpgroup: OUT_BUFFERS_SETTING (unset: 1). With 2, a warpgroup's store waits only
-    for its store before last, so that its stores stay queued while it computes the next tile (at
-    deepseek-v3's 2 K steps a tile the weight gradients wait on dW's stores: BENCHMARKS.md, f13); for
-    16-bit outputs only (fp32's second half would leave 3 ring stages)."""
-    value = os.environ.get(OUT_BUFFERS_SETTING, "1")
-    if value not in ("1", "2"):
-        raise ValueError(f"{OUT_BUFFERS_SETTING}={value!r}: expected 1 (the default) or 2")
-    return 2 if value == "2" and out_dtype.itemsize == 2 else 1
+    return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
 
 
 def enabled(setting: str) -> bool:
@@ -295,11 +280,10 @@ if gluon is not None:
 
     @gluon.jit
     def finish_half(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, ROWS: gl.constexpr,
-                    BIAS: gl.constexpr, ROUTING: gl.constexpr, PENDINGS: gl.constexpr):  # fmt: skip
+                    BIAS: gl.constexpr, ROUTING: gl.constexpr):  # fmt: skip
         """A warpgroup's half of a tile through fc2's epilogue where asked (`+ b2[expert]`,
         `* topk_weights[row_to_tk[r]]`, as `fp8_mlp._fp8_down_fwd_kernel`), then out by wgrad_hopper's
-        asynchronous TMA store (clipped at the output's edges, once at most PENDINGS of this warpgroup's
-        stores still read their buffers). Row tiles of padding (expert < 0)
+        asynchronous TMA store, which clips at the output's edges. Row tiles of padding (expert < 0)
         are neither computed nor stored; padding rows inside a real tile are written, with values of
         no meaning (the Triton kernels leave them; nothing reads them)."""
         if ROWS:
@@ -317,31 +301,28 @@ if gluon is not None:
                     tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
                     w = spread(topk_weights_ptr, tk, tk >= 0, gl.SliceLayout(1, acc.type.layout))
                     acc = acc * w[:, None]
-                store_tile(out_desc, c_smem, acc, expert * 0, m0, n0, PENDINGS)  # out_desc: the rows as [1, R, N]
+                store_tile(out_desc, c_smem, acc, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
         else:
-            store_tile(out_desc, c_smem, acc, expert, m0, n0, PENDINGS)  # out_desc: dW [E, M, N], clipped at each M
+            store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
-    def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_bufs, ROWS: gl.constexpr,
+    def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
                         BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
         """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program. Each K step:
         wait for the stage, its MMA, wait for that, free the stage (once both warpgroups have: the
         empty barriers count two), promote. The product's registers are reused by every MMA (not read:
-        use_acc=False), so nothing is copied or in flight across the loop. Finished halves go out through
-        c_bufs' OUT_BUFFERS buffers ([B, HALF, BN]) in turn."""
+        use_acc=False), so nothing is copied or in flight across the loop."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = a_bufs.type.shape[0]
-        B: gl.constexpr = c_bufs.type.shape[0]
-        HALF: gl.constexpr = c_bufs.type.shape[1]
-        BN: gl.constexpr = c_bufs.type.shape[2]
+        HALF: gl.constexpr = c_smem.type.shape[0]
+        BN: gl.constexpr = c_smem.type.shape[1]
         BM: gl.constexpr = 2 * HALF
         BK: gl.constexpr = a_bufs.type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 32])  # fmt: skip
         partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
         c = 0
-        stored = 0  # this warpgroup's stores so far (a row tile of padding is not stored)
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             m_half = m0 + WHICH * HALF
@@ -355,12 +336,7 @@ if gluon is not None:
                                         b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
                 mbarrier.arrive(empty.index(idx), count=1)
                 acc = promote(acc, partial, values, ROWS)
-            finish_half(out_desc, c_bufs.index(stored % B), acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS,
-                        ROUTING, B - 1)  # fmt: skip
-            if ROWS:
-                stored += (expert >= 0).to(gl.int32)
-            else:
-                stored += 1
+            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
 
@@ -384,14 +360,13 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, OUT_BUFFERS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
         ready, empty = stage_barriers(STAGES)
-        halves: gl.constexpr = [OUT_BUFFERS] + out_desc.block_type.shape[1:]  # a warpgroup's output buffers
-        c0_smem = gl.allocate_shared_memory(out_desc.dtype, halves, C_LAYOUT)
-        c1_smem = gl.allocate_shared_memory(out_desc.dtype, halves, C_LAYOUT)
+        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         bufs, bars = (a_bufs, b_bufs), (ready, empty)
         gl.warp_specialize(
             [
@@ -411,17 +386,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, OUT_BUFFERS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr, OUT_BUFFERS: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, OUT_BUFFERS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -441,18 +416,16 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
 def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
                      routing: bool = False) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
-    fc2's epilogue's parts; the output buffers `out_buffers_for` says): what the launchers pass, and what
-    `mok bench inspect` compiles for sm_90 without a GPU."""
-    out_buffers = out_buffers_for(out_dtype)
+    fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles for sm_90
+    without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
         "C_LAYOUT": shared_layout((HALF_M, BLOCK_N), out_dtype),
-        "STAGES": stages_for(out_dtype, out_buffers),
+        "STAGES": stages_for(out_dtype),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
-        "OUT_BUFFERS": out_buffers,
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 

@@ -163,11 +163,10 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def store_tile(out_desc, c_smem, acc, expert, m0, n0, PENDINGS: gl.constexpr = 0):
+    def store_tile(out_desc, c_smem, acc, expert, m0, n0):
         """The finished tile to dW by an asynchronous TMA store, once c_smem's previous store has
-        left (c_smem one of several buffers taken in turn: once at most PENDINGS of this partition's
-        stores still read theirs); the store clips the tile at M and N."""
-        tma.store_wait(PENDINGS)
+        left; the store clips the tile at M and N."""
+        tma.store_wait(0)
         c_smem.store(acc.to(out_desc.dtype))
         fence_async_shared()
         # the same bytes seen as the descriptor's 3-D block [1, BM, BN]
