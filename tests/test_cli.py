@@ -29,7 +29,7 @@ def test_mok_help_lists_every_command(capsys):
     for command in ("compare", "plan", "bench", "patch"):
         assert command in out
     out = _help(capsys, ["bench", "--help"])
-    for benchmark in ("layer", "tune", "inspect", "ep", "multi-gpu", "fp8", "host"):
+    for benchmark in ("layer", "tune", "inspect", "ep", "multi-gpu", "fp8", "host", "wgrad-rows"):
         assert benchmark in out
 
 
@@ -43,6 +43,7 @@ def test_mok_help_lists_every_command(capsys):
         pytest.param(["bench", "multi-gpu"], "usage: mok bench multi-gpu", "--job-timeout-s", id="bench_multi_gpu"),
         pytest.param(["bench", "fp8"], "usage: mok bench fp8", "--recipe", id="bench_fp8"),
         pytest.param(["bench", "host"], "usage: mok bench host", "--tokens", id="bench_host"),
+        pytest.param(["bench", "wgrad-rows"], "usage: mok bench wgrad-rows", "--rows", id="bench_wgrad_rows"),
         pytest.param(["patch"], "usage: mok patch", "--target", id="patch"),
     ],
 )

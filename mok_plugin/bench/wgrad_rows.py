@@ -1,0 +1,142 @@
+"""The weight-gradient kernels alone at few rows an expert: the same FLOPs spread over more or fewer
+experts, against the time to write dW alone.
+
+At deepseek-v3's 256 rows an expert the weight gradients sit well above both their stores and their
+MMAs, FP8's as bf16's (BENCHMARKS.md, "f10-f12 on an H100"): this separates the two. Each row keeps
+`--rows` rows in all (so the same FLOPs, 2 * M * N * rows) and splits them evenly over E experts, so
+dW's bytes (E * M * N) grow as the rows an expert shrink; "fill" is `dW.fill_` of the same tensor, the
+rate at which the GPU writes it with nothing else to do.
+
+    mok bench wgrad-rows                                   # deepseek-v3's dW13: M 7168, N 4096, 32768 rows
+    mok bench wgrad-rows --mn 2048,7168 --rows-per-expert 256   # its dW2
+    mok bench wgrad-rows --kernels fp8 --out-dtypes bfloat16 float32
+    # kernels: fp8 (fp8_mlp.fp8_wgrad: the Gluon kernel on Hopper), bf16 (wgrad_hopper's Gluon kernel,
+    # both schedules)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mok_plugin.bench.timing import SETTLE_S, time_ms
+
+__all__ = ["build_parser", "main"]
+
+KERNELS = ("fp8", "bf16")
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--mn", type=_pair, default=(7168, 4096),
+                        help="dW's M,N (default 7168,4096: deepseek-v3's dW13, H by 2I)")  # fmt: skip
+    parser.add_argument("--rows", type=int, default=32768, help="rows in all, split over the experts (a multiple of "
+                        "every --rows-per-expert)")  # fmt: skip
+    parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[128, 256, 512, 1024],
+                        help="multiples of 128")  # fmt: skip
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--out-dtypes", nargs="+", choices=list(OUT_DTYPES), default=["bfloat16"],
+                        help="dW's dtype (the FP8 kernel's; the bf16 kernel writes bf16)")  # fmt: skip
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    return parser
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected M,N (two integers)") from None
+    return m, n
+
+
+def check_rows(total: int, per_expert: list[int]) -> None:
+    """A ValueError naming the value unless every rows-per-expert is a positive multiple of 128 (the
+    kernels' K block) dividing `total`."""
+    for rows in per_expert:
+        if rows <= 0 or rows % 128 or total % rows:
+            raise ValueError(f"--rows-per-expert {rows}: needs a positive multiple of 128 dividing --rows {total}")
+
+
+def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int, rows: int):
+    """(label, out dtype, the call) for each kernel asked for, on operands of `rows` rows an expert."""
+    from mok_plugin.kernels import fp8_mlp, wgrad_hopper
+
+    experts = total // rows
+    offsets = torch.arange(experts + 1, device="cuda", dtype=torch.int64) * rows
+    counts = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if "fp8" in kernels:  # the layer's layout: quantised 128 x 1 along the rows, stored transposed
+        left = (torch.randn(m, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+        right = (torch.randn(n, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+        left_s = torch.rand(total // 128, m, device="cuda", generator=g) + 0.5
+        right_s = torch.rand(total // 128, n, device="cuda", generator=g) + 0.5
+        for name in out_dtypes:
+            out = OUT_DTYPES[name]
+            yield f"fp8 -> {name}", out, lambda out=out: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets,
+                                                                            counts, out_dtype=out)  # fmt: skip
+        del left, right
+    if "bf16" in kernels and torch.cuda.get_device_capability()[0] != 9:
+        print("(the bf16 kernel is Hopper's: not timed on this GPU)")
+    elif "bf16" in kernels:  # bf16 rows in schedule order, as the layer's Gluon path reads them
+        left_rows = torch.randn(total, m, device="cuda", dtype=torch.bfloat16, generator=g)
+        right_rows = torch.randn(total, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        d_w = torch.empty(experts, m, n, device="cuda", dtype=torch.bfloat16)
+        for schedule in wgrad_hopper.SCHEDULES:
+
+            def call(schedule: str = schedule) -> torch.Tensor:
+                wgrad_hopper.expert_wgrad_hopper(left_rows, right_rows, d_w, offsets, counts, schedule)
+                return d_w
+
+            yield f"bf16 {schedule}", torch.bfloat16, call
+
+
+def _median_ms(fn: Callable[[], object], iters: int, settle_s: float) -> float:
+    return statistics.median(time_ms(fn, iters, settle_s=settle_s))
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Time every case; 0 on success, 2 without a CUDA GPU."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        check_rows(args.rows, args.rows_per_expert)
+    except ValueError as error:
+        parser.error(str(error))
+    if not torch.cuda.is_available():
+        print("mok bench wgrad-rows needs a CUDA GPU", file=sys.stderr)
+        return 2
+    m, n = args.mn
+    flop = 2 * m * n * args.rows
+    results = []
+    print(f"{'E':>5} {'rows/e':>6} {'kernel':<16} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
+    for rows in args.rows_per_expert:
+        experts = args.rows // rows
+        fills: dict[torch.dtype, float] = {}
+        for label, out, call in _cases(args.kernels, args.out_dtypes, m, n, args.rows, rows):
+            ms = _median_ms(call, args.iters, args.settle_s)
+            if out not in fills:
+                d_w = call()
+                fills[out] = _median_ms(lambda d_w=d_w: d_w.fill_(1.0), args.iters, 0.0)
+                del d_w
+            gb = experts * m * n * out.itemsize / 1e9
+            results.append({"experts": experts, "rows per expert": rows, "kernel": label, "ms": ms,
+                            "TFLOP/s": flop / ms / 1e9, "dW GB": gb, "fill ms": fills[out]})  # fmt: skip
+            print(f"{experts:5d} {rows:6d} {label:<16} {ms:8.3f} {flop / ms / 1e9:8.1f} {gb:7.2f} {fills[out]:8.3f}")
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_wgrad_rows.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows,
+                                                                "results": results}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
