@@ -364,7 +364,14 @@ def exit_without_teardown() -> None:
     """Leave a spawned rank's process once everything it reports is written (flushed here) and its
     work is done, skipping C++ teardown: a gloo rank whose process group is destroyed at interpreter
     exit can abort ("terminate called without an active exception") while another rank is still
-    closing, failing a run that passed."""
+    closing, failing a run that passed. The rank's own child processes are ended first: `os._exit`
+    skips the exit handlers that would, and Megatron's torch_dist checkpoint save starts one (a
+    multiprocessing Manager for its write results) that would otherwise outlive the run."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
