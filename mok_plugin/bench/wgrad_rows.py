@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,7 +82,6 @@ def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int
             out = OUT_DTYPES[name]
             yield f"fp8 -> {name}", out, lambda out=out: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets,
                                                                             counts, out_dtype=out)  # fmt: skip
-        del left, right
     if "bf16" in kernels and torch.cuda.get_device_capability()[0] != 9:
         print("(the bf16 kernel is Hopper's: not timed on this GPU)")
     elif "bf16" in kernels:  # bf16 rows in schedule order, as the layer's Gluon path reads them
@@ -97,10 +95,6 @@ def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int
                 return d_w
 
             yield f"bf16 {schedule}", torch.bfloat16, call
-
-
-def _median_ms(fn: Callable[[], object], iters: int, settle_s: float) -> float:
-    return statistics.median(time_ms(fn, iters, settle_s=settle_s))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -122,15 +116,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         experts = args.rows // rows
         fills: dict[torch.dtype, float] = {}
         for label, out, call in _cases(args.kernels, args.out_dtypes, m, n, args.rows, rows):
-            ms = _median_ms(call, args.iters, args.settle_s)
-            if out not in fills:
+            ms = statistics.median(time_ms(call, args.iters, settle_s=args.settle_s))
+            if out not in fills:  # the write rate of the same dW, once a dtype
                 d_w = call()
-                fills[out] = _median_ms(lambda d_w=d_w: d_w.fill_(1.0), args.iters, 0.0)
+                fills[out] = statistics.median(time_ms(lambda d_w=d_w: d_w.fill_(1.0), args.iters))
                 del d_w
-            gb = experts * m * n * out.itemsize / 1e9
-            results.append({"experts": experts, "rows per expert": rows, "kernel": label, "ms": ms,
-                            "TFLOP/s": flop / ms / 1e9, "dW GB": gb, "fill ms": fills[out]})  # fmt: skip
-            print(f"{experts:5d} {rows:6d} {label:<16} {ms:8.3f} {flop / ms / 1e9:8.1f} {gb:7.2f} {fills[out]:8.3f}")
+            row = {"experts": experts, "rows per expert": rows, "kernel": label, "ms": ms, "TFLOP/s": flop / ms / 1e9,
+                   "dW GB": experts * m * n * out.itemsize / 1e9, "fill ms": fills[out]}  # fmt: skip
+            results.append(row)
+            print(f"{experts:5d} {rows:6d} {label:<16} {ms:8.3f} {row['TFLOP/s']:8.1f} {row['dW GB']:7.2f} "
+                  f"{row['fill ms']:8.3f}")  # fmt: skip
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_wgrad_rows.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows,
