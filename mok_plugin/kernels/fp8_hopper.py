@@ -45,7 +45,13 @@ from mok_plugin.kernels.wgrad_hopper import _num_sms
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mok_plugin.kernels.wgrad_hopper import store_tile, tile_of
@@ -56,6 +62,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
+    "PIPELINE_SETTING",
     "ROWS_SETTING",
     "WGRAD_SETTING",
     "enabled",
@@ -75,6 +82,7 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
+PIPELINE_SETTING = "MOK_HOPPER_FP8_PIPELINE"  # 0: each step's MMA waited on before the next is issued
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
@@ -306,12 +314,82 @@ if gluon is not None:
             store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
+    def no_scales(scales, ROWS: gl.constexpr):
+        """Zeros shaped as `step_scales`' values: the step before the first, which nothing promotes."""
+        rows = gl.zeros_like(scales[0], dtype=gl.float32)
+        if ROWS:
+            values = rows
+        else:
+            values = (rows, gl.zeros_like(scales[2], dtype=gl.float32))
+        return values
+
+    @gluon.jit
+    def mma_of(a_bufs, b_bufs, ready, c, s, registers, WHICH: gl.constexpr):
+        """Step s's MMA of this warpgroup's half, issued once its stage is in (asynchronous: a token)."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        HALF: gl.constexpr = registers.type.shape[0]
+        idx = (c + s) % S
+        mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+        return warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF), b_bufs.index(idx).permute((1, 0)),
+                             registers, use_acc=False, is_async=True)  # fmt: skip
+
+    @gluon.jit
+    def pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work, WHICH: gl.constexpr,
+                        ROWS: gl.constexpr):  # fmt: skip
+        """(acc, products) after a tile's steps, step s's MMA issued before step s - 1's product is
+        promoted. `products`: two sets of registers, for even steps and odd ones, two steps an iteration
+        and kept across tiles: a set that changed places every step, or shared a first value with acc,
+        would be copied while an MMA writes it, and ptxas would serialise every wgmma (C7514, C7515).
+        Step 2q - 1's MMA runs into iteration q."""
+        S: gl.constexpr = a_bufs.type.shape[0]
+        even, odd_done = products
+        odd = warpgroup_mma_init(odd_done)
+        odd_values = no_scales(scales, ROWS)
+        pairs = steps // 2
+        for q in range(pairs):
+            s = 2 * q
+            even_values = step_scales(s, scales, work, ROWS)
+            even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
+            odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait for)
+            if q > 0:
+                mbarrier.arrive(empty.index((c + s - 1) % S), count=1)
+                acc = promote(acc, odd_done, odd_values, ROWS)
+            odd_values = step_scales(s + 1, scales, work, ROWS)
+            odd = mma_of(a_bufs, b_bufs, ready, c, s + 1, odd_done, WHICH)
+            even = warpgroup_mma_wait(1, deps=[even_mma])  # step s's
+            mbarrier.arrive(empty.index((c + s) % S), count=1)
+            acc = promote(acc, even, even_values, ROWS)
+        if steps % 2 == 1:  # the last step, on the even set
+            s = steps - 1
+            even_values = step_scales(s, scales, work, ROWS)
+            even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
+            odd_done = warpgroup_mma_wait(1, deps=[odd])
+            if pairs > 0:
+                mbarrier.arrive(empty.index((c + s - 1) % S), count=1)
+                acc = promote(acc, odd_done, odd_values, ROWS)
+            even = warpgroup_mma_wait(0, deps=[even_mma])
+            mbarrier.arrive(empty.index((c + s) % S), count=1)
+            acc = promote(acc, even, even_values, ROWS)
+        else:
+            odd_done = warpgroup_mma_wait(0, deps=[odd])
+            if pairs > 0:
+                mbarrier.arrive(empty.index((c + steps - 1) % S), count=1)
+                acc = promote(acc, odd_done, odd_values, ROWS)
+        return acc, (even, odd_done)
+
+    @gluon.jit
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr,
+                        PIPELINE: gl.constexpr):  # fmt: skip
         """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program. Each K step:
         wait for the stage, its MMA, wait for that, free the stage (once both warpgroups have: the
-        empty barriers count two), promote. The product's registers are reused by every MMA (not read:
-        use_acc=False), so nothing is copied or in flight across the loop."""
+        empty barriers count two), promote.
+
+        With PIPELINE the MMA of step s is issued before step s - 1's product is promoted, into the other
+        of two sets of product registers, so that the tensor cores work through the promote (Proton on an
+        H100: a step took ~1,300 cycles of which the MMA ~400 and the promote ~400, both warpgroups in step,
+        the tensor cores idle for the rest). The sums and their order are unchanged: the same bits.
+        Without it one set is reused by every MMA, nothing in flight across the loop."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = a_bufs.type.shape[0]
@@ -322,20 +400,27 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 32])  # fmt: skip
         partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+        # PIPELINE's two sets: first values of their own (the MMAs overwrite them: use_acc=False)
+        products = (gl.full((HALF, BN), 1.0, gl.float32, layout=acc_layout),
+                    gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             m_half = m0 + WHICH * HALF
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
             scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
-            for s in range(steps):
-                idx = (c + s) % S
-                values = step_scales(s, scales, work, ROWS)
-                mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-                partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
-                                        b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
-                mbarrier.arrive(empty.index(idx), count=1)
-                acc = promote(acc, partial, values, ROWS)
+            if PIPELINE:
+                acc, products = pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
+                                                WHICH, ROWS)  # fmt: skip
+            else:
+                for s in range(steps):
+                    idx = (c + s) % S
+                    values = step_scales(s, scales, work, ROWS)
+                    mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+                    partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
+                                            b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
+                    mbarrier.arrive(empty.index(idx), count=1)
+                    acc = promote(acc, partial, values, ROWS)
             finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
@@ -360,7 +445,7 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
@@ -371,9 +456,9 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
-                                   ROUTING, 0)),  # fmt: skip
+                                   ROUTING, 0, PIPELINE)),  # fmt: skip
                 (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
-                                   ROUTING, 1)),  # fmt: skip
+                                   ROUTING, 1, PIPELINE)),  # fmt: skip
                 (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
@@ -386,17 +471,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, PIPELINE)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, PIPELINE)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -426,6 +511,7 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
+        "PIPELINE": enabled(PIPELINE_SETTING),
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
