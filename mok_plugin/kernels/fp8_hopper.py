@@ -19,17 +19,20 @@ because each K step's product must be scaled before it is added, so every step w
 (`warp_group_dot_wait {pendings = 0}`) and nothing overlaps it: the program's warps wait for their
 MMA, then all promote, then all issue the next. Here, as DeepGEMM does it: one loader warp streams both
 operands through TMA into a ring of stages running ahead across tiles, and two MMA warpgroups, in
-partitions of their own, each take one half (64 rows) of every 128 x 128 tile. Each waits for its own
-step's MMA and promotes it, but as the two are not in step, one's promotion runs under the other's
-MMA; a stage is freed once both have read it. Finished halves leave through asynchronous TMA stores.
-(A first version overlapped within a warpgroup, two products in flight; ptxas serialised its wgmmas
-whenever the compiler copied a product still being written, which it did by the code's shape: C7514.)
+partitions of their own, each take one half (64 rows) of every 128 x 128 tile. Each issues step s's
+MMA before it promotes step s - 1's product (`pipelined_steps`: two sets of product registers), so the
+tensor cores work through the promotions; a stage is freed once both have read it. Finished halves
+leave through asynchronous TMA stores. (The two warpgroups alone do not hide each other's promotion:
+they run in step, Proton found on an H100; taking the MMAs in turn was slower, BENCHMARKS.md f14.
+A first in-warpgroup overlap swapped its two sets every step; the compiler copied a product still
+being written and ptxas serialised every wgmma, C7514: the sets now keep to even and odd steps.)
 
 On by default on Hopper (`usable`); `MOK_HOPPER_FP8_WGRAD=0` / `MOK_HOPPER_FP8_ROWS=0` keep the Triton
 kernels (`enabled`). Written without a GPU (2026-12-04); on the H200 (2026-12-05, 4aaa485) bitwise the
 Triton kernels (tests/test_fp8_hopper.py) and faster on every shape: forward + backward with the weights
 kept 9.16 -> 7.59 ms on qwen3-30b-a3b, 32.72 -> 24.60 on mixtral-8x7b, 45.68 -> 33.73 on deepseek-v3
-(with fc1's forward split; BENCHMARKS.md, f6).
+(with fc1's forward split; BENCHMARKS.md, f6); with the pipelined steps (7e6c7b9, two rounds each)
+7.55 -> 7.03, 24.50 -> 23.64, 32.78 -> 31.58 (f15).
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
-    "PIPELINE_SETTING",
     "ROWS_SETTING",
     "WGRAD_SETTING",
     "enabled",
@@ -82,7 +84,6 @@ MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
-PIPELINE_SETTING = "MOK_HOPPER_FP8_PIPELINE"  # 0: each step's MMA waited on before the next is issued
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
@@ -337,10 +338,12 @@ if gluon is not None:
     def pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work, WHICH: gl.constexpr,
                         ROWS: gl.constexpr):  # fmt: skip
         """(acc, products) after a tile's steps, step s's MMA issued before step s - 1's product is
-        promoted. `products`: two sets of registers, for even steps and odd ones, two steps an iteration
-        and kept across tiles: a set that changed places every step, or shared a first value with acc,
-        would be copied while an MMA writes it, and ptxas would serialise every wgmma (C7514, C7515).
-        Step 2q - 1's MMA runs into iteration q."""
+        promoted, so that the warpgroup's ~128 scaling instructions a thread run under an MMA (waited on
+        after each MMA, a step took ~1,300 cycles on an H100, the MMAs ~500 of them). `products`: two
+        sets of registers, for even steps and odd ones, two steps an iteration and kept across tiles: a
+        set that changed places every step, or shared a first value with acc, would be copied while an
+        MMA writes it, and ptxas would serialise every wgmma (C7514, C7515). Step 2q - 1's MMA runs into
+        iteration q. The sums and their order are those of one step at a time: the same bits."""
         S: gl.constexpr = a_bufs.type.shape[0]
         even, odd_done = products
         odd = warpgroup_mma_init(odd_done)
@@ -379,28 +382,19 @@ if gluon is not None:
 
     @gluon.jit
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr,
-                        PIPELINE: gl.constexpr):  # fmt: skip
-        """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program. Each K step:
-        wait for the stage, its MMA, wait for that, free the stage (once both warpgroups have: the
-        empty barriers count two), promote.
-
-        With PIPELINE the MMA of step s is issued before step s - 1's product is promoted, into the other
-        of two sets of product registers, so that the tensor cores work through the promote (Proton on an
-        H100: a step took ~1,300 cycles of which the MMA ~400 and the promote ~400, both warpgroups in step,
-        the tensor cores idle for the rest). The sums and their order are unchanged: the same bits.
-        Without it one set is reused by every MMA, nothing in flight across the loop."""
+                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+        """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program, its K steps
+        by `pipelined_steps`, then out by `finish_half`."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
         HALF: gl.constexpr = c_smem.type.shape[0]
         BN: gl.constexpr = c_smem.type.shape[1]
         BM: gl.constexpr = 2 * HALF
         BK: gl.constexpr = a_bufs.type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 32])  # fmt: skip
-        partial = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-        # PIPELINE's two sets: first values of their own (the MMAs overwrite them: use_acc=False)
+        # the two sets of product registers: first values of their own, not acc's zeros (the MMAs
+        # overwrite them: use_acc=False)
         products = (gl.full((HALF, BN), 1.0, gl.float32, layout=acc_layout),
                     gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
         c = 0
@@ -409,18 +403,8 @@ if gluon is not None:
             m_half = m0 + WHICH * HALF
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
             scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
-            if PIPELINE:
-                acc, products = pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
-                                                WHICH, ROWS)  # fmt: skip
-            else:
-                for s in range(steps):
-                    idx = (c + s) % S
-                    values = step_scales(s, scales, work, ROWS)
-                    mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-                    partial = warpgroup_mma(a_bufs.index(idx).slice(WHICH * HALF, HALF),
-                                            b_bufs.index(idx).permute((1, 0)), partial, use_acc=False)  # fmt: skip
-                    mbarrier.arrive(empty.index(idx), count=1)
-                    acc = promote(acc, partial, values, ROWS)
+            acc, products = pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
+                                            WHICH, ROWS)  # fmt: skip
             finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
@@ -445,7 +429,7 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
         a_bufs = stages_of(a0_desc, STAGES)
         b_bufs = stages_of(b0_desc, STAGES)
@@ -456,9 +440,9 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
-                                   ROUTING, 0, PIPELINE)),  # fmt: skip
+                                   ROUTING, 0)),  # fmt: skip
                 (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
-                                   ROUTING, 1, PIPELINE)),  # fmt: skip
+                                   ROUTING, 1)),  # fmt: skip
                 (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
@@ -471,17 +455,17 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, PIPELINE)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                 BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                 STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                MMA_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
+                                MMA_REGS: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, True, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, PIPELINE)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
 
     GL_DTYPES = {
         torch.float8_e4m3fn: gl.float8e4nv,
@@ -511,7 +495,6 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
-        "PIPELINE": enabled(PIPELINE_SETTING),
     }
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
