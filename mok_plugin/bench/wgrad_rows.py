@@ -10,6 +10,7 @@ rate at which the GPU writes it with nothing else to do.
     mok bench wgrad-rows                                   # deepseek-v3's dW13: M 7168, N 4096, 32768 rows
     mok bench wgrad-rows --mn 2048,7168 --rows-per-expert 256   # its dW2
     mok bench wgrad-rows --kernels fp8 --out-dtypes bfloat16 float32
+    mok bench wgrad-rows --profile --rows-per-expert 256 1024   # kilocycles per tile in each part (Proton)
     # kernels: fp8 (fp8_mlp.fp8_wgrad: the Gluon kernel on Hopper), bf16 (wgrad_hopper's Gluon kernel,
     # both schedules)
 """
@@ -46,6 +47,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--profile", action="store_true", help="instead: where the FP8 kernel's cycles go, per "
+                        "tile, from one launch under Proton's instrumentation (Hopper; kernel_scopes.py)")  # fmt: skip
     return parser
 
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print("mok bench wgrad-rows needs a CUDA GPU", file=sys.stderr)
         return 2
     m, n = args.mn
+    if args.profile:
+        return _profile(m, n, args.rows, args.rows_per_expert, args.out)
     flop = 2 * m * n * args.rows
     results = []
     print(f"{'E':>5} {'rows/e':>6} {'kernel':<16} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
@@ -130,6 +135,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_wgrad_rows.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows,
                                                                 "results": results}, indent=2))  # fmt: skip
+    return 0
+
+
+def _profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) -> int:
+    """Print and save kernel_scopes.profile's table; 2 off Hopper (the Gluon kernel is sm_90's)."""
+    from mok_plugin.bench import kernel_scopes
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        print("mok bench wgrad-rows --profile needs a Hopper GPU (the Gluon FP8 kernel)", file=sys.stderr)
+        return 2
+    tables = kernel_scopes.profile(m, n, total, rows_per_expert, out)
+    print(f"{'rows/e':>6} {'warps':<7} {'scope':<16} {'kilocycles':>10}  (an MMA warp's a tile, the loader's a K step)")
+    for rows, table in tables.items():
+        for role, scopes in sorted(table.items()):
+            for scope, value in sorted(scopes.items()):
+                print(f"{rows:6d} {role:<7} {scope:<16} {value:10.3f}")
+    (out / "bench_wgrad_profile.json").write_text(json.dumps({"M": m, "N": n, "rows": total, "per tile": tables},
+                                                             indent=2))  # fmt: skip
     return 0
 
 
