@@ -153,7 +153,7 @@ def test_fp8_experts_take_the_fp8_rate_and_keep_weight_copies():
 
 
 def test_fp8_on_hopper_takes_the_measured_speed_not_the_fp8_peak():
-    # MoK's FP8 experts measured on the H200 run at 1.13-1.21x bf16's speed (BENCHMARKS.md), far from the
+    # MoK's FP8 experts measured on the H200 run at 1.20-1.29x bf16's speed (BENCHMARKS.md), far from the
     # datasheet's 2x: a plan on a Hopper machine takes the measured speed, not the FP8 peak.
     data = yaml.safe_load((TOPOLOGIES / "qwen3-30b-a3b_hgx-h200_ep8.yaml").read_text())
     data["mok"].pop("fp8", None)

@@ -91,10 +91,11 @@ _H100 = (
 )
 
 # mok.fp8 on Hopper (sm_90, the H200's kernels on the H100 too): bf16 time / FP8 time, forward + backward
-# with the weights kept, 1.13 on qwen3-30b-a3b, 1.21 on mixtral-8x7b and deepseek-v3 with the Gluon FP8
-# kernels (BENCHMARKS.md, "FP8 on Hopper in Gluon, measured", commit 4aaa485; 0.90-0.93 with the Triton
-# ones at d9c430a); the smallest of the three. Remeasure when the FP8 kernels change.
-HOPPER_FP8_SPEEDUP = 1.13
+# with the weights kept, 1.20-1.22 on qwen3-30b-a3b, 1.27-1.29 on mixtral-8x7b, 1.26-1.28 on deepseek-v3
+# with the Gluon FP8 kernels' pipelined steps (BENCHMARKS.md, "f14-f15 and a K step's cycles", commit
+# 7e6c7b9; 1.13-1.21 at 4aaa485, 0.90-0.93 with the Triton kernels at d9c430a); the smallest of the
+# three. Remeasure when the FP8 kernels change.
+HOPPER_FP8_SPEEDUP = 1.20
 
 MACHINES: dict[str, Machine] = {
     m.name: m
