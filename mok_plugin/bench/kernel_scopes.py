@@ -39,7 +39,22 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             "        mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)\n        return warpgroup_mma(",
             '        with pl.scope("wait_ready"):\n'
             "            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)\n"
-            "        return warpgroup_mma(",
+            '        pl.enter_scope("mma_issue")\n'
+            "        token = warpgroup_mma(",
+        ),
+        (
+            "                             registers, use_acc=False, is_async=True)  # fmt: skip\n",
+            "                             registers, use_acc=False, is_async=True)  # fmt: skip\n"
+            '        pl.exit_scope("mma_issue")\n'
+            "        return token\n",
+        ),
+        (  # the scales' loads issued (their latency shows where they are used: the promotion)
+            "        rows_ptrs, rows_ok = scales[0], scales[1]\n",
+            '        pl.enter_scope("scales")\n        rows_ptrs, rows_ok = scales[0], scales[1]\n',
+        ),
+        (
+            "other=0.0))\n        return values\n",
+            'other=0.0))\n        pl.exit_scope("scales")\n        return values\n',
         ),
         (
             "            odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait "
