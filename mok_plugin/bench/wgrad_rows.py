@@ -11,6 +11,7 @@ rate at which the GPU writes it with nothing else to do.
     mok bench wgrad-rows --mn 2048,7168 --rows-per-expert 256   # its dW2
     mok bench wgrad-rows --kernels fp8 --out-dtypes bfloat16 float32
     mok bench wgrad-rows --profile --rows-per-expert 256 1024   # kilocycles per tile in each part (Proton)
+    mok bench wgrad-rows --ablate promote scales stores         # the time without each part (wrong results)
     # kernels: fp8 (fp8_mlp.fp8_wgrad: the Gluon kernel on Hopper), bf16 (wgrad_hopper's Gluon kernel,
     # both schedules)
 """
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from mok_plugin.bench import kernel_probes
+from mok_plugin.bench.kernel_probes import ABLATIONS
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 
 __all__ = ["build_parser", "main"]
@@ -47,8 +50,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--profile", action="store_true", help="instead: where the FP8 kernel's cycles go, per "
-                        "tile, from one launch under Proton's instrumentation (Hopper; kernel_scopes.py)")  # fmt: skip
+    probes = parser.add_mutually_exclusive_group()
+    probes.add_argument("--profile", action="store_true", help="instead: where the FP8 kernel's cycles go, per "
+                        "tile, from one launch under Proton's instrumentation (Hopper; kernel_probes.py)")  # fmt: skip
+    probes.add_argument("--ablate", nargs="+", choices=list(ABLATIONS), help="instead: the FP8 kernel's time "
+                        "without each part (kernel_probes.ABLATIONS; wrong results, times only; Hopper)")  # fmt: skip
     return parser
 
 
@@ -112,8 +118,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print("mok bench wgrad-rows needs a CUDA GPU", file=sys.stderr)
         return 2
     m, n = args.mn
-    if args.profile:
-        return _profile(m, n, args.rows, args.rows_per_expert, args.out)
+    if args.profile or args.ablate:
+        if torch.cuda.get_device_capability()[0] != 9:
+            print("mok bench wgrad-rows --profile/--ablate needs a Hopper GPU (the Gluon FP8 kernel)", file=sys.stderr)
+            return 2
+        if args.profile:
+            return _profile(m, n, args.rows, args.rows_per_expert, args.out)
+        return _ablate(m, n, args, args.out)
     flop = 2 * m * n * args.rows
     results = []
     print(f"{'E':>5} {'rows/e':>6} {'kernel':<16} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
@@ -139,13 +150,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) -> int:
-    """Print and save kernel_scopes.profile's table; 2 off Hopper (the Gluon kernel is sm_90's)."""
-    from mok_plugin.bench import kernel_scopes
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        print("mok bench wgrad-rows --profile needs a Hopper GPU (the Gluon FP8 kernel)", file=sys.stderr)
-        return 2
-    tables = kernel_scopes.profile(m, n, total, rows_per_expert, out)
+    """Print and save kernel_probes.profile's table."""
+    tables = kernel_probes.profile(m, n, total, rows_per_expert, out)
     print(f"{'rows/e':>6} {'warps':<7} {'scope':<16} {'kilocycles':>10}  (an MMA warp's a tile, the loader's a K step)")
     for rows, table in tables.items():
         for role, scopes in sorted(table.items()):
@@ -153,6 +159,19 @@ def _profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) 
                 print(f"{rows:6d} {role:<7} {scope:<16} {value:10.3f}")
     (out / "bench_wgrad_profile.json").write_text(json.dumps({"M": m, "N": n, "rows": total, "per tile": tables},
                                                              indent=2))  # fmt: skip
+    return 0
+
+
+def _ablate(m: int, n: int, args: argparse.Namespace, out: Path) -> int:
+    """Print and save kernel_probes.ablated_times' table."""
+    times = kernel_probes.ablated_times(m, n, args.rows, args.rows_per_expert, args.ablate, args.iters,
+                                        args.settle_s)  # fmt: skip
+    print(f"{'variant':<36} " + " ".join(f"{rows:>8d}" for rows in args.rows_per_expert) + "  (ms at rows an expert)")
+    for label, by_rows in times.items():
+        print(f"{label:<36} " + " ".join(f"{by_rows[rows]:8.3f}" for rows in args.rows_per_expert))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_wgrad_ablate.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows, "ms": times},
+                                                            indent=2))  # fmt: skip
     return 0
 
 

@@ -1,17 +1,21 @@
-"""Where the FP8 Gluon weight gradients' cycles go, inside the kernel: `mok bench wgrad-rows --profile`.
+"""Probes of the FP8 Gluon weight gradients in modified copies of the package: where their cycles go
+(`mok bench wgrad-rows --profile`) and what a part of each K step costs (`--ablate`).
 
-Proton (Triton's profiler) can record a clock at each scope's entry and exit, per warp, in kernels
-whose source holds `triton.profiler.language` scopes, when its instrumentation backend is on. The
-kernels hold none (they would compile to nothing, but crowd the code): `scoped_copy` writes the
-package into a directory of its own with the scopes of SCOPES inserted, and the profile runs there,
-in a process of its own, one launch a case. A kernel edit that moves an anchor makes `scoped_copy`
-fail by name (tests/test_bench_kernel_scopes.py checks the anchors and that the copy compiles).
+The kernels stay as they are: `modified_copy` writes the package into a directory of its own with
+edits at anchors in the kernels' source, and the probe runs there, in a process of its own. A kernel
+edit that moves an anchor makes `modified_copy` fail by name (tests/test_bench_kernel_probes.py checks
+every anchor, and that the modified copies compile for sm_90).
 
-The trace converts clock64 cycles at Proton's default 1,000 MHz, so its microseconds are kilocycles.
-`per_tile` reads them per warp: an MMA warp's scopes summed over its tiles (each ends in "epilogue"),
-a loader warp's over its K steps; "period" is the time from one mark to the next. Found with it
-(BENCHMARKS.md, f14-f15): the two MMA warpgroups run each K step in step, so neither hides the
-other's promotion; the pipelined steps came of that.
+- SCOPES: Proton's (Triton's profiler) intra-kernel scopes around each part of a step. With its
+  instrumentation backend on, each scope's entry and exit records a clock per warp; one launch a case.
+  The trace converts clock64 cycles at Proton's default 1,000 MHz, so its microseconds are kilocycles.
+  `per_tile` reads them per warp: an MMA warp's scopes summed over its tiles (each ends in
+  "epilogue"), a loader warp's over its K steps; "period" is the time from one mark to the next.
+  Found with it (BENCHMARKS.md, f14-f15): the two MMA warpgroups run each K step in step, so neither
+  hides the other's promotion; the pipelined steps came of that.
+- ABLATIONS: the kernel without a part (the promotion's scaling, the scales' loads, dW's stores),
+  timed as the layer's benches time: an upper bound on what making that part free would give. The
+  results are wrong by design; only the times mean anything.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["SCOPES", "per_tile", "profile", "scoped_copy"]
+__all__ = ["ABLATIONS", "SCOPES", "ablated_times", "modified_copy", "per_tile", "profile"]
 
 PACKAGE = Path(__file__).resolve().parents[1]
 IMPORT = "if gluon is not None:\n"  # each scoped module's Gluon block, where `pl` is imported
@@ -116,22 +120,59 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
+# name -> the edits that take that part out (same form as SCOPES)
+ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
+    "promote": {  # acc += the product, unscaled: the FMULs, FFMAs, the scales and their layout change go
+        "kernels/fp8_hopper.py": [
+            ("            acc += partial * values[:, None]\n", "            acc += partial\n"),
+            ("            acc += partial * l_scale[:, None] * r_scale[None, :]\n", "            acc += partial\n"),
+        ],
+    },
+    "scales": {  # every step's scales zeros, not loaded: the loads and the columns' shared-memory hop go
+        "kernels/fp8_hopper.py": [
+            ("other=0.0))\n        return values\n", "other=0.0))\n        return no_scales(scales, ROWS)\n"),
+        ],
+    },
+    "stores": {  # dW not written (acc kept live by a condition never true, so nothing before it goes)
+        "kernels/fp8_hopper.py": [
+            (
+                "            store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at "
+                "each M\n",
+                "            if expert < 0:\n                store_tile(out_desc, c_smem, acc, expert, m0, n0)\n",
+            ),
+        ],
+    },
+}
 
-def scoped_copy(dest: Path) -> Path:
-    """The package copied to dest/mok_plugin with SCOPES inserted; dest (to run from). A ValueError
-    names the file and anchor that is not in the source exactly once."""
+
+def modified_copy(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
+    """The package copied to dest/mok_plugin with `edits` (SCOPES, or ABLATIONS' entries merged) made;
+    dest (to run from). A ValueError names the file and anchor not in the source exactly once."""
     shutil.copytree(PACKAGE, dest / "mok_plugin", ignore=shutil.ignore_patterns("__pycache__"))
-    for name, edits in SCOPES.items():
+    for name, changes in edits.items():
         path = dest / "mok_plugin" / name
         text = path.read_text()
-        for anchor, scoped in edits:
+        for anchor, changed in changes:
             if text.count(anchor) != 1:
                 raise ValueError(f"{name}: found {text.count(anchor)} times, expected once: {anchor.strip()!r}")
-            text = text.replace(anchor, scoped)
-        if text.count(IMPORT) != 1:
-            raise ValueError(f"{name}: no single {IMPORT.strip()!r} block to import Proton's scopes in")
-        path.write_text(text.replace(IMPORT, IMPORT + "    import triton.profiler.language as pl\n"))
+            text = text.replace(anchor, changed)
+        if "pl." in text:  # Proton's scopes: imported in the module's Gluon block
+            if text.count(IMPORT) != 1:
+                raise ValueError(f"{name}: no single {IMPORT.strip()!r} block to import Proton's scopes in")
+            text = text.replace(IMPORT, IMPORT + "    import triton.profiler.language as pl\n")
+        path.write_text(text)
     return dest
+
+
+def merged(names: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """ABLATIONS' edits of `names` together; a ValueError names an unknown one."""
+    edits: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"unknown ablation {name!r}: expected one of {', '.join(ABLATIONS)}")
+        for path, changes in ABLATIONS[name].items():
+            edits[path] += changes
+    return dict(edits)
 
 
 def _role(names: set[str]) -> tuple[str, str] | None:
@@ -188,7 +229,7 @@ def _operands(m: int, n: int, rows: int, experts: int):
     return lambda: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets, counts, out_dtype=torch.bfloat16)
 
 
-def _run_here(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) -> dict:
+def _trace_here(m: int, n: int, total: int, rows_per_expert: list[int], out: str) -> dict:
     """In the scoped copy's process: one traced launch a case, each trace read then deleted (~100 MB)."""
     import torch
     import triton.profiler as proton
@@ -198,7 +239,7 @@ def _run_here(m: int, n: int, total: int, rows_per_expert: list[int], out: Path)
         call = _operands(m, n, rows, total // rows)
         call()  # compiled without the scopes' records, so the traced launch below compiles its own
         torch.cuda.synchronize()
-        name = out / f"wgrad_{rows}"
+        name = Path(out) / f"wgrad_{rows}"
         # global: the kernel leaves no shared memory for Proton's buffer; circular: the last records a warp
         proton.start(str(name), data="trace", backend="instrumentation", mode=proton.mode.Default(buffer_type="global"))
         call()
@@ -211,18 +252,41 @@ def _run_here(m: int, n: int, total: int, rows_per_expert: list[int], out: Path)
     return results
 
 
-def profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) -> dict:
-    """{rows an expert: per_tile's table} of the FP8 weight gradients (M, N; `total` rows split evenly),
-    measured in a scoped copy of the package, in a process of its own."""
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="mok-scopes-") as tmp:
-        root = scoped_copy(Path(tmp))
-        code = (
-            "import json, sys; from pathlib import Path; from mok_plugin.bench import kernel_scopes as k; "
-            f"print(json.dumps(k._run_here({m}, {n}, {total}, {rows_per_expert!r}, Path({str(out.resolve())!r}))))"
-        )
+def _time_here(m: int, n: int, total: int, rows_per_expert: list[int], iters: int, settle_s: float) -> dict:
+    """In a modified copy's process: {rows an expert: median ms}, timed as wgrad_rows times."""
+    from mok_plugin.bench.timing import time_ms
+
+    return {rows: statistics.median(time_ms(_operands(m, n, rows, total // rows), iters, settle_s=settle_s))
+            for rows in rows_per_expert}  # fmt: skip
+
+
+def _in_copy(edits: dict[str, list[tuple[str, str]]], call: str):
+    """The JSON that `call` (an expression over this module, `k`) returns, run in a modified copy."""
+    with tempfile.TemporaryDirectory(prefix="mok-probe-") as tmp:
+        root = modified_copy(Path(tmp), edits)
+        code = f"import json; from mok_plugin.bench import kernel_probes as k; print(json.dumps({call}))"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
         run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        raise RuntimeError(f"the scoped profile failed:\n{run.stderr[-3000:]}")
-    return {int(rows): table for rows, table in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+        raise RuntimeError(f"the probe failed in its copy:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) -> dict:
+    """{rows an expert: per_tile's table} of the FP8 weight gradients (M, N; `total` rows split evenly),
+    from one launch a case of a scoped copy of the package."""
+    out.mkdir(parents=True, exist_ok=True)
+    found = _in_copy(SCOPES, f"k._trace_here({m}, {n}, {total}, {rows_per_expert!r}, {str(out.resolve())!r})")
+    return {int(rows): table for rows, table in found.items()}
+
+
+def ablated_times(m: int, n: int, total: int, rows_per_expert: list[int], ablations: list[str], iters: int,
+                  settle_s: float) -> dict[str, dict[int, float]]:  # fmt: skip
+    """{variant: {rows an expert: ms}}: the kernel as it is (in a copy of its own too, so that both
+    compile alike), without each ablation, and without all of them where several are named."""
+    variants = {"as it is": []} | {f"without {name}": [name] for name in ablations}
+    if len(ablations) > 1:
+        variants["without " + " + ".join(ablations)] = list(ablations)
+    call = f"k._time_here({m}, {n}, {total}, {rows_per_expert!r}, {iters}, {settle_s})"
+    return {label: {int(rows): ms for rows, ms in _in_copy(merged(names), call).items()}
+            for label, names in variants.items()}  # fmt: skip
