@@ -31,7 +31,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["ABLATIONS", "SCOPES", "ablated_times", "modified_copy", "per_tile", "profile"]
+__all__ = ["ABLATIONS", "SCOPES", "ablated_times", "merged", "modified_copy", "per_tile", "profile"]
 
 PACKAGE = Path(__file__).resolve().parents[1]
 IMPORT = "if gluon is not None:\n"  # each scoped module's Gluon block, where `pl` is imported
@@ -212,31 +212,16 @@ def per_tile(events: list[dict]) -> dict[str, dict[str, float]]:
     return {role: {name: statistics.mean(values) for name, values in scopes.items()} for role, scopes in found.items()}
 
 
-def _operands(m: int, n: int, rows: int, experts: int):
-    """A call of the FP8 weight gradients on random operands, `rows` rows for each of `experts`."""
-    import torch
-
-    from mok_plugin.kernels import fp8_mlp
-
-    total = rows * experts
-    g = torch.Generator(device="cuda").manual_seed(0)
-    left = (torch.randn(m, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
-    right = (torch.randn(n, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
-    left_s = torch.rand(total // 128, m, device="cuda", generator=g) + 0.5
-    right_s = torch.rand(total // 128, n, device="cuda", generator=g) + 0.5
-    offsets = torch.arange(experts + 1, device="cuda", dtype=torch.int64) * rows
-    counts = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
-    return lambda: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets, counts, out_dtype=torch.bfloat16)
-
-
 def _trace_here(m: int, n: int, total: int, rows_per_expert: list[int], out: str) -> dict:
     """In the scoped copy's process: one traced launch a case, each trace read then deleted (~100 MB)."""
     import torch
     import triton.profiler as proton
 
+    from mok_plugin.bench.wgrad_rows import fp8_wgrad_call
+
     results = {}
     for rows in rows_per_expert:
-        call = _operands(m, n, rows, total // rows)
+        call = fp8_wgrad_call(m, n, total, rows)
         call()  # compiled without the scopes' records, so the traced launch below compiles its own
         torch.cuda.synchronize()
         name = Path(out) / f"wgrad_{rows}"
@@ -255,8 +240,9 @@ def _trace_here(m: int, n: int, total: int, rows_per_expert: list[int], out: str
 def _time_here(m: int, n: int, total: int, rows_per_expert: list[int], iters: int, settle_s: float) -> dict:
     """In a modified copy's process: {rows an expert: median ms}, timed as wgrad_rows times."""
     from mok_plugin.bench.timing import time_ms
+    from mok_plugin.bench.wgrad_rows import fp8_wgrad_call
 
-    return {rows: statistics.median(time_ms(_operands(m, n, rows, total // rows), iters, settle_s=settle_s))
+    return {rows: statistics.median(time_ms(fp8_wgrad_call(m, n, total, rows), iters, settle_s=settle_s))
             for rows in rows_per_expert}  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from mok_plugin.bench import kernel_probes
 from mok_plugin.bench.kernel_probes import ABLATIONS
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "even_segments", "fp8_wgrad_call", "main"]
 
 KERNELS = ("fp8", "bf16")
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -74,29 +74,41 @@ def check_rows(total: int, per_expert: list[int]) -> None:
             raise ValueError(f"--rows-per-expert {rows}: needs a positive multiple of 128 dividing --rows {total}")
 
 
-def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int, rows: int):
-    """(label, out dtype, the call) for each kernel asked for, on operands of `rows` rows an expert."""
-    from mok_plugin.kernels import fp8_mlp, wgrad_hopper
-
+def even_segments(total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert offsets [E + 1], rows an expert [E]) of `total` rows split evenly, `rows` an expert."""
     experts = total // rows
     offsets = torch.arange(experts + 1, device="cuda", dtype=torch.int64) * rows
-    counts = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
+    return offsets, torch.full((experts,), rows, device="cuda", dtype=torch.int64)
+
+
+def fp8_wgrad_call(m: int, n: int, total: int, rows: int, out_dtype: torch.dtype = torch.bfloat16):
+    """A call of the FP8 weight gradients (`fp8_mlp.fp8_wgrad`, the Gluon kernel on Hopper) on random
+    operands in the layer's layout: quantised 128 x 1 along the rows, stored transposed."""
+    from mok_plugin.kernels import fp8_mlp
+
+    offsets, counts = even_segments(total, rows)
     g = torch.Generator(device="cuda").manual_seed(0)
-    if "fp8" in kernels:  # the layer's layout: quantised 128 x 1 along the rows, stored transposed
-        left = (torch.randn(m, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
-        right = (torch.randn(n, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
-        left_s = torch.rand(total // 128, m, device="cuda", generator=g) + 0.5
-        right_s = torch.rand(total // 128, n, device="cuda", generator=g) + 0.5
-        for name in out_dtypes:
-            out = OUT_DTYPES[name]
-            yield f"fp8 -> {name}", out, lambda out=out: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets,
-                                                                            counts, out_dtype=out)  # fmt: skip
+    left = (torch.randn(m, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+    right = (torch.randn(n, total, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+    left_s = torch.rand(total // 128, m, device="cuda", generator=g) + 0.5
+    right_s = torch.rand(total // 128, n, device="cuda", generator=g) + 0.5
+    return lambda: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets, counts, out_dtype=out_dtype)
+
+
+def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int, rows: int):
+    """(label, out dtype, the call) for each kernel asked for, on operands of `rows` rows an expert."""
+    from mok_plugin.kernels import wgrad_hopper
+
+    for name in out_dtypes if "fp8" in kernels else []:
+        yield f"fp8 -> {name}", OUT_DTYPES[name], fp8_wgrad_call(m, n, total, rows, OUT_DTYPES[name])
     if "bf16" in kernels and torch.cuda.get_device_capability()[0] != 9:
         print("(the bf16 kernel is Hopper's: not timed on this GPU)")
     elif "bf16" in kernels:  # bf16 rows in schedule order, as the layer's Gluon path reads them
+        offsets, counts = even_segments(total, rows)
+        g = torch.Generator(device="cuda").manual_seed(0)
         left_rows = torch.randn(total, m, device="cuda", dtype=torch.bfloat16, generator=g)
         right_rows = torch.randn(total, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        d_w = torch.empty(experts, m, n, device="cuda", dtype=torch.bfloat16)
+        d_w = torch.empty(total // rows, m, n, device="cuda", dtype=torch.bfloat16)
         for schedule in wgrad_hopper.SCHEDULES:
 
             def call(schedule: str = schedule) -> torch.Tensor:
