@@ -100,3 +100,11 @@ def test_ablations_are_named_from_the_table_and_exclude_the_profile(capsys):
 def test_a_probe_without_a_gpu_says_so_and_returns_2(capsys, probe):
     assert wgrad_rows.main([*probe, "--rows-per-expert", "256"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_probe_runs_in_its_own_process_on_the_modified_copy():
+    # the machinery the GPU probes go through: a temporary copy with the edits, a process that imports it
+    found = kernel_probes._in_copy(kernel_probes.merged(["promote"]), "[k.__file__, k.PACKAGE.name]")
+    assert "mok-probe-" in found[0] and found[1] == "mok_plugin"
+    with pytest.raises(RuntimeError, match="the probe failed in its copy"):
+        kernel_probes._in_copy({}, "k.no_such_name")
