@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from mok_plugin.bench import kernel_probes
-from mok_plugin.bench.kernel_probes import ABLATIONS
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 
 __all__ = ["build_parser", "even_segments", "fp8_wgrad_call", "main"]
@@ -53,8 +52,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     probes = parser.add_mutually_exclusive_group()
     probes.add_argument("--profile", action="store_true", help="instead: where the FP8 kernel's cycles go, per "
                         "tile, from one launch under Proton's instrumentation (Hopper; kernel_probes.py)")  # fmt: skip
-    probes.add_argument("--ablate", nargs="+", choices=list(ABLATIONS), help="instead: the FP8 kernel's time "
-                        "without each part (kernel_probes.ABLATIONS; wrong results, times only; Hopper)")  # fmt: skip
+    probes.add_argument("--ablate", nargs="+", choices=list(kernel_probes.ABLATIONS), help="instead: the FP8 "
+                        "kernel's time without each part (wrong results, times only; Hopper)")  # fmt: skip
     return parser
 
 
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return 2
         if args.profile:
             return _profile(m, n, args.rows, args.rows_per_expert, args.out)
-        return _ablate(m, n, args, args.out)
+        return _ablate(m, n, args)
     flop = 2 * m * n * args.rows
     results = []
     print(f"{'E':>5} {'rows/e':>6} {'kernel':<16} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
@@ -174,15 +173,15 @@ def _profile(m: int, n: int, total: int, rows_per_expert: list[int], out: Path) 
     return 0
 
 
-def _ablate(m: int, n: int, args: argparse.Namespace, out: Path) -> int:
+def _ablate(m: int, n: int, args: argparse.Namespace) -> int:
     """Print and save kernel_probes.ablated_times' table."""
     times = kernel_probes.ablated_times(m, n, args.rows, args.rows_per_expert, args.ablate, args.iters,
                                         args.settle_s)  # fmt: skip
     print(f"{'variant':<36} " + " ".join(f"{rows:>8d}" for rows in args.rows_per_expert) + "  (ms at rows an expert)")
     for label, by_rows in times.items():
         print(f"{label:<36} " + " ".join(f"{by_rows[rows]:8.3f}" for rows in args.rows_per_expert))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_wgrad_ablate.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows, "ms": times},
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_wgrad_ablate.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows, "ms": times},
                                                             indent=2))  # fmt: skip
     return 0
 
