@@ -43,12 +43,13 @@ CASES = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def outside_the_interpreter(*python_args: str, timeout: int = 300) -> str:
-    """The stdout of `python *python_args` (e.g. "-c", code) run from the repository in a process of
-    its own without TRITON_INTERPRET, which this test session sets: how the tests compile kernels for
-    sm_90 on a machine without a GPU. Fails the test with the process's stderr if it fails."""
+def outside_the_interpreter(*python_args: str, timeout: int = 300, cwd: Path = ROOT) -> str:
+    """The stdout of `python *python_args` (e.g. "-c", code) run from `cwd` (the repository; a copy of
+    the package imports that copy) in a process of its own without TRITON_INTERPRET, which this test
+    session sets: how the tests compile kernels for sm_90 on a machine without a GPU. Fails the test
+    with the process's stderr if it fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, *python_args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    run = subprocess.run([sys.executable, *python_args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                          env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout

@@ -21,7 +21,6 @@ every anchor, and that the modified copies compile for sm_90).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import statistics
@@ -156,7 +155,7 @@ def modified_copy(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
             if text.count(anchor) != 1:
                 raise ValueError(f"{name}: found {text.count(anchor)} times, expected once: {anchor.strip()!r}")
             text = text.replace(anchor, changed)
-        if "pl." in text:  # Proton's scopes: imported in the module's Gluon block
+        if any("pl." in changed for _, changed in changes):  # Proton's scopes: imported in the Gluon block
             if text.count(IMPORT) != 1:
                 raise ValueError(f"{name}: no single {IMPORT.strip()!r} block to import Proton's scopes in")
             text = text.replace(IMPORT, IMPORT + "    import triton.profiler.language as pl\n")
@@ -251,8 +250,8 @@ def _in_copy(edits: dict[str, list[tuple[str, str]]], call: str):
     with tempfile.TemporaryDirectory(prefix="mok-probe-") as tmp:
         root = modified_copy(Path(tmp), edits)
         code = f"import json; from mok_plugin.bench import kernel_probes as k; print(json.dumps({call}))"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-        run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+        # run from the copy: `python -c` puts its working directory first on the path
+        run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"the probe failed in its copy:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])

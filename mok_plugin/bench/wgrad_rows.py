@@ -75,9 +75,10 @@ def check_rows(total: int, per_expert: list[int]) -> None:
 
 def even_segments(total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert offsets [E + 1], rows an expert [E]) of `total` rows split evenly, `rows` an expert."""
-    experts = total // rows
-    offsets = torch.arange(experts + 1, device="cuda", dtype=torch.int64) * rows
-    return offsets, torch.full((experts,), rows, device="cuda", dtype=torch.int64)
+    from mok_plugin.schedule import segment_offsets
+
+    counts = torch.full((total // rows,), rows, device="cuda", dtype=torch.int64)
+    return segment_offsets(counts, 128), counts
 
 
 def fp8_wgrad_call(m: int, n: int, total: int, rows: int, out_dtype: torch.dtype = torch.bfloat16):
