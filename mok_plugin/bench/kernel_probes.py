@@ -56,8 +56,8 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '        pl.enter_scope("scales")\n        rows_ptrs, rows_ok = scales[0], scales[1]\n',
         ),
         (
-            "other=0.0))\n        return values\n",
-            'other=0.0))\n        pl.exit_scope("scales")\n        return values\n',
+            "other=0.0))  # fmt: skip\n        return values\n",
+            'other=0.0))  # fmt: skip\n        pl.exit_scope("scales")\n        return values\n',
         ),
         (
             "            odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait "
@@ -73,8 +73,10 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '            pl.exit_scope("mma_wait")\n',
         ),
         (
-            "        if ROWS:\n            acc += partial * values[:, None]\n",
-            '        pl.enter_scope("promote")\n        if ROWS:\n            acc += partial * values[:, None]\n',
+            "        if ROWS:\n            acc += partial * (values[0] * values[1])[:, None]\n",
+            '        pl.enter_scope("promote")\n'
+            "        if ROWS:\n"
+            "            acc += partial * (values[0] * values[1])[:, None]\n",
         ),
         (
             "            acc += partial * l_scale[:, None] * r_scale[None, :]\n        return acc\n",
@@ -82,25 +84,24 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '        pl.exit_scope("promote")\n'
             "        return acc\n",
         ),
-        (
-            "            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n"
-            "            m_half = m0 + WHICH * HALF\n",
-            '            pl.enter_scope("tile_setup")\n'
-            "            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n"
-            "            m_half = m0 + WHICH * HALF\n",
+        (  # the next tile's work (its loads' latency shows where it is used: the next tile's start)
+            "            work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, "
+            "ROWS)\n",
+            '            with pl.scope("next_work"):\n'
+            "                work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, "
+            "ROWS)\n",
         ),
         (
-            "            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)\n"
-            "            acc, products = ",
-            "            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)\n"
-            '            pl.exit_scope("tile_setup")\n'
-            "            acc, products = ",
+            "            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n",
+            '            with pl.scope("tile_setup"):\n'
+            "                scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n",
         ),
         (
-            "            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)\n",
-            '            with pl.scope("epilogue"):\n'
-            "                finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, "
+            "            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, "
             "ROUTING)\n",
+            '            with pl.scope("epilogue"):\n'
+            "                finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, "
+            "BIAS, ROUTING)\n",
         ),
         (
             "                mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once\n",
@@ -123,13 +124,16 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
 ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
     "promote": {  # acc += the product, unscaled: the FMULs, FFMAs, the scales and their layout change go
         "kernels/fp8_hopper.py": [
-            ("            acc += partial * values[:, None]\n", "            acc += partial\n"),
+            ("            acc += partial * (values[0] * values[1])[:, None]\n", "            acc += partial\n"),
             ("            acc += partial * l_scale[:, None] * r_scale[None, :]\n", "            acc += partial\n"),
         ],
     },
     "scales": {  # every step's scales zeros, not loaded: the loads and the columns' shared-memory hop go
         "kernels/fp8_hopper.py": [
-            ("other=0.0))\n        return values\n", "other=0.0))\n        return no_scales(scales, ROWS)\n"),
+            (
+                "other=0.0))  # fmt: skip\n        return values\n",
+                "other=0.0))  # fmt: skip\n        return gl.zeros_like(values[0]), gl.zeros_like(values[1])\n",
+            ),
         ],
     },
     "stores": {  # dW not written (acc kept live by a condition never true, so nothing before it goes)

@@ -248,23 +248,35 @@ if gluon is not None:
         return scales
 
     @gluon.jit
-    def step_scales(s, scales, work, ROWS: gl.constexpr):
-        """Step s's scales as loaded, issued before its stage is waited on so that their latency runs
-        under the wait and the MMA: the rows' (in the row slice) times B's one (row GEMMs), or the rows'
-        and the columns' (compact; spread to the column slice by `promote`)."""
+    def step_scales(s, live, scales, work, ROWS: gl.constexpr):
+        """Step s's scales as loaded (zeros, nothing read, where not `live`: a step past the tile's last),
+        a step before `promote` uses them, so that their latency runs under the MMAs issued meanwhile:
+        the rows' (in the row slice) and B's one (row GEMMs), or the rows' and the columns' (compact;
+        spread to the column slice by `promote`). Nothing computed from them here: an instruction that
+        used a load at once would wait for it before the step's MMA (the row GEMMs did until 2026-12-05)."""
         rows_ptrs, rows_ok = scales[0], scales[1]
         if ROWS:
             tile_ptr, stride_as_half, stride_bs_half, k_steps = scales[2], scales[3], scales[4], work[1]
             second_half = s >= k_steps
             kb = gl.where(second_half, s - k_steps, s)
-            a_scale = gl.load(rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb, mask=rows_ok, other=0.0)
-            b_scale = gl.load(tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb)
-            values = a_scale * b_scale
+            a_ptrs = rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb
+            # B's one scale loaded by every thread for each of its rows: a scalar load became a uniform
+            # register, converted (R2UR, which waits for the load) before the step's MMA
+            b_ptrs = tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb + gl.zeros_like(rows_ok, dtype=gl.int32)
+            values = (gl.load(a_ptrs, mask=rows_ok & live, other=0.0), gl.load(b_ptrs, mask=rows_ok & live, other=0.0))
         else:
             cols_ptrs, cols_ok, stride_ls, stride_rs = scales[2], scales[3], scales[4], scales[5]
-            l_scale = gl.load(rows_ptrs + s * stride_ls, mask=rows_ok, other=0.0)
-            values = (l_scale, gl.load(cols_ptrs + s * stride_rs, mask=cols_ok, other=0.0))
+            values = (gl.load(rows_ptrs + s * stride_ls, mask=rows_ok & live, other=0.0),
+                      gl.load(cols_ptrs + s * stride_rs, mask=cols_ok & live, other=0.0))  # fmt: skip
         return values
+
+    @gluon.jit
+    def tile_start(acc, work_of_tile, WHICH: gl.constexpr, work, M, N, ROWS: gl.constexpr):
+        """(`tile_scales`, step 0's scales) of this warpgroup's half of a tile (`tile_work`'s values):
+        made while the previous tile's steps end, so that the loads' latency runs under its epilogue."""
+        expert, m0, n0, steps, first_row = work_of_tile
+        scales = tile_scales(acc, expert, m0 + WHICH * acc.type.shape[0], n0, first_row, work, M, N, ROWS)
+        return scales, step_scales(0, steps > 0, scales, work, ROWS)
 
     @gluon.jit
     def promote(acc, partial, values, ROWS: gl.constexpr):
@@ -273,7 +285,7 @@ if gluon is not None:
         gradients; the columns' scales, loaded one a thread, spread to the column slice here: loaded in
         that layout, each thread held 32 of them and their 64-bit addresses, and the kernel spilled)."""
         if ROWS:
-            acc += partial * values[:, None]
+            acc += partial * (values[0] * values[1])[:, None]
         else:
             l_scale = values[0]
             r_scale = gl.convert_layout(values[1], gl.SliceLayout(0, acc.type.layout))
@@ -315,16 +327,6 @@ if gluon is not None:
             store_tile(out_desc, c_smem, acc, expert, m0, n0)  # out_desc: dW [E, M, N], clipped at each M
 
     @gluon.jit
-    def no_scales(scales, ROWS: gl.constexpr):
-        """Zeros shaped as `step_scales`' values: the step before the first, which nothing promotes."""
-        rows = gl.zeros_like(scales[0], dtype=gl.float32)
-        if ROWS:
-            values = rows
-        else:
-            values = (rows, gl.zeros_like(scales[2], dtype=gl.float32))
-        return values
-
-    @gluon.jit
     def mma_of(a_bufs, b_bufs, ready, c, s, registers, WHICH: gl.constexpr):
         """Step s's MMA of this warpgroup's half, issued once its stage is in (asynchronous: a token)."""
         S: gl.constexpr = a_bufs.type.shape[0]
@@ -335,36 +337,37 @@ if gluon is not None:
                              registers, use_acc=False, is_async=True)  # fmt: skip
 
     @gluon.jit
-    def pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work, WHICH: gl.constexpr,
-                        ROWS: gl.constexpr):  # fmt: skip
+    def pipelined_steps(acc, products, first_values, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
+                        WHICH: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """(acc, products) after a tile's steps, step s's MMA issued before step s - 1's product is
         promoted, so that the warpgroup's ~128 scaling instructions a thread run under an MMA (waited on
         after each MMA, a step took ~1,300 cycles on an H100, the MMAs ~500 of them). `products`: two
         sets of registers, for even steps and odd ones, two steps an iteration and kept across tiles: a
         set that changed places every step, or shared a first value with acc, would be copied while an
         MMA writes it, and ptxas would serialise every wgmma (C7514, C7515). Step 2q - 1's MMA runs into
-        iteration q. The sums and their order are those of one step at a time: the same bits."""
+        iteration q. Each step's scales are loaded a step ahead, step 0's (`first_values`) before the
+        tile. The sums and their order are those of one step at a time: the same bits."""
         S: gl.constexpr = a_bufs.type.shape[0]
         even, odd_done = products
         odd = warpgroup_mma_init(odd_done)
-        odd_values = no_scales(scales, ROWS)
+        even_values = first_values
+        odd_values = first_values  # of the values' types: step -1 is never promoted
         pairs = steps // 2
         for q in range(pairs):
             s = 2 * q
-            even_values = step_scales(s, scales, work, ROWS)
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait for)
             if q > 0:
                 mbarrier.arrive(empty.index((c + s - 1) % S), count=1)
                 acc = promote(acc, odd_done, odd_values, ROWS)
-            odd_values = step_scales(s + 1, scales, work, ROWS)
+            odd_values = step_scales(s + 1, s + 1 < steps, scales, work, ROWS)
             odd = mma_of(a_bufs, b_bufs, ready, c, s + 1, odd_done, WHICH)
             even = warpgroup_mma_wait(1, deps=[even_mma])  # step s's
             mbarrier.arrive(empty.index((c + s) % S), count=1)
             acc = promote(acc, even, even_values, ROWS)
+            even_values = step_scales(s + 2, s + 2 < steps, scales, work, ROWS)
         if steps % 2 == 1:  # the last step, on the even set
             s = steps - 1
-            even_values = step_scales(s, scales, work, ROWS)
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])
             if pairs > 0:
@@ -384,7 +387,9 @@ if gluon is not None:
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
                         BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
         """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program, its K steps
-        by `pipelined_steps`, then out by `finish_half`."""
+        by `pipelined_steps`, then out by `finish_half`. The next tile's work is loaded under this tile's
+        steps, its scales under this tile's epilogue: at deepseek-v3's 2 K steps a tile both had taken
+        ~0.7 k of a tile's ~4.3 k cycles on an H100 (Proton, `mok bench wgrad-rows --profile`)."""
         a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         HALF: gl.constexpr = c_smem.type.shape[0]
@@ -397,15 +402,19 @@ if gluon is not None:
         # overwrite them: use_acc=False)
         products = (gl.full((HALF, BN), 1.0, gl.float32, layout=acc_layout),
                     gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
+        stride = gl.num_programs(0)
+        work_of_tile = tile_work(gl.program_id(0), work, M, N, BM, BN, BK, ROWS)
+        scales, first_values = tile_start(gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout), work_of_tile,
+                                          WHICH, work, M, N, ROWS)  # fmt: skip
         c = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            m_half = m0 + WHICH * HALF
+        for t in range(gl.program_id(0), num_tiles, stride):
+            expert, m0, n0, steps, first_row = work_of_tile
+            work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, ROWS)
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-            scales = tile_scales(acc, expert, m_half, n0, first_row, work, M, N, ROWS)
-            acc, products = pipelined_steps(acc, products, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
-                                            WHICH, ROWS)  # fmt: skip
-            finish_half(out_desc, c_smem, acc, expert, m_half, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
+            acc, products = pipelined_steps(acc, products, first_values, a_bufs, b_bufs, ready, empty, c, steps,
+                                            scales, work, WHICH, ROWS)  # fmt: skip
+            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)
+            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
 
