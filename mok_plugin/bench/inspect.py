@@ -228,14 +228,16 @@ def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloa
 
     blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}
     blocks |= {f"b{half}_desc": (b_dtype, (fh.BLOCK_N, fh.BLOCK_K)) for half in "01"}
+    if kind != "rows":  # the second halves' places: both operands' scales, a [1, 128] row of them a step
+        blocks |= {"a1_desc": (torch.float32, (1, fh.BLOCK_M)), "b1_desc": (torch.float32, (1, fh.BLOCK_N))}
     blocks["out_desc"] = (out_dtype, (1, fh.HALF_M, fh.BLOCK_N))
     descriptors = _fp8_descriptors(blocks)
     kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing)
     if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
         work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
         epilogue = (f"*{fh.GL_DTYPES[out_dtype].name}", "i32", "*fp32", "*i64")
-    else:  # offsets, counts, both operands' scales and their strides
-        work, epilogue = ("*i64", "*i64", "*fp32", "*fp32", "i32", "i32"), ()
+    else:  # offsets, counts
+        work, epilogue = ("*i64", "*i64"), ()
     return compile_gluon_for_hopper(
         kernel, descriptors, {"work": work, "epilogue": epilogue}, ("M", "N", "num_tiles"), constexprs,
         {"num_warps": 4, "maxnreg": fh.MAX_REGS},

@@ -51,13 +51,15 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '        pl.exit_scope("mma_issue")\n'
             "        return token\n",
         ),
-        (  # the scales' loads issued (their latency shows where they are used: the promotion)
-            "        rows_ptrs, rows_ok = scales[0], scales[1]\n",
-            '        pl.enter_scope("scales")\n        rows_ptrs, rows_ok = scales[0], scales[1]\n',
+        (  # the step's scales read from its stage, the stage freed
+            "        if not ROWS:\n            values = (stage_scales[0]",
+            '        pl.enter_scope("scales")\n        if not ROWS:\n            values = (stage_scales[0]',
         ),
         (
-            "other=0.0))  # fmt: skip\n        return values\n",
-            'other=0.0))  # fmt: skip\n        pl.exit_scope("scales")\n        return values\n',
+            "        mbarrier.arrive(empty.index(idx), count=1)\n        return values\n",
+            "        mbarrier.arrive(empty.index(idx), count=1)\n"
+            '        pl.exit_scope("scales")\n'
+            "        return values\n",
         ),
         (
             "            odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait "
@@ -128,11 +130,15 @@ ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
             ("            acc += partial * l_scale[:, None] * r_scale[None, :]\n", "            acc += partial\n"),
         ],
     },
-    "scales": {  # every step's scales zeros, not loaded: the loads and the columns' shared-memory hop go
+    "scales": {  # every step's scales zeros, not read from its stage (still brought there)
         "kernels/fp8_hopper.py": [
             (
-                "other=0.0))  # fmt: skip\n        return values\n",
-                "other=0.0))  # fmt: skip\n        return gl.zeros_like(values[0]), gl.zeros_like(values[1])\n",
+                "            values = (stage_scales[0].index(idx).slice(WHICH * HALF, HALF).load(gl.SliceLayout(1, "
+                "layout)),\n"
+                "                      stage_scales[1].index(idx).load(gl.SliceLayout(0, layout)))  # fmt: skip\n",
+                "            values = (gl.full([HALF], 0.0, gl.float32, gl.SliceLayout(1, layout)),\n"
+                "                      gl.full([stage_scales[1].shape[1]], 0.0, gl.float32, "
+                "gl.SliceLayout(0, layout)))\n",
             ),
         ],
     },

@@ -87,10 +87,11 @@ WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
 
 
-def stages_for(out_dtype: torch.dtype) -> int:
+def stages_for(out_dtype: torch.dtype, rows: bool = True) -> int:
     """The ring's depth: as many FP8 operand stages (a 128-row A block and a 128-row B block of 128
-    bytes each) as fit beside the two warpgroups' output halves in Hopper's shared memory, at most 8."""
-    stage = (BLOCK_M + BLOCK_N) * BLOCK_K  # one byte an FP8 element
+    bytes each, and for the weight gradients their step's 128 + 128 fp32 scales) as fit beside the two
+    warpgroups' output halves in Hopper's shared memory, at most 8."""
+    stage = (BLOCK_M + BLOCK_N) * BLOCK_K + (0 if rows else (BLOCK_M + BLOCK_N) * 4)  # one byte an FP8 element
     return min(8, (SHARED_BYTES - BARRIER_BYTES - BLOCK_M * BLOCK_N * out_dtype.itemsize) // stage)
 
 
@@ -116,15 +117,17 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor, tile_m: int = BLOCK_M) -> bool:
+def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor, tile_m: int = BLOCK_M, scales: tuple = ()) -> bool:
     """Whether these kernels can take these FP8 operands (2-D views, as the launchers describe them),
-    this output ([rows, N] or dW's [E * M, N]) and, for the row GEMMs, the schedule's tile_m (a multiple
-    of BLOCK_M, so that a tile's rows are one expert's): on an sm_90 GPU with Gluon, all of them rows
-    TMA reads and writes (else the Triton kernels compute it)."""
+    this output ([rows, N] or dW's [E * M, N]), for the row GEMMs the schedule's tile_m (a multiple of
+    BLOCK_M, so that a tile's rows are one expert's) and for the weight gradients the operands' fp32
+    scales (brought with each stage): on an sm_90 GPU with Gluon, all of them rows TMA reads and
+    writes (else the Triton kernels compute it)."""
     if gluon is None or not out.is_cuda or torch.cuda.get_device_capability(out.device) != (9, 0):
         return False
     fp8_ok = all(t.is_cuda and t.dtype in _FP8 and t.dim() == 2 and _tma_ok(t) for t in operands)
-    return fp8_ok and out.dtype in _OUT and out.dim() == 2 and _tma_ok(out) and tile_m % BLOCK_M == 0
+    scales_ok = all(s.is_cuda and s.dtype == torch.float32 and s.dim() == 2 and _tma_ok(s) for s in scales)
+    return fp8_ok and scales_ok and out.dtype in _OUT and out.dim() == 2 and _tma_ok(out) and tile_m % BLOCK_M == 0
 
 
 def row_gemm_operands(rows: torch.Tensor, weights: torch.Tensor, gated: bool) -> tuple[tuple, tuple] | None:
@@ -192,14 +195,17 @@ if gluon is not None:
         gradients: A = left_t at (m0, row), B = right_t at (n0, row). Row GEMMs: A = the rows at
         (m0, k), B = the expert's weight, flattened [E * N, K], at (expert * N + n0, k) (a block past N
         reads the next expert's rows into output columns the store clips), from the descriptors of
-        the step's half (fc1's gate, then its up)."""
-        a_bufs, b_bufs = bufs
+        the step's half (fc1's gate, then its up); for the weight gradients also the step's scales of
+        both (a_descs[1] and b_descs[1]: [R_pad / 128, M or N] at (row block, m0 or n0))."""
+        a_bufs, b_bufs = bufs[0], bufs[1]
         ready, empty = bars[0], bars[1]
         BM: gl.constexpr = a_descs[0].block_type.shape[0]
         BN: gl.constexpr = b_descs[0].block_type.shape[0]
         BK: gl.constexpr = a_descs[0].block_type.shape[1]
         S: gl.constexpr = a_bufs.type.shape[0]
-        nbytes: gl.constexpr = a_descs[0].block_type.nbytes + b_descs[0].block_type.nbytes
+        SCALES: gl.constexpr = 1 - ROWS  # a stage brings its scales (weight gradients)
+        nbytes: gl.constexpr = (a_descs[0].block_type.nbytes + b_descs[0].block_type.nbytes
+                                + SCALES * (a_descs[1].block_type.nbytes + b_descs[1].block_type.nbytes))  # fmt: skip
         p = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
@@ -221,41 +227,37 @@ if gluon is not None:
                     row = first_row + s * BK
                     tma.async_copy_global_to_shared(a_descs[0], [m0, row], ready.index(idx), a_bufs.index(idx))
                     tma.async_copy_global_to_shared(b_descs[0], [n0, row], ready.index(idx), b_bufs.index(idx))
+                    block = row // BK
+                    tma.async_copy_global_to_shared(a_descs[1], [block, m0], ready.index(idx), bufs[2].index(idx))
+                    tma.async_copy_global_to_shared(b_descs[1], [block, n0], ready.index(idx), bufs[3].index(idx))
                 p += 1
 
     @gluon.jit
     def tile_scales(acc, expert, m0, n0, first_row, work, M, N, ROWS: gl.constexpr):
         """What a tile's steps read their scales through, computed once a tile: the rows' scale pointers
-        in the accumulator's row slice (two a thread), the columns' (weight gradients) one a thread in
-        a compact layout, the rest scalars."""
+        in the accumulator's row slice (two a thread), the rest scalars (row GEMMs); nothing for the
+        weight gradients, whose scales come with each stage."""
         BK: gl.constexpr = 128
-        ms = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         if ROWS:
             # a_scale [rows, halves, K blocks] per row; b_scale [E, halves, N blocks, K blocks], one per step
+            ms = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
             a_scale_ptr, stride_as_r, stride_as_half = work[4], work[5], work[6]
             b_scale_ptr, stride_bs_e, stride_bs_half, stride_bs_n = work[7], work[8], work[9], work[10]
             tile_ptr = b_scale_ptr + expert * stride_bs_e + (n0 // BK) * stride_bs_n
             scales = (a_scale_ptr + ms * stride_as_r, ms < M, tile_ptr, stride_as_half, stride_bs_half)
         else:
-            # both operands' scales [R_pad / 128, M or N], one row per 128-row block: the expert's from
-            # block first_row / 128 on
-            l_scale_ptr, r_scale_ptr, stride_ls, stride_rs = work[2], work[3], work[4], work[5]
-            block = first_row // BK
-            num_warps: gl.constexpr = gl.num_warps()
-            ns = n0 + gl.arange(0, acc.type.shape[1], layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-            scales = (l_scale_ptr + block * stride_ls + ms, ms < M, r_scale_ptr + block * stride_rs + ns, ns < N,
-                      stride_ls, stride_rs)  # fmt: skip
+            scales = ()
         return scales
 
     @gluon.jit
     def step_scales(s, live, scales, work, ROWS: gl.constexpr):
         """Step s's scales as loaded (zeros, nothing read, where not `live`: a step past the tile's last),
         a step before `promote` uses them, so that their latency runs under the MMAs issued meanwhile:
-        the rows' (in the row slice) and B's one (row GEMMs), or the rows' and the columns' (compact;
-        spread to the column slice by `promote`). Nothing computed from them here: an instruction that
-        used a load at once would wait for it before the step's MMA (the row GEMMs did until 2026-12-05)."""
-        rows_ptrs, rows_ok = scales[0], scales[1]
+        the rows' (in the row slice) and B's one (row GEMMs); nothing for the weight gradients (their
+        stage brings them: `stage_freed`). Nothing computed from them here: an instruction that used a
+        load at once would wait for it before the step's MMA (the row GEMMs did until 2026-12-05)."""
         if ROWS:
+            rows_ptrs, rows_ok = scales[0], scales[1]
             tile_ptr, stride_as_half, stride_bs_half, k_steps = scales[2], scales[3], scales[4], work[1]
             second_half = s >= k_steps
             kb = gl.where(second_half, s - k_steps, s)
@@ -265,9 +267,19 @@ if gluon is not None:
             b_ptrs = tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb + gl.zeros_like(rows_ok, dtype=gl.int32)
             values = (gl.load(a_ptrs, mask=rows_ok & live, other=0.0), gl.load(b_ptrs, mask=rows_ok & live, other=0.0))
         else:
-            cols_ptrs, cols_ok, stride_ls, stride_rs = scales[2], scales[3], scales[4], scales[5]
-            values = (gl.load(rows_ptrs + s * stride_ls, mask=rows_ok & live, other=0.0),
-                      gl.load(cols_ptrs + s * stride_rs, mask=cols_ok & live, other=0.0))  # fmt: skip
+            values = ()
+        return values
+
+    @gluon.jit
+    def stage_freed(values, empty, idx, stage_scales, HALF: gl.constexpr, WHICH: gl.constexpr, layout: gl.constexpr,
+                    ROWS: gl.constexpr):  # fmt: skip
+        """A step's scales for `promote` once its MMA is done, and its stage idx freed: the weight
+        gradients' read from the stage first (this warpgroup's 64 rows' and the 128 columns', each
+        thread those of its accumulator's rows and columns); the row GEMMs' `values` as loaded."""
+        if not ROWS:
+            values = (stage_scales[0].index(idx).slice(WHICH * HALF, HALF).load(gl.SliceLayout(1, layout)),
+                      stage_scales[1].index(idx).load(gl.SliceLayout(0, layout)))  # fmt: skip
+        mbarrier.arrive(empty.index(idx), count=1)
         return values
 
     @gluon.jit
@@ -282,13 +294,11 @@ if gluon is not None:
     def promote(acc, partial, values, ROWS: gl.constexpr):
         """acc plus a step's product scaled as the Triton kernels scale it: `partial * row_scale[:, None]`
         with row_scale = a_scale * b_scale (row GEMMs), `partial * l[:, None] * r[None, :]` (weight
-        gradients; the columns' scales, loaded one a thread, spread to the column slice here: loaded in
-        that layout, each thread held 32 of them and their 64-bit addresses, and the kernel spilled)."""
+        gradients, the scales in the accumulator's row and column slices)."""
         if ROWS:
             acc += partial * (values[0] * values[1])[:, None]
         else:
-            l_scale = values[0]
-            r_scale = gl.convert_layout(values[1], gl.SliceLayout(0, acc.type.layout))
+            l_scale, r_scale = values
             acc += partial * l_scale[:, None] * r_scale[None, :]
         return acc
 
@@ -337,7 +347,7 @@ if gluon is not None:
                              registers, use_acc=False, is_async=True)  # fmt: skip
 
     @gluon.jit
-    def pipelined_steps(acc, products, first_values, a_bufs, b_bufs, ready, empty, c, steps, scales, work,
+    def pipelined_steps(acc, products, first_values, bufs, stage_scales, ready, empty, c, steps, scales, work,
                         WHICH: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """(acc, products) after a tile's steps, step s's MMA issued before step s - 1's product is
         promoted, so that the warpgroup's ~128 scaling instructions a thread run under an MMA (waited on
@@ -346,8 +356,12 @@ if gluon is not None:
         set that changed places every step, or shared a first value with acc, would be copied while an
         MMA writes it, and ptxas would serialise every wgmma (C7514, C7515). Step 2q - 1's MMA runs into
         iteration q. Each step's scales are loaded a step ahead, step 0's (`first_values`) before the
-        tile. The sums and their order are those of one step at a time: the same bits."""
+        tile (the weight gradients' with their stage instead). The sums and their order are those of one
+        step at a time: the same bits."""
+        a_bufs, b_bufs = bufs[0], bufs[1]
         S: gl.constexpr = a_bufs.type.shape[0]
+        HALF: gl.constexpr = acc.type.shape[0]
+        layout: gl.constexpr = acc.type.layout
         even, odd_done = products
         odd = warpgroup_mma_init(odd_done)
         even_values = first_values
@@ -358,29 +372,29 @@ if gluon is not None:
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait for)
             if q > 0:
-                mbarrier.arrive(empty.index((c + s - 1) % S), count=1)
-                acc = promote(acc, odd_done, odd_values, ROWS)
+                values = stage_freed(odd_values, empty, (c + s - 1) % S, stage_scales, HALF, WHICH, layout, ROWS)
+                acc = promote(acc, odd_done, values, ROWS)
             odd_values = step_scales(s + 1, s + 1 < steps, scales, work, ROWS)
             odd = mma_of(a_bufs, b_bufs, ready, c, s + 1, odd_done, WHICH)
             even = warpgroup_mma_wait(1, deps=[even_mma])  # step s's
-            mbarrier.arrive(empty.index((c + s) % S), count=1)
-            acc = promote(acc, even, even_values, ROWS)
+            values = stage_freed(even_values, empty, (c + s) % S, stage_scales, HALF, WHICH, layout, ROWS)
+            acc = promote(acc, even, values, ROWS)
             even_values = step_scales(s + 2, s + 2 < steps, scales, work, ROWS)
         if steps % 2 == 1:  # the last step, on the even set
             s = steps - 1
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])
             if pairs > 0:
-                mbarrier.arrive(empty.index((c + s - 1) % S), count=1)
-                acc = promote(acc, odd_done, odd_values, ROWS)
+                values = stage_freed(odd_values, empty, (c + s - 1) % S, stage_scales, HALF, WHICH, layout, ROWS)
+                acc = promote(acc, odd_done, values, ROWS)
             even = warpgroup_mma_wait(0, deps=[even_mma])
-            mbarrier.arrive(empty.index((c + s) % S), count=1)
-            acc = promote(acc, even, even_values, ROWS)
+            values = stage_freed(even_values, empty, (c + s) % S, stage_scales, HALF, WHICH, layout, ROWS)
+            acc = promote(acc, even, values, ROWS)
         else:
             odd_done = warpgroup_mma_wait(0, deps=[odd])
             if pairs > 0:
-                mbarrier.arrive(empty.index((c + steps - 1) % S), count=1)
-                acc = promote(acc, odd_done, odd_values, ROWS)
+                values = stage_freed(odd_values, empty, (c + steps - 1) % S, stage_scales, HALF, WHICH, layout, ROWS)
+                acc = promote(acc, odd_done, values, ROWS)
         return acc, (even, odd_done)
 
     @gluon.jit
@@ -390,12 +404,18 @@ if gluon is not None:
         by `pipelined_steps`, then out by `finish_half`. The next tile's work is loaded under this tile's
         steps, its scales under this tile's epilogue: at deepseek-v3's 2 K steps a tile both had taken
         ~0.7 k of a tile's ~4.3 k cycles on an H100 (Proton, `mok bench wgrad-rows --profile`)."""
-        a_bufs, b_bufs = bufs
         ready, empty = bars[0], bars[1]
         HALF: gl.constexpr = c_smem.type.shape[0]
         BN: gl.constexpr = c_smem.type.shape[1]
         BM: gl.constexpr = 2 * HALF
-        BK: gl.constexpr = a_bufs.type.shape[2]
+        BK: gl.constexpr = bufs[0].type.shape[2]
+        S: gl.constexpr = bufs[0].type.shape[0]
+        if ROWS:
+            stage_scales = ()
+        else:  # the stages' scales as rows of 128 (their [1, 128] TMA blocks are unswizzled)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a stage's; the ring one more rank
+            stage_scales = (bufs[2]._reinterpret(gl.float32, [S, BM], flat),
+                            bufs[3]._reinterpret(gl.float32, [S, BN], flat))  # fmt: skip
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BN, 32])  # fmt: skip
         # the two sets of product registers: first values of their own, not acc's zeros (the MMAs
@@ -411,7 +431,7 @@ if gluon is not None:
             expert, m0, n0, steps, first_row = work_of_tile
             work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, ROWS)
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-            acc, products = pipelined_steps(acc, products, first_values, a_bufs, b_bufs, ready, empty, c, steps,
+            acc, products = pipelined_steps(acc, products, first_values, bufs, stage_scales, ready, empty, c, steps,
                                             scales, work, WHICH, ROWS)  # fmt: skip
             scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
@@ -440,12 +460,16 @@ if gluon is not None:
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        a_bufs = stages_of(a0_desc, STAGES)
-        b_bufs = stages_of(b0_desc, STAGES)
+        # a1_desc, b1_desc: fc1's second halves (row GEMMs), or both operands' scales (weight gradients)
+        if ROWS:
+            bufs = (stages_of(a0_desc, STAGES), stages_of(b0_desc, STAGES))
+        else:
+            bufs = (stages_of(a0_desc, STAGES), stages_of(b0_desc, STAGES), stages_of(a1_desc, STAGES),
+                    stages_of(b1_desc, STAGES))  # fmt: skip
         ready, empty = stage_barriers(STAGES)
         c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        bufs, bars = (a_bufs, b_bufs), (ready, empty)
+        bars = (ready, empty)
         gl.warp_specialize(
             [
                 (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
@@ -500,7 +524,7 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
         "BIAS": bias,
         "ROUTING": routing,
         "C_LAYOUT": shared_layout((HALF_M, BLOCK_N), out_dtype),
-        "STAGES": stages_for(out_dtype),
+        "STAGES": stages_for(out_dtype, rows),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
         "MMA_REGS": MMA_REGS,
@@ -513,13 +537,17 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
 
 
 def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple, M: int, N: int, num_tiles: int,
-            rows: bool, bias: bool = False, routing: bool = False) -> None:  # fmt: skip
+            rows: bool, bias: bool = False, routing: bool = False, scales: tuple = ()) -> None:  # fmt: skip
     """One persistent launch over num_tiles tiles: a and b the one or two (fc1's halves) 2-D operand
-    views, out the 3-D output (dW [E, M, N], or the rows as [1, R, N])."""
+    views, out the 3-D output (dW [E, M, N], or the rows as [1, R, N]); the weight gradients' scales
+    (A's, B's) in the second halves' places, each step's row of them a [1, 128] block."""
     if num_tiles == 0:
         return
     a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
     b_descs = [_descriptor(t, (BLOCK_N, BLOCK_K)) for t in b]
+    if scales:
+        a_descs.append(_descriptor(scales[0], (1, BLOCK_M)))
+        b_descs.append(_descriptor(scales[1], (1, BLOCK_N)))
     kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
     grid = (min(num_tiles, PROGRAMS or _num_sms(out.device.index)),)
     kernel[grid](
@@ -534,11 +562,10 @@ def fp8_wgrad_hopper(
 ) -> None:  # fmt: skip
     """d_w [E, M, N] (contiguous) = `fp8_mlp.fp8_wgrad`'s sums from the same operands (left_t [M, R_pad],
     right_t [N, R_pad], scales [R_pad / 128, M] and [R_pad / 128, N], expert offsets multiples of 128).
-    Call only where `usable((left_t, right_t), d_w.flatten(0, 1))`."""
+    Call only where `usable((left_t, right_t), d_w.flatten(0, 1), scales=(left_scale_inv, right_scale_inv))`."""
     E, M, N = d_w.shape
-    work = (expert_offsets, tokens_per_expert, left_scale_inv, right_scale_inv, left_scale_inv.stride(0),
-            right_scale_inv.stride(0))  # fmt: skip
-    _launch((left_t,), (right_t,), d_w, work, (), M, N, E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), rows=False)
+    _launch((left_t,), (right_t,), d_w, (expert_offsets, tokens_per_expert), (), M, N,
+            E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), rows=False, scales=(left_scale_inv, right_scale_inv))  # fmt: skip
 
 
 def fp8_rows_hopper(

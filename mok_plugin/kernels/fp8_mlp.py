@@ -753,7 +753,7 @@ def fp8_wgrad(
     M, N = left_t.shape[0], right_t.shape[0]
     d_w = torch.empty(E, M, N, dtype=out_dtype, device=left_t.device)
     hopper = scale_block == fp8_hopper.BLOCK_K and fp8_hopper.enabled(fp8_hopper.WGRAD_SETTING)
-    if hopper and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1)):
+    if hopper and fp8_hopper.usable((left_t, right_t), d_w.flatten(0, 1), scales=(left_scale_inv, right_scale_inv)):
         fp8_hopper.fp8_wgrad_hopper(left_t, left_scale_inv, right_t, right_scale_inv, d_w, expert_offsets,
                                     tokens_per_expert)  # fmt: skip
         return d_w
