@@ -86,17 +86,15 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '        pl.exit_scope("promote")\n'
             "        return acc\n",
         ),
-        (  # the next tile's work (its loads' latency shows where it is used: the next tile's start)
-            "            work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, "
-            "ROWS)\n",
-            '            with pl.scope("next_work"):\n'
-            "                work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, "
-            "ROWS)\n",
+        (
+            "            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n",
+            '            pl.enter_scope("tile_setup")\n'
+            "            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n",
         ),
         (
             "            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n",
-            '            with pl.scope("tile_setup"):\n'
-            "                scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n",
+            "            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n"
+            '            pl.exit_scope("tile_setup")\n',
         ),
         (
             "            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, "

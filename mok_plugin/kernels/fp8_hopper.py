@@ -284,8 +284,7 @@ if gluon is not None:
 
     @gluon.jit
     def tile_start(acc, work_of_tile, WHICH: gl.constexpr, work, M, N, ROWS: gl.constexpr):
-        """(`tile_scales`, step 0's scales) of this warpgroup's half of a tile (`tile_work`'s values):
-        made while the previous tile's steps end, so that the loads' latency runs under its epilogue."""
+        """(`tile_scales`, step 0's scales) of this warpgroup's half of a tile (`tile_work`'s values)."""
         expert, m0, n0, steps, first_row = work_of_tile
         scales = tile_scales(acc, expert, m0 + WHICH * acc.type.shape[0], n0, first_row, work, M, N, ROWS)
         return scales, step_scales(0, steps > 0, scales, work, ROWS)
@@ -401,9 +400,9 @@ if gluon is not None:
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
                         BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
         """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program, its K steps
-        by `pipelined_steps`, then out by `finish_half`. The next tile's work is loaded under this tile's
-        steps, its scales under this tile's epilogue: at deepseek-v3's 2 K steps a tile both had taken
-        ~0.7 k of a tile's ~4.3 k cycles on an H100 (Proton, `mok bench wgrad-rows --profile`)."""
+        by `pipelined_steps`, then out by `finish_half`. (The next tile's work loaded under this tile's
+        steps was slower on an H100 at one K step a tile, 5.7 -> 7.2 ms, and no faster at more: ptxas
+        moves the loaded scalars to uniform registers at once, R2UR, which waits for the load.)"""
         ready, empty = bars[0], bars[1]
         HALF: gl.constexpr = c_smem.type.shape[0]
         BN: gl.constexpr = c_smem.type.shape[1]
@@ -422,18 +421,14 @@ if gluon is not None:
         # overwrite them: use_acc=False)
         products = (gl.full((HALF, BN), 1.0, gl.float32, layout=acc_layout),
                     gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
-        stride = gl.num_programs(0)
-        work_of_tile = tile_work(gl.program_id(0), work, M, N, BM, BN, BK, ROWS)
-        scales, first_values = tile_start(gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout), work_of_tile,
-                                          WHICH, work, M, N, ROWS)  # fmt: skip
         c = 0
-        for t in range(gl.program_id(0), num_tiles, stride):
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             expert, m0, n0, steps, first_row = work_of_tile
-            work_of_tile = tile_work(gl.minimum(t + stride, num_tiles - 1), work, M, N, BM, BN, BK, ROWS)
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)
             acc, products = pipelined_steps(acc, products, first_values, bufs, stage_scales, ready, empty, c, steps,
                                             scales, work, WHICH, ROWS)  # fmt: skip
-            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
