@@ -13,7 +13,7 @@ every anchor, and that the modified copies compile for sm_90).
   "epilogue"), a loader warp's over its K steps; "period" is the time from one mark to the next.
   Found with it (BENCHMARKS.md, f14-f15): the two MMA warpgroups run each K step in step, so neither
   hides the other's promotion; the pipelined steps came of that.
-- ABLATIONS: the kernel without a part (the promotion's scaling, the scales' loads, dW's stores),
+- ABLATIONS: the kernel without a part (the promotion's scaling, the scales' reads from the stage, dW's stores),
   timed as the layer's benches time: an upper bound on what making that part free would give. The
   results are wrong by design; only the times mean anything.
 """
@@ -122,7 +122,7 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
 
 # name -> the edits that take that part out (same form as SCOPES)
 ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
-    "promote": {  # acc += the product, unscaled: the FMULs, FFMAs, the scales and their layout change go
+    "promote": {  # acc += the product, unscaled: the FMULs and FFMAs, and the scales' reads, go
         "kernels/fp8_hopper.py": [
             ("            acc += partial * (values[0] * values[1])[:, None]\n", "            acc += partial\n"),
             ("            acc += partial * l_scale[:, None] * r_scale[None, :]\n", "            acc += partial\n"),

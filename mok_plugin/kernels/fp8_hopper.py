@@ -21,8 +21,11 @@ MMA, then all promote, then all issue the next. Here, as DeepGEMM does it: one l
 operands through TMA into a ring of stages running ahead across tiles, and two MMA warpgroups, in
 partitions of their own, each take one half (64 rows) of every 128 x 128 tile. Each issues step s's
 MMA before it promotes step s - 1's product (`pipelined_steps`: two sets of product registers), so the
-tensor cores work through the promotions; a stage is freed once both have read it. Finished halves
-leave through asynchronous TMA stores. (The two warpgroups alone do not hide each other's promotion:
+tensor cores work through the promotions; a stage is freed once both have read it. The weight
+gradients' stages also bring each step's 128 + 128 scales by TMA, read from the stage before it is
+freed (loaded by each warp and spread through shared memory, they cost global loads, a layout
+round trip and two warpgroup barriers a step); the row GEMMs load theirs a step ahead. Finished
+halves leave through asynchronous TMA stores. (The two warpgroups alone do not hide each other's promotion:
 they run in step, Proton found on an H100; taking the MMAs in turn was slower, BENCHMARKS.md f14.
 A first in-warpgroup overlap swapped its two sets every step; the compiler copied a product still
 being written and ptxas serialised every wgmma, C7514: the sets now keep to even and odd steps.)
