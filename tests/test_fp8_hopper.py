@@ -45,6 +45,15 @@ def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype, rows):
     assert stages * stage + tiles <= 227 * 1024
 
 
+def test_the_weight_gradients_take_only_scales_tma_can_bring():
+    # each stage brings a [1, 128] fp32 row of both operands' scales: rows 16-byte aligned, fp32
+    assert fp8_hopper.scale_rows_ok(torch.rand(4, 200))
+    assert not fp8_hopper.scale_rows_ok(torch.rand(4, 202))  # 808-byte rows
+    assert not fp8_hopper.scale_rows_ok(torch.rand(4, 256)[:, 1:201])  # a base 4 bytes past alignment
+    assert not fp8_hopper.scale_rows_ok(torch.rand(4, 200, dtype=torch.bfloat16))
+    assert not fp8_hopper.scale_rows_ok(torch.rand(800))
+
+
 def test_row_gemm_operands_are_views_of_the_halves():
     rows = torch.zeros(256, 2 * 192, dtype=torch.float8_e4m3fn)
     weights = torch.zeros(3, 200, 2 * 192, dtype=torch.float8_e4m3fn)

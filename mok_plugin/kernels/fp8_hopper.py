@@ -74,6 +74,7 @@ __all__ = [
     "fp8_rows_hopper",
     "fp8_wgrad_hopper",
     "row_gemm_operands",
+    "scale_rows_ok",
     "usable_row_gemm",
     "stages_for",
     "usable",
@@ -120,6 +121,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def scale_rows_ok(scales: torch.Tensor) -> bool:
+    """Whether TMA can bring the weight gradients' scales ([R_pad / 128, M or N] fp32) with each stage,
+    a [1, 128] block of one row: fp32, 2-D, rows TMA reads (else the Triton kernel computes dW)."""
+    return scales.dtype == torch.float32 and scales.dim() == 2 and _tma_ok(scales)
+
+
 def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor, tile_m: int = BLOCK_M, scales: tuple = ()) -> bool:
     """Whether these kernels can take these FP8 operands (2-D views, as the launchers describe them),
     this output ([rows, N] or dW's [E * M, N]), for the row GEMMs the schedule's tile_m (a multiple of
@@ -129,7 +136,7 @@ def usable(operands: tuple[torch.Tensor, ...], out: torch.Tensor, tile_m: int = 
     if gluon is None or not out.is_cuda or torch.cuda.get_device_capability(out.device) != (9, 0):
         return False
     fp8_ok = all(t.is_cuda and t.dtype in _FP8 and t.dim() == 2 and _tma_ok(t) for t in operands)
-    scales_ok = all(s.is_cuda and s.dtype == torch.float32 and s.dim() == 2 and _tma_ok(s) for s in scales)
+    scales_ok = all(s.is_cuda and scale_rows_ok(s) for s in scales)
     return fp8_ok and scales_ok and out.dtype in _OUT and out.dim() == 2 and _tma_ok(out) and tile_m % BLOCK_M == 0
 
 
