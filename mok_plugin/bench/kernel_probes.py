@@ -13,9 +13,9 @@ every anchor, and that the modified copies compile for sm_90).
   "epilogue"), a loader warp's over its K steps; "period" is the time from one mark to the next.
   Found with it (BENCHMARKS.md, f14-f15): the two MMA warpgroups run each K step in step, so neither
   hides the other's promotion; the pipelined steps came of that.
-- ABLATIONS: the kernel without a part (the promotion's scaling, the scales' reads from the stage, dW's stores),
-  timed as the layer's benches time: an upper bound on what making that part free would give. The
-  results are wrong by design; only the times mean anything.
+- ABLATIONS: the kernel without a part (the promotion's scaling, the scales' reads from the stage, their
+  copies into it, dW's stores), timed as the layer's benches time: an upper bound on what making that
+  part free would give. The results are wrong by design; only the times mean anything.
 """
 
 from __future__ import annotations
@@ -137,6 +137,19 @@ ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
                 "            values = (gl.full([HALF], 0.0, gl.float32, gl.SliceLayout(1, layout)),\n"
                 "                      gl.full([stage_scales[1].shape[1]], 0.0, gl.float32, "
                 "gl.SliceLayout(0, layout)))\n",
+            ),
+        ],
+    },
+    "scale_copies": {  # the stages' scales not brought: their two TMA copies a step, and their bytes, go
+        "kernels/fp8_hopper.py": [
+            ("        SCALES: gl.constexpr = 1 - ROWS", "        SCALES: gl.constexpr = 0"),
+            (
+                "                    block = row // BK\n"
+                "                    tma.async_copy_global_to_shared(a_descs[1], [block, m0], ready.index(idx), "
+                "bufs[2].index(idx))\n"
+                "                    tma.async_copy_global_to_shared(b_descs[1], [block, n0], ready.index(idx), "
+                "bufs[3].index(idx))\n",
+                "",
             ),
         ],
     },

@@ -12,6 +12,7 @@ rate at which the GPU writes it with nothing else to do.
     mok bench wgrad-rows --kernels fp8 --out-dtypes bfloat16 float32
     mok bench wgrad-rows --profile --rows-per-expert 256 1024   # kilocycles per tile in each part (Proton)
     mok bench wgrad-rows --ablate promote scales stores         # the time without each part (wrong results)
+    mok bench wgrad-rows --ablate scales scale_copies          # ... without the scales' reads, their copies, both
     # kernels: fp8 (fp8_mlp.fp8_wgrad: the Gluon kernel on Hopper), bf16 (wgrad_hopper's Gluon kernel,
     # both schedules)
 """
