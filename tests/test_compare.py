@@ -284,6 +284,20 @@ def test_compare_fp8_runs_moks_experts_in_fp8(tmp_path, framework, scaling):
     assert max(abs(a - b) for a, b in zip(bf16, stock, strict=True)) < 1e-4  # MoK bf16 = stock on the CPU
 
 
+def test_compare_micro_batch_sets_the_sequences_a_step(tmp_path):
+    pytest.importorskip("megatron.core")
+    run = _compare(tmp_path, "--config", str(TINY), "--steps", "2", "--micro-batch", "3")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "compare" / "megatron" / "comparison.json").read_text())
+    from mok_plugin.run.topology import load_topology
+
+    seq_length = load_topology(TINY).parallel.seq_length
+    assert result["meta"]["tokens_per_step"] == 3 * seq_length
+    assert f"2 steps x {3 * seq_length} tokens" in run.stdout
+    bad = _compare(tmp_path, "--config", str(TINY), "--micro-batch", "0")
+    assert bad.returncode == 2 and "--micro-batch=0: at least 1 sequence a step" in bad.stderr
+
+
 def test_compare_fp8_scaling_needs_fp8(tmp_path):
     run = _compare(tmp_path, "--config", str(TINY), "--fp8-scaling", "tensorwise")
     assert run.returncode == 2 and "--fp8-scaling tensorwise: needs --fp8" in run.stderr

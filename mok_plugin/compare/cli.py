@@ -7,6 +7,7 @@ Markdown report, a PNG plot and a log of the frameworks' own messages.
     mok compare --config CONFIG --framework deepspeed --steps 20 --out out/compare/ds-20
     mok compare --config CONFIG --fp8 e4m3 --steps 200    # MoK's experts in blockwise FP8
     mok compare --config CONFIG --fp8 hybrid --fp8-scaling tensorwise   # ... or another FP8 recipe
+    mok compare --config CONFIG --fp8 e4m3 --steps 200 --micro-batch 8   # ... 8 sequences a step
 
 The output folder defaults to out/compare/<framework>, so a Megatron and a DeepSpeed run do not
 overwrite each other. The console shows the progress bar and the table only: the frameworks'
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: out/compare/<framework>)")  # fmt: skip
+    parser.add_argument("--micro-batch", type=int, default=None, metavar="N",
+                        help="sequences a step (the config's parallel.micro_batch; tokens a step: N x "
+                             "seq_length)")  # fmt: skip
     parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None,
                         help="MoK's experts in blockwise FP8 (the config's mok.fp8; Megatron's --fp8-format with "
                              "--fp8-recipe blockwise): the report then gives its losses' distance from the stock "
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: at least 2 (the first step is left out of the timing)")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error(f"--micro-batch={args.micro_batch}: at least 1 sequence a step")
     if args.fp8_scaling is not None and args.fp8 is None:
         parser.error(f"--fp8-scaling {args.fp8_scaling}: needs --fp8 (e4m3 or hybrid), whose recipe it chooses")
     import torch
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.fp8 is not None:
             scaling = {} if args.fp8_scaling is None else {"fp8_scaling": args.fp8_scaling}
             run = run.model_copy(update={"mok": {**run.mok, "fp8": args.fp8, **scaling}})
+        if args.micro_batch is not None:
+            run = run.model_copy(update={"parallel": run.parallel.model_copy(update={"micro_batch": args.micro_batch})})
         check_framework(run, args.framework)
     except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
