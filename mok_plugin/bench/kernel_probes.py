@@ -75,10 +75,8 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             '            pl.exit_scope("mma_wait")\n',
         ),
         (
-            "        if ROWS:\n            acc += partial * (values[0] * values[1])[:, None]\n",
-            '        pl.enter_scope("promote")\n'
-            "        if ROWS:\n"
-            "            acc += partial * (values[0] * values[1])[:, None]\n",
+            "        if ROWS:\n            acc += partial * values[:, None]\n",
+            '        pl.enter_scope("promote")\n        if ROWS:\n            acc += partial * values[:, None]\n',
         ),
         (
             "            acc += partial * l_scale[:, None] * r_scale[None, :]\n        return acc\n",
@@ -87,13 +85,15 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             "        return acc\n",
         ),
         (
-            "            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n",
+            "            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n"
+            "            acc = gl.zeros(",
             '            pl.enter_scope("tile_setup")\n'
-            "            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n",
+            "            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)\n"
+            "            acc = gl.zeros(",
         ),
         (
-            "            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n",
-            "            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)\n"
+            "            scales = tile_scales(acc, expert, m0 + WHICH * HALF, n0, first_row, work, M, N, ROWS)\n",
+            "            scales = tile_scales(acc, expert, m0 + WHICH * HALF, n0, first_row, work, M, N, ROWS)\n"
             '            pl.exit_scope("tile_setup")\n',
         ),
         (
@@ -124,7 +124,7 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
 ABLATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
     "promote": {  # acc += the product, unscaled: the FMULs and FFMAs, and the scales' reads, go
         "kernels/fp8_hopper.py": [
-            ("            acc += partial * (values[0] * values[1])[:, None]\n", "            acc += partial\n"),
+            ("            acc += partial * values[:, None]\n", "            acc += partial\n"),
             ("            acc += partial * l_scale[:, None] * r_scale[None, :]\n", "            acc += partial\n"),
         ],
     },

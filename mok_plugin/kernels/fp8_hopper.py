@@ -260,22 +260,28 @@ if gluon is not None:
         return scales
 
     @gluon.jit
-    def step_scales(s, live, scales, work, ROWS: gl.constexpr):
-        """Step s's scales as loaded (zeros, nothing read, where not `live`: a step past the tile's last),
-        a step before `promote` uses them, so that their latency runs under the MMAs issued meanwhile:
-        the rows' (in the row slice) and B's one (row GEMMs); nothing for the weight gradients (their
-        stage brings them: `stage_freed`). Nothing computed from them here: an instruction that used a
-        load at once would wait for it before the step's MMA (the row GEMMs did until 2026-12-05)."""
+    def step_scales(s, scales, work, ROWS: gl.constexpr):
+        """Step s's scales, issued before its stage is waited on so that their latency runs under the
+        wait: the rows' (in the row slice) times B's one (row GEMMs); nothing for the weight gradients
+        (their stage brings them: `stage_freed`). (Loaded a step ahead and multiplied only in `promote`,
+        four values a thread carried instead of two, the H200's row GEMMs were 1-7 % slower: f16.)"""
         if ROWS:
             rows_ptrs, rows_ok = scales[0], scales[1]
             tile_ptr, stride_as_half, stride_bs_half, k_steps = scales[2], scales[3], scales[4], work[1]
             second_half = s >= k_steps
             kb = gl.where(second_half, s - k_steps, s)
-            a_ptrs = rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb
-            # B's one scale loaded by every thread for each of its rows: a scalar load became a uniform
-            # register, converted (R2UR, which waits for the load) before the step's MMA
-            b_ptrs = tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb + gl.zeros_like(rows_ok, dtype=gl.int32)
-            values = (gl.load(a_ptrs, mask=rows_ok & live, other=0.0), gl.load(b_ptrs, mask=rows_ok & live, other=0.0))
+            a_scale = gl.load(rows_ptrs + gl.where(second_half, stride_as_half, 0) + kb, mask=rows_ok, other=0.0)
+            b_scale = gl.load(tile_ptr + gl.where(second_half, stride_bs_half, 0) + kb)
+            values = a_scale * b_scale
+        else:
+            values = ()
+        return values
+
+    @gluon.jit
+    def no_scales(scales, ROWS: gl.constexpr):
+        """Values shaped as `step_scales`' for the step before the first, which nothing promotes."""
+        if ROWS:
+            values = gl.zeros_like(scales[0], dtype=gl.float32)
         else:
             values = ()
         return values
@@ -293,19 +299,12 @@ if gluon is not None:
         return values
 
     @gluon.jit
-    def tile_start(acc, work_of_tile, WHICH: gl.constexpr, work, M, N, ROWS: gl.constexpr):
-        """(`tile_scales`, step 0's scales) of this warpgroup's half of a tile (`tile_work`'s values)."""
-        expert, m0, n0, steps, first_row = work_of_tile
-        scales = tile_scales(acc, expert, m0 + WHICH * acc.type.shape[0], n0, first_row, work, M, N, ROWS)
-        return scales, step_scales(0, steps > 0, scales, work, ROWS)
-
-    @gluon.jit
     def promote(acc, partial, values, ROWS: gl.constexpr):
         """acc plus a step's product scaled as the Triton kernels scale it: `partial * row_scale[:, None]`
-        with row_scale = a_scale * b_scale (row GEMMs), `partial * l[:, None] * r[None, :]` (weight
-        gradients, the scales in the accumulator's row and column slices)."""
+        with row_scale = a_scale * b_scale (row GEMMs: `step_scales`' values), `partial * l[:, None] *
+        r[None, :]` (weight gradients, the scales in the accumulator's row and column slices)."""
         if ROWS:
-            acc += partial * (values[0] * values[1])[:, None]
+            acc += partial * values[:, None]
         else:
             l_scale, r_scale = values
             acc += partial * l_scale[:, None] * r_scale[None, :]
@@ -356,41 +355,39 @@ if gluon is not None:
                              registers, use_acc=False, is_async=True)  # fmt: skip
 
     @gluon.jit
-    def pipelined_steps(acc, products, first_values, bufs, stage_scales, ready, empty, c, steps, scales, work,
-                        WHICH: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    def pipelined_steps(acc, products, bufs, stage_scales, ready, empty, c, steps, scales, work, WHICH: gl.constexpr,
+                        ROWS: gl.constexpr):  # fmt: skip
         """(acc, products) after a tile's steps, step s's MMA issued before step s - 1's product is
         promoted, so that the warpgroup's ~128 scaling instructions a thread run under an MMA (waited on
         after each MMA, a step took ~1,300 cycles on an H100, the MMAs ~500 of them). `products`: two
         sets of registers, for even steps and odd ones, two steps an iteration and kept across tiles: a
         set that changed places every step, or shared a first value with acc, would be copied while an
         MMA writes it, and ptxas would serialise every wgmma (C7514, C7515). Step 2q - 1's MMA runs into
-        iteration q. Each step's scales are loaded a step ahead, step 0's (`first_values`) before the
-        tile (the weight gradients' with their stage instead). The sums and their order are those of one
-        step at a time: the same bits."""
+        iteration q. The sums and their order are those of one step at a time: the same bits."""
         a_bufs, b_bufs = bufs[0], bufs[1]
         S: gl.constexpr = a_bufs.type.shape[0]
         HALF: gl.constexpr = acc.type.shape[0]
         layout: gl.constexpr = acc.type.layout
         even, odd_done = products
         odd = warpgroup_mma_init(odd_done)
-        even_values = first_values
-        odd_values = first_values  # of the values' types: step -1 is never promoted
+        odd_values = no_scales(scales, ROWS)
         pairs = steps // 2
         for q in range(pairs):
             s = 2 * q
+            even_values = step_scales(s, scales, work, ROWS)
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])  # step s - 1's (at q = 0: nothing to wait for)
             if q > 0:
                 values = stage_freed(odd_values, empty, (c + s - 1) % S, stage_scales, HALF, WHICH, layout, ROWS)
                 acc = promote(acc, odd_done, values, ROWS)
-            odd_values = step_scales(s + 1, s + 1 < steps, scales, work, ROWS)
+            odd_values = step_scales(s + 1, scales, work, ROWS)
             odd = mma_of(a_bufs, b_bufs, ready, c, s + 1, odd_done, WHICH)
             even = warpgroup_mma_wait(1, deps=[even_mma])  # step s's
             values = stage_freed(even_values, empty, (c + s) % S, stage_scales, HALF, WHICH, layout, ROWS)
             acc = promote(acc, even, values, ROWS)
-            even_values = step_scales(s + 2, s + 2 < steps, scales, work, ROWS)
         if steps % 2 == 1:  # the last step, on the even set
             s = steps - 1
+            even_values = step_scales(s, scales, work, ROWS)
             even_mma = mma_of(a_bufs, b_bufs, ready, c, s, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])
             if pairs > 0:
@@ -433,12 +430,11 @@ if gluon is not None:
                     gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            work_of_tile = tile_work(t, work, M, N, BM, BN, BK, ROWS)
-            expert, m0, n0, steps, first_row = work_of_tile
+            expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
             acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
-            scales, first_values = tile_start(acc, work_of_tile, WHICH, work, M, N, ROWS)
-            acc, products = pipelined_steps(acc, products, first_values, bufs, stage_scales, ready, empty, c, steps,
-                                            scales, work, WHICH, ROWS)  # fmt: skip
+            scales = tile_scales(acc, expert, m0 + WHICH * HALF, n0, first_row, work, M, N, ROWS)
+            acc, products = pipelined_steps(acc, products, bufs, stage_scales, ready, empty, c, steps, scales, work,
+                                            WHICH, ROWS)  # fmt: skip
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
         tma.store_wait(0)
