@@ -24,7 +24,7 @@ MMA before it promotes step s - 1's product (`pipelined_steps`: two sets of prod
 tensor cores work through the promotions; a stage is freed once both have read it. The weight
 gradients' stages also bring each step's 128 + 128 scales by TMA, read from the stage before it is
 freed (loaded by each warp and spread through shared memory, they cost global loads, a layout
-round trip and two warpgroup barriers a step); the row GEMMs load theirs a step ahead. Finished
+round trip and two warpgroup barriers a step); the row GEMMs load theirs at the step. Finished
 halves leave through asynchronous TMA stores. (The two warpgroups alone do not hide each other's promotion:
 they run in step, Proton found on an H100; taking the MMAs in turn was slower, BENCHMARKS.md f14.
 A first in-warpgroup overlap swapped its two sets every step; the compiler copied a product still
