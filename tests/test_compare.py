@@ -259,6 +259,10 @@ def test_report_measures_fp8_losses_against_the_target_from_step_50():
     result["fp8_reference"] = {"losses": [v * 1.001 for v in bf16]}
     note = agreement_note(result)
     assert "differ from MoK's bf16 run's by at most 2.20% (step 55), OUTSIDE the 1% target, and from the stock" in note
+    assert "for scale" not in note  # the stock layer's two runs equal (as on the CPU): nothing to scale by
+    result["runs"][1]["losses"] = [v * (1.004 if i == 49 else 1.0) for i, v in enumerate(bf16)]
+    note = agreement_note(result)
+    assert note.endswith("; for scale, the stock layer's own two runs differ by up to 0.40% (step 50)")
 
 
 @pytest.mark.slow

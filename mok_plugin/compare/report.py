@@ -86,10 +86,12 @@ def _largest_gap(losses: list[float], reference: list[float], first: int) -> tup
 
 
 def fp8_loss_note(stock_losses: list[float], fp8_losses: list[float], fp8: str,
-                  mok_bf16_losses: list[float] | None = None, scaling: str = "blockwise") -> str:  # fmt: skip
+                  mok_bf16_losses: list[float] | None = None, scaling: str = "blockwise",
+                  stock_rerun_losses: list[float] | None = None) -> str:  # fmt: skip
     """How far the FP8 run's losses are, relative, at every step from FP8_FROM_STEP (from step 1 in a
     shorter run), from MoK's bf16 run's (when given: FP8 alone differs) and from the stock layer's,
-    against FP8_LOSS_TARGET."""
+    against FP8_LOSS_TARGET; and, where the stock layer's second run differs from its first, by how
+    much over the same steps (the distance a rerun alone gives, for scale)."""
     first = FP8_FROM_STEP if len(stock_losses) >= FP8_FROM_STEP else 1
     note = f"MoK's experts run {scaling} FP8 ({fp8}); from step {first} its losses differ"
     if mok_bf16_losses is not None:
@@ -101,6 +103,9 @@ def fp8_loss_note(stock_losses: list[float], fp8_losses: list[float], fp8: str,
     note += f" from the stock layer's (unquantised) by at most {worst:.2%} (step {at})"
     if mok_bf16_losses is None:
         note += f", {'within' if worst <= FP8_LOSS_TARGET else 'OUTSIDE'} the {FP8_LOSS_TARGET:.0%} target"
+    if stock_rerun_losses is not None and stock_rerun_losses != stock_losses:
+        worst, at = _largest_gap(stock_rerun_losses, stock_losses, first)
+        note += f"; for scale, the stock layer's own two runs differ by up to {worst:.2%} (step {at})"
     return note
 
 
@@ -118,8 +123,9 @@ def agreement_note(result: dict) -> str:
     scale = max(1.0, *(abs(v) for v in stock["losses"] + mok["losses"]))
     if meta.get("fp8"):
         reference = result.get("fp8_reference")
+        rerun = runs.get(("stock", 2))
         note = fp8_loss_note(stock["losses"], mok["losses"], meta["fp8"], reference and reference["losses"],
-                             meta.get("fp8_scaling") or "blockwise")  # fmt: skip
+                             meta.get("fp8_scaling") or "blockwise", rerun and rerun["losses"])  # fmt: skip
     elif max(gaps) <= AGREE_RELATIVE * scale:
         note = (f"the losses agree to {max(gaps):.1e} at every step (same weights, tokens and routing; the last "
                 "digits differ by the order of floating-point sums)")  # fmt: skip
