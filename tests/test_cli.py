@@ -4,12 +4,14 @@ bench layer|tune|inspect|ep|multi-gpu); the rest of the command line goes to tha
 unchanged; the modules are imported only when their subcommand runs; bad commands exit 2."""
 
 import configparser
+import json
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from mok_plugin import cli
 
@@ -125,3 +127,28 @@ def test_bench_fp8_hopper_settings_are_the_tables_labels(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--hopper", "--hopper-settings", "ahead"])
     assert "invalid choice: 'ahead'" in capsys.readouterr().err
+
+
+def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatch, tmp_path, capsys):
+    # the shape that runs out of the GPU's memory is named and skipped, the others are reported, and
+    # the exit status says one was left out (no GPU here: the timing itself is stood in for)
+    from mok_plugin.bench import fp8
+
+    def bench_shape(name, recipe, iters, settle_s):
+        if name == "deepseek-v3":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB. GPU 0 has ...")
+        timings = dict.fromkeys(["bf16 forward", "fp8 forward", "bf16 fwd+bwd", "fp8 fwd+bwd"], 2.0)
+        return {"shape": name, **timings, "fp8 fwd+bwd, weights kept": 1.5, "bitwise": True, "fp8 kernels": [],
+                "relative difference from bf16": {"d_x": 0.01}}  # fmt: skip
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(fp8, "_bench_shape", bench_shape)
+    status = fp8.main(["--shapes", "mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "deepseek-v3: skipped, it does not fit this GPU's memory (CUDA out of memory)" in out
+    assert "not timed (out of the GPU's memory): deepseek-v3" in out
+    saved = json.loads((tmp_path / "bench_fp8.json").read_text())
+    assert [row["shape"] for row in saved["rows"]] == ["mixtral-8x7b", "qwen3-30b-a3b"]
+    assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2

@@ -256,7 +256,8 @@ def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> di
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Time the shapes; 0 on success, 2 without a CUDA GPU."""
+    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory (the others are
+    timed and reported), 2 without a CUDA GPU."""
     args = build_parser(prog).parse_args(argv)
     if not torch.cuda.is_available():
         print("mok bench fp8 (scripts/bench_fp8.py) needs a CUDA GPU", file=sys.stderr)
@@ -279,8 +280,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         (args.out / "bench_fp8_sweep.json").write_text(json.dumps(rows, indent=2))
         print(f"details in {args.out / 'bench_fp8_sweep.json'}")
         return 0
+    too_large = []
     for name in args.shapes:
-        rows.append(_bench_shape(name, recipe, args.iters, args.settle_s))
+        try:
+            rows.append(_bench_shape(name, recipe, args.iters, args.settle_s))
+        except torch.OutOfMemoryError as error:  # deepseek-v3 on an 80 GB H100, say: the next shape may fit
+            too_large.append(name)
+            print(f"{name}: skipped, it does not fit this GPU's memory ({str(error).split('. ')[0]})", flush=True)
         torch.cuda.empty_cache()
         # written after each shape, so that a later shape's failure loses none of the earlier ones
         (args.out / "bench_fp8.json").write_text(json.dumps({"recipe": args.recipe, "rows": rows}, indent=2))
@@ -300,5 +306,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             continue
         each = [f"{name} {e['mok fp8']:.4f} (peer {e['separate-cast peer']:.4f})" for name, e in errors.items()]
         print("    error against float64 (relative, per tensor): " + ", ".join(each))
+    if too_large:
+        print(f"not timed (out of the GPU's memory): {', '.join(too_large)}")
     print(f"details in {args.out / 'bench_fp8.json'}")
-    return 0
+    return 1 if too_large else 0
