@@ -151,4 +151,5 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
     assert "not timed (out of the GPU's memory): deepseek-v3" in out
     saved = json.loads((tmp_path / "bench_fp8.json").read_text())
     assert [row["shape"] for row in saved["rows"]] == ["mixtral-8x7b", "qwen3-30b-a3b"]
+    assert saved["out_of_memory"] == ["deepseek-v3"]
     assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2

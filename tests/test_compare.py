@@ -300,6 +300,9 @@ def test_compare_micro_batch_sets_the_sequences_a_step(tmp_path):
     assert f"2 steps x {3 * seq_length} tokens" in run.stdout
     bad = _compare(tmp_path, "--config", str(TINY), "--micro-batch", "0")
     assert bad.returncode == 2 and "--micro-batch=0: at least 1 sequence a step" in bad.stderr
+    # validated as the config's own value is: a batch that cannot fit is refused before any run
+    huge = _compare(tmp_path, "--config", str(TINY), "--micro-batch", "100000000")
+    assert huge.returncode == 2 and "the layout does not fit CPU memory" in huge.stderr
 
 
 def test_compare_fp8_scaling_needs_fp8(tmp_path):

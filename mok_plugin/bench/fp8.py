@@ -18,6 +18,7 @@ stored in bf16, as a pipeline of separate quantisation kernels has it), on the s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -256,8 +257,9 @@ def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> di
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory (the others are
-    timed and reported), 2 without a CUDA GPU."""
+    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory in the default
+    timing (the others are timed and reported; `--hopper` and `--sweep` stop there), 2 without a
+    CUDA GPU."""
     args = build_parser(prog).parse_args(argv)
     if not torch.cuda.is_available():
         print("mok bench fp8 (scripts/bench_fp8.py) needs a CUDA GPU", file=sys.stderr)
@@ -287,9 +289,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         except torch.OutOfMemoryError as error:  # deepseek-v3 on an 80 GB H100, say: the next shape may fit
             too_large.append(name)
             print(f"{name}: skipped, it does not fit this GPU's memory ({str(error).split('. ')[0]})", flush=True)
+        gc.collect()  # the failed shape's tensors, should a reference cycle hold them
         torch.cuda.empty_cache()
         # written after each shape, so that a later shape's failure loses none of the earlier ones
-        (args.out / "bench_fp8.json").write_text(json.dumps({"recipe": args.recipe, "rows": rows}, indent=2))
+        (args.out / "bench_fp8.json").write_text(
+            json.dumps({"recipe": args.recipe, "rows": rows, "out_of_memory": too_large}, indent=2)
+        )
     print(f"\n{'shape':<16} {'fwd bf16':>9} {'fwd fp8':>9} {'fwd+bwd bf16':>13} {'fwd+bwd fp8':>12} {'fp8 vs bf16':>11}"
           f" {'weights kept':>13}  bitwise  largest difference from bf16")  # fmt: skip
     for row in rows:

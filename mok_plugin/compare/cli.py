@@ -133,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run = load_topology(args.config)
+        # the options' overrides validated as the config's own values are (memory fit, DeepSpeed's
+        # capacity against the tokens a step): a model_copy would skip that
+        fields = run.model_dump()
         if args.fp8 is not None:
             scaling = {} if args.fp8_scaling is None else {"fp8_scaling": args.fp8_scaling}
-            run = run.model_copy(update={"mok": {**run.mok, "fp8": args.fp8, **scaling}})
+            fields["mok"] = {**fields["mok"], "fp8": args.fp8, **scaling}
         if args.micro_batch is not None:
-            run = run.model_copy(update={"parallel": run.parallel.model_copy(update={"micro_batch": args.micro_batch})})
+            fields["parallel"] = {**fields["parallel"], "micro_batch": args.micro_batch}
+        run = type(run).model_validate(fields)
         check_framework(run, args.framework)
     except (MoKConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

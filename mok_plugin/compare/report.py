@@ -10,6 +10,7 @@ grouped stock path (`result["stand_in"]`), with its numbers or the reason it cou
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 __all__ = ["agreement_note", "format_table", "stand_in_note", "stock_line", "write_reports"]
@@ -103,7 +104,8 @@ def fp8_loss_note(stock_losses: list[float], fp8_losses: list[float], fp8: str,
     note += f" from the stock layer's (unquantised) by at most {worst:.2%} (step {at})"
     if mok_bf16_losses is None:
         note += f", {'within' if worst <= FP8_LOSS_TARGET else 'OUTSIDE'} the {FP8_LOSS_TARGET:.0%} target"
-    if stock_rerun_losses is not None and stock_rerun_losses != stock_losses:
+    rerun_finite = stock_rerun_losses is not None and all(map(math.isfinite, stock_rerun_losses + stock_losses))
+    if rerun_finite and stock_rerun_losses != stock_losses:
         worst, at = _largest_gap(stock_rerun_losses, stock_losses, first)
         note += f"; for scale, the stock layer's own two runs differ by up to {worst:.2%} (step {at})"
     return note
