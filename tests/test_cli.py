@@ -153,3 +153,25 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
     assert [row["shape"] for row in saved["rows"]] == ["mixtral-8x7b", "qwen3-30b-a3b"]
     assert saved["out_of_memory"] == ["deepseek-v3"]
     assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2
+
+
+def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, tmp_path, capsys):
+    from mok_plugin.bench import fp8
+
+    def shape_rows(name, *args):
+        if name == "deepseek-v3":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB.")
+        return [{"shape": name, "setting": "both", "fwd+bwd ms": 2.0, "wgrad ms": 1.0, "rows ms": 0.5,
+                 "same_bits": True}]  # fmt: skip
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(fp8, "_hopper_shape", shape_rows)
+    monkeypatch.setattr(fp8, "_sweep_shape", shape_rows)
+    for mode, saved_as in ((["--hopper"], "bench_fp8_hopper.json"), (["--sweep"], "bench_fp8_sweep.json")):
+        status = fp8.main([*mode, "--shapes", "deepseek-v3", "qwen3-30b-a3b", "--out", str(tmp_path)])
+        out = capsys.readouterr().out
+        assert status == 1, mode
+        assert "deepseek-v3: skipped, it does not fit this GPU's memory" in out
+        assert "not timed (out of the GPU's memory): deepseek-v3" in out
+        assert [row["shape"] for row in json.loads((tmp_path / saved_as).read_text())] == ["qwen3-30b-a3b"]

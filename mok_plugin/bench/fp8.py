@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -256,45 +257,67 @@ def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> di
     }
 
 
+def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]],
+                     save: Callable[[list[dict], list[str]], None]) -> tuple[list[dict], list[str]]:  # fmt: skip
+    """(bench(name)'s rows for each shape in turn, the shapes skipped): one that runs out of the GPU's
+    memory (deepseek-v3 on an 80 GB H100, say) is named and skipped, as the next may fit; `save`
+    after each shape, so that a later shape's failure loses none of the earlier ones."""
+    rows: list[dict] = []
+    too_large: list[str] = []
+    for name in names:
+        try:
+            rows += bench(name)
+        except torch.OutOfMemoryError as error:
+            too_large.append(name)
+            print(f"{name}: skipped, it does not fit this GPU's memory ({str(error).split('. ')[0]})", flush=True)
+        gc.collect()  # the failed shape's tensors, should a reference cycle hold them
+        torch.cuda.empty_cache()
+        save(rows, too_large)
+    return rows, too_large
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory in the default
-    timing (the others are timed and reported; `--hopper` and `--sweep` stop there), 2 without a
-    CUDA GPU."""
+    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory (the others are
+    timed and reported), 2 without a CUDA GPU."""
     args = build_parser(prog).parse_args(argv)
     if not torch.cuda.is_available():
         print("mok bench fp8 (scripts/bench_fp8.py) needs a CUDA GPU", file=sys.stderr)
         return 2
     recipe = BlockwiseFP8Recipe.from_megatron(args.recipe, "blockwise")
-    rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     if args.hopper:
-        for name in args.shapes:
-            rows += _hopper_shape(name, recipe, args.iters, args.settle_s, args.hopper_settings)
-        (args.out / "bench_fp8_hopper.json").write_text(json.dumps(rows, indent=2))
+        rows, too_large = _shapes_that_fit(
+            args.shapes, lambda name: _hopper_shape(name, recipe, args.iters, args.settle_s, args.hopper_settings),
+            lambda rows, _: _write_json(args.out / "bench_fp8_hopper.json", rows))  # fmt: skip
         print(f"\n{'shape':<16} {'Gluon kernels':<22} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
         for row in rows:
             print(f"{row['shape']:<16} {row['setting']:<22} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
                   f"{row['rows ms']:8.3f}  {row['same_bits']}")  # fmt: skip
-        return 0
-    if args.sweep is not None:
-        for name in args.shapes:
-            rows += _sweep_shape(name, recipe, args.settle_s, args.sweep)
-        (args.out / "bench_fp8_sweep.json").write_text(json.dumps(rows, indent=2))
+    elif args.sweep is not None:
+        rows, too_large = _shapes_that_fit(
+            args.shapes, lambda name: _sweep_shape(name, recipe, args.settle_s, args.sweep),
+            lambda rows, _: _write_json(args.out / "bench_fp8_sweep.json", rows))  # fmt: skip
         print(f"details in {args.out / 'bench_fp8_sweep.json'}")
-        return 0
-    too_large = []
-    for name in args.shapes:
-        try:
-            rows.append(_bench_shape(name, recipe, args.iters, args.settle_s))
-        except torch.OutOfMemoryError as error:  # deepseek-v3 on an 80 GB H100, say: the next shape may fit
-            too_large.append(name)
-            print(f"{name}: skipped, it does not fit this GPU's memory ({str(error).split('. ')[0]})", flush=True)
-        gc.collect()  # the failed shape's tensors, should a reference cycle hold them
-        torch.cuda.empty_cache()
-        # written after each shape, so that a later shape's failure loses none of the earlier ones
-        (args.out / "bench_fp8.json").write_text(
-            json.dumps({"recipe": args.recipe, "rows": rows, "out_of_memory": too_large}, indent=2)
+    else:
+
+        def save(rows: list[dict], skipped: list[str]) -> None:
+            _write_json(args.out / "bench_fp8.json", {"recipe": args.recipe, "rows": rows, "out_of_memory": skipped})
+
+        rows, too_large = _shapes_that_fit(
+            args.shapes, lambda name: [_bench_shape(name, recipe, args.iters, args.settle_s)], save
         )
+        _print_table(rows, args.out)
+    if too_large:
+        print(f"not timed (out of the GPU's memory): {', '.join(too_large)}")
+    return 1 if too_large else 0
+
+
+def _print_table(rows: list[dict], out: Path) -> None:
+    """The default timing's table: each shape's times, bitwise, its FP8 kernels and errors."""
     print(f"\n{'shape':<16} {'fwd bf16':>9} {'fwd fp8':>9} {'fwd+bwd bf16':>13} {'fwd+bwd fp8':>12} {'fp8 vs bf16':>11}"
           f" {'weights kept':>13}  bitwise  largest difference from bf16")  # fmt: skip
     for row in rows:
@@ -311,7 +334,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             continue
         each = [f"{name} {e['mok fp8']:.4f} (peer {e['separate-cast peer']:.4f})" for name, e in errors.items()]
         print("    error against float64 (relative, per tensor): " + ", ".join(each))
-    if too_large:
-        print(f"not timed (out of the GPU's memory): {', '.join(too_large)}")
-    print(f"details in {args.out / 'bench_fp8.json'}")
-    return 1 if too_large else 0
+    print(f"details in {out / 'bench_fp8.json'}")
