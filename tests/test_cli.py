@@ -129,7 +129,14 @@ def test_bench_fp8_hopper_settings_are_the_tables_labels(capsys):
     assert "invalid choice: 'ahead'" in capsys.readouterr().err
 
 
-def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatch, tmp_path, capsys):
+@pytest.fixture
+def cuda_stood_in(monkeypatch):
+    """`mok bench fp8` past its GPU check on this CPU (its timing is stood in for by each test)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatch, tmp_path, capsys, cuda_stood_in):
     # the shape that runs out of the GPU's memory is named and skipped, the others are reported, and
     # the exit status says one was left out (no GPU here: the timing itself is stood in for)
     from mok_plugin.bench import fp8
@@ -141,8 +148,6 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
         return {"shape": name, **timings, "fp8 fwd+bwd, weights kept": 1.5, "bitwise": True, "fp8 kernels": [],
                 "relative difference from bf16": {"d_x": 0.01}}  # fmt: skip
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(fp8, "_bench_shape", bench_shape)
     status = fp8.main(["--shapes", "mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -155,7 +160,7 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
     assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2
 
 
-def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, tmp_path, capsys):
+def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, tmp_path, capsys, cuda_stood_in):
     from mok_plugin.bench import fp8
 
     def shape_rows(name, *args):
@@ -164,8 +169,6 @@ def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, 
         return [{"shape": name, "setting": "both", "fwd+bwd ms": 2.0, "wgrad ms": 1.0, "rows ms": 0.5,
                  "same_bits": True}]  # fmt: skip
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(fp8, "_hopper_shape", shape_rows)
     monkeypatch.setattr(fp8, "_sweep_shape", shape_rows)
     for mode, saved_as in ((["--hopper"], "bench_fp8_hopper.json"), (["--sweep"], "bench_fp8_sweep.json")):

@@ -257,11 +257,13 @@ def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> di
     }
 
 
-def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]],
-                     save: Callable[[list[dict], list[str]], None]) -> tuple[list[dict], list[str]]:  # fmt: skip
+def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]], path: Path,
+                     document: Callable[[list[dict], list[str]], object] = lambda rows, _: rows,
+                     ) -> tuple[list[dict], list[str]]:  # fmt: skip
     """(bench(name)'s rows for each shape in turn, the shapes skipped): one that runs out of the GPU's
-    memory (deepseek-v3 on an 80 GB H100, say) is named and skipped, as the next may fit; `save`
-    after each shape, so that a later shape's failure loses none of the earlier ones."""
+    memory (deepseek-v3 on an 80 GB H100, say) is named and skipped, as the next may fit. `document`
+    (rows, skipped) is written to `path` as JSON after each shape, so that a later shape's failure
+    loses none of the earlier ones."""
     rows: list[dict] = []
     too_large: list[str] = []
     for name in names:
@@ -272,12 +274,8 @@ def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]],
             print(f"{name}: skipped, it does not fit this GPU's memory ({str(error).split('. ')[0]})", flush=True)
         gc.collect()  # the failed shape's tensors, should a reference cycle hold them
         torch.cuda.empty_cache()
-        save(rows, too_large)
+        path.write_text(json.dumps(document(rows, too_large), indent=2))
     return rows, too_large
-
-
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -292,7 +290,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.hopper:
         rows, too_large = _shapes_that_fit(
             args.shapes, lambda name: _hopper_shape(name, recipe, args.iters, args.settle_s, args.hopper_settings),
-            lambda rows, _: _write_json(args.out / "bench_fp8_hopper.json", rows))  # fmt: skip
+            args.out / "bench_fp8_hopper.json")  # fmt: skip
         print(f"\n{'shape':<16} {'Gluon kernels':<22} {'fwd+bwd ms':>10} {'wgrad ms':>9} {'rows ms':>8}  same bits")
         for row in rows:
             print(f"{row['shape']:<16} {row['setting']:<22} {row['fwd+bwd ms']:10.3f} {row['wgrad ms']:9.3f} "
@@ -300,16 +298,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     elif args.sweep is not None:
         rows, too_large = _shapes_that_fit(
             args.shapes, lambda name: _sweep_shape(name, recipe, args.settle_s, args.sweep),
-            lambda rows, _: _write_json(args.out / "bench_fp8_sweep.json", rows))  # fmt: skip
+            args.out / "bench_fp8_sweep.json")  # fmt: skip
         print(f"details in {args.out / 'bench_fp8_sweep.json'}")
     else:
-
-        def save(rows: list[dict], skipped: list[str]) -> None:
-            _write_json(args.out / "bench_fp8.json", {"recipe": args.recipe, "rows": rows, "out_of_memory": skipped})
-
         rows, too_large = _shapes_that_fit(
-            args.shapes, lambda name: [_bench_shape(name, recipe, args.iters, args.settle_s)], save
-        )
+            args.shapes, lambda name: [_bench_shape(name, recipe, args.iters, args.settle_s)],
+            args.out / "bench_fp8.json",
+            lambda rows, skipped: {"recipe": args.recipe, "rows": rows, "out_of_memory": skipped})  # fmt: skip
         _print_table(rows, args.out)
     if too_large:
         print(f"not timed (out of the GPU's memory): {', '.join(too_large)}")
