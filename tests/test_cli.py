@@ -160,6 +160,42 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
     assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2
 
 
+def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypatch, tmp_path, capsys, cuda_stood_in):
+    # deepseek-v3 on an 80 GB H100 (session 41): timed, then out of memory in a check after the timings;
+    # the timings are reported, each check that did not fit is named, the others are measured
+    from mok_plugin.bench import fp8
+    from mok_plugin.testing import parse_shape
+
+    torch.manual_seed(0)
+    names = ("out", *fp8.GRADIENTS)
+    bf16_tensors = [torch.randn(8, 4) for _ in names]
+    fp8_tensors = {name: t + 0.01 * torch.randn_like(t) for name, t in zip(names, bf16_tensors, strict=True)}
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB.")
+
+    fp8_case = (parse_shape("qwen3-30b-a3b"), {}, None, (), lambda weight_copies=None: dict(fp8_tensors))
+    monkeypatch.setattr(fp8, "_fp8_case", lambda name, recipe: fp8_case)
+    monkeypatch.setitem(fp8.PROVIDERS, "mok-multi", lambda inputs, shape: None)
+    monkeypatch.setattr(fp8, "leaves", lambda inputs: [])
+    monkeypatch.setattr(fp8, "time_ms", lambda work, iters, settle_s: [2.0])
+    monkeypatch.setattr(fp8, "fwd_bwd", lambda provider, inputs: bf16_tensors)
+    monkeypatch.setattr(fp8, "kernel_breakdown", out_of_memory)
+    monkeypatch.setattr(fp8, "_errors", out_of_memory)
+    status = fp8.main(["--shapes", "qwen3-30b-a3b", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 1
+    (row,) = json.loads((tmp_path / "bench_fp8.json").read_text())["rows"]
+    assert row["fp8 fwd+bwd, weights kept"] == 2.0 and row["bitwise"] is True
+    assert row["not measured (out of memory)"] == ["fp8 kernels", "error against float64"]
+    want = {name: (fp8_tensors[name] - t).norm() / t.norm() for name, t in zip(names, bf16_tensors, strict=True)}
+    assert row["relative difference from bf16"] == pytest.approx({k: v.item() for k, v in want.items()})
+    assert "qwen3-30b-a3b: fp8 kernels not measured, out of the GPU's memory (CUDA out of memory)" in out
+    assert "not measured (out of the GPU's memory): fp8 kernels, error against float64" in out
+    checks = "fp8 kernels, error against float64"
+    assert f"timed, but not every check fitted the GPU's memory: qwen3-30b-a3b ({checks})" in out
+
+
 def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, tmp_path, capsys, cuda_stood_in):
     from mok_plugin.bench import fp8
 

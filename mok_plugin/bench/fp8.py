@@ -18,6 +18,7 @@ stored in bf16, as a pipeline of separate quantisation kernels has it), on the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -44,6 +45,7 @@ from mok_plugin.testing import NAMED_SHAPES, parse_shape
 __all__ = ["build_parser", "main"]
 
 GRADIENTS = ("d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
+NOT_MEASURED = "not measured (out of memory)"
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -109,16 +111,43 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     for label, work in passes.items():
         row[label] = statistics.median(time_ms(work, iters, settle_s=settle_s))
         print(f"{name} {label:<26} {row[label]:8.3f} ms", flush=True)
-    row["fp8 kernels"], _ = kernel_breakdown(fp8_both, iters=2, settle_s=settle_s)
-    got, want = fp8_both(), fwd_bwd(bf16, inputs)
-    row["relative difference from bf16"] = {
+    # The kept copies are half the weights' bytes again; the checks below made before with them held
+    # ran deepseek-v3 out of an 80 GB H100's memory after its timings (session 41), so they go first.
+    kept.clear()
+    torch.cuda.empty_cache()
+    with _unless_out_of_memory(row, "fp8 kernels"):
+        row["fp8 kernels"], _ = kernel_breakdown(fp8_both, iters=2, settle_s=settle_s)
+    with _unless_out_of_memory(row, "difference from bf16 and bitwise"):
+        row.update(_against_bf16_and_itself(fp8_both, lambda: fwd_bwd(bf16, inputs)))
+    if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
+        with _unless_out_of_memory(row, "error against float64"):
+            row["error against float64"] = _errors(inputs, schedule, recipe, fp8_both())
+    return row
+
+
+@contextlib.contextmanager
+def _unless_out_of_memory(row: dict, label: str):
+    """Run the block; where it runs out of the GPU's memory, name `label` in the row's "not measured
+    (out of memory)" and go on: the shape's timings, taken before, are kept."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        row.setdefault(NOT_MEASURED, []).append(label)
+        print(f"{row['shape']}: {label} not measured, out of the GPU's memory ({str(error).split('. ')[0]})",
+              flush=True)  # fmt: skip
+    gc.collect()  # the failed block's tensors, held by its frames until here
+    torch.cuda.empty_cache()
+
+
+def _against_bf16_and_itself(fp8_both: Callable[[], dict], bf16_both: Callable[[], list]) -> dict:
+    """Each output's relative difference from bf16's, then whether a second FP8 run gives the same
+    bits; bf16's tensors are let go before that run, so that two sets of gradients are held at most."""
+    got, want = fp8_both(), bf16_both()
+    differences = {
         name: _relative_error(got[name], ref) for name, ref in zip(("out", *GRADIENTS), want[:5], strict=True)
     }
-    row["bitwise"] = _same_bits(fp8_both(), got)
     del want
-    if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
-        row["error against float64"] = _errors(inputs, schedule, recipe, got)
-    return row
+    return {"relative difference from bf16": differences, "bitwise": _same_bits(fp8_both(), got)}
 
 
 def _tiles(bm: int | None, bn: int | None, warps: int, stages: int) -> dict[str, int]:
@@ -279,8 +308,8 @@ def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]], path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Time the shapes; 0 on success, 1 where a shape did not fit the GPU's memory (the others are
-    timed and reported), 2 without a CUDA GPU."""
+    """Time the shapes; 0 on success, 1 where a shape, or one of its checks after the timings, did
+    not fit the GPU's memory (the rest is timed and reported), 2 without a CUDA GPU."""
     args = build_parser(prog).parse_args(argv)
     if not torch.cuda.is_available():
         print("mok bench fp8 (scripts/bench_fp8.py) needs a CUDA GPU", file=sys.stderr)
@@ -308,7 +337,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         _print_table(rows, args.out)
     if too_large:
         print(f"not timed (out of the GPU's memory): {', '.join(too_large)}")
-    return 1 if too_large else 0
+    partly = [f"{row['shape']} ({', '.join(row[NOT_MEASURED])})" for row in rows if row.get(NOT_MEASURED)]
+    if partly:
+        print(f"timed, but not every check fitted the GPU's memory: {'; '.join(partly)}")
+    return 1 if too_large or partly else 0
 
 
 def _print_table(rows: list[dict], out: Path) -> None:
@@ -316,16 +348,22 @@ def _print_table(rows: list[dict], out: Path) -> None:
     print(f"\n{'shape':<16} {'fwd bf16':>9} {'fwd fp8':>9} {'fwd+bwd bf16':>13} {'fwd+bwd fp8':>12} {'fp8 vs bf16':>11}"
           f" {'weights kept':>13}  bitwise  largest difference from bf16")  # fmt: skip
     for row in rows:
-        worst = max(row["relative difference from bf16"].items(), key=lambda item: item[1])
         kept = row["fp8 fwd+bwd, weights kept"]
+        differences = row.get("relative difference from bf16")
+        worst = "not measured"
+        if differences:
+            worst = "{} {:.4f}".format(*max(differences.items(), key=lambda item: item[1]))
         print(f"{row['shape']:<16} {row['bf16 forward']:9.3f} {row['fp8 forward']:9.3f} {row['bf16 fwd+bwd']:13.3f} "
               f"{row['fp8 fwd+bwd']:12.3f} {row['bf16 fwd+bwd'] / row['fp8 fwd+bwd']:10.2f}x {kept:13.3f}  "
-              f"{row['bitwise']!s:<7}  {worst[0]} {worst[1]:.4f}")  # fmt: skip
-        for kernel in row["fp8 kernels"][:8]:
+              f"{row.get('bitwise', 'not measured')!s:<7}  {worst}")  # fmt: skip
+        for kernel in row.get("fp8 kernels", [])[:8]:
             print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {kernel['kernel'][:70]}")
+        if row.get(NOT_MEASURED):
+            print(f"    not measured (out of the GPU's memory): {', '.join(row[NOT_MEASURED])}")
         errors = row.get("error against float64")
         if errors is None:
-            print("    error against float64: not measured (the fp64 copies would not fit)")
+            if "error against float64" not in row.get(NOT_MEASURED, []):
+                print("    error against float64: not measured (the fp64 copies would not fit)")
             continue
         each = [f"{name} {e['mok fp8']:.4f} (peer {e['separate-cast peer']:.4f})" for name, e in errors.items()]
         print("    error against float64 (relative, per tensor): " + ", ".join(each))
