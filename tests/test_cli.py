@@ -146,7 +146,8 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB. GPU 0 has ...")
         timings = dict.fromkeys(["bf16 forward", "fp8 forward", "bf16 fwd+bwd", "fp8 fwd+bwd"], 2.0)
         return {"shape": name, **timings, "fp8 fwd+bwd, weights kept": 1.5, "bitwise": True, "fp8 kernels": [],
-                "relative difference from bf16": {"d_x": 0.01}}  # fmt: skip
+                "relative difference from bf16": {"d_x": 0.01}, "fp8 TFLOP/s": {"layer, weights kept": 900.0},
+                "dense GEMM TFLOP/s": {"bf16": 650.0, "fp8 blockwise": None, "fp8 per tensor": 1300.0}}  # fmt: skip
 
     monkeypatch.setattr(fp8, "_bench_shape", bench_shape)
     status = fp8.main(["--shapes", "mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "--out", str(tmp_path)])
@@ -182,6 +183,8 @@ def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypa
     monkeypatch.setattr(fp8, "fwd_bwd", lambda provider, inputs: bf16_tensors)
     monkeypatch.setattr(fp8, "kernel_breakdown", out_of_memory)
     monkeypatch.setattr(fp8, "_errors", out_of_memory)
+    ceilings = {"bf16": 650.0, "fp8 blockwise": 1200.0, "fp8 per tensor": 1300.0}
+    monkeypatch.setattr(fp8, "_dense_ceilings", lambda settle_s: ceilings)
     status = fp8.main(["--shapes", "qwen3-30b-a3b", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 1
@@ -191,6 +194,10 @@ def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypa
     want = {name: (fp8_tensors[name] - t).norm() / t.norm() for name, t in zip(names, bf16_tensors, strict=True)}
     assert row["relative difference from bf16"] == pytest.approx({k: v.item() for k, v in want.items()})
     assert "qwen3-30b-a3b: fp8 kernels not measured, out of the GPU's memory (CUDA out of memory)" in out
+    # 18 T K H I FLOPs in the 2 ms stood in for; no kernel profile, so no rates of the GEMMs
+    layer = 18 * 16384 * 8 * 2048 * 768 / 2.0 / 1e9
+    assert row["fp8 TFLOP/s"] == pytest.approx({"layer, weights kept": layer})
+    assert f"layer, weights kept {layer:.0f} ({layer / 1200:.0%}); dense 8192^3: bf16 650, fp8 blockwise 1200" in out
     assert "not measured (out of the GPU's memory): fp8 kernels, error against float64" in out
     checks = "fp8 kernels, error against float64"
     assert f"timed, but not every check fitted the GPU's memory: qwen3-30b-a3b ({checks})" in out
@@ -214,3 +221,19 @@ def test_bench_fp8_hopper_and_sweep_skip_a_shape_that_does_not_fit(monkeypatch, 
         assert "deepseek-v3: skipped, it does not fit this GPU's memory" in out
         assert "not timed (out of the GPU's memory): deepseek-v3" in out
         assert [row["shape"] for row in json.loads((tmp_path / saved_as).read_text())] == ["qwen3-30b-a3b"]
+
+
+def test_bench_fp8_rates_of_the_row_gemms_and_weight_gradients():
+    # two thirds of a SwiGLU layer's fwd+bwd FLOPs in the four row GEMMs, a third in the weight gradients;
+    # the other kernels (the weights' quantisation here) count in neither
+    from mok_plugin.bench import fp8
+    from mok_plugin.testing import parse_shape
+
+    shape = parse_shape("mixtral-8x7b")
+    times = {"_fp8_rows_hopper_kernel": 12.0, "_fp8_wgrad_hopper_kernel": 6.0, "_fp8_gate_up_fwd_kernel": 1.0,
+             "_quantize_tiles_kernel": 3.0}  # fmt: skip
+    kernels = [{"kernel": name, "ms": ms} for name, ms in times.items()]
+    rates = fp8._fp8_rates(shape, {"fp8 fwd+bwd, weights kept": 24.0, "fp8 kernels": kernels})
+    tkhi = 8192 * 2 * 4096 * 14336
+    assert rates == pytest.approx({"layer, weights kept": 18 * tkhi / 24.0 / 1e9, "row GEMMs": 12 * tkhi / 13.0 / 1e9,
+                                   "weight gradients": 6 * tkhi / 6.0 / 1e9})  # fmt: skip

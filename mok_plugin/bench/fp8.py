@@ -31,6 +31,8 @@ from unittest import mock
 import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown
+from mok_plugin.bench.ceiling import dense_fp8_gemm_tflops, dense_gemm_tflops
+from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.providers import PROVIDERS, fwd_bwd, leaves, make_inputs
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
@@ -107,7 +109,7 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
         "fp8 fwd+bwd": fp8_both,
         "fp8 fwd+bwd, weights kept": lambda: fp8_both(kept),
     }
-    row: dict = {"shape": name, "dims": list(shape.as_tuple())}
+    row: dict = {"shape": name, "dims": list(shape.as_tuple()), "dense GEMM TFLOP/s": _dense_ceilings(settle_s)}
     for label, work in passes.items():
         row[label] = statistics.median(time_ms(work, iters, settle_s=settle_s))
         print(f"{name} {label:<26} {row[label]:8.3f} ms", flush=True)
@@ -117,12 +119,40 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     torch.cuda.empty_cache()
     with _unless_out_of_memory(row, "fp8 kernels"):
         row["fp8 kernels"], _ = kernel_breakdown(fp8_both, iters=2, settle_s=settle_s)
+    row["fp8 TFLOP/s"] = _fp8_rates(shape, row)
     with _unless_out_of_memory(row, "difference from bf16 and bitwise"):
         row.update(_against_bf16_and_itself(fp8_both, lambda: fwd_bwd(bf16, inputs)))
     if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
         with _unless_out_of_memory(row, "error against float64"):
             row["error against float64"] = _errors(inputs, schedule, recipe, fp8_both())
     return row
+
+
+def _dense_ceilings(settle_s: float) -> dict[str, float | None]:
+    """The dense 8192^3 GEMMs' settled TFLOP/s in this process, before the shape's timings: bf16, FP8
+    blockwise (the recipe's own, the FP8 kernels' ceiling) and FP8 per tensor (no promotion)."""
+    return {
+        "bf16": dense_gemm_tflops(settle_s=settle_s),
+        "fp8 blockwise": dense_fp8_gemm_tflops(blockwise=True, settle_s=settle_s),
+        "fp8 per tensor": dense_fp8_gemm_tflops(blockwise=False, settle_s=settle_s),
+    }
+
+
+# The FP8 kernels' names by what they compute (Gluon on Hopper, else Triton), for their TFLOP/s.
+_ROW_GEMMS = ("rows_hopper", "fc1_hopper", "gate_up_fwd", "down_fwd", "down_dgrad_gemm", "gate_up_dgrad")
+_WEIGHT_GRADIENTS = ("wgrad",)
+
+
+def _fp8_rates(shape, row: dict) -> dict[str, float]:
+    """TFLOP/s of the layer (fwd+bwd, weights kept) and, from the kernel profile where it was taken, of
+    the four row GEMMs (two thirds of the FLOPs) and the two weight gradients (one third)."""
+    flops = moe_flops(shape, "fwd+bwd")
+    rates = {"layer, weights kept": flops / row["fp8 fwd+bwd, weights kept"] / 1e9}
+    for label, names, share in (("row GEMMs", _ROW_GEMMS, 2 / 3), ("weight gradients", _WEIGHT_GRADIENTS, 1 / 3)):
+        ms = sum(k["ms"] for k in row.get("fp8 kernels", []) if any(n in k["kernel"] for n in names))
+        if ms:
+            rates[label] = share * flops / ms / 1e9
+    return rates
 
 
 @contextlib.contextmanager
@@ -343,6 +373,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     return 1 if too_large or partly else 0
 
 
+def _rates_line(row: dict) -> str:
+    """TFLOP/s of the layer and its GEMMs, and the dense ceilings of the same process."""
+    dense = row["dense GEMM TFLOP/s"]
+    fp8_dense = dense["fp8 blockwise"]
+
+    def rate(label: str) -> str:
+        value = row["fp8 TFLOP/s"][label]
+        return f"{label} {value:.0f}" + (f" ({value / fp8_dense:.0%})" if fp8_dense else "")
+
+    ceilings = ", ".join(f"{k} {'not measured' if v is None else f'{v:.0f}'}" for k, v in dense.items())
+    return (f"TFLOP/s (% of the FP8 blockwise dense GEMM): {', '.join(map(rate, row['fp8 TFLOP/s']))}; "
+            f"dense 8192^3: {ceilings}")  # fmt: skip
+
+
 def _print_table(rows: list[dict], out: Path) -> None:
     """The default timing's table: each shape's times, bitwise, its FP8 kernels and errors."""
     print(f"\n{'shape':<16} {'fwd bf16':>9} {'fwd fp8':>9} {'fwd+bwd bf16':>13} {'fwd+bwd fp8':>12} {'fp8 vs bf16':>11}"
@@ -356,6 +400,7 @@ def _print_table(rows: list[dict], out: Path) -> None:
         print(f"{row['shape']:<16} {row['bf16 forward']:9.3f} {row['fp8 forward']:9.3f} {row['bf16 fwd+bwd']:13.3f} "
               f"{row['fp8 fwd+bwd']:12.3f} {row['bf16 fwd+bwd'] / row['fp8 fwd+bwd']:10.2f}x {kept:13.3f}  "
               f"{row.get('bitwise', 'not measured')!s:<7}  {worst}")  # fmt: skip
+        print("    " + _rates_line(row))
         for kernel in row.get("fp8 kernels", [])[:8]:
             print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {kernel['kernel'][:70]}")
         if row.get(NOT_MEASURED):
