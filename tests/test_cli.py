@@ -190,7 +190,7 @@ def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypa
     assert status == 1
     (row,) = json.loads((tmp_path / "bench_fp8.json").read_text())["rows"]
     assert row["fp8 fwd+bwd, weights kept"] == 2.0 and row["bitwise"] is True
-    assert row["not measured (out of memory)"] == ["fp8 kernels", "error against float64"]
+    assert row["not measured (out of memory)"] == ["fp8 kernels, weights kept", "fp8 kernels", "error against float64"]
     want = {name: (fp8_tensors[name] - t).norm() / t.norm() for name, t in zip(names, bf16_tensors, strict=True)}
     assert row["relative difference from bf16"] == pytest.approx({k: v.item() for k, v in want.items()})
     assert "qwen3-30b-a3b: fp8 kernels not measured, out of the GPU's memory (CUDA out of memory)" in out
@@ -198,8 +198,8 @@ def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypa
     layer = 18 * 16384 * 8 * 2048 * 768 / 2.0 / 1e9
     assert row["fp8 TFLOP/s"] == pytest.approx({"layer, weights kept": layer})
     assert f"layer, weights kept {layer:.0f} ({layer / 1200:.0%}); dense 8192^3: bf16 650, fp8 blockwise 1200" in out
-    assert "not measured (out of the GPU's memory): fp8 kernels, error against float64" in out
-    checks = "fp8 kernels, error against float64"
+    checks = "fp8 kernels, weights kept, fp8 kernels, error against float64"
+    assert f"not measured (out of the GPU's memory): {checks}" in out
     assert f"timed, but not every check fitted the GPU's memory: qwen3-30b-a3b ({checks})" in out
 
 
@@ -233,7 +233,7 @@ def test_bench_fp8_rates_of_the_row_gemms_and_weight_gradients():
     times = {"_fp8_rows_hopper_kernel": 12.0, "_fp8_wgrad_hopper_kernel": 6.0, "_fp8_gate_up_fwd_kernel": 1.0,
              "_quantize_tiles_kernel": 3.0}  # fmt: skip
     kernels = [{"kernel": name, "ms": ms} for name, ms in times.items()]
-    rates = fp8._fp8_rates(shape, {"fp8 fwd+bwd, weights kept": 24.0, "fp8 kernels": kernels})
+    rates = fp8._fp8_rates(shape, {"fp8 fwd+bwd, weights kept": 24.0, "fp8 kernels, weights kept": kernels})
     tkhi = 8192 * 2 * 4096 * 14336
     assert rates == pytest.approx({"layer, weights kept": 18 * tkhi / 24.0 / 1e9, "row GEMMs": 12 * tkhi / 13.0 / 1e9,
                                    "weight gradients": 6 * tkhi / 6.0 / 1e9})  # fmt: skip
