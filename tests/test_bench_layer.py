@@ -244,6 +244,23 @@ def test_the_profile_keeps_the_kernels_after_the_mark_only():
     assert after_mark(events[:2], name=lambda e: e[1], start=lambda e: e[0]) is None
 
 
+def test_settle_stops_at_its_calls_cap_or_its_time(monkeypatch):
+    # the profile's second settling (after the profiler's start) is capped in calls, so that short work
+    # does not fill the profile with events; without a cap it runs its time
+    from mok_plugin.bench.timing import settle
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    settle(lambda: calls.append(1), 60.0, max_calls=7)
+    assert len(calls) == 7
+    calls.clear()
+    settle(lambda: calls.append(1), 0.02)
+    assert len(calls) > 7
+    calls.clear()
+    settle(lambda: calls.append(1), 0.0, max_calls=7)
+    assert calls == []
+
+
 def test_graph_replay_rows_print_with_their_ratio_or_why_not(capsys):
     # --graphs: forward + backward replayed from a CUDA graph, a pass of its own with fwd+bwd's FLOPs
     # and its ratio to the PyTorch path's replay; a provider that cannot be captured says why.

@@ -23,14 +23,17 @@ __all__ = ["SETTLE_S", "settle", "slowest_rank_median", "summarize", "time_ms"]
 SETTLE_S = 1.0
 
 
-def settle(fn: Callable[[], object], seconds: float) -> None:
-    """Call `fn` back to back (each call synchronized) for at least `seconds`, so what follows runs at
-    the clock the chip holds under load (see SETTLE_S); returns at once for 0."""
+def settle(fn: Callable[[], object], seconds: float, max_calls: int | None = None) -> None:
+    """Call `fn` back to back (each call synchronized) for at least `seconds` (or `max_calls` calls,
+    whichever comes first), so what follows runs at the clock the chip holds under load (see
+    SETTLE_S); returns at once for 0."""
     torch.cuda.synchronize()
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    calls = 0
+    while time.perf_counter() < deadline and (max_calls is None or calls < max_calls):
         fn()
         torch.cuda.synchronize()
+        calls += 1
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, settle_s: float = 0.0) -> list[float]:
