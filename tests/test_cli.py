@@ -182,7 +182,7 @@ def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypa
     monkeypatch.setattr(fp8, "time_ms", lambda work, iters, settle_s: [2.0])
     monkeypatch.setattr(fp8, "fwd_bwd", lambda provider, inputs: bf16_tensors)
     monkeypatch.setattr(fp8, "kernel_breakdown", out_of_memory)
-    monkeypatch.setattr(fp8, "_errors", out_of_memory)
+    monkeypatch.setattr(fp8, "float64_errors", out_of_memory)
     ceilings = {"bf16": 650.0, "fp8 blockwise": 1200.0, "fp8 per tensor": 1300.0}
     monkeypatch.setattr(fp8, "_dense_ceilings", lambda settle_s: ceilings)
     status = fp8.main(["--shapes", "qwen3-30b-a3b", "--out", str(tmp_path)])

@@ -4,10 +4,11 @@ Per shape: forward and forward + backward of the multi-kernel bf16 path (`mok-mu
 path (`fp8/pipeline.py`, quantisation of x, dO and the weights included; and once more with the
 weights' FP8 copies kept across calls, as the layer keeps them within a step), settled, one process; the
 FP8 path's kernels by GPU time; each gradient's relative difference from bf16's; whether two FP8
-runs are bitwise equal; and, where the float64 copies fit (not deepseek-v3: its weights alone take
-90 GB in fp64), each tensor's error against the unquantised float64 reference, for MoK's FP8 and for
-the separate-cast peer (`moe_experts_fp8_reference(separate_casts=True)`: every quantised tensor first
-stored in bf16, as a pipeline of separate quantisation kernels has it), on the same inputs.
+runs are bitwise equal; and each tensor's error against the unquantised float64 experts (taken an
+expert at a time, `fp8_errors.py`: whole float64 copies of deepseek-v3's weights would take 90 GB),
+for MoK's FP8 and for the separate-cast peer (`moe_experts_fp8_reference(separate_casts=True)`:
+every quantised tensor first stored in bf16, as a pipeline of separate quantisation kernels has
+it), on the same inputs.
 
     mok bench fp8 --shapes qwen3-30b-a3b deepseek-v3 --recipe e4m3 --out out/
     mok bench fp8 --shapes qwen3-30b-a3b --sweep      # each FP8 kernel under the tile candidates
@@ -33,14 +34,13 @@ import torch
 from mok_plugin.bench.breakdown import kernel_breakdown
 from mok_plugin.bench.ceiling import dense_fp8_gemm_tflops, dense_gemm_tflops
 from mok_plugin.bench.flops import moe_flops
+from mok_plugin.bench.fp8_errors import float64_errors, relative_error
 from mok_plugin.bench.providers import PROVIDERS, fwd_bwd, leaves, make_inputs
 from mok_plugin.bench.timing import SETTLE_S, time_ms
 from mok_plugin.fp8.pipeline import fp8_experts_backward, fp8_experts_forward
 from mok_plugin.fp8.recipe import BlockwiseFP8Recipe
-from mok_plugin.fp8.reference import moe_experts_fp8_reference
 from mok_plugin.fp8.weight_copies import FP8WeightCopies
 from mok_plugin.kernels import fp8_fc1_hopper, fp8_hopper
-from mok_plugin.reference import moe_experts_reference
 from mok_plugin.schedule import build_schedule
 from mok_plugin.testing import NAMED_SHAPES, parse_shape
 
@@ -127,9 +127,9 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     row["fp8 TFLOP/s"] = _fp8_rates(shape, row)
     with _unless_out_of_memory(row, "difference from bf16 and bitwise"):
         row.update(_against_bf16_and_itself(fp8_both, lambda: fwd_bwd(bf16, inputs)))
-    if _fp64_bytes(shape) <= FP64_BUDGET_BYTES:
-        with _unless_out_of_memory(row, "error against float64"):
-            row["error against float64"] = _errors(inputs, schedule, recipe, fp8_both())
+    with _unless_out_of_memory(row, "error against float64"):
+        got = {name: t.cpu() for name, t in fp8_both().items() if t is not None}  # in host memory, as above
+        row["error against float64"] = float64_errors(inputs, schedule, recipe, got)
     return row
 
 
@@ -181,7 +181,7 @@ def _against_bf16_and_itself(fp8_both: Callable[[], dict], bf16_both: Callable[[
     gradients beside the weights do not fit an 80 GB H100 (session 41)."""
     want = [t.cpu() for t in bf16_both()[:5]]
     got = fp8_both()
-    differences = {name: _relative_error(got[name], ref) for name, ref in zip(("out", *GRADIENTS), want, strict=True)}
+    differences = {name: relative_error(got[name], ref) for name, ref in zip(("out", *GRADIENTS), want, strict=True)}
     del want
     got = {name: t.cpu() for name, t in got.items() if t is not None}
     again = fp8_both()
@@ -290,42 +290,6 @@ _ROW_KERNELS = ("_fp8_down_fwd_kernel", "_fp8_gate_up_dgrad_kernel", "_fp8_gate_
                 "indexSelect", "gather_kernel")  # fmt: skip
 
 
-# The float64 error needs the weights, their gradients and FP8 copies in fp64 (and the peer's): about
-# 6 copies of the experts' weights; up to 60 GB of them on the H200's 139 GB.
-FP64_BUDGET_BYTES = 60 * 2**30
-
-
-def _fp64_bytes(shape) -> int:
-    T, H, I, E, K = shape.as_tuple()
-    return 6 * 8 * E * 3 * I * H
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor, rows: int = 4096) -> float:
-    """||got - want|| / ||want||, in fp64, a block of rows at a time (deepseek-v3's gradients are
-    7 GiB in fp32: a whole-tensor difference ran the H200 out of memory)."""
-    diff = want_sq = 0.0
-    for g, w in zip(got.flatten(0, -2).split(rows), want.flatten(0, -2).split(rows), strict=True):
-        w = w.to(g.device)  # a block of a copy in host memory, to got's device
-        diff += (g.double() - w.double()).square().sum().item()
-        want_sq += w.double().square().sum().item()
-    return (diff / want_sq) ** 0.5
-
-
-def _errors(inputs: dict, schedule, recipe: BlockwiseFP8Recipe, got: dict) -> dict[str, dict[str, float]]:
-    """{tensor: {"mok fp8": error, "separate-cast peer": error}}, each relative to the unquantised
-    float64 experts (reference.moe_experts_reference in fp64) on the same inputs."""
-    args = [inputs[k].double().requires_grad_() for k in ("x", "topk_weights", "gate_up_proj", "down_proj")]
-    out = moe_experts_reference(*args, schedule)
-    exact = [out.detach(), *torch.autograd.grad(out, args, inputs["d_out"].double())]
-    peer = moe_experts_fp8_reference(inputs["x"], inputs["topk_weights"], inputs["gate_up_proj"], inputs["down_proj"],
-                                     schedule, recipe, inputs["d_out"], separate_casts=True)  # fmt: skip
-    names = ("out", *GRADIENTS)
-    return {
-        name: {"mok fp8": _relative_error(got[name], want), "separate-cast peer": _relative_error(peer[name], want)}
-        for name, want in zip(names, exact, strict=True)
-    }
-
-
 def _shapes_that_fit(names: list[str], bench: Callable[[str], list[dict]], path: Path,
                      document: Callable[[list[dict], list[str]], object] = lambda rows, _: rows,
                      ) -> tuple[list[dict], list[str]]:  # fmt: skip
@@ -420,9 +384,7 @@ def _print_table(rows: list[dict], out: Path) -> None:
         if row.get(NOT_MEASURED):
             print(f"    not measured (out of the GPU's memory): {', '.join(row[NOT_MEASURED])}")
         errors = row.get("error against float64")
-        if errors is None:
-            if "error against float64" not in row.get(NOT_MEASURED, []):
-                print("    error against float64: not measured (the fp64 copies would not fit)")
+        if errors is None:  # named among the checks not measured
             continue
         each = [f"{name} {e['mok fp8']:.4f} (peer {e['separate-cast peer']:.4f})" for name, e in errors.items()]
         print("    error against float64 (relative, per tensor): " + ", ".join(each))
