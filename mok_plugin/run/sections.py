@@ -94,7 +94,9 @@ _H100 = (
 # with the weights kept, 1.20-1.22 on qwen3-30b-a3b, 1.27-1.29 on mixtral-8x7b, 1.26-1.28 on deepseek-v3
 # with the Gluon FP8 kernels' pipelined steps (BENCHMARKS.md, "f14-f15 and a K step's cycles", commit
 # 7e6c7b9; 1.13-1.21 at 4aaa485, 0.90-0.93 with the Triton kernels at d9c430a); the smallest of the
-# three. Remeasure when the FP8 kernels change.
+# three. On an H100 (c2f2831's kernels, seven rounds): 1.18-1.24 mixtral, 1.20-1.26 qwen3, 1.32-1.37
+# deepseek-v3, where cuBLAS's blockwise FP8 GEMM is 1.56-1.65x its bf16 GEMM, not the datasheets' 2x
+# (BENCHMARKS.md, "FP8 against its own ceiling"). Remeasure when the FP8 kernels change.
 HOPPER_FP8_SPEEDUP = 1.20
 
 MACHINES: dict[str, Machine] = {
