@@ -304,8 +304,8 @@ def test_weights_quantised_with_their_transposes_in_one_pass(fmt):
 
 
 def test_weight_quantiser_compiles_for_sm90_without_spills_and_rounds_by_conversion():
-    # The weights' quantiser holds a 32-row chunk of its 128 x 128 tile, not the tile: the whole tile
-    # took 255 registers and 400 bytes of stack with the transposed store (167 without) in 4 warps.
+    # The weights' quantiser holds its 128 x 128 tile in 16 warps: in 4 warps the whole tile took 255
+    # registers and 400 bytes of stack with the transposed store (167 without).
     # In its own process: outside the interpreter the test session turns on.
     code = (
         "from mok_plugin.bench.inspect import compile_weight_quantiser, resource_usage\n"

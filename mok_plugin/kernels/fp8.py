@@ -198,8 +198,8 @@ def _quantize_tiles_kernel(
 
     CHUNK rows at a time, twice (the tile's amax, then its values; the second read from L2): the whole
     128 x 128 fp32 tile in registers took 167 of them in 4 warps, and with the transposed store 255
-    and 400 bytes of stack; in 32-row chunks and 8 warps, 40 and 48, no stack (sm_90 compiles, Triton
-    3.6). max is exact, so the bits are quantize_block's."""
+    and 400 bytes of stack; in 16 warps 64, no stack (sm_90 compiles, Triton 3.6; TILE_QUANTISER_*).
+    max is exact, so the bits are quantize_block's for any CHUNK."""
     e = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     col_ok = (cols < C)[None, :]
@@ -290,9 +290,14 @@ def quantize_fc1(
     return with_halves(data.view(E, N1, H), scale_inv), with_halves(*transposed)
 
 
-# rows of a weight tile quantised at a time, and the warps (_quantize_tiles_kernel)
-TILE_QUANTISER_CHUNK = 32
-TILE_QUANTISER_WARPS = 8
+# rows of a weight tile quantised at a time, and the warps (_quantize_tiles_kernel). The whole tile in
+# 16 warps: 64 registers, no stack (sm_90, with the transposed store); on an H100 (session 41,
+# out/probe_quant.py, the same bits for every setting) the weights of deepseek-v3 and mixtral-8x7b
+# with their transposes at 2.67 TB/s, against 1.97 in 32-row chunks and 8 warps (22.9 -> 16.9 ms,
+# 2.84 -> 2.11); the whole tile in 8 warps as fast (124 registers), smaller chunks slower (16 rows:
+# 0.9 TB/s).
+TILE_QUANTISER_CHUNK = 128
+TILE_QUANTISER_WARPS = 16
 
 
 def _quantize_tiles(
