@@ -44,8 +44,9 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
 
     # Settled like the timings: after the pause before profiling the clock is back at its idle high
     # (the dense GEMM: ~780 against ~660 TFLOP/s settled), and the kernels' sum would undercut the
-    # timed call by up to a fifth. Settled again inside the profile: its start is such a pause (FP8
-    # mixtral-8x7b on an H100: a profiled span of 22.55 ms after it against 24.38 ms timed, session 41).
+    # timed call by up to a fifth. Settled again inside the profile, whose start is such a pause: FP8
+    # mixtral-8x7b's profiled span 22.0 -> 23.7 ms with it on an H100, against 24.3-24.9 timed; the
+    # rest of that gap is not explained (BENCHMARKS.md, "FP8 against its own ceiling", session 41).
     settle(work, settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         settle(work, min(settle_s, RESETTLE_S), max_calls=RESETTLE_CALLS)
