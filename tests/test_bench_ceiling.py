@@ -6,7 +6,7 @@ import torch
 
 from mok_plugin.bench import ceiling
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the scaled matmul needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the scaled matmul needs a CUDA GPU")
 
 
 def _dequantised_product(a, b, scales, blockwise):
@@ -18,6 +18,7 @@ def _dequantised_product(a, b, scales, blockwise):
     return (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
 
 
+@needs_cuda
 @pytest.mark.parametrize("blockwise", [True, False])
 def test_the_timed_fp8_gemm_computes_the_scaled_product(blockwise):
     torch.manual_seed(0)
@@ -40,3 +41,15 @@ def test_dense_fp8_gemm_rates_on_hopper():
     # both GEMMs exist on sm_90 with torch's CUDA 13 build (blockwise from cuBLASLt 12.9): not None
     blockwise, per_tensor = (ceiling.dense_fp8_gemm_tflops(b, iters=5, settle_s=0.0) for b in (True, False))
     assert blockwise > 0 and per_tensor > 0
+
+
+def test_a_gpu_without_the_fp8_gemm_gives_no_rate_and_says_why(monkeypatch):
+    # an older torch or GPU (blockwise needs sm_90 and cuBLASLt 12.9): None and a warning naming the
+    # error, so the bench reports the rate as not measured instead of failing
+    def no_such_gemm(*args):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(ceiling, "_scaled_operands", lambda *args: (None, None, None))
+    monkeypatch.setattr(ceiling, "_scaled_matmul", no_such_gemm)
+    with pytest.warns(UserWarning, match="no blockwise FP8 GEMM here: Invalid scaling configuration"):
+        assert ceiling.dense_fp8_gemm_tflops(blockwise=True) is None

@@ -159,6 +159,8 @@ def test_bench_fp8_skips_a_shape_that_does_not_fit_and_times_the_rest(monkeypatc
     assert [row["shape"] for row in saved["rows"]] == ["mixtral-8x7b", "qwen3-30b-a3b"]
     assert saved["out_of_memory"] == ["deepseek-v3"]
     assert sum(line.startswith(("mixtral-8x7b ", "qwen3-30b-a3b ")) for line in out.splitlines()) == 2
+    # no blockwise FP8 GEMM measured (None): the rate without a share, the ceiling named as not measured
+    assert "layer, weights kept 900; dense 8192^3: bf16 650, fp8 blockwise not measured, fp8 per tensor 1300" in out
 
 
 def test_bench_fp8_keeps_the_timings_of_a_shape_whose_checks_do_not_fit(monkeypatch, tmp_path, capsys, cuda_stood_in):
