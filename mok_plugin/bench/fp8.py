@@ -125,12 +125,19 @@ def _bench_shape(name: str, recipe: BlockwiseFP8Recipe, iters: int, settle_s: fl
     with _unless_out_of_memory(row, "fp8 kernels"):
         row["fp8 kernels"], _ = kernel_breakdown(fp8_both, iters=2, settle_s=settle_s)
     row["fp8 TFLOP/s"] = _fp8_rates(shape, row)
+    # The FP8 outputs wait in host memory for both checks: on deepseek-v3 two sets of gradients beside
+    # the weights do not fit an 80 GB H100 (session 41).
+    got = None
     with _unless_out_of_memory(row, "difference from bf16 and bitwise"):
-        row.update(_against_bf16_and_itself(fp8_both, lambda: fwd_bwd(bf16, inputs)))
+        got = _on_host(fp8_both())
+        row.update(_against_bf16_and_itself(got, fp8_both, lambda: fwd_bwd(bf16, inputs)))
     with _unless_out_of_memory(row, "error against float64"):
-        got = {name: t.cpu() for name, t in fp8_both().items() if t is not None}  # in host memory, as above
-        row["error against float64"] = float64_errors(inputs, schedule, recipe, got)
+        row["error against float64"] = float64_errors(inputs, schedule, recipe, got or _on_host(fp8_both()))
     return row
+
+
+def _on_host(outputs: dict) -> dict:
+    return {name: t.cpu() for name, t in outputs.items() if t is not None}
 
 
 def _dense_ceilings(settle_s: float) -> dict[str, float | None]:
@@ -153,8 +160,8 @@ def _fp8_rates(shape, row: dict) -> dict[str, float]:
     taken, of the four row GEMMs (two thirds of the FLOPs) and the two weight gradients (one third)."""
     flops = moe_flops(shape, "fwd+bwd")
     rates = {"layer, weights kept": flops / row["fp8 fwd+bwd, weights kept"] / 1e9}
+    kernels = row.get("fp8 kernels, weights kept", [])
     for label, names, share in (("row GEMMs", _ROW_GEMMS, 2 / 3), ("weight gradients", _WEIGHT_GRADIENTS, 1 / 3)):
-        kernels = row.get("fp8 kernels, weights kept", [])
         ms = sum(k["ms"] for k in kernels if any(n in k["kernel"] for n in names))
         if ms:
             rates[label] = share * flops / ms / 1e9
@@ -175,15 +182,12 @@ def _unless_out_of_memory(row: dict, label: str):
     torch.cuda.empty_cache()
 
 
-def _against_bf16_and_itself(fp8_both: Callable[[], dict], bf16_both: Callable[[], list]) -> dict:
-    """Each output's relative difference from bf16's, then whether a second FP8 run gives the same
-    bits. bf16's outputs, then the first FP8 run's, wait in host memory: on deepseek-v3 two sets of
-    gradients beside the weights do not fit an 80 GB H100 (session 41)."""
-    want = [t.cpu() for t in bf16_both()[:5]]
-    got = fp8_both()
+def _against_bf16_and_itself(got: dict, fp8_both: Callable[[], dict], bf16_both: Callable[[], list]) -> dict:
+    """Each output's relative difference from bf16's, then whether a second FP8 run gives the bits of
+    the first (`got`, in host memory); bf16's outputs are let go before that run."""
+    want = bf16_both()[:5]
     differences = {name: relative_error(got[name], ref) for name, ref in zip(("out", *GRADIENTS), want, strict=True)}
     del want
-    got = {name: t.cpu() for name, t in got.items() if t is not None}
     again = fp8_both()
     return {"relative difference from bf16": differences,
             "bitwise": all(torch.equal(again[name].cpu(), t) for name, t in got.items())}  # fmt: skip
