@@ -185,9 +185,10 @@ def test_a_backward_uses_the_transposes_its_forward_made(monkeypatch):
 
 @pytest.mark.parametrize("family", ["swiglu", "gpt_oss_clamp_4", "mlp_gelu_bias"])
 def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
-    # UP_WITH_A (dh's up half in A's pass: two passes over the tile, not three) is a choice of speed
-    # for the sweep: every output of the backward bit for bit the three-pass kernel's, with a gate
-    # (and GPT-OSS's biases, clamp and offset) and without
+    # UP_WITH_A (dh's up half in A's pass: two passes over the tile, not three) and PERSISTENT (one
+    # pass a tile, programs looping over tiles) are choices of speed for the sweep: every output of the
+    # backward bit for bit the three-pass kernel's, with a gate (and GPT-OSS's biases, clamp and
+    # offset) and without
     from mok_plugin.kernels import fp8_mlp
 
     fam = BACKWARD_FAMILIES[family]
@@ -195,14 +196,15 @@ def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
     inp = _inputs(fam, T=40)
     d_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
     results = []
-    for up_with_a in (False, True):
-        monkeypatch.setitem(fp8_mlp.TILES, "down_dgrad_epilogue", {"num_warps": 16, "num_stages": 1,
-                                                                    "UP_WITH_A": up_with_a})  # fmt: skip
+    for up_with_a, persistent in ((False, False), (True, False), (True, True)):
+        tiles = {"num_warps": 16, "num_stages": 1, "UP_WITH_A": up_with_a, "PERSISTENT": persistent}
+        monkeypatch.setitem(fp8_mlp.TILES, "down_dgrad_epilogue", tiles)
         saved: dict = {}
         _run(functools.partial(fp8_experts_forward, saved=saved), inp, fam, recipe)
         results.append(fp8_experts_backward(d_out, saved))
-    for name, value in results[0].items():
-        assert (value is None and results[1][name] is None) or torch.equal(value, results[1][name]), name
+    for other in results[1:]:
+        for name, value in results[0].items():
+            assert (value is None and other[name] is None) or torch.equal(value, other[name]), name
 
 
 @pytest.mark.parametrize("family, fmt", [("swiglu", E4M3), ("gpt_oss_clamp_4", E5M2), ("mlp_gelu_bias", E4M3)])

@@ -205,9 +205,14 @@ SWEEP: dict[str, list[dict[str, int | bool]]] = {
     "gate_up_fwd": [_tiles(128, None, 8, 3), _tiles(64, None, 4, 3), _tiles(64, None, 4, 4), _tiles(128, None, 8, 4)],
     "down_fwd": [_tiles(128, 128, 8, 3), _tiles(128, 256, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4)],
     "down_dgrad_gemm": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 64, 4, 4), _tiles(64, 256, 8, 3)],
+    # a tile a program in passes (UP_WITH_A: two, else three), or persistent (one pass, the next tile's loads
+    # copied under this one's arithmetic)
     "down_dgrad_epilogue": [
-        dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a) for warps in (16, 8) for up_with_a in (False, True)
-    ],
+        dict(_tiles(None, None, warps, 1), UP_WITH_A=up_with_a, PERSISTENT=False)
+        for warps in (16, 8)
+        for up_with_a in (False, True)
+    ]
+    + [dict(_tiles(None, None, warps, 1), UP_WITH_A=True, PERSISTENT=True) for warps in (8, 16)],
     "gate_up_dgrad": [_tiles(128, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(64, 256, 8, 3), _tiles(128, 256, 8, 3)],
     "wgrad": [_tiles(128, 128, 8, 3), _tiles(256, 128, 8, 3), _tiles(64, 128, 4, 4), _tiles(128, 128, 8, 4)],
 }

@@ -277,7 +277,7 @@ TILES: dict[str, dict[str, int | bool]] = {
     "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
     # the sweep at 4aaa485 (qwen3-30b-a3b, H200): 8 warps with UP_WITH_A 0.98 ms; 16 warps 1.12 (1.08 with it);
     # 32 warps 1.53-1.57; 8 warps without it 1.71
-    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True},
+    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True, "PERSISTENT": False},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
@@ -290,6 +290,14 @@ def _tiles(kernel: str) -> dict[str, int]:
     if not interpreter_on():
         return dict(TILES[kernel])
     return {key: _INTERPRETED.get(key, value) for key, value in TILES[kernel].items()}
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel whose pipelined tiles take most of an SM's shared memory (fc2's
+    dgrad epilogue: 151 KB on sm_90): one an SM; a few under the interpreter."""
+    if interpreter_on() or device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_tiles(
@@ -471,53 +479,101 @@ def _fp8_down_dgrad_gemm_kernel(
 @triton.jit
 def _fp8_down_dgrad_epilogue_kernel(
     d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr, dh_q_ptr,
+    dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I, NUM_TILES,
+    stride_da_r, stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt,
+    stride_dh_col_scale, stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    F_MAX: tl.constexpr, F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr,
+    B_MANTISSA: tl.constexpr, B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    """NUM_TILES = R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK) tiles; tile (m, n) is rows m-block, I-block n:
+    from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
+    n. The 128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients.
+    dh_ptr (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its
+    gradient. Apart from the GEMM (v10's split for bf16): fused, the epilogue's live tiles spilled.
+
+    Grid (NUM_TILES,), a tile a program in passes that reload its inputs (below); or PERSISTENT: fewer
+    programs, each looping over tiles with the next tile's dA' and h copied into shared memory while
+    this one computes (Triton's pipeliner, 2 stages), one pass each. The same bits either way."""
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), num_stages=2):
+            _fp8_down_dgrad_epilogue_tile(
+                tile, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr,
+                dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I,
+                stride_da_r, stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt,
+                stride_dh_col_scale, stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M, SCALE_BLOCK, ACT,
+                GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA, F_MIN_EXP, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2,
+                UP_WITH_A, ONE_PASS=True,
+            )  # fmt: skip
+    else:
+        pid_m = tl.program_id(0) // tl.cdiv(I, SCALE_BLOCK)
+        if tl.load(tile_to_expert_ptr + (pid_m * SCALE_BLOCK) // TILE_M) >= 0:  # else past the schedule's end
+            _fp8_down_dgrad_epilogue_tile(
+                tl.program_id(0), d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
+                tile_to_expert_ptr, dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr,
+                wa_col_scale_ptr, partial_ptr, I, stride_da_r, stride_h_r, stride_dh_r, stride_dh_scale_r,
+                stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, stride_wa_colt, stride_wa_col_scale,
+                stride_part_r, TILE_M, SCALE_BLOCK, ACT, GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA, F_MIN_EXP, B_MAX,
+                B_MANTISSA, B_MIN_EXP, POWER_OF_2, UP_WITH_A, ONE_PASS=False,
+            )  # fmt: skip
+
+
+@triton.jit
+def _fp8_down_dgrad_epilogue_tile(
+    tile, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr, dh_q_ptr,
     dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I, stride_da_r,
     stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale,
     stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr, F_MAX: tl.constexpr,
     F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr, B_MANTISSA: tl.constexpr,
-    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr,
+    B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
-    """Grid: (R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK),); program (m, n) owns rows m-block, I-block n:
-    from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
-    n. The 128 x 1 copies are stored transposed ([columns, R_pad]), K-major for the weight gradients.
-    dh_ptr (with the fc1 bias, else None) also gets dh unquantised, in the params dtype, for its
-    gradient. Apart from the GEMM (v10's split for bf16): fused, the epilogue's live tiles spilled."""
-    expert, rows, tokens, row_ok, cols, col_ok, pid_m, pid_n = _row_tile(
-        row_to_token_ptr, tile_to_expert_ptr, I, TILE_M, SCALE_BLOCK, SCALE_BLOCK
+    """_fp8_down_dgrad_epilogue_kernel's tile `tile` (I-blocks fastest), one pass or several. A tile past
+    the schedule's end (its expert < 0) is masked throughout, stores nothing (a persistent loop's
+    loads are pipelined only without a branch around them)."""
+    num_pid_n = tl.cdiv(I, SCALE_BLOCK)
+    pid_m, pid_n = tile // num_pid_n, tile % num_pid_n
+    expert, rows, tokens, row_ok = tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M, SCALE_BLOCK)
+    cols = pid_n * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    row_ok = row_ok & (expert >= 0)
+    col_ok = (cols < I) & (expert >= 0)
+    valid = row_ok[:, None] & col_ok[None, :]
+    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+    dh = (dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
+          stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale)  # fmt: skip
+    # Without ONE_PASS, passes over the tile, each reloading dA' and h (from L2) and computing only
+    # what it stores (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
+    # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
+    #    w * A, 128 x 1 along the rows (dW2), from the unquantised A; with UP_WITH_A (or ONE_PASS),
+    #    dh's up columns too, which need A's act(gate) only (one pass fewer, more registers live)
+    d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
+    a, d_gate, d_up = activation_grad_of_rows(
+        h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
     )
-    if expert >= 0:
-        valid = row_ok[:, None] & col_ok[None, :]
-        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-        dh = (dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, stride_dh_r, stride_dh_scale_r,
-              stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale)  # fmt: skip
-        # Passes over the tile, each reloading dA' and h (from L2) and computing only what it stores
-        # (the compiler drops the rest): with A, dgate and dup live at once the tile spilled.
-        # 1. A: the router partial <dA', A_q> over this I-block (A_q as the forward quantised it), and
-        #    w * A, 128 x 1 along the rows (dW2), from the unquantised A; with UP_WITH_A, dh's up
-        #    columns too, which need A's act(gate) only (one pass fewer, more registers live)
-        d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
-        a, _, d_up = activation_grad_of_rows(
-            h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
-        )
-        a = tl.where(valid, a, 0.0)
-        a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
-        tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
-                 mask=row_ok)  # fmt: skip
-        q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0,
-                              STORED=wa_colt_ptr.dtype.element_ty)  # fmt: skip
-        # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
-        tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
-        tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
-        if GATED and UP_WITH_A:
-            _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I, B_MAX,
-                             B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+    a = tl.where(valid, a, 0.0)
+    a_q, a_scale_inv = quantize_block(a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 1)
+    tl.store(partial_ptr + rows * stride_part_r + pid_n, tl.sum(d_a_prime * a_q * a_scale_inv[:, None], axis=1),
+             mask=row_ok)  # fmt: skip
+    q, s = quantize_block(w[:, None] * a, F_MAX, F_MANTISSA, F_MIN_EXP, POWER_OF_2, 0,
+                          STORED=wa_colt_ptr.dtype.element_ty)  # fmt: skip
+    # the 128 x 1 copies are stored on padding rows too (zeros): the weight gradients read whole blocks
+    tl.store(wa_colt_ptr + cols[None, :] * stride_wa_colt + rows[:, None], q, mask=col_ok[None, :])
+    tl.store(wa_col_scale_ptr + pid_m * stride_wa_col_scale + cols, s, mask=col_ok)
+    if GATED and (UP_WITH_A or ONE_PASS):
+        _dh_half_outputs(tl.where(valid, d_up, 0.0), 1, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I, B_MAX,
+                         B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+    if ONE_PASS:
+        _dh_half_outputs(tl.where(valid, d_gate, 0.0), 0, *dh, rows, row_ok, cols, col_ok, pid_m, pid_n, I,
+                         B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
+    else:
         # 2. dh's gate columns (without a gate: dh); 3. its up columns, unless pass 1 stored them
         for half in tl.static_range(2 if GATED and not UP_WITH_A else 1):
             d_a_prime = tl.load(d_a_ptr + rows[:, None] * stride_da_r + cols[None, :], mask=valid, other=0.0)
             _, d_gate, d_up = activation_grad_of_rows(
-                h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP, OFFSET
-            )
+                h_ptr, rows, row_ok, cols, col_ok, stride_h_r, I, d_a_prime * w[:, None], ACT, GATED, CLAMP,
+                OFFSET,
+            )  # fmt: skip
             _dh_half_outputs(tl.where(valid, d_gate if half == 0 else d_up, 0.0), half, *dh, rows, row_ok, cols,
                              col_ok, pid_m, pid_n, I, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2)  # fmt: skip
 
@@ -655,16 +711,19 @@ def fp8_down_dgrad(
                 w2t_scale_inv.stride(0), w2t_scale_inv.stride(1), d_a_prime.stride(0), BLOCK_N=block_n,
                 SCALE_BLOCK=scale_block, **meta,
             )  # fmt: skip
-        _fp8_down_dgrad_epilogue_kernel[(num_rows // scale_block * blocks,)](
+        num_tiles = num_rows // scale_block * blocks
+        epilogue = _tiles("down_dgrad_epilogue")
+        programs = min(num_tiles, _persistent_programs(dev)) if epilogue["PERSISTENT"] else num_tiles
+        _fp8_down_dgrad_epilogue_kernel[(programs,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
-            out["partial"], I, d_a_prime.stride(0), h.stride(0), out["dh_q"].stride(0), out["dh_scale_inv"].stride(0),
-            out["dh_scale_inv"].stride(1), out["dh_colt"].stride(0), out["dh_col_scale_inv"].stride(0),
-            out["wa_colt"].stride(0), out["wa_col_scale_inv"].stride(0), out["partial"].stride(0), TILE_M=tile_m,
+            out["partial"], I, num_tiles, d_a_prime.stride(0), h.stride(0), out["dh_q"].stride(0),
+            out["dh_scale_inv"].stride(0), out["dh_scale_inv"].stride(1), out["dh_colt"].stride(0),
+            out["dh_col_scale_inv"].stride(0), out["wa_colt"].stride(0), out["wa_col_scale_inv"].stride(0),
+            out["partial"].stride(0), TILE_M=tile_m,
             SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
             F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
-            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
-            **_tiles("down_dgrad_epilogue"),
+            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **epilogue,
         )  # fmt: skip
     if down_bias is not None and num_rows:
         # 32 rows in 8 warps a program: 128 rows in 4 spilled in an sm_90 compile (255 registers, 1.5 KB
