@@ -485,7 +485,7 @@ def _fp8_down_dgrad_epilogue_kernel(
     SCALE_BLOCK: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
     F_MAX: tl.constexpr, F_MANTISSA: tl.constexpr, F_MIN_EXP: tl.constexpr, B_MAX: tl.constexpr,
     B_MANTISSA: tl.constexpr, B_MIN_EXP: tl.constexpr, POWER_OF_2: tl.constexpr, UP_WITH_A: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SEGMENT_TILES_POW2: tl.constexpr,
 ):  # fmt: skip
     """NUM_TILES = R_pad / SCALE_BLOCK * cdiv(I, SCALE_BLOCK) tiles; tile (m, n) is rows m-block, I-block n:
     from dA' (fp32, the GEMM kernel's), dh (gate and up columns n), w*A, and the router partial column
@@ -495,9 +495,16 @@ def _fp8_down_dgrad_epilogue_kernel(
 
     Grid (NUM_TILES,), a tile a program in passes that reload its inputs (below); or PERSISTENT: fewer
     programs, each looping over tiles with the next tile's dA' and h copied into shared memory while
-    this one computes (Triton's pipeliner, 2 stages), one pass each. The same bits either way."""
+    this one computes (Triton's pipeliner, 2 stages), one pass each, up to the last tile in use (the
+    schedule's row space ends in unused tiles, a sixth of deepseek-v3's: SEGMENT_TILES_POW2 >= its
+    R_pad / TILE_M). The same bits either way."""
     if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), num_stages=2):
+        i_blocks = tl.cdiv(I, SCALE_BLOCK)
+        segments = tl.arange(0, SEGMENT_TILES_POW2)
+        num_segments = NUM_TILES // i_blocks // (TILE_M // SCALE_BLOCK)
+        experts = tl.load(tile_to_expert_ptr + segments, mask=segments < num_segments, other=-1)
+        row_blocks_in_use = tl.max(tl.where(experts >= 0, segments + 1, 0)) * (TILE_M // SCALE_BLOCK)
+        for tile in tl.range(tl.program_id(0), row_blocks_in_use * i_blocks, tl.num_programs(0), num_stages=2):
             _fp8_down_dgrad_epilogue_tile(
                 tile, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr,
                 dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I,
@@ -714,6 +721,7 @@ def fp8_down_dgrad(
         num_tiles = num_rows // scale_block * blocks
         epilogue = _tiles("down_dgrad_epilogue")
         programs = min(num_tiles, _persistent_programs(dev)) if epilogue["PERSISTENT"] else num_tiles
+        segment_tiles_pow2 = triton.next_power_of_2(tile_to_expert.shape[0])
         _fp8_down_dgrad_epilogue_kernel[(programs,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
@@ -723,7 +731,8 @@ def fp8_down_dgrad(
             out["partial"].stride(0), TILE_M=tile_m,
             SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
             F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
-            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2, **epilogue,
+            B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
+            SEGMENT_TILES_POW2=segment_tiles_pow2 if epilogue["PERSISTENT"] else 1, **epilogue,
         )  # fmt: skip
     if down_bias is not None and num_rows:
         # 32 rows in 8 warps a program: 128 rows in 4 spilled in an sm_90 compile (255 registers, 1.5 KB
