@@ -24,7 +24,6 @@ from mok_plugin.fp8.recipe import (
     TensorwiseFP8Recipe,
     fp8_recipe_from_megatron,
 )
-from mok_plugin.kernels import fp8 as fp8_kernels
 from mok_plugin.kernels.fp8 import (
     block_scale,
     quantize_fc1,
@@ -239,12 +238,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @FORMATS
 @pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "fp32_scales"])
-@pytest.mark.parametrize("tile_chunk", [128, 32], ids=["whole_tiles", "tiles_in_chunks"])
-def test_quantisation_kernels_are_the_quantisers_bit_for_bit(fmt, power_of_2, tile_chunk, monkeypatch):
+def test_quantisation_kernels_are_the_quantisers_bit_for_bit(fmt, power_of_2):
     # Rows (x, dO: 1 x 128 along H) and weights (128 x 128 tiles per expert), with partial blocks at
-    # both edges, an all-zero block, a loud one, and a matrix given without the experts' dimension;
-    # the weights' tiles read whole (once) and in chunks of rows (twice: amax, then values).
-    monkeypatch.setattr(fp8_kernels, "TILE_QUANTISER_CHUNK", tile_chunk)
+    # both edges, an all-zero block, a loud one, and a matrix given without the experts' dimension.
     g = torch.Generator().manual_seed(6)
     rows = torch.randn(45, 300, generator=g) * torch.exp2(torch.randint(-6, 6, (45, 1), generator=g).float())
     rows[3, 128:256] = 0

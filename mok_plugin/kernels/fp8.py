@@ -185,20 +185,6 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _store_quantised_tile(
-    scaled, data_ptr, data_t_ptr, e, rows, cols, mask, R, stride_data_e, stride_data_r, stride_t_e, stride_t_c,
-    MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXPONENT: tl.constexpr, HALVES: tl.constexpr,
-):  # fmt: skip
-    """_quantize_tiles_kernel's stores of scaled values (rows x cols of matrix e): on the FP8 grid, and
-    transposed too when data_t_ptr is given."""
-    q = fp8_of(scaled, data_ptr.dtype.element_ty, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT)
-    tl.store(data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :], q, mask=mask)
-    if data_t_ptr is not None:
-        data_t = data_t_ptr + (e // HALVES) * stride_t_e + (e % HALVES) * R
-        tl.store(data_t + cols[:, None].to(tl.int64) * stride_t_c + rows[None, :], tl.trans(q), mask=tl.trans(mask))
-
-
-@triton.jit
 def _quantize_tiles_kernel(
     src_ptr, data_ptr, scale_inv_ptr, data_t_ptr, R, C, stride_src_e, stride_src_r, stride_data_e, stride_data_r,
     stride_scale_e, stride_scale_r, stride_t_e, stride_t_c, MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
@@ -213,33 +199,27 @@ def _quantize_tiles_kernel(
     CHUNK rows at a time, twice (the tile's amax, then its values; the second read from L2): the whole
     128 x 128 fp32 tile in registers took 167 of them in 4 warps, and with the transposed store 255
     and 400 bytes of stack; in 16 warps 64, no stack (sm_90 compiles, Triton 3.6; TILE_QUANTISER_*).
-    With CHUNK == BLOCK the tile is read once and kept. max is exact, so the bits are quantize_block's
-    for any CHUNK."""
+    max is exact, so the bits are quantize_block's for any CHUNK."""
     e = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     col_ok = (cols < C)[None, :]
     src = src_ptr + e * stride_src_e + cols[None, :]
-    if CHUNK == BLOCK:
-        rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    magnitudes = tl.zeros((CHUNK, BLOCK), dtype=tl.float32)
+    for r0 in tl.static_range(0, BLOCK, CHUNK):  # unrolled: the whole tile's loads in flight at once
+        rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
+        part = tl.load(src + rows[:, None] * stride_src_r, mask=(rows < R)[:, None] & col_ok, other=0.0)
+        magnitudes = tl.maximum(magnitudes, tl.abs(part.to(tl.float32)))
+    scale = block_scale(tl.max(magnitudes), MAX, POWER_OF_2)
+    for r0 in range(0, BLOCK, CHUNK):
+        rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
         mask = (rows < R)[:, None] & col_ok
         v = tl.load(src + rows[:, None] * stride_src_r, mask=mask, other=0.0).to(tl.float32)
-        scale = block_scale(tl.max(tl.abs(v)), MAX, POWER_OF_2)
-        _store_quantised_tile(v * scale, data_ptr, data_t_ptr, e, rows, cols, mask, R, stride_data_e, stride_data_r,
-                              stride_t_e, stride_t_c, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT, HALVES)  # fmt: skip
-    else:
-        magnitudes = tl.zeros((CHUNK, BLOCK), dtype=tl.float32)
-        for r0 in tl.static_range(0, BLOCK, CHUNK):  # unrolled: the whole tile's loads in flight at once
-            rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
-            part = tl.load(src + rows[:, None] * stride_src_r, mask=(rows < R)[:, None] & col_ok, other=0.0)
-            magnitudes = tl.maximum(magnitudes, tl.abs(part.to(tl.float32)))
-        scale = block_scale(tl.max(magnitudes), MAX, POWER_OF_2)
-        for r0 in range(0, BLOCK, CHUNK):
-            rows = tl.program_id(1).to(tl.int64) * BLOCK + r0 + tl.arange(0, CHUNK)
-            mask = (rows < R)[:, None] & col_ok
-            v = tl.load(src + rows[:, None] * stride_src_r, mask=mask, other=0.0).to(tl.float32)
-            _store_quantised_tile(v * scale, data_ptr, data_t_ptr, e, rows, cols, mask, R, stride_data_e,
-                                  stride_data_r, stride_t_e, stride_t_c, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT,
-                                  HALVES)  # fmt: skip
+        q = fp8_of(v * scale, data_ptr.dtype.element_ty, MAX, MANTISSA_BITS, MIN_NORMAL_EXPONENT)
+        tl.store(data_ptr + e * stride_data_e + rows[:, None] * stride_data_r + cols[None, :], q, mask=mask)
+        if data_t_ptr is not None:
+            data_t = data_t_ptr + (e // HALVES) * stride_t_e + (e % HALVES) * R
+            tl.store(data_t + cols[:, None].to(tl.int64) * stride_t_c + rows[None, :], tl.trans(q),
+                     mask=tl.trans(mask))  # fmt: skip
     scale_inv = scale_inverse(scale, POWER_OF_2)
     tl.store(scale_inv_ptr + e * stride_scale_e + tl.program_id(1) * stride_scale_r + tl.program_id(2), scale_inv)
 
