@@ -207,6 +207,21 @@ def test_fc2_dgrad_epilogue_passes_give_the_same_bits(monkeypatch, family):
             assert (value is None and other[name] is None) or torch.equal(value, other[name]), name
 
 
+def test_persistent_epilogue_runs_only_where_its_shared_memory_fits(monkeypatch):
+    # one program an SM where a program may take the pipelined tile's shared memory (Hopper: 227 KB);
+    # on Ada's 99 KB the tile-a-program kernel instead (None), not a launch that fails
+    from types import SimpleNamespace
+
+    from mok_plugin.kernels import fp8_mlp
+
+    properties = SimpleNamespace(shared_memory_per_block_optin=99 * 1024, multi_processor_count=132)
+    monkeypatch.setattr(fp8_mlp, "interpreter_on", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    assert fp8_mlp._persistent_programs(torch.device("cuda", 0)) is None
+    properties.shared_memory_per_block_optin = 227 * 1024
+    assert fp8_mlp._persistent_programs(torch.device("cuda", 0)) == 132
+
+
 @pytest.mark.parametrize("family, fmt", [("swiglu", E4M3), ("gpt_oss_clamp_4", E5M2), ("mlp_gelu_bias", E4M3)])
 def test_activation_from_h_is_fc1s_own(monkeypatch, family, fmt):
     # fc1's forward split in two (MOK_HOPPER_FP8_FC1_SPLIT: the GEMM on the Gluon row kernel, then A):

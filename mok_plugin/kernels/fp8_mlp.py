@@ -276,8 +276,10 @@ TILES: dict[str, dict[str, int | bool]] = {
     # A from h when fc1's GEMM runs apart (MOK_HOPPER_FP8_FC1_SPLIT): elementwise, 32 rows of a 128-wide block
     "activation": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1},
     # the sweep at 4aaa485 (qwen3-30b-a3b, H200): 8 warps with UP_WITH_A 0.98 ms; 16 warps 1.12 (1.08 with it);
-    # 32 warps 1.53-1.57; 8 warps without it 1.71
-    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True, "PERSISTENT": False},
+    # 32 warps 1.53-1.57; 8 warps without it 1.71. PERSISTENT (session 42, H100, out/probe_ep.py): mixtral
+    # 2.21 -> 2.05 ms, qwen3 1.04 -> 0.95, deepseek-v3 1.44 -> 1.40 (in 16 warps slower: 2.93, 1.31, 1.90);
+    # UP_WITH_A is then moot (one pass)
+    "down_dgrad_epilogue": {"num_warps": 8, "num_stages": 1, "UP_WITH_A": True, "PERSISTENT": True},
     # 64 x 128 in 4 warps, 4 stages: 1.75 ms against 1.88 at 128 x 128, 8 warps (qwen3-30b-a3b, H200)
     "gate_up_dgrad": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     "wgrad": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
@@ -292,12 +294,20 @@ def _tiles(kernel: str) -> dict[str, int]:
     return {key: _INTERPRETED.get(key, value) for key, value in TILES[kernel].items()}
 
 
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent kernel whose pipelined tiles take most of an SM's shared memory (fc2's
-    dgrad epilogue: 151 KB on sm_90): one an SM; a few under the interpreter."""
+# fc2's persistent dgrad epilogue holds a tile's dA' and h in shared memory (the sm_90 compile's 151 KB)
+PERSISTENT_EPILOGUE_SHARED_BYTES = 151 * 1024
+
+
+def _persistent_programs(device: torch.device) -> int | None:
+    """Programs of fc2's persistent dgrad epilogue, whose pipelined tile takes most of an SM's shared
+    memory: one an SM; a few under the interpreter; None where a program cannot have that much
+    (Ada's 99 KB): there the tile-a-program kernel runs."""
     if interpreter_on() or device.type != "cuda":
         return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    properties = torch.cuda.get_device_properties(device)
+    if properties.shared_memory_per_block_optin < PERSISTENT_EPILOGUE_SHARED_BYTES:
+        return None
+    return properties.multi_processor_count
 
 
 def _row_tiles(
@@ -720,8 +730,9 @@ def fp8_down_dgrad(
             )  # fmt: skip
         num_tiles = num_rows // scale_block * blocks
         epilogue = _tiles("down_dgrad_epilogue")
-        programs = min(num_tiles, _persistent_programs(dev)) if epilogue["PERSISTENT"] else num_tiles
-        segment_tiles_pow2 = triton.next_power_of_2(tile_to_expert.shape[0])
+        persistent_programs = _persistent_programs(dev) if epilogue["PERSISTENT"] else None
+        epilogue["PERSISTENT"] = persistent_programs is not None
+        programs = num_tiles if persistent_programs is None else min(num_tiles, persistent_programs)
         _fp8_down_dgrad_epilogue_kernel[(programs,)](
             d_a_prime, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, out.get("dh"), out["dh_q"],
             out["dh_scale_inv"], out["dh_colt"], out["dh_col_scale_inv"], out["wa_colt"], out["wa_col_scale_inv"],
@@ -732,7 +743,8 @@ def fp8_down_dgrad(
             SCALE_BLOCK=scale_block, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, F_MAX=fwd.max,
             F_MANTISSA=fwd.mantissa_bits, F_MIN_EXP=fwd.min_normal_exponent, B_MAX=bwd.max,
             B_MANTISSA=bwd.mantissa_bits, B_MIN_EXP=bwd.min_normal_exponent, POWER_OF_2=power_of_2,
-            SEGMENT_TILES_POW2=segment_tiles_pow2 if epilogue["PERSISTENT"] else 1, **epilogue,
+            SEGMENT_TILES_POW2=triton.next_power_of_2(tile_to_expert.shape[0]) if epilogue["PERSISTENT"] else 1,
+            **epilogue,
         )  # fmt: skip
     if down_bias is not None and num_rows:
         # 32 rows in 8 warps a program: 128 rows in 4 spilled in an sm_90 compile (255 registers, 1.5 KB
