@@ -38,7 +38,7 @@ Time of one MoE layer, forward and backward, for one micro-batch on one GPU:
   expert FLOPs  3 passes x 2 FLOPs x T K rows x M / expert_tp (forward 2 M per row, backward twice
                 the forward: 18 T K H I for SwiGLU, 12 T K H I for a plain MLP; bias adds and the
                 activation are not counted), at `efficiency` x the machine's dense bf16 rate; with
-                mok.fp8, that rate times MoK's FP8 speed-up measured on the GPU (`fp8_speedup`: 1.20
+                mok.fp8, that rate times MoK's FP8 speed-up measured on the GPU (`fp8_speedup`: 1.23
                 on Hopper today), or the dense FP8 rate where none is measured (the exchange stays
                 bf16: MoK quantises after dispatch)
   exchange      dispatch and combine, forward and backward: 4 x T K H x 2 B x (ep - 1) / ep bytes
