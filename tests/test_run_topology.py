@@ -8,7 +8,7 @@ the MoKConfig, and its invalid values and combinations are errors naming the `mo
 optional `deepspeed:` section (DeepSpeed's gating) takes DeepSpeed's defaults, is absent from the
 configs that do not state it, and its bad values are errors naming `deepspeed.<key>`; the run
 package's imports point one way (config <- sections <- planner <- topology <- plan) with no deferred
-import."""
+import; the files are what scripts/make_topology_configs.py writes today."""
 
 import ast
 import math
@@ -370,3 +370,20 @@ def test_deepspeed_min_capacity_above_the_micro_batch_at_top1(tmp_path):
     data["model"]["top_k"] = 2  # top-2 and top-k gates have no such check
     data["deepspeed"] = dict(min_capacity=129)
     assert RunConfig(**data).deepspeed.min_capacity == 129
+
+
+def test_config_files_are_what_their_generator_writes(tmp_path, monkeypatch):
+    # configs/topologies/ is written by scripts/make_topology_configs.py from run/sections.py's machines
+    # (with their sources in each header) and the models' figures: a change to either must regenerate them
+    import importlib.util
+
+    script = ROOT / "scripts" / "make_topology_configs.py"
+    spec = importlib.util.spec_from_file_location("make_topology_configs", script)
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    monkeypatch.setattr(generator, "OUT", tmp_path)
+    assert generator.main() == 0
+    written = {path.name: path.read_text() for path in tmp_path.glob("*.yaml")}
+    assert sorted(written) == [path.name for path in CONFIGS]
+    stale = [path.name for path in CONFIGS if path.read_text() != written[path.name]]
+    assert not stale, f"regenerate with python scripts/make_topology_configs.py: {stale}"
