@@ -508,6 +508,11 @@ def _fp8_down_dgrad_epilogue_kernel(
     this one computes (Triton's pipeliner, 2 stages), one pass each, up to the last tile in use (the
     schedule's row space ends in unused tiles, a sixth of deepseek-v3's: SEGMENT_TILES_POW2 >= its
     R_pad / TILE_M). The same bits either way."""
+    # the tile's operands and outputs, the same for every tile
+    operands = (d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr, dh_q_ptr,
+                dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I, stride_da_r,
+                stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale,
+                stride_wa_colt, stride_wa_col_scale, stride_part_r)  # fmt: skip
     if PERSISTENT:
         i_blocks = tl.cdiv(I, SCALE_BLOCK)
         segments = tl.arange(0, SEGMENT_TILES_POW2)
@@ -516,23 +521,15 @@ def _fp8_down_dgrad_epilogue_kernel(
         row_blocks_in_use = tl.max(tl.where(experts >= 0, segments + 1, 0)) * (TILE_M // SCALE_BLOCK)
         for tile in tl.range(tl.program_id(0), row_blocks_in_use * i_blocks, tl.num_programs(0), num_stages=2):
             _fp8_down_dgrad_epilogue_tile(
-                tile, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr, tile_to_expert_ptr, dh_ptr,
-                dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr, wa_col_scale_ptr, partial_ptr, I,
-                stride_da_r, stride_h_r, stride_dh_r, stride_dh_scale_r, stride_dh_scale_half, stride_dh_colt,
-                stride_dh_col_scale, stride_wa_colt, stride_wa_col_scale, stride_part_r, TILE_M, SCALE_BLOCK, ACT,
-                GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA, F_MIN_EXP, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2,
-                UP_WITH_A, ONE_PASS=True,
+                tile, *operands, TILE_M, SCALE_BLOCK, ACT, GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA, F_MIN_EXP, B_MAX,
+                B_MANTISSA, B_MIN_EXP, POWER_OF_2, UP_WITH_A, ONE_PASS=True,
             )  # fmt: skip
     else:
         pid_m = tl.program_id(0) // tl.cdiv(I, SCALE_BLOCK)
         if tl.load(tile_to_expert_ptr + (pid_m * SCALE_BLOCK) // TILE_M) >= 0:  # else past the schedule's end
             _fp8_down_dgrad_epilogue_tile(
-                tl.program_id(0), d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, row_to_token_ptr,
-                tile_to_expert_ptr, dh_ptr, dh_q_ptr, dh_scale_ptr, dh_colt_ptr, dh_col_scale_ptr, wa_colt_ptr,
-                wa_col_scale_ptr, partial_ptr, I, stride_da_r, stride_h_r, stride_dh_r, stride_dh_scale_r,
-                stride_dh_scale_half, stride_dh_colt, stride_dh_col_scale, stride_wa_colt, stride_wa_col_scale,
-                stride_part_r, TILE_M, SCALE_BLOCK, ACT, GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA, F_MIN_EXP, B_MAX,
-                B_MANTISSA, B_MIN_EXP, POWER_OF_2, UP_WITH_A, ONE_PASS=False,
+                tl.program_id(0), *operands, TILE_M, SCALE_BLOCK, ACT, GATED, CLAMP, OFFSET, F_MAX, F_MANTISSA,
+                F_MIN_EXP, B_MAX, B_MANTISSA, B_MIN_EXP, POWER_OF_2, UP_WITH_A, ONE_PASS=False,
             )  # fmt: skip
 
 
