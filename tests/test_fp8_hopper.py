@@ -67,12 +67,15 @@ def test_row_gemm_operands_are_views_of_the_halves():
 
 # (kind, A, B, output dtype, fc2's epilogue): the hybrid recipe multiplies E5M2 gradients by E4M3
 # values (dW13: dh by x; fc1's dgrad: dh by W13)
+# (the weight gradients' both loops: all a program's K steps in one, or a tile's at a time; None: the row GEMMs)
 COMPILED = [
-    ("wgrad", "e4m3", "e4m3", "bfloat16", False),
-    ("wgrad", "e5m2", "e4m3", "float32", False),
-    ("rows", "e4m3", "e4m3", "bfloat16", True),
-    ("rows", "e5m2", "e4m3", "float16", False),
-    ("rows", "e5m2", "e4m3", "float32", False),  # fc2's dgrad: dA' in fp32 for its epilogue kernel
+    ("wgrad", "e4m3", "e4m3", "bfloat16", False, True),
+    ("wgrad", "e4m3", "e4m3", "bfloat16", False, False),
+    ("wgrad", "e5m2", "e4m3", "float32", False, True),
+    ("wgrad", "e5m2", "e4m3", "float32", False, False),
+    ("rows", "e4m3", "e4m3", "bfloat16", True, None),
+    ("rows", "e5m2", "e4m3", "float16", False, None),
+    ("rows", "e5m2", "e4m3", "float32", False, None),  # fc2's dgrad: dA' in fp32 for its epilogue kernel
 ]
 
 
@@ -103,8 +106,8 @@ def _compiled_report(compile_call: str) -> tuple[int, ...]:
     return tuple(map(int, outside_the_interpreter("-c", code).split()[-6:]))
 
 
-@pytest.mark.parametrize("kind, a, b, out, epilogue", COMPILED)
-def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
+@pytest.mark.parametrize("kind, a, b, out, epilogue, flat", COMPILED)
+def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue, flat):
     # Compiled as its launcher specialises the call: its shared memory fits Hopper's 227 KiB, nothing
     # spills, each warpgroup's K step is four FP8 wgmma k32 issued back to back (ptxas serialises a
     # kernel's wgmma, a wait after each, where it cannot pipeline them: the first version's fate), and
@@ -112,13 +115,13 @@ def test_compiles_for_sm90_without_a_gpu(kind, a, b, out, epilogue):
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     shared, registers, stack, mma, shortest_run, serialised = _compiled_report(
         f"compile_fp8_hopper({kind!r}, torch.{out}, torch.{FP8[a]}, torch.{FP8[b]}, bias={epilogue}, "
-        f"routing={epilogue})"
+        f"routing={epilogue}, flat={flat})"
     )
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= fp8_hopper.MAX_REGS
-    # the two warpgroups' functions, each with three K steps of four k32 (fp8_hopper.pipelined_steps:
-    # the even and odd steps of its loop and an odd count's last step)
+    # the two warpgroups' functions, each with three K steps of four k32 (fp8_hopper.pipelined_steps and
+    # flat_wgrad_steps: the even and odd steps of the loop and an odd count's last step)
     assert mma == 2 * 3 * 4
     assert shortest_run == 4, "ptxas waits between a K step's wgmma: serialised"
     assert serialised == 0
@@ -230,12 +233,15 @@ PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs"
 
 
 @hopper_only
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "tile_by_tile"])
 @pytest.mark.parametrize("programs", PROGRAMS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
-def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, programs, out_dtype, M, N, E, T, K, kind, left,
+def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, flat, programs, out_dtype, M, N, E, T, K, kind, left,
                                                     right):  # fmt: skip
+    # both loops of the MMA warpgroups: all the program's K steps in one (the default), or a tile's at a time
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
+    monkeypatch.setattr(fp8_hopper, "FLAT_WGRAD", flat)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)
     want = _with(monkeypatch, fp8_hopper.WGRAD_SETTING, "0", lambda: _fp8_wgrad(operands, out_dtype))
     launches = _counting(monkeypatch, "fp8_wgrad_hopper")

@@ -220,10 +220,11 @@ def _fp8_descriptors(blocks: dict) -> dict:
 
 def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloat16,
                        a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
-                       bias: bool = False, routing: bool = False):  # fmt: skip
-    """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad") or row
-    GEMMs ("rows", with fc2's epilogue's bias and routing weights where asked), compiled for sm_90
-    as its launcher specialises a call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
+                       bias: bool = False, routing: bool = False, flat: bool | None = None):  # fmt: skip
+    """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad", their loop
+    `flat` or tile by tile: fp8_hopper.FLAT_WGRAD's unless given) or row GEMMs ("rows", with fc2's
+    epilogue's bias and routing weights where asked), compiled for sm_90 as its launcher specialises a
+    call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
     from mok_plugin.kernels import fp8_hopper as fh
 
     blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}
@@ -232,7 +233,7 @@ def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloa
         blocks |= {"a1_desc": (torch.float32, (1, fh.BLOCK_M)), "b1_desc": (torch.float32, (1, fh.BLOCK_N))}
     blocks["out_desc"] = (out_dtype, (1, fh.HALF_M, fh.BLOCK_N))
     descriptors = _fp8_descriptors(blocks)
-    kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing)
+    kernel, constexprs = fh.kernel_arguments(out_dtype, kind == "rows", bias, routing, flat)
     if kind == "rows":  # tile_to_expert, k_steps, halves, tile_m, A's scales and strides, B's scales and strides
         work = ("*i64", "i32", "i32", "i32", "*fp32", "i32", "i32", "*fp32", "i32", "i32", "i32")
         epilogue = (f"*{fh.GL_DTYPES[out_dtype].name}", "i32", "*fp32", "*i64")

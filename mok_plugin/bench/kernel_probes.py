@@ -103,6 +103,25 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             "                finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, "
             "BIAS, ROUTING)\n",
         ),
+        (  # the flat loop's (fp8_hopper.after_step): a tile's store, then the next tile's work
+            "        if g == last:\n"
+            "            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, "
+            "False)\n",
+            "        if g == last:\n"
+            '            with pl.scope("epilogue"):\n'
+            "                finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, "
+            "False)\n",
+        ),
+        (
+            "            t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, "
+            "M, N,\n"
+            "                                                     num_tiles, WHICH)  # fmt: skip\n",
+            '            pl.enter_scope("tile_setup")\n'
+            "            t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, "
+            "M, N,\n"
+            "                                                     num_tiles, WHICH)\n"
+            '            pl.exit_scope("tile_setup")\n',
+        ),
         (
             "                mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once\n",
             '                with pl.scope("load_wait_empty"):\n'

@@ -85,10 +85,12 @@ HALF_M = BLOCK_M // 2
 LOADER_WARPS, LOADER_REGS = 1, 24
 MAX_REGS = 168  # per thread over the 12 warps (two MMA warpgroups + the loader's) sharing an SM's 64 K
 MMA_REGS = 232  # the second MMA warpgroup's (a multiple of 8; 2 x 232 + 24 <= 3 x 168)
+WGRAD_MMA_REGS = 240  # the weight gradients' (2 x 240 + 24 = 3 x 168): the flat loop's tile state spilled at 232
 SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
+FLAT_WGRAD = False  # the weight gradients' steps in one loop over the program's tiles (`flat_wgrad_steps`)
 
 
 def stages_for(out_dtype: torch.dtype, rows: bool = True) -> int:
@@ -154,7 +156,6 @@ def row_gemm_operands(rows: torch.Tensor, weights: torch.Tensor, gated: bool) ->
     return (rows[:, :k], rows[:, k:]), (flat[:, :k], flat[:, k:])
 
 
-
 def usable_row_gemm(rows: torch.Tensor, weights: torch.Tensor, gated: bool, out: torch.Tensor, tile_m: int,
                     scale_block: int) -> tuple[tuple, tuple] | None:  # fmt: skip
     """`row_gemm_operands(rows, weights, gated)` where the Gluon row kernel takes this GEMM: its scale
@@ -166,6 +167,7 @@ def usable_row_gemm(rows: torch.Tensor, weights: torch.Tensor, gated: bool, out:
     if operands is None or not usable(operands[0] + operands[1], out, tile_m):
         return None
     return operands
+
 
 if gluon is not None:
 
@@ -404,17 +406,125 @@ if gluon is not None:
         return acc, (even, odd_done)
 
     @gluon.jit
+    def program_steps(work, M, N, num_tiles, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """The K steps of all of this program's weight-gradient tiles (every num_programs-th from its
+        id), from the experts' row counts: what `flat_wgrad_steps` runs over."""
+        counts_ptr = work[1]
+        per_expert = gl.cdiv(M, BM) * gl.cdiv(N, BN)
+        experts = num_tiles // per_expert
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        LANES: gl.constexpr = 32 * gl.num_warps()
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        total = 0
+        for e0 in range(0, experts, LANES):
+            e = e0 + gl.arange(0, LANES, layout=lanes)
+            steps = ((gl.load(counts_ptr + e, mask=e < experts, other=0) + BK - 1) // BK).to(gl.int32)
+            first = e * per_expert  # the expert's tiles: [first, first + per_expert); this program's among them:
+            mine = (first + per_expert - pid + programs - 1) // programs - (first - pid + programs - 1) // programs
+            total += gl.sum(mine * steps, axis=0)
+        return total
+
+    @gluon.jit
+    def nonempty_tile(t, acc, out_desc, c_smem, work, M, N, num_tiles, WHICH: gl.constexpr):
+        """(t, expert, m0, n0, K steps) of the first of this program's tiles from t on that has K steps;
+        the tiles of experts without rows passed on the way are stored as zeros (acc: zeros here). Past
+        the program's last tile: t >= num_tiles and no steps."""
+        HALF: gl.constexpr = acc.type.shape[0]
+        BN: gl.constexpr = acc.type.shape[1]
+        expert, m0, n0 = tile_of(gl.minimum(t, num_tiles - 1), M, N, 2 * HALF, BN)
+        steps = gl.where(t < num_tiles, gl.cdiv(gl.load(work[1] + expert), 128).to(gl.int32), 0)
+        while (t < num_tiles) & (steps == 0):
+            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, False)
+            t += gl.num_programs(0)
+            expert, m0, n0 = tile_of(gl.minimum(t, num_tiles - 1), M, N, 2 * HALF, BN)
+            steps = gl.where(t < num_tiles, gl.cdiv(gl.load(work[1] + expert), 128).to(gl.int32), 0)
+        return t, expert, m0, n0, steps
+
+    @gluon.jit
+    def after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M, N, num_tiles, WHICH: gl.constexpr):
+        """After step g's promotion: where g is its tile's last step (`last`), the tile stored, acc zeros
+        again and the next tile with steps taken up (`nonempty_tile`). The store runs while the next
+        step's MMA, already issued, computes."""
+        HALF: gl.constexpr = acc.type.shape[0]
+        if g == last:
+            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, False)
+            acc = gl.zeros_like(acc)
+            t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, M, N,
+                                                     num_tiles, WHICH)  # fmt: skip
+            last += steps
+        return acc, t, expert, m0, n0, last
+
+    @gluon.jit
+    def flat_wgrad_steps(acc, products, bufs, stage_scales, ready, empty, out_desc, c_smem, work, M, N, num_tiles,
+                         WHICH: gl.constexpr):  # fmt: skip
+        """A weight-gradient warpgroup's work as one pipelined loop over all its program's K steps, tile
+        boundaries inside it: as `pipelined_steps` (step g's MMA issued before step g - 1's promotion,
+        even and odd register sets), but a tile's last promotion and its store run under the next tile's
+        first MMA instead of with the tensor cores idle (at deepseek-v3's two K steps a tile, the tile's
+        epilogue and work were ~1.2 of its ~2.7 kilocycles: BENCHMARKS.md, f14-f15). The same products
+        promoted in the same order into one accumulator a tile: the same bits."""
+        a_bufs, b_bufs = bufs[0], bufs[1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        HALF: gl.constexpr = acc.type.shape[0]
+        BN: gl.constexpr = acc.type.shape[1]
+        layout: gl.constexpr = acc.type.layout
+        total = program_steps(work, M, N, num_tiles, 2 * HALF, BN, 128)
+        t, expert, m0, n0, steps = nonempty_tile(gl.program_id(0), acc, out_desc, c_smem, work, M, N, num_tiles,
+                                                 WHICH)  # fmt: skip
+        last = steps - 1  # the global index of the tile's last step
+        even, odd_done = products
+        odd = warpgroup_mma_init(odd_done)
+        pairs = total // 2
+        for q in range(pairs):
+            g = 2 * q
+            even_mma = mma_of(a_bufs, b_bufs, ready, 0, g, even, WHICH)
+            odd_done = warpgroup_mma_wait(1, deps=[odd])  # step g - 1's (at q = 0: nothing to wait for)
+            if q > 0:
+                values = stage_freed((), empty, (g - 1) % S, stage_scales, HALF, WHICH, layout, False)
+                acc = promote(acc, odd_done, values, False)
+                acc, t, expert, m0, n0, last = after_step(g - 1, acc, t, expert, m0, n0, last, out_desc, c_smem,
+                                                          work, M, N, num_tiles, WHICH)  # fmt: skip
+            odd = mma_of(a_bufs, b_bufs, ready, 0, g + 1, odd_done, WHICH)
+            even = warpgroup_mma_wait(1, deps=[even_mma])  # step g's
+            values = stage_freed((), empty, g % S, stage_scales, HALF, WHICH, layout, False)
+            acc = promote(acc, even, values, False)
+            acc, t, expert, m0, n0, last = after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M,
+                                                      N, num_tiles, WHICH)  # fmt: skip
+        if total % 2 == 1:  # the last step, on the even set
+            g = total - 1
+            even_mma = mma_of(a_bufs, b_bufs, ready, 0, g, even, WHICH)
+            odd_done = warpgroup_mma_wait(1, deps=[odd])
+            if pairs > 0:
+                values = stage_freed((), empty, (g - 1) % S, stage_scales, HALF, WHICH, layout, False)
+                acc = promote(acc, odd_done, values, False)
+                acc, t, expert, m0, n0, last = after_step(g - 1, acc, t, expert, m0, n0, last, out_desc, c_smem,
+                                                          work, M, N, num_tiles, WHICH)  # fmt: skip
+            even = warpgroup_mma_wait(0, deps=[even_mma])
+            values = stage_freed((), empty, g % S, stage_scales, HALF, WHICH, layout, False)
+            acc = promote(acc, even, values, False)
+            acc, t, expert, m0, n0, last = after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M,
+                                                      N, num_tiles, WHICH)  # fmt: skip
+        else:
+            odd_done = warpgroup_mma_wait(0, deps=[odd])
+            if pairs > 0:
+                values = stage_freed((), empty, (total - 1) % S, stage_scales, HALF, WHICH, layout, False)
+                acc = promote(acc, odd_done, values, False)
+                acc, t, expert, m0, n0, last = after_step(total - 1, acc, t, expert, m0, n0, last, out_desc,
+                                                          c_smem, work, M, N, num_tiles, WHICH)  # fmt: skip
+        return acc, (even, odd_done)
+
+    @gluon.jit
     def half_multiplier(out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c_smem, ROWS: gl.constexpr,
-                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
-        """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program, its K steps
-        by `pipelined_steps`, then out by `finish_half`. (The next tile's work loaded under this tile's
-        steps was slower on an H100 at one K step a tile, 5.7 -> 7.2 ms, and no faster at more: ptxas
-        moves the loaded scalars to uniform registers at once, R2UR, which waits for the load.)"""
+                        BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr,
+                        FLAT: gl.constexpr):  # fmt: skip
+        """One MMA warpgroup: half WHICH (rows WHICH * 64 ...) of every tile of this program, tile by tile
+        (`tile_by_tile`: the row GEMMs, and the weight gradients unless FLAT) or, for the weight gradients
+        with FLAT, all the program's K steps in one loop (`flat_wgrad_steps`)."""
         ready, empty = bars[0], bars[1]
         HALF: gl.constexpr = c_smem.type.shape[0]
         BN: gl.constexpr = c_smem.type.shape[1]
         BM: gl.constexpr = 2 * HALF
-        BK: gl.constexpr = bufs[0].type.shape[2]
         S: gl.constexpr = bufs[0].type.shape[0]
         if ROWS:
             stage_scales = ()
@@ -428,6 +538,31 @@ if gluon is not None:
         # overwrite them: use_acc=False)
         products = (gl.full((HALF, BN), 1.0, gl.float32, layout=acc_layout),
                     gl.full((HALF, BN), 2.0, gl.float32, layout=acc_layout))  # fmt: skip
+        if FLAT:  # the weight gradients: all the program's steps in one loop
+            acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=acc_layout)
+            # once, in a loop the compiler cannot count: product registers that die at the end of straight-line
+            # code had ptxas serialise every wgmma (C7515); carried around a loop, they do not
+            for _once in range(gl.program_id(0) // gl.num_programs(0) + 1):
+                acc, products = flat_wgrad_steps(acc, products, bufs, stage_scales, ready, empty, out_desc, c_smem,
+                                                 work, M, N, num_tiles, WHICH)  # fmt: skip
+        else:
+            tile_by_tile(products, bufs, stage_scales, bars, out_desc, c_smem, work, epilogue, M, N, num_tiles, ROWS,
+                         BIAS, ROUTING, WHICH)  # fmt: skip
+        tma.store_wait(0)
+
+    @gluon.jit
+    def tile_by_tile(products, bufs, stage_scales, bars, out_desc, c_smem, work, epilogue, M, N, num_tiles,
+                     ROWS: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+        """A warpgroup's tiles one at a time: each tile's K steps by `pipelined_steps`, then out by
+        `finish_half`. (The next tile's work loaded under this tile's steps was slower on an H100 at one K
+        step a tile, 5.7 -> 7.2 ms, and no faster at more: ptxas moves the loaded scalars to uniform
+        registers at once, R2UR, which waits for the load.)"""
+        ready, empty = bars[0], bars[1]
+        HALF: gl.constexpr = c_smem.type.shape[0]
+        BN: gl.constexpr = c_smem.type.shape[1]
+        BM: gl.constexpr = 2 * HALF
+        BK: gl.constexpr = bufs[0].type.shape[2]
+        acc_layout: gl.constexpr = products[0].type.layout
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             expert, m0, n0, steps, first_row = tile_work(t, work, M, N, BM, BN, BK, ROWS)
@@ -437,7 +572,6 @@ if gluon is not None:
                                             WHICH, ROWS)  # fmt: skip
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, BIAS, ROUTING)
             c += steps
-        tma.store_wait(0)
 
     @gluon.jit
     def stages_of(desc, STAGES: gl.constexpr):
@@ -459,7 +593,7 @@ if gluon is not None:
     def kernel_body(
         a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, ROWS: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, FLAT: gl.constexpr = False,
     ):  # fmt: skip
         # a1_desc, b1_desc: fc1's second halves (row GEMMs), or both operands' scales (weight gradients)
         if ROWS:
@@ -473,10 +607,14 @@ if gluon is not None:
         bars = (ready, empty)
         gl.warp_specialize(
             [
-                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS,
-                                   ROUTING, 0)),  # fmt: skip
-                (half_multiplier, (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS,
-                                   ROUTING, 1)),  # fmt: skip
+                (
+                    half_multiplier,
+                    (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c0_smem, ROWS, BIAS, ROUTING, 0, FLAT),
+                ),
+                (
+                    half_multiplier,
+                    (out_desc, work, epilogue, M, N, num_tiles, bufs, bars, c1_smem, ROWS, BIAS, ROUTING, 1, FLAT),
+                ),
                 (loader, ((a0_desc, a1_desc), (b0_desc, b1_desc), work, M, N, num_tiles, bufs, bars, ROWS)),
             ],
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
@@ -489,9 +627,9 @@ if gluon is not None:
     def _fp8_wgrad_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
                                  BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr,
                                  STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                 MMA_REGS: gl.constexpr):  # fmt: skip
+                                 MMA_REGS: gl.constexpr, FLAT: gl.constexpr):  # fmt: skip
         kernel_body(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles, False, BIAS,
-                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS)  # fmt: skip
+                    ROUTING, C_LAYOUT, STAGES, LOADER_WARPS, LOADER_REGS, MMA_REGS, FLAT)  # fmt: skip
 
     @gluon.jit
     def _fp8_rows_hopper_kernel(a0_desc, a1_desc, b0_desc, b1_desc, out_desc, work, epilogue, M, N, num_tiles,
@@ -516,11 +654,11 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
-def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
-                     routing: bool = False) -> tuple[object, dict]:  # fmt: skip
+def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, routing: bool = False,
+                     flat: bool | None = None) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
-    fc2's epilogue's parts): what the launchers pass, and what `mok bench inspect` compiles for sm_90
-    without a GPU."""
+    fc2's epilogue's parts; the weight gradients' loop, FLAT_WGRAD's unless `flat` says): what the
+    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
@@ -528,8 +666,10 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False,
         "STAGES": stages_for(out_dtype, rows),
         "LOADER_WARPS": LOADER_WARPS,
         "LOADER_REGS": LOADER_REGS,
-        "MMA_REGS": MMA_REGS,
+        "MMA_REGS": MMA_REGS if rows else WGRAD_MMA_REGS,
     }
+    if not rows:
+        constexprs["FLAT"] = FLAT_WGRAD if flat is None else flat
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
 
