@@ -442,11 +442,19 @@ if gluon is not None:
         return t, expert, m0, n0, steps
 
     @gluon.jit
-    def after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M, N, num_tiles, WHICH: gl.constexpr):
-        """After step g's promotion: where g is its tile's last step (`last`), the tile stored, acc zeros
-        again and the next tile with steps taken up (`nonempty_tile`). The store runs while the next
-        step's MMA, already issued, computes."""
+    def promote_step(acc, product, g, tile, ctx, WHICH: gl.constexpr):
+        """(acc, *tile) after step g: its product promoted into acc with its scales, read from its stage
+        before the stage is freed; then, where g is its tile's last step (tile: t, expert, m0, n0 and that
+        step's global index), the tile stored, acc zeros again and the next tile with steps taken up
+        (`nonempty_tile`), all while the next step's MMA, already issued, computes. ctx: (stage_scales,
+        empty, out_desc, c_smem, work, M, N, num_tiles)."""
+        stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles = ctx
+        S: gl.constexpr = stage_scales[0].type.shape[0]
         HALF: gl.constexpr = acc.type.shape[0]
+        layout: gl.constexpr = acc.type.layout
+        values = stage_freed((), empty, g % S, stage_scales, HALF, WHICH, layout, False)
+        acc = promote(acc, product, values, False)
+        t, expert, m0, n0, last = tile
         if g == last:
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, False)
             acc = gl.zeros_like(acc)
@@ -465,10 +473,9 @@ if gluon is not None:
         epilogue and work were ~1.2 of its ~2.7 kilocycles: BENCHMARKS.md, f14-f15). The same products
         promoted in the same order into one accumulator a tile: the same bits."""
         a_bufs, b_bufs = bufs[0], bufs[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
         HALF: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
-        layout: gl.constexpr = acc.type.layout
+        ctx = (stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles)
         total = program_steps(work, M, N, num_tiles, 2 * HALF, BN, 128)
         t, expert, m0, n0, steps = nonempty_tile(gl.program_id(0), acc, out_desc, c_smem, work, M, N, num_tiles,
                                                  WHICH)  # fmt: skip
@@ -481,37 +488,23 @@ if gluon is not None:
             even_mma = mma_of(a_bufs, b_bufs, ready, 0, g, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])  # step g - 1's (at q = 0: nothing to wait for)
             if q > 0:
-                values = stage_freed((), empty, (g - 1) % S, stage_scales, HALF, WHICH, layout, False)
-                acc = promote(acc, odd_done, values, False)
-                acc, t, expert, m0, n0, last = after_step(g - 1, acc, t, expert, m0, n0, last, out_desc, c_smem,
-                                                          work, M, N, num_tiles, WHICH)  # fmt: skip
+                acc, t, expert, m0, n0, last = promote_step(acc, odd_done, g - 1, (t, expert, m0, n0, last), ctx, WHICH)
             odd = mma_of(a_bufs, b_bufs, ready, 0, g + 1, odd_done, WHICH)
             even = warpgroup_mma_wait(1, deps=[even_mma])  # step g's
-            values = stage_freed((), empty, g % S, stage_scales, HALF, WHICH, layout, False)
-            acc = promote(acc, even, values, False)
-            acc, t, expert, m0, n0, last = after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M,
-                                                      N, num_tiles, WHICH)  # fmt: skip
+            acc, t, expert, m0, n0, last = promote_step(acc, even, g, (t, expert, m0, n0, last), ctx, WHICH)
         if total % 2 == 1:  # the last step, on the even set
             g = total - 1
             even_mma = mma_of(a_bufs, b_bufs, ready, 0, g, even, WHICH)
             odd_done = warpgroup_mma_wait(1, deps=[odd])
             if pairs > 0:
-                values = stage_freed((), empty, (g - 1) % S, stage_scales, HALF, WHICH, layout, False)
-                acc = promote(acc, odd_done, values, False)
-                acc, t, expert, m0, n0, last = after_step(g - 1, acc, t, expert, m0, n0, last, out_desc, c_smem,
-                                                          work, M, N, num_tiles, WHICH)  # fmt: skip
+                acc, t, expert, m0, n0, last = promote_step(acc, odd_done, g - 1, (t, expert, m0, n0, last), ctx, WHICH)
             even = warpgroup_mma_wait(0, deps=[even_mma])
-            values = stage_freed((), empty, g % S, stage_scales, HALF, WHICH, layout, False)
-            acc = promote(acc, even, values, False)
-            acc, t, expert, m0, n0, last = after_step(g, acc, t, expert, m0, n0, last, out_desc, c_smem, work, M,
-                                                      N, num_tiles, WHICH)  # fmt: skip
+            acc, t, expert, m0, n0, last = promote_step(acc, even, g, (t, expert, m0, n0, last), ctx, WHICH)
         else:
             odd_done = warpgroup_mma_wait(0, deps=[odd])
             if pairs > 0:
-                values = stage_freed((), empty, (total - 1) % S, stage_scales, HALF, WHICH, layout, False)
-                acc = promote(acc, odd_done, values, False)
-                acc, t, expert, m0, n0, last = after_step(total - 1, acc, t, expert, m0, n0, last, out_desc,
-                                                          c_smem, work, M, N, num_tiles, WHICH)  # fmt: skip
+                acc, t, expert, m0, n0, last = promote_step(acc, odd_done, total - 1, (t, expert, m0, n0, last), ctx,
+                                                            WHICH)  # fmt: skip
         return acc, (even, odd_done)
 
     @gluon.jit
