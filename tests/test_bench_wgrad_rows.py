@@ -32,3 +32,34 @@ def test_mn_takes_two_integers(capsys):
 def test_without_a_gpu_it_says_so_and_returns_2(capsys):
     assert wgrad_rows.main(["--rows-per-expert", "256"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_fp8_loops_are_chosen_by_name_and_default_to_the_kernels_own():
+    assert wgrad_rows.build_parser().parse_args([]).fp8_loops is None
+    args = wgrad_rows.build_parser().parse_args(["--fp8-loops", "flat", "tile_by_tile"])
+    assert args.fp8_loops == ["flat", "tile_by_tile"]
+    with pytest.raises(SystemExit):
+        wgrad_rows.build_parser().parse_args(["--fp8-loops", "ping_pong"])
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_each_fp8_loop_is_set_for_its_call_only(monkeypatch, kept):
+    from mok_plugin.kernels import fp8_hopper
+
+    monkeypatch.setattr(fp8_hopper, "FLAT_WGRAD", kept)
+    seen = []
+
+    def call():
+        seen.append(fp8_hopper.FLAT_WGRAD)
+        return torch.zeros(1)
+
+    wgrad_rows.with_fp8_loop(call, "flat")()
+    wgrad_rows.with_fp8_loop(call, "tile_by_tile")()
+    assert seen == [True, False] and fp8_hopper.FLAT_WGRAD is kept
+
+    def failing():
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError):
+        wgrad_rows.with_fp8_loop(failing, "flat" if not kept else "tile_by_tile")()
+    assert fp8_hopper.FLAT_WGRAD is kept

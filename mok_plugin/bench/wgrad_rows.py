@@ -13,6 +13,7 @@ rate at which the GPU writes it with nothing else to do.
     mok bench wgrad-rows --profile --rows-per-expert 256 1024   # kilocycles per tile in each part (Proton)
     mok bench wgrad-rows --ablate promote scales stores         # the time without each part (wrong results)
     mok bench wgrad-rows --ablate scales scale_copies          # ... without the scales' reads, their copies, both
+    mok bench wgrad-rows --kernels fp8 --fp8-loops flat tile_by_tile   # the FP8 kernel's two loops, same bits checked
     # kernels: fp8 (fp8_mlp.fp8_wgrad: the Gluon kernel on Hopper), bf16 (wgrad_hopper's Gluon kernel,
     # both schedules)
 """
@@ -33,6 +34,7 @@ from mok_plugin.bench.timing import SETTLE_S, time_ms
 __all__ = ["build_parser", "even_segments", "fp8_wgrad_call", "main"]
 
 KERNELS = ("fp8", "bf16")
+FP8_LOOPS = ("flat", "tile_by_tile")  # fp8_hopper.FLAT_WGRAD on and off
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -47,6 +49,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--out-dtypes", nargs="+", choices=list(OUT_DTYPES), default=["bfloat16"],
                         help="dW's dtype (the FP8 kernel's; the bf16 kernel writes bf16)")  # fmt: skip
+    parser.add_argument("--fp8-loops", nargs="+", choices=FP8_LOOPS, help="the FP8 Gluon kernel's loop(s) to "
+                        "time, each a case (default: fp8_hopper.FLAT_WGRAD's); with both, their dW is checked bitwise "
+                        "equal")  # fmt: skip
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -96,12 +101,32 @@ def fp8_wgrad_call(m: int, n: int, total: int, rows: int, out_dtype: torch.dtype
     return lambda: fp8_mlp.fp8_wgrad(left, left_s, right, right_s, offsets, counts, out_dtype=out_dtype)
 
 
-def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int, rows: int):
-    """(label, out dtype, the call) for each kernel asked for, on operands of `rows` rows an expert."""
+def with_fp8_loop(call, loop: str):
+    """`call` with the FP8 Gluon kernel's loop set to `loop` (one of FP8_LOOPS) for its duration."""
+    from mok_plugin.kernels import fp8_hopper
+
+    def looped() -> torch.Tensor:
+        kept = fp8_hopper.FLAT_WGRAD
+        fp8_hopper.FLAT_WGRAD = loop == "flat"
+        try:
+            return call()
+        finally:
+            fp8_hopper.FLAT_WGRAD = kept
+
+    return looped
+
+
+def _cases(kernels: list[str], out_dtypes: list[str], m: int, n: int, total: int, rows: int,
+           fp8_loops: list[str] | None = None):  # fmt: skip
+    """(label, out dtype, the call) for each kernel asked for, on operands of `rows` rows an expert; the
+    FP8 kernel once per loop in fp8_loops (None: as it is)."""
     from mok_plugin.kernels import wgrad_hopper
 
     for name in out_dtypes if "fp8" in kernels else []:
-        yield f"fp8 -> {name}", OUT_DTYPES[name], fp8_wgrad_call(m, n, total, rows, OUT_DTYPES[name])
+        call = fp8_wgrad_call(m, n, total, rows, OUT_DTYPES[name])
+        for loop in fp8_loops or [None]:
+            label = f"fp8 -> {name}" if loop is None else f"fp8 {loop} -> {name}"
+            yield label, OUT_DTYPES[name], call if loop is None else with_fp8_loop(call, loop)
     if "bf16" in kernels and torch.cuda.get_device_capability()[0] != 9:
         print("(the bf16 kernel is Hopper's: not timed on this GPU)")
     elif "bf16" in kernels:  # bf16 rows in schedule order, as the layer's Gluon path reads them
@@ -140,12 +165,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return _ablate(m, n, args)
     flop = 2 * m * n * args.rows
     results = []
-    print(f"{'E':>5} {'rows/e':>6} {'kernel':<16} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
+    print(f"{'E':>5} {'rows/e':>6} {'kernel':<26} {'ms':>8} {'TFLOP/s':>8} {'dW GB':>7} {'fill ms':>8}")
     for rows in args.rows_per_expert:
         experts = args.rows // rows
         fills: dict[torch.dtype, float] = {}
-        for label, out, call in _cases(args.kernels, args.out_dtypes, m, n, args.rows, rows):
+        looped: dict[torch.dtype, list[torch.Tensor]] = {}  # each FP8 loop's dW, to compare
+        for label, out, call in _cases(args.kernels, args.out_dtypes, m, n, args.rows, rows, args.fp8_loops):
             ms = statistics.median(time_ms(call, args.iters, settle_s=args.settle_s))
+            if args.fp8_loops and label.startswith("fp8 "):
+                looped.setdefault(out, []).append(call().clone())
             if out not in fills:  # the write rate of the same dW, once a dtype
                 d_w = call()
                 fills[out] = statistics.median(time_ms(lambda d_w=d_w: d_w.fill_(1.0), args.iters))
@@ -153,8 +181,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             row = {"experts": experts, "rows per expert": rows, "kernel": label, "ms": ms, "TFLOP/s": flop / ms / 1e9,
                    "dW GB": experts * m * n * out.itemsize / 1e9, "fill ms": fills[out]}  # fmt: skip
             results.append(row)
-            print(f"{experts:5d} {rows:6d} {label:<16} {ms:8.3f} {row['TFLOP/s']:8.1f} {row['dW GB']:7.2f} "
+            print(f"{experts:5d} {rows:6d} {label:<26} {ms:8.3f} {row['TFLOP/s']:8.1f} {row['dW GB']:7.2f} "
                   f"{row['fill ms']:8.3f}")  # fmt: skip
+        for out, outputs in looped.items():
+            if len(outputs) > 1:
+                same = all(torch.equal(outputs[0], other) for other in outputs[1:])
+                results.append({"experts": experts, "rows per expert": rows, "fp8 loops bitwise": same})
+                print(f"{'':5} {rows:6d} the FP8 loops' dW ({out}): {'the same bits' if same else 'DIFFERENT BITS'}")
+        del looped
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_wgrad_rows.json").write_text(json.dumps({"M": m, "N": n, "rows": args.rows,
