@@ -42,7 +42,7 @@ def test_fp8_loops_are_chosen_by_name_and_default_to_the_kernels_own():
         wgrad_rows.build_parser().parse_args(["--fp8-loops", "ping_pong"])
 
 
-@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("kept", [None, True, False])
 def test_each_fp8_loop_is_set_for_its_call_only(monkeypatch, kept):
     from mok_plugin.kernels import fp8_hopper
 

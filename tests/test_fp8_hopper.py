@@ -45,6 +45,18 @@ def test_the_ring_and_output_tiles_fit_hoppers_shared_memory(out_dtype, rows):
     assert stages * stage + tiles <= 227 * 1024
 
 
+def test_the_weight_gradients_loop_is_flat_at_few_rows_an_expert_unless_forced(monkeypatch):
+    # by default the flat loop up to FLAT_MAX_ROWS rows an expert on average (R_pad / E), tile by tile past it
+    monkeypatch.setattr(fp8_hopper, "FLAT_WGRAD", None)
+    limit = fp8_hopper.FLAT_MAX_ROWS
+    assert fp8_hopper.flat_loop(256 * 300, 256)  # deepseek-v3: ~300 rows an expert
+    assert fp8_hopper.flat_loop(limit * 8, 8) and not fp8_hopper.flat_loop(limit * 8 + 128, 8)
+    assert not fp8_hopper.flat_loop(2048 * 8, 8)  # mixtral-8x7b at 8,192 tokens
+    for forced in (True, False):
+        monkeypatch.setattr(fp8_hopper, "FLAT_WGRAD", forced)
+        assert fp8_hopper.flat_loop(256 * 300, 256) is forced and fp8_hopper.flat_loop(2048 * 8, 8) is forced
+
+
 def test_the_weight_gradients_take_only_scales_tma_can_bring():
     # each stage brings a [1, 128] fp32 row of both operands' scales: rows 16-byte aligned, fp32
     assert fp8_hopper.scale_rows_ok(torch.rand(4, 200))

@@ -220,9 +220,9 @@ def _fp8_descriptors(blocks: dict) -> dict:
 
 def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloat16,
                        a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
-                       bias: bool = False, routing: bool = False, flat: bool | None = None):  # fmt: skip
+                       bias: bool = False, routing: bool = False, flat: bool = False):  # fmt: skip
     """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad", their loop
-    `flat` or tile by tile: fp8_hopper.FLAT_WGRAD's unless given) or row GEMMs ("rows", with fc2's
+    `flat` or tile by tile) or row GEMMs ("rows", with fc2's
     epilogue's bias and routing weights where asked), compiled for sm_90 as its launcher specialises a
     call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
     from mok_plugin.kernels import fp8_hopper as fh

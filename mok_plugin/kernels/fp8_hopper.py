@@ -90,7 +90,14 @@ SHARED_BYTES = 227 * 1024  # Hopper's per-block shared memory
 BARRIER_BYTES = 1024  # the ring's mbarriers, with room
 WGRAD_SETTING, ROWS_SETTING = "MOK_HOPPER_FP8_WGRAD", "MOK_HOPPER_FP8_ROWS"
 PROGRAMS: int | None = None  # persistent programs a launch (None: one per SM); the tests set a few
-FLAT_WGRAD = False  # the weight gradients' steps in one loop over the program's tiles (`flat_wgrad_steps`)
+# The weight gradients' loop: None chooses by rows an expert (`flat_loop`); True or False forces the flat loop
+# (`flat_wgrad_steps`) or the tile-by-tile one (the tests and `mok bench wgrad-rows --fp8-loops` set it)
+FLAT_WGRAD: bool | None = None
+# The flat loop where the schedule has at most this many rows an expert on average (at most 4 K steps a tile).
+# H100, deepseek-v3's dW13 and dW2, flat against tile by tile (BENCHMARKS.md, f28): 256 rows -5.2 %, -5.0 %,
+# -2.5 %; 128 and 512 rows -2 to -3 % (one 512 case +6 %, timed first in its process); 1,024 and 2,048 rows
+# within +-3 % either way.
+FLAT_MAX_ROWS = 512
 
 
 def stages_for(out_dtype: torch.dtype, rows: bool = True) -> int:
@@ -647,11 +654,20 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
+def flat_loop(rows: int, experts: int) -> bool:
+    """Whether the weight gradients over `rows` schedule rows (R_pad) and `experts` experts take the flat
+    loop: FLAT_WGRAD where set, else at most FLAT_MAX_ROWS rows an expert on average. Both loops give
+    the same bits (tests/test_fp8_hopper.py), so ranks that choose differently still agree."""
+    if FLAT_WGRAD is not None:
+        return FLAT_WGRAD
+    return rows <= FLAT_MAX_ROWS * experts
+
+
 def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, routing: bool = False,
-                     flat: bool | None = None) -> tuple[object, dict]:  # fmt: skip
+                     flat: bool = False) -> tuple[object, dict]:  # fmt: skip
     """(the Gluon kernel, its constexprs) for this output dtype and kind (row GEMM or weight gradient;
-    fc2's epilogue's parts; the weight gradients' loop, FLAT_WGRAD's unless `flat` says): what the
-    launchers pass, and what `mok bench inspect` compiles for sm_90 without a GPU."""
+    fc2's epilogue's parts; the weight gradients' loop, flat or tile by tile): what the launchers pass,
+    and what `mok bench inspect` compiles for sm_90 without a GPU."""
     constexprs = {
         "BIAS": bias,
         "ROUTING": routing,
@@ -662,7 +678,7 @@ def kernel_arguments(out_dtype: torch.dtype, rows: bool, bias: bool = False, rou
         "MMA_REGS": MMA_REGS if rows else WGRAD_MMA_REGS,
     }
     if not rows:
-        constexprs["FLAT"] = FLAT_WGRAD if flat is None else flat
+        constexprs["FLAT"] = flat
     return (_fp8_rows_hopper_kernel if rows else _fp8_wgrad_hopper_kernel), constexprs
 
 
@@ -671,10 +687,11 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
 
 
 def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple, M: int, N: int, num_tiles: int,
-            rows: bool, bias: bool = False, routing: bool = False, scales: tuple = ()) -> None:  # fmt: skip
+            rows: bool, bias: bool = False, routing: bool = False, scales: tuple = (),
+            flat: bool = False) -> None:  # fmt: skip
     """One persistent launch over num_tiles tiles: a and b the one or two (fc1's halves) 2-D operand
     views, out the 3-D output (dW [E, M, N], or the rows as [1, R, N]); the weight gradients' scales
-    (A's, B's) in the second halves' places, each step's row of them a [1, 128] block."""
+    (A's, B's) in the second halves' places, each step's row of them a [1, 128] block, and their loop."""
     if num_tiles == 0:
         return
     a_descs = [_descriptor(t, (BLOCK_M, BLOCK_K)) for t in a]
@@ -682,7 +699,7 @@ def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple,
     if scales:
         a_descs.append(_descriptor(scales[0], (1, BLOCK_M)))
         b_descs.append(_descriptor(scales[1], (1, BLOCK_N)))
-    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing)
+    kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing, flat)
     grid = (min(num_tiles, PROGRAMS or _num_sms(out.device.index)),)
     kernel[grid](
         a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,
@@ -699,7 +716,8 @@ def fp8_wgrad_hopper(
     Call only where `usable((left_t, right_t), d_w.flatten(0, 1), scales=(left_scale_inv, right_scale_inv))`."""
     E, M, N = d_w.shape
     _launch((left_t,), (right_t,), d_w, (expert_offsets, tokens_per_expert), (), M, N,
-            E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), rows=False, scales=(left_scale_inv, right_scale_inv))  # fmt: skip
+            E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), rows=False, scales=(left_scale_inv, right_scale_inv),
+            flat=flat_loop(left_t.shape[1], E))  # fmt: skip
 
 
 def fp8_rows_hopper(
