@@ -251,7 +251,8 @@ PROGRAMS = [pytest.param(None, id="one_per_SM"), pytest.param(3, id="3_programs"
 @pytest.mark.parametrize("M, N, E, T, K, kind, left, right", WGRAD_CASES)
 def test_weight_gradients_bitwise_the_triton_kernel(monkeypatch, flat, programs, out_dtype, M, N, E, T, K, kind, left,
                                                     right):  # fmt: skip
-    # both loops of the MMA warpgroups: all the program's K steps in one (the default), or a tile's at a time
+    # both loops of the MMA warpgroups: all the program's K steps in one (by default up to FLAT_MAX_ROWS rows an
+    # expert), or a tile's at a time
     monkeypatch.setattr(fp8_hopper, "PROGRAMS", programs)
     monkeypatch.setattr(fp8_hopper, "FLAT_WGRAD", flat)
     operands = _wgrad_operands(M, N, E, T, K, kind, left, right)

@@ -222,9 +222,9 @@ def compile_fp8_hopper(kind: str = "wgrad", out_dtype: torch.dtype = torch.bfloa
                        a_dtype: torch.dtype = torch.float8_e4m3fn, b_dtype: torch.dtype = torch.float8_e4m3fn,
                        bias: bool = False, routing: bool = False, flat: bool = False):  # fmt: skip
     """The blockwise-FP8 Gluon kernel (kernels/fp8_hopper.py) for weight gradients ("wgrad", their loop
-    `flat` or tile by tile) or row GEMMs ("rows", with fc2's
-    epilogue's bias and routing weights where asked), compiled for sm_90 as its launcher specialises a
-    call with these dtypes. Needs Triton's Gluon (ImportError without it)."""
+    `flat` or tile by tile) or row GEMMs ("rows", with fc2's epilogue's bias and routing weights where
+    asked), compiled for sm_90 as its launcher specialises a call with these dtypes. Needs Triton's
+    Gluon (ImportError without it)."""
     from mok_plugin.kernels import fp8_hopper as fh
 
     blocks = {f"a{half}_desc": (a_dtype, (fh.BLOCK_M, fh.BLOCK_K)) for half in "01"}

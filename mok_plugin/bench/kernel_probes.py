@@ -103,7 +103,7 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
             "                finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, epilogue, M, N, ROWS, "
             "BIAS, ROUTING)\n",
         ),
-        (  # the flat loop's (fp8_hopper.after_step): a tile's store, then the next tile's work
+        (  # the flat loop's (fp8_hopper.promote_step): a tile's store, then the next tile's work
             "        if g == last:\n"
             "            finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, "
             "False)\n",

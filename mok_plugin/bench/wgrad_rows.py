@@ -34,7 +34,7 @@ from mok_plugin.bench.timing import SETTLE_S, time_ms
 __all__ = ["build_parser", "even_segments", "fp8_wgrad_call", "main"]
 
 KERNELS = ("fp8", "bf16")
-FP8_LOOPS = ("flat", "tile_by_tile")  # fp8_hopper.FLAT_WGRAD on and off
+FP8_LOOPS = ("flat", "tile_by_tile")  # fp8_hopper.FLAT_WGRAD forced on and off
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -50,8 +50,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--out-dtypes", nargs="+", choices=list(OUT_DTYPES), default=["bfloat16"],
                         help="dW's dtype (the FP8 kernel's; the bf16 kernel writes bf16)")  # fmt: skip
     parser.add_argument("--fp8-loops", nargs="+", choices=FP8_LOOPS, help="the FP8 Gluon kernel's loop(s) to "
-                        "time, each a case (default: fp8_hopper.FLAT_WGRAD's); with both, their dW is checked bitwise "
-                        "equal")  # fmt: skip
+                        "time, each a case (default: the kernel's own choice by rows an expert, fp8_hopper.flat_loop); "
+                        "with both, their dW is checked bitwise equal")  # fmt: skip
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
     parser.add_argument("--out", type=Path, default=Path("out"))
