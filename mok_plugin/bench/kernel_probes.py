@@ -115,11 +115,11 @@ SCOPES: dict[str, list[tuple[str, str]]] = {
         (
             "            t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, "
             "M, N,\n"
-            "                                                     num_tiles, WHICH)  # fmt: skip\n",
+            "                                                     num_tiles, BK, WHICH)  # fmt: skip\n",
             '            pl.enter_scope("tile_setup")\n'
             "            t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, "
             "M, N,\n"
-            "                                                     num_tiles, WHICH)\n"
+            "                                                     num_tiles, BK, WHICH)\n"
             '            pl.exit_scope("tile_setup")\n',
         ),
         (

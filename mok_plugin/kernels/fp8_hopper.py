@@ -436,19 +436,23 @@ if gluon is not None:
         return total
 
     @gluon.jit
-    def nonempty_tile(t, acc, out_desc, c_smem, work, M, N, num_tiles, WHICH: gl.constexpr):
+    def tile_steps(t, work, M, N, num_tiles, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """`wgrad_tile`'s (expert, m0, n0, K steps) of tile t, and no steps past the last tile."""
+        expert, m0, n0, steps, _ = wgrad_tile(gl.minimum(t, num_tiles - 1), work, M, N, BM, BN, BK)
+        return expert, m0, n0, gl.where(t < num_tiles, steps, 0)
+
+    @gluon.jit
+    def nonempty_tile(t, acc, out_desc, c_smem, work, M, N, num_tiles, BK: gl.constexpr, WHICH: gl.constexpr):
         """(t, expert, m0, n0, K steps) of the first of this program's tiles from t on that has K steps;
         the tiles of experts without rows passed on the way are stored as zeros (acc: zeros here). Past
         the program's last tile: t >= num_tiles and no steps."""
         HALF: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
-        expert, m0, n0 = tile_of(gl.minimum(t, num_tiles - 1), M, N, 2 * HALF, BN)
-        steps = gl.where(t < num_tiles, gl.cdiv(gl.load(work[1] + expert), 128).to(gl.int32), 0)
+        expert, m0, n0, steps = tile_steps(t, work, M, N, num_tiles, 2 * HALF, BN, BK)
         while (t < num_tiles) & (steps == 0):
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, False)
             t += gl.num_programs(0)
-            expert, m0, n0 = tile_of(gl.minimum(t, num_tiles - 1), M, N, 2 * HALF, BN)
-            steps = gl.where(t < num_tiles, gl.cdiv(gl.load(work[1] + expert), 128).to(gl.int32), 0)
+            expert, m0, n0, steps = tile_steps(t, work, M, N, num_tiles, 2 * HALF, BN, BK)
         return t, expert, m0, n0, steps
 
     @gluon.jit
@@ -457,8 +461,8 @@ if gluon is not None:
         before the stage is freed; then, where g is its tile's last step (tile: t, expert, m0, n0 and that
         step's global index), the tile stored, acc zeros again and the next tile with steps taken up
         (`nonempty_tile`), all while the next step's MMA, already issued, computes. ctx: (stage_scales,
-        empty, out_desc, c_smem, work, M, N, num_tiles)."""
-        stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles = ctx
+        empty, out_desc, c_smem, work, M, N, num_tiles, BK)."""
+        stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles, BK = ctx
         S: gl.constexpr = stage_scales[0].type.shape[0]
         HALF: gl.constexpr = acc.type.shape[0]
         layout: gl.constexpr = acc.type.layout
@@ -469,7 +473,7 @@ if gluon is not None:
             finish_half(out_desc, c_smem, acc, expert, m0 + WHICH * HALF, n0, (), M, N, False, False, False)
             acc = gl.zeros_like(acc)
             t, expert, m0, n0, steps = nonempty_tile(t + gl.num_programs(0), acc, out_desc, c_smem, work, M, N,
-                                                     num_tiles, WHICH)  # fmt: skip
+                                                     num_tiles, BK, WHICH)  # fmt: skip
             last += steps
         return acc, t, expert, m0, n0, last
 
@@ -485,10 +489,11 @@ if gluon is not None:
         a_bufs, b_bufs = bufs[0], bufs[1]
         HALF: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
-        ctx = (stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles)
-        total = program_steps(work, M, N, num_tiles, 2 * HALF, BN, 128)
+        BK: gl.constexpr = a_bufs.type.shape[2]
+        ctx = (stage_scales, empty, out_desc, c_smem, work, M, N, num_tiles, BK)
+        total = program_steps(work, M, N, num_tiles, 2 * HALF, BN, BK)
         t, expert, m0, n0, steps = nonempty_tile(gl.program_id(0), acc, out_desc, c_smem, work, M, N, num_tiles,
-                                                 WHICH)  # fmt: skip
+                                                 BK, WHICH)  # fmt: skip
         last = steps - 1  # the global index of the tile's last step
         even, odd_done = products
         odd = warpgroup_mma_init(odd_done)
