@@ -253,7 +253,37 @@ def test_forward_is_batch_invariant():
     with torch.no_grad():
         full, _ = layer(x)
         part, _ = layer(x[:100].clone())
+        alone, _ = layer(x[:1].clone())  # one token: the row GEMMs' tiles narrowed (spread_over_sms)
     assert torch.equal(full[:100], part)
+    assert torch.equal(full[:1], alone)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_narrow_row_tiles_for_small_grids_change_no_bits(T, monkeypatch):
+    # configs.spread_over_sms narrows the row GEMMs' tiles where their launch would leave SMs idle
+    # (a few tokens); a tile's width must not change any result, or a token's output (and, with
+    # expert parallelism, a rank's) would depend on how many rows share its launch.
+    from mok_plugin.kernels import grouped_mlp
+
+    shape = (T, 2048, 768, 128, 8)
+    x = make_layer_inputs(T, 2048, dtype=torch.bfloat16, device="cuda", seed=3)
+    probe = make_layer_inputs(T, 2048, device="cuda", seed=4)
+    narrowed = []
+    spread = grouped_mlp.spread_over_sms
+
+    def spy(cfg, *args):
+        out = spread(cfg, *args)
+        narrowed.append(out.block_n < cfg.block_n)
+        return out
+
+    monkeypatch.setattr(grouped_mlp, "spread_over_sms", spy)
+    got = _fwd_bwd(_layer(shape, "triton"), x, probe)
+    # T = 1: all four row GEMMs (8 row blocks); T = 3: down_dgrad's only (24 x 3 programs of 128 x 256)
+    assert len(narrowed) == 4 and (all(narrowed) if T == 1 else any(narrowed)), f"narrowed: {narrowed}"
+    monkeypatch.setattr(grouped_mlp, "spread_over_sms", lambda cfg, *args: cfg)
+    wide = _fwd_bwd(_layer(shape, "triton"), x, probe)
+    for i, (a, b) in enumerate(zip(got, wide, strict=True)):
+        assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
 
 
 VARIANTS = ["multi_kernel", "megakernel"]

@@ -1,7 +1,10 @@
-"""The pinned kernel-config table (kernels/configs.py): lookup, the one shape rule (row-tile GEMMs
-narrow BLOCK_N for narrow outputs; weight-gradient, megakernel and epilogue tiles never change),
-the choice between the four weight-gradient entries, the interpreter's small tiles, and the
-in-process swap a benchmark uses (mok_plugin.bench.tuning builds its overrides on it)."""
+"""The pinned kernel-config table (kernels/configs.py): lookup, the shape rules (row-tile GEMMs
+narrow BLOCK_N for narrow outputs and for launches with fewer programs than SMs; weight-gradient,
+megakernel and epilogue tiles never change), the choice between the four weight-gradient entries,
+the interpreter's small tiles, and the in-process swap a benchmark uses (mok_plugin.bench.tuning
+builds its overrides on it)."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,10 +13,12 @@ from mok_plugin.kernels.configs import (
     FEW_ROWS_MAX_OUTPUT,
     PINNED_KERNELS,
     PRE_GATHER_MIN_WIDTH,
+    SPREAD_MIN_BLOCK_N,
     SWEEP_MAX_ROWS,
     MoKTileConfig,
     interpreter_on,
     kernel_config,
+    spread_over_sms,
     swap_pinned,
     wgrad_kernel,
 )
@@ -108,3 +113,18 @@ def test_interpreter_on_reads_the_setting_as_triton_does(monkeypatch, value):
     triton = pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreter_on() == triton.knobs.runtime.interpret
+
+
+def test_spread_over_sms_narrows_only_launches_that_leave_sms_idle(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pinned table, not the interpreter's small tiles
+    down_fwd = kernel_config("down_fwd", 2048)  # 128 x 256
+    # T = 1, top-8: 8 row blocks x 8 column tiles = 64 programs on 132 SMs -> 128 (16 tiles), then 64 wide
+    assert spread_over_sms(down_fwd, 8, 2048, 132).block_n == 64
+    assert spread_over_sms(down_fwd, 8, 2048, 100).block_n == 128  # 8 x 16 = 128 programs: enough
+    spread = spread_over_sms(down_fwd, 2, 2048, 132)
+    assert spread.block_n == SPREAD_MIN_BLOCK_N  # never narrower, however few the programs
+    assert replace(spread, block_n=256) == down_fwd  # only the width changes
+    assert spread_over_sms(down_fwd, 130, 2048, 132) == down_fwd  # a full launch keeps its tile
+    assert spread_over_sms(down_fwd, 0, 2048, 132) == down_fwd  # nothing to launch
+    gate_up = kernel_config("gate_up_fwd", 768)  # 128 x 128: 8 x 6 = 48 programs -> 96 at 64 wide
+    assert spread_over_sms(gate_up, 8, 768, 132).block_n == 64

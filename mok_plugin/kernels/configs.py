@@ -25,11 +25,13 @@ __all__ = [
     "SWEEP_MAX_ROWS",
     "interpreter_on",
     "kernel_config",
+    "spread_over_sms",
     "swap_pinned",
     "wgrad_config",
     "wgrad_kernel",
     "HOPPER_WGRAD_MIN_WIDTH",
     "HOPPER_WGRAD_REPLACES",
+    "SPREAD_MIN_BLOCK_N",
 ]
 
 
@@ -186,6 +188,23 @@ def kernel_config(kernel: str, n_out: int) -> MoKTileConfig:
         narrow = max(64, 1 << max(0, (n_out - 1).bit_length()))
         if narrow < cfg.block_n:
             cfg = replace(cfg, block_n=narrow)
+    return cfg
+
+
+# A row GEMM whose launch has fewer programs than the GPU has SMs takes narrower tiles, down to this
+# width: at T = 1 with top-8 each row GEMM has one row block per routed expert, so 128 x 256 tiles
+# give 8 x cdiv(n, 256) programs (24-64 of the H200's 132 SMs), each streaming its expert's weights
+# alone; narrower ones spread the same bytes over more SMs.
+SPREAD_MIN_BLOCK_N = 64
+
+
+def spread_over_sms(cfg: MoKTileConfig, row_blocks: int, n_out: int, sms: int) -> MoKTileConfig:
+    """cfg with BLOCK_N halved, to SPREAD_MIN_BLOCK_N at least, while a launch over row_blocks row
+    blocks and n_out columns would have fewer programs than sms. A tile's width changes no bits
+    (every output sums its BLOCK_K steps in ascending order at any width), so a token's output is
+    the same whatever the batch picks (tests/test_gpu_layer.py)."""
+    while cfg.block_n > SPREAD_MIN_BLOCK_N and 0 < row_blocks * -(-n_out // cfg.block_n) < sms:
+        cfg = replace(cfg, block_n=cfg.block_n // 2)
     return cfg
 
 

@@ -38,6 +38,7 @@ from mok_plugin.kernels.configs import (
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
     kernel_config,
+    spread_over_sms,
     wgrad_kernel,
 )
 from mok_plugin.kernels.launch import (
@@ -50,6 +51,7 @@ from mok_plugin.kernels.launch import (
     is_size_or_stride,
     launch,
     routing_weights_arg,
+    sm_count,
     stages_for,
     tma_ok,
 )
@@ -315,6 +317,19 @@ def _bias_router_grad_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+def _row_gemm_config(
+    kernel: str, n_out: int, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int,
+    config: MoKTileConfig | None,
+) -> tuple[MoKTileConfig, int]:
+    """(the tile config, R_pad) of a row GEMM: `config` as given, else the pinned one, narrowed on a
+    GPU where its launch would leave SMs idle (`spread_over_sms`: small batches)."""
+    cfg = config or kernel_config(kernel, n_out)
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    if config is None and row_to_token.is_cuda:
+        cfg = spread_over_sms(cfg, num_rows // cfg.block_m, n_out, sm_count(row_to_token.device.index))
+    return cfg, num_rows
+
+
 def _launch_row_tiles(
     kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, **args
 ) -> None:
@@ -349,8 +364,8 @@ def gate_up_fwd(
         raise ValueError(f"x has H={x.shape[1]} but gate_up_proj has H={H}")
     if gate_up_bias is not None:
         check_tensor("gate_up_bias", gate_up_bias, 2, x.dtype)
-    cfg = config or kernel_config("gate_up_fwd" if gated else "mlp_up_fwd", I)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    cfg, num_rows = _row_gemm_config("gate_up_fwd" if gated else "mlp_up_fwd", I, row_to_token, tile_to_expert,
+                                     tile_m, config)  # fmt: skip
     row_to_tk, h_rows = (None, num_rows) if h_pairs is None else h_pairs
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
@@ -383,8 +398,7 @@ def down_fwd(
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, a.dtype)
     E, H, I = down_proj.shape
-    cfg = config or kernel_config("down_fwd", H)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    cfg, num_rows = _row_gemm_config("down_fwd", H, row_to_token, tile_to_expert, tile_m, config)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
@@ -424,9 +438,8 @@ def down_dgrad(
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, d_out.dtype)
     E, H, I = down_proj.shape
-    cfg = config or kernel_config("down_dgrad", I)
+    cfg, num_rows = _row_gemm_config("down_dgrad", I, row_to_token, tile_to_expert, tile_m, config)
     epi = kernel_config("down_dgrad_epilogue", I)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
     h_by_pair = h.shape[0] != num_rows
     if h_by_pair and h.shape[0] != num_pairs:
         raise ValueError(f"h has {h.shape[0]} rows: neither the schedule's {num_rows} nor one per pair ({num_pairs})")
@@ -474,8 +487,7 @@ def gate_up_dgrad(
     check_tensor("d_h", d_h, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, N1, H = gate_up_proj.shape
-    cfg = config or kernel_config("gate_up_dgrad", H)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    cfg, num_rows = _row_gemm_config("gate_up_dgrad", H, row_to_token, tile_to_expert, tile_m, config)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     by_pair = d_h_row_to_pair is not None
     tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)

@@ -29,6 +29,7 @@ __all__ = [
     "launch",
     "next_power_of_2",
     "routing_weights_arg",
+    "sm_count",
     "stages_for",
     "through_triton",
     "tma_ok",
@@ -127,6 +128,12 @@ def _has_copy_engine(device_index: int) -> bool:
     """Whether CUDA device `device_index` has TMA (Hopper or newer); cached, as the launchers ask
     at every launch (a device-properties call, a few us of host time)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
+def sm_count(device_index: int | None) -> int:
+    """CUDA device `device_index`'s SM count; cached, as launchers ask at every launch."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:

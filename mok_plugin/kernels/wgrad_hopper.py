@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_plugin.kernels.launch import cdiv
+from mok_plugin.kernels.launch import cdiv, sm_count
 
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
@@ -281,11 +281,6 @@ def _layout(block: tuple[int, ...], element):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
-@functools.cache
-def _num_sms(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def expert_wgrad_hopper(
     left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor, schedule: str = "cooperative",
@@ -309,7 +304,7 @@ def expert_wgrad_hopper(
     )  # fmt: skip
     common = dict(C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), STAGES=plan.stages,
                   LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, maxnreg=MAX_REGS)  # fmt: skip
-    grid = (min(num_tiles, _num_sms(d_w.device.index)),)
+    grid = (min(num_tiles, sm_count(d_w.device.index)),)
     if plan.pingpong:
         _wgrad_pingpong_kernel[grid](*args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=plan.num_warps, **common)
     else:
