@@ -66,6 +66,7 @@ from mok_plugin.kernels.launch import (
     check_schedule,
     dot_precision,
     routing_weights_arg,
+    sm_count,
     stages_for,
 )
 from mok_plugin.kernels.tiles import (
@@ -288,7 +289,7 @@ def _backward_megakernel(
 def _num_programs(device: torch.device) -> int:
     if interpreter_on() or device.type != "cuda":
         return 1  # the interpreter runs programs one after the other: one program runs the whole list
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device.index)
 
 
 def _same_block(*configs) -> tuple[int, int]:
