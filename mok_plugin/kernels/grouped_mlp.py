@@ -453,9 +453,8 @@ def gate_up_fwd(
 
 def _half_rows(rows: torch.Tensor, cfg: MoKTileConfig, tma: bool):
     """A row operand as a half-filled block reads it (`configs.half_tail`): through TMA, a
-    descriptor of BLOCK_M / 2 rows; else the tensor itself. Passed with HALF_TAIL off too: the
-    kernel's half branch is compiled either way (a branch on a value, not a constexpr)."""
-    return descriptor(rows, [cfg.block_m // 2, cfg.block_k]) if tma else rows
+    descriptor of BLOCK_M / 2 rows; else the tensor itself."""
+    return descriptor(rows, [cfg.block_m // 2, cfg.block_k]) if tma and half_tail(cfg) else rows
 
 
 def _stride0(t: torch.Tensor | None) -> int:
