@@ -286,25 +286,6 @@ def test_narrow_row_tiles_for_small_grids_change_no_bits(T, monkeypatch):
         assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
 
 
-@pytest.mark.parametrize("T", [1000, 4096])
-def test_half_filled_row_blocks_change_no_bits(T, monkeypatch):
-    # configs.half_tail: an expert's last row block with at most 64 of its 128 rows in use computes
-    # those 64 only. Each row must come out the same at either height, or a token's output (and,
-    # with expert parallelism, a rank's) would depend on how many rows its expert got. ~125 and ~512
-    # rows an expert (top-4 of 32): some experts end on a half-filled block, others on a fuller one;
-    # T = 1000 keeps h per pair (ops.compact_h), T = 4096 per row.
-    from mok_plugin.kernels import configs
-
-    shape = (T, 1024, 512, 32, 4)
-    x = make_layer_inputs(T, 1024, dtype=torch.bfloat16, device="cuda", seed=5)
-    probe = make_layer_inputs(T, 1024, device="cuda", seed=6)
-    halves = _fwd_bwd(_layer(shape, "triton"), x, probe)
-    monkeypatch.setattr(configs, "HALF_TAIL", False)
-    whole = _fwd_bwd(_layer(shape, "triton"), x, probe)
-    for i, (a, b) in enumerate(zip(halves, whole, strict=True)):
-        assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
-
-
 VARIANTS = ["multi_kernel", "megakernel"]
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from triton_cases import CASES, DEVICE, DTYPES, GRADIENT_NAMES, compare_with_reference, crafted_routing  # noqa: E402
 
-from mok_plugin.kernels import configs, grouped_mlp  # noqa: E402
+from mok_plugin.kernels import grouped_mlp  # noqa: E402
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, values_per_row  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES, assert_close  # noqa: E402
@@ -61,29 +61,6 @@ def test_tile_variants_match_reference(T, H, I, E, K, kind, dtype, monkeypatch):
     for label, got in results.items():
         for name, a, b in zip(GRADIENT_NAMES, results["pointer loads"], got, strict=True):
             assert_close(b, a, dtype, f"{name} ({label} vs pointer loads)")
-
-
-@pytest.mark.parametrize(
-    "T, H, I, E, K, kind",
-    [
-        pytest.param(130, 32, 16, 3, 1, "uniform", id="segment_spans_two_tiles"),
-        pytest.param(90, 48, 40, 5, 2, "skewed", id="skewed"),
-    ],
-)
-def test_half_filled_row_blocks_give_the_whole_blocks_bits(T, H, I, E, K, kind, monkeypatch):
-    # configs.half_tail: a row block with at most half its rows in use computes that half only;
-    # each row sums the same K steps in the same order, so every result keeps its bits.
-    g = torch.Generator().manual_seed(5)  # compare_with_reference's routing for seed 5
-    schedule = build_schedule(crafted_routing(T, E, K, kind, g), E, tile_m=DEFAULT_TILE_M)
-    block_m = kernel_config("down_fwd", H).block_m
-    blocks = schedule.row_to_token.view(-1, block_m)
-    assert ((blocks[:, 0] >= 0) & (blocks[:, block_m // 2] < 0)).any(), "no half-filled block with rows in use"
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(configs, "HALF_TAIL", on)
-        results[on] = compare_with_reference(T, H, I, E, K, kind, torch.float32, seed=5, variant="multi_kernel")
-    for name, a, b in zip(GRADIENT_NAMES, results[True], results[False], strict=True):
-        assert torch.equal(a, b), f"{name}: half-filled blocks computed alone differ from whole blocks"
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])

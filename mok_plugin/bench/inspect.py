@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 from mok_plugin.bench.tuning import parse_tile_config, tile_config_label
 from mok_plugin.kernels import grouped_mlp as gm
-from mok_plugin.kernels.configs import MoKTileConfig, half_tail, interpreter_on, kernel_config
+from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on, kernel_config
 from mok_plugin.kernels.launch import is_size_or_stride
 
 __all__ = [
@@ -60,7 +60,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     """The jit function behind a kernel name and the constexpr arguments its launcher passes."""
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
               "TMA": cfg.tma, "ALIGN": 16}  # fmt: skip
-    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n, HALF_TAIL=half_tail(cfg))
+    row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n)
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
@@ -89,9 +89,9 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     blocks = {
         "gate_up_fwd": {"w13": [n, k]},
-        "down_fwd": {"a": [m, k], "a_half": [m // 2, k], "w2": [n, k]},
+        "down_fwd": {"a": [m, k], "w2": [n, k]},
         "down_dgrad": {"w2": [k, n]},
-        "gate_up_dgrad": {"d_h": [m, k], "d_h_half": [m // 2, k], "w13": [k, n]},
+        "gate_up_dgrad": {"d_h": [m, k], "w13": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),
         "wgrad_gate_up": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),

@@ -32,9 +32,6 @@ __all__ = [
     "HOPPER_WGRAD_MIN_WIDTH",
     "HOPPER_WGRAD_REPLACES",
     "SPREAD_MIN_BLOCK_N",
-    "HALF_TAIL",
-    "HALF_TAIL_MIN_BLOCK_M",
-    "half_tail",
 ]
 
 
@@ -209,20 +206,6 @@ def spread_over_sms(cfg: MoKTileConfig, row_blocks: int, n_out: int, sms: int) -
     while cfg.block_n > SPREAD_MIN_BLOCK_N and 0 < row_blocks * -(-n_out // cfg.block_n) < sms:
         cfg = replace(cfg, block_n=cfg.block_n // 2)
     return cfg
-
-
-# A row GEMM's block with at most half its rows in use (an expert's last, its other rows padding to
-# the schedule's 128) computes its first half only: BLOCK_M / 2 rows, the same weight tile. With ~256
-# rows an expert (deepseek-v3) about half the experts end on such a block, a fifth of the row
-# blocks. Each row sums its BLOCK_K steps in the same order at either height, so the same bits
-# (tests/test_gpu_layer.py). Hopper's wgmma takes 64 rows a warpgroup, hence BLOCK_M >= 128 on a GPU.
-HALF_TAIL = True
-HALF_TAIL_MIN_BLOCK_M = 128
-
-
-def half_tail(cfg: MoKTileConfig) -> bool:
-    """Whether a row GEMM launched with cfg computes a half-filled block's first half only."""
-    return HALF_TAIL and (cfg.block_m >= HALF_TAIL_MIN_BLOCK_M or interpreter_on())
 
 
 def swap_pinned(entries: dict[str, MoKTileConfig]) -> dict[str, MoKTileConfig]:

@@ -37,7 +37,6 @@ from mok_plugin.kernels.configs import (
     HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
-    half_tail,
     kernel_config,
     spread_over_sms,
     wgrad_kernel,
@@ -67,7 +66,6 @@ from mok_plugin.kernels.tiles import (
     gate_up_dgrad_tile,
     gate_up_tile,
     grouped_pid,
-    half_filled,
     tile_rows,
     wgrad_sweep,
     wgrad_tile,
@@ -98,10 +96,9 @@ def _gate_up_fwd_kernel(
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, HALF_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p (with
-    HALF_TAIL, a block with at most half its rows in use computes that half: `configs.half_tail`)."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -112,41 +109,24 @@ def _gate_up_fwd_kernel(
     stride_h_r = aligned(stride_h_r, ALIGN)
     stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
-    half = False
-    if HALF_TAIL:
-        half = half_filled(pid_m, row_to_token_ptr, BLOCK_M)
-    # A half block is the same tile function on row block 2 * pid_m of half the height.
-    if half:
-        gate_up_tile(
-            2 * pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr,
-            row_to_token_ptr=row_to_token_ptr, row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H,
-            I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e,
-            stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M // 2, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
-            H_BY_PAIR=H_BY_PAIR,
-        )
-    else:
-        gate_up_tile(
-            pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr,
-            row_to_token_ptr=row_to_token_ptr, row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H,
-            I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e,
-            stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
-            H_BY_PAIR=H_BY_PAIR,
-        )
+    gate_up_tile(
+        pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
+        row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t,
+        stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r,
+        stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
+    )
 
 
 @triton.jit
 def _down_fwd_kernel(
-    a, a_half, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
+    a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
     stride_a_r, stride_w_e,
     stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    HALF_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p (with
-    HALF_TAIL, a block with at most half its rows in use computes that half, reading `a_half`: a,
-    or with TMA a descriptor of half the rows)."""
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -156,25 +136,13 @@ def _down_fwd_kernel(
     stride_b2_e = aligned(stride_b2_e, ALIGN)
     stride_y_r = aligned(stride_y_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
-    half = False
-    if HALF_TAIL:
-        half = half_filled(pid_m, row_to_token_ptr, BLOCK_M)
-    if half:
-        down_tile(
-            2 * pid_m, pid_n, a=a_half, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
-            tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
-            stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M,
-            BLOCK_M=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-        )
-    else:
-        down_tile(
-            pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr,
-            y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I,
-            stride_a_r=stride_a_r, stride_w_e=stride_w_e, stride_w_h=stride_w_h, stride_b2_e=stride_b2_e,
-            stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-        )
+    down_tile(
+        pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr,
+        y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
+        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
+        stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+    )
 
 
 @triton.jit
@@ -182,11 +150,10 @@ def _down_dgrad_gemm_kernel(
     d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
     stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    HALF_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
-    (rows in use only) for _down_dgrad_epilogue_kernel (with HALF_TAIL, a block with at most half
-    its rows in use computes that half)."""
+    (rows in use only) for _down_dgrad_epilogue_kernel."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -195,28 +162,6 @@ def _down_dgrad_gemm_kernel(
     stride_w_h = aligned(stride_w_h, ALIGN)
     stride_d_a_r = aligned(stride_d_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
-    half = False
-    if HALF_TAIL:
-        half = half_filled(pid_m, row_to_token_ptr, BLOCK_M)
-    if half:
-        _down_dgrad_gemm_tile(
-            2 * pid_m, pid_n, d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t,
-            stride_w_e, stride_w_h, stride_d_a_r, TILE_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
-        )
-    else:
-        _down_dgrad_gemm_tile(
-            pid_m, pid_n, d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t,
-            stride_w_e, stride_w_h, stride_d_a_r, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA,
-        )
-
-
-@triton.jit
-def _down_dgrad_gemm_tile(
-    pid_m, pid_n, d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, H, I, stride_d_out_t, stride_w_e,
-    stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-):
-    """dA' of tile (pid_m, pid_n), stored fp32 for its rows in use."""
     expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
         pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t, stride_w_e=stride_w_e,
@@ -263,14 +208,12 @@ def _down_dgrad_epilogue_kernel(
 
 @triton.jit
 def _gate_up_dgrad_kernel(
-    d_h, d_h_half, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1,
-    stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    H_BY_PAIR: tl.constexpr, HALF_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r,
+    stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p (with
-    HALF_TAIL, a block with at most half its rows in use computes that half, reading `d_h_half`:
-    d_h, or with TMA a descriptor of half the rows)."""
+    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     N1 = aligned(N1, ALIGN)
@@ -279,25 +222,12 @@ def _gate_up_dgrad_kernel(
     stride_w_j = aligned(stride_w_j, ALIGN)
     stride_d_x_r = aligned(stride_d_x_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
-    half = False
-    if HALF_TAIL:
-        half = half_filled(pid_m, row_to_token_ptr, BLOCK_M)
-    if half:
-        gate_up_dgrad_tile(
-            2 * pid_m, pid_n, d_h=d_h_half, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1,
-            stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e, stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r,
-            TILE_M=TILE_M, BLOCK_M=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
-            TMA=TMA, H_BY_PAIR=H_BY_PAIR,
-        )
-    else:
-        gate_up_dgrad_tile(
-            pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1,
-            stride_d_h_r=stride_d_h_r, stride_w_e=stride_w_e, stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r,
-            TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-            H_BY_PAIR=H_BY_PAIR,
-        )
+    gate_up_dgrad_tile(
+        pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
+        row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1, stride_d_h_r=stride_d_h_r,
+        stride_w_e=stride_w_e, stride_w_j=stride_w_j, stride_d_x_r=stride_d_x_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA, H_BY_PAIR=H_BY_PAIR,
+    )
 
 
 @triton.jit
@@ -409,8 +339,8 @@ def _launch_row_tiles(
     sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernels restate
     launch(kernel, grid,
         NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), HALF_TAIL=half_tail(cfg), ALIGN=alignment(*sizes),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
+        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **args,
     )
 
 
@@ -451,12 +381,6 @@ def gate_up_fwd(
     return h, a
 
 
-def _half_rows(rows: torch.Tensor, cfg: MoKTileConfig, tma: bool):
-    """A row operand as a half-filled block reads it (`configs.half_tail`): through TMA, a
-    descriptor of BLOCK_M / 2 rows; else the tensor itself."""
-    return descriptor(rows, [cfg.block_m // 2, cfg.block_k]) if tma and half_tail(cfg) else rows
-
-
 def _stride0(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.stride(0)
 
@@ -479,7 +403,7 @@ def down_fwd(
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
-        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a, a_half=_half_rows(a, cfg, tma),
+        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
         w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
         topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, y_ptr=y, row_to_token_ptr=row_to_token,
         tile_to_expert_ptr=tile_to_expert, H=H, I=I,
@@ -570,7 +494,6 @@ def gate_up_dgrad(
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h,
-        d_h_half=_half_rows(d_h, cfg, tma and not by_pair),
         w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, d_x_rows_ptr=d_x_rows,
         row_to_token_ptr=row_to_token, row_to_tk_ptr=d_h_row_to_pair, tile_to_expert_ptr=tile_to_expert, H=H, N1=N1,
         stride_d_h_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1),

@@ -159,15 +159,6 @@ def tile_rows(pid_m, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr,
 
 
 @triton.jit
-def half_filled(pid_m, row_to_token_ptr, BLOCK_M: tl.constexpr):
-    """True when row block pid_m has at most BLOCK_M / 2 rows in use: a segment's rows in use come
-    first and its padding after (schedule.py), so the first row of the second half is padding
-    (row_to_token -1). Such a block is a segment's last; the row GEMMs then compute its first half
-    only (`configs.half_tail`)."""
-    return tl.load(row_to_token_ptr + pid_m.to(tl.int64) * BLOCK_M + BLOCK_M // 2) < 0
-
-
-@triton.jit
 def aligned(value, ALIGN: tl.constexpr):
     """value, restated as a multiple of ALIGN when ALIGN < 16 (the launcher's `launch.alignment`,
     which divides it): Triton specialises an integer argument on divisibility by 16 only, so a size
