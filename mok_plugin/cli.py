@@ -2,7 +2,8 @@
 
     mok compare --config configs/topologies/tiny_cpu.yaml      stock vs MoK (mok_plugin.compare.cli)
     mok plan ...                                               the run planner (mok_plugin.run.plan)
-    mok bench layer|generic|tune|inspect|ep|multi-gpu|ep-overlap|fp8|host|wgrad-rows ...  benchmarks (mok_plugin.bench)
+    mok bench layer|ab|generic|tune|inspect|ep|multi-gpu|ep-overlap|fp8|host|wgrad-rows ...
+                                                               benchmarks (mok_plugin.bench)
     mok patch apply|check|revert megatron|deepspeed ...        source patches (mok_plugin.patching)
 
 Each subcommand hands the rest of the command line to its module's `main(argv)`, imported only when
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "layer": ("mok_plugin.bench.layer", "time the MoE layer against its peers on one GPU"),
+    "ab": ("mok_plugin.bench.ab", "A/B one change (module settings, tile configs) in one process, bits compared"),
     "generic": ("mok_plugin.bench.generic", "time DeepSpeed's MoE layer, stock against MoK (generic path and fused)"),
     "tune": ("mok_plugin.bench.tune", "time each kernel under candidate tile configs on one GPU"),
     "inspect": ("mok_plugin.bench.inspect", "compile the kernels for sm_90 and report their pipelining (no GPU)"),

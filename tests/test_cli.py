@@ -31,7 +31,7 @@ def test_mok_help_lists_every_command(capsys):
     for command in ("compare", "plan", "bench", "patch"):
         assert command in out
     out = _help(capsys, ["bench", "--help"])
-    for benchmark in ("layer", "tune", "inspect", "ep", "multi-gpu", "fp8", "host", "wgrad-rows"):
+    for benchmark in ("layer", "ab", "tune", "inspect", "ep", "multi-gpu", "fp8", "host", "wgrad-rows"):
         assert benchmark in out
 
 
@@ -39,6 +39,7 @@ def test_mok_help_lists_every_command(capsys):
     "argv, usage, option",
     [
         pytest.param(["bench", "layer"], "usage: mok bench layer", "--override", id="bench_layer"),
+        pytest.param(["bench", "ab"], "usage: mok bench ab", "--set", id="bench_ab"),
         pytest.param(["bench", "tune"], "usage: mok bench tune", "--candidates", id="bench_tune"),
         pytest.param(["bench", "inspect"], "usage: mok bench inspect", "--dump", id="bench_inspect"),
         pytest.param(["bench", "ep"], "usage: mok bench ep", "--tokens-per-rank", id="bench_ep"),

@@ -11,7 +11,8 @@ Each module has one job:
   tuning      the short tile-config notation and the in-process override of the pinned table
   report      run metadata for the JSON (GPU, versions, commit, time)
   generic     DeepSpeed's own MoE against MoK's, for recognised and generic expert modules
-  layer, tune, inspect, ep, multi_gpu, generic   the commands: each has main(argv=None)
+  ab          one change (module settings, pinned tile configs) against the code as is, alternated in one process
+  layer, ab, tune, inspect, ep, multi_gpu, generic   the commands: each has main(argv=None)
 
 Nothing here is imported by `import mok_plugin`; the commands run as `mok bench ...` or through the
 thin files in scripts/.

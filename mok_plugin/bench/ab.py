@@ -1,0 +1,215 @@
+"""A/B one change to the layer in one process: MoK's forward + backward as the code is (A) and with
+module attributes set or pinned tile configs replaced (B), alternated round by round on the same
+inputs so that both see the same clock drift; each kernel's GPU time from profiles alternated the
+same way (the lower of each side's two); and whether B gives A's bits.
+
+    mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.fp8_hopper.FLAT_WGRAD=False
+    mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
+    mok bench ab --shape qwen3-30b-a3b --set mok_plugin.kernels.configs.SPREAD_MIN_BLOCK_N=128 --rounds 5
+
+A setting takes effect where its attribute is read: set it on the module that reads it, not on one
+that imported the name. Values are Python literals. The results go to host memory for the bitwise
+check, so a shape that fits the GPU once fits here. One shape a process, as every timing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import json
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mok_plugin.bench.breakdown import kernel_breakdown
+from mok_plugin.bench.families import EXPERT_FAMILIES
+from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
+from mok_plugin.bench.report import run_metadata
+from mok_plugin.bench.timing import SETTLE_S, time_ms
+from mok_plugin.bench.tuning import overridden_configs, parse_tile_config, tile_config_label
+from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
+from mok_plugin.testing import parse_shape
+
+__all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_ab"]
+
+# Later rounds settle for less: the work ran back to back just before.
+LATER_SETTLE_S = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """B's value of one module attribute."""
+
+    module: str
+    attr: str
+    value: object
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.attr}={self.value!r}"
+
+
+def parse_setting(text: str) -> Setting:
+    """'package.module.ATTR=VALUE' (VALUE a Python literal) as a Setting, checked against the module.
+
+    Raises:
+        ValueError: not in that form, the module does not import, it has no such attribute, or
+            VALUE is not a literal.
+    """
+    target, sep, literal = text.partition("=")
+    module, dot, attr = target.strip().rpartition(".")
+    if not sep or not dot or not module or not attr:
+        raise ValueError(f"{text!r}: expected package.module.ATTR=VALUE")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as error:
+        raise ValueError(f"{text!r}: module {module} does not import ({error})") from None
+    if not hasattr(loaded, attr):
+        raise ValueError(f"{text!r}: {module} has no attribute {attr}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"{text!r}: {literal.strip()!r} is not a Python literal (quote strings)") from None
+    return Setting(module, attr, value)
+
+
+@contextlib.contextmanager
+def changed(settings: Sequence[Setting], overrides: dict[str, MoKTileConfig]) -> Iterator[None]:
+    """Within the block, B: each setting's attribute holds its value and the pinned table has the
+    overrides; A's values come back on leaving it, errors included."""
+    modules = [importlib.import_module(s.module) for s in settings]
+    previous = [getattr(m, s.attr) for m, s in zip(modules, settings, strict=True)]
+    try:
+        for m, s in zip(modules, settings, strict=True):
+            setattr(m, s.attr, s.value)
+        with overridden_configs(overrides):
+            yield
+    finally:
+        for m, s, value in zip(modules, settings, previous, strict=True):
+            setattr(m, s.attr, value)
+
+
+def run_ab(
+    work: Callable[[], list[torch.Tensor]],
+    b_side: Callable[[], contextlib.AbstractContextManager],
+    rounds: int,
+    iters: int,
+    settle_s: float,
+    profile: bool = True,
+    timer: Callable[..., list[float]] = time_ms,
+    profiler: Callable[..., tuple[list[dict], dict]] = kernel_breakdown,
+) -> dict:
+    """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
+    (the median of `iters` calls a round, the first round settled `settle_s`); with `profile`, two
+    profiles a side, A B B A, each kernel's lower time kept; and B's results against A's, bitwise.
+
+    Returns:
+        {"a_ms": [per round], "b_ms": [...], "a_kernels": {kernel: ms}, "b_kernels": {...},
+         "bitwise": [per result tensor: B equal to A]}
+    """
+
+    def side(is_b: bool) -> contextlib.AbstractContextManager:
+        return b_side() if is_b else contextlib.nullcontext()
+
+    first = {}
+    for is_b in (False, True):
+        with side(is_b):  # compiles both sides' kernels before any timing
+            first[is_b] = [t.detach().cpu() for t in work()]
+    times = {False: [], True: []}
+    for r in range(rounds):
+        for is_b in (False, True) if r % 2 == 0 else (True, False):
+            with side(is_b):
+                samples = timer(work, iters, settle_s=settle_s if r == 0 else min(settle_s, LATER_SETTLE_S))
+            times[is_b].append(statistics.median(samples))
+    kernels = {False: {}, True: {}}
+    if profile:
+        for is_b in (False, True, True, False):
+            with side(is_b):
+                rows, _ = profiler(work, iters=3, settle_s=min(settle_s, 0.5))
+            for row in rows:
+                name = row["kernel"]
+                kernels[is_b][name] = min(row["ms"], kernels[is_b].get(name, float("inf")))
+    bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
+    return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],
+            "bitwise": bitwise}  # fmt: skip
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of `mok bench ab`."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--shape", required=True, help="a named shape (qwen3-30b-a3b, deepseek-v3, ...) or T,H,I,E,K")
+    parser.add_argument("--expert", choices=list(EXPERT_FAMILIES), default="swiglu", metavar="FAMILY",
+                        help="the experts' family (default swiglu)")  # fmt: skip
+    parser.add_argument("--routing", choices=["uniform", "skewed"], default="uniform")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                        help="B sets this module attribute (a Python literal); repeatable")  # fmt: skip
+    parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
+                        help="B replaces this pinned-table entry (mok bench tune's notation); repeatable")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, alternated (default 3)")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls a round (default 10)")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S)
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the A/B; 0 on success, 2 without a CUDA GPU (the arguments are checked first)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        shape = parse_shape(args.shape)
+        settings = [parse_setting(text) for text in args.settings]
+        overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
+    except ValueError as error:
+        parser.error(str(error))
+    unknown = sorted(set(overrides) - set(PINNED_KERNELS))
+    if unknown:
+        parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    if not settings and not overrides:
+        parser.error("nothing to compare: give B at least one --set or --override")
+    if args.rounds < 1 or args.iters < 2:
+        parser.error("--rounds at least 1 and --iters at least 2")
+    if not torch.cuda.is_available():
+        print("mok bench ab needs a CUDA GPU", file=sys.stderr)
+        return 2
+    family = EXPERT_FAMILIES[args.expert]
+    b_label = ", ".join([str(s) for s in settings] + [f"{k}={tile_config_label(c)}" for k, c in overrides.items()])
+    inputs = make_inputs(shape, args.routing, args.seed, family=family)
+    run = provider_mok("multi_kernel")(inputs, shape, family)
+    result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
+                    args.settle_s, profile=not args.no_profile)  # fmt: skip
+    print(format_report(args.shape, args.routing, b_label, result, result_names(family)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = dict(run_metadata(), shape=args.shape, routing=args.routing, expert=args.expert, b=b_label, **result,
+                  results=result_names(family))  # fmt: skip
+    (args.out / "bench_ab.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def format_report(shape: str, routing: str, b_label: str, result: dict, names: list[str]) -> str:
+    """The A/B as the command prints it: both sides' medians and rounds, each kernel's GPU time
+    (largest in A first) with the sum, and which results B changes."""
+    a, b = statistics.median(result["a_ms"]), statistics.median(result["b_ms"])
+    rounds = {side: [round(t, 3) for t in result[f"{side}_ms"]] for side in ("a", "b")}
+    lines = [f"{shape} ({routing}), fwd+bwd: A (as is) {a:.3f} ms, B ({b_label}) {b:.3f} ms: B/A {b / a:.3f}",
+             f"  rounds A {rounds['a']}  B {rounds['b']}"]  # fmt: skip
+    ka, kb = result["a_kernels"], result["b_kernels"]
+    if ka or kb:
+        lines.append(f"  {'kernel (GPU ms a call, the lower of two profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
+        for name in sorted(set(ka) | set(kb), key=lambda n: -ka.get(n, 0.0)):
+            x, y = ka.get(name, 0.0), kb.get(name, 0.0)
+            lines.append(f"  {name:<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
+        sa, sb = sum(ka.values()), sum(kb.values())
+        lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
+    differ = [n for n, same in zip(names, result["bitwise"], strict=True) if not same]
+    lines.append(
+        f"  bitwise: B differs on {', '.join(differ)}" if differ else "  bitwise: B gives A's bits on every result"
+    )
+    return "\n".join(lines)
