@@ -6,6 +6,7 @@ same way (the lower of each side's two); and whether B gives A's bits.
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.fp8_hopper.FLAT_WGRAD=False
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
     mok bench ab --shape qwen3-30b-a3b --set mok_plugin.kernels.configs.SPREAD_MIN_BLOCK_N=128 --rounds 5
+    mok bench ab --shape 37,2048,768,128,8 --graphs --set ...     # small batches: the GPU's time, no host
 
 A setting takes effect where its attribute is read: set it on the module that reads it, not on one
 that imported the name. Values are Python literals. The results go to host memory for the bitwise
@@ -29,6 +30,7 @@ import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown
 from mok_plugin.bench.families import EXPERT_FAMILIES
+from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, time_ms
@@ -153,6 +155,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, alternated (default 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls a round (default 10)")
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
+    parser.add_argument("--graphs", action="store_true",
+                        help="time forward + backward replayed from a CUDA graph, captured on each side each "
+                             "round: the GPU's time without the host's (small batches are host-bound in eager mode)")  # fmt: skip
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -183,22 +188,31 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     b_label = ", ".join([str(s) for s in settings] + [f"{k}={tile_config_label(c)}" for k, c in overrides.items()])
     inputs = make_inputs(shape, args.routing, args.seed, family=family)
     run = provider_mok("multi_kernel")(inputs, shape, family)
+    timer = time_ms
+    if args.graphs:  # captured inside each side: which kernels run is decided on the host at capture
+
+        def timer(work, iters, settle_s):
+            return time_graph_replay(run, inputs, iters, settle_s)
+
     result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
-                    args.settle_s, profile=not args.no_profile)  # fmt: skip
-    print(format_report(args.shape, args.routing, b_label, result, result_names(family)))
+                    args.settle_s, profile=not args.no_profile, timer=timer)  # fmt: skip
+    timed = "fwd+bwd replayed from a CUDA graph" if args.graphs else "fwd+bwd"
+    print(format_report(args.shape, args.routing, b_label, result, result_names(family), timed))
     args.out.mkdir(parents=True, exist_ok=True)
-    record = dict(run_metadata(), shape=args.shape, routing=args.routing, expert=args.expert, b=b_label, **result,
-                  results=result_names(family))  # fmt: skip
+    record = dict(run_metadata(), shape=args.shape, routing=args.routing, expert=args.expert, b=b_label,
+                  graphs=args.graphs, **result, results=result_names(family))  # fmt: skip
     (args.out / "bench_ab.json").write_text(json.dumps(record, indent=1))
     return 0
 
 
-def format_report(shape: str, routing: str, b_label: str, result: dict, names: list[str]) -> str:
+def format_report(
+    shape: str, routing: str, b_label: str, result: dict, names: list[str], timed: str = "fwd+bwd"
+) -> str:
     """The A/B as the command prints it: both sides' medians and rounds, each kernel's GPU time
     (largest in A first) with the sum, and which results B changes."""
     a, b = statistics.median(result["a_ms"]), statistics.median(result["b_ms"])
     rounds = {side: [round(t, 3) for t in result[f"{side}_ms"]] for side in ("a", "b")}
-    lines = [f"{shape} ({routing}), fwd+bwd: A (as is) {a:.3f} ms, B ({b_label}) {b:.3f} ms: B/A {b / a:.3f}",
+    lines = [f"{shape} ({routing}), {timed}: A (as is) {a:.3f} ms, B ({b_label}) {b:.3f} ms: B/A {b / a:.3f}",
              f"  rounds A {rounds['a']}  B {rounds['b']}"]  # fmt: skip
     ka, kb = result["a_kernels"], result["b_kernels"]
     if ka or kb:
