@@ -155,9 +155,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, alternated (default 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls a round (default 10)")
     parser.add_argument("--settle-s", type=float, default=SETTLE_S)
-    parser.add_argument("--graphs", action="store_true",
-                        help="time forward + backward replayed from a CUDA graph, captured on each side each "
-                             "round: the GPU's time without the host's (small batches are host-bound in eager mode)")  # fmt: skip
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time forward + backward replayed from a CUDA graph, captured on each side each round: the GPU's "
+        "time without the host's (small batches are host-bound in eager mode)",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
