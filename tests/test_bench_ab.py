@@ -93,7 +93,12 @@ def test_rounds_alternate_kernels_keep_their_lower_profile_and_bits_compare_b_wi
         pytest.param(["--shape", "tiny", "--set", "mok_plugin.kernels.configs.NOPE=1"], "has no attribute", id="attr"),
         pytest.param(
             ["--shape", "7,8", "--set", "mok_plugin.kernels.configs.FEW_ROWS_MAX=1"], "expected one of", id="shape"
-        ),  # fmt: skip
+        ),
+        pytest.param(
+            ["--shape", "tiny", "--expert", "linear", "--set", "mok_plugin.kernels.configs.FEW_ROWS_MAX=1"],
+            "needs I = H",
+            id="linear_not_square",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_any_gpu_work(argv, message, capsys):

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     unknown = sorted(set(overrides) - set(PINNED_KERNELS))
     if unknown:
         parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    if EXPERT_FAMILIES[args.expert].kind == "linear" and shape.I != shape.H:
+        parser.error(f"--expert {args.expert}: one H x H linear per expert needs I = H; not in {args.shape}")
     if not settings and not overrides:
         parser.error("nothing to compare: give B at least one --set or --override")
     if args.rounds < 1 or args.iters < 2:
