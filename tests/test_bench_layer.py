@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mok_plugin.bench import layer, providers
+from mok_plugin.bench.floor import floor_bytes, routed_experts
 from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.layer import add_rounds, bench_provider
 from mok_plugin.bench.memory import peak_live_set
@@ -278,3 +279,31 @@ def test_graph_replay_rows_print_with_their_ratio_or_why_not(capsys):
     assert len(graph_lines) == 3
     assert graph_lines[0].split()[3:6] == ["mok-multi", "fwd+bwd", "graph"] and "2.00x" in graph_lines[0]
     assert "not captured (operation not permitted when stream is capturing)" in graph_lines[2]
+
+
+def test_the_floor_counts_weights_read_twice_where_routed_every_gradient_and_the_activations_once():
+    # qwen3-30b-a3b's dimensions at T = 1: 8 experts routed to of 128 (BENCHMARKS.md, "The floors":
+    # 1.21 GB of weight gradients, ~0.15 GB of weights read)
+    shape = MoEShape(1, 2048, 768, 128, 8)
+    per_expert = 3 * 2048 * 768  # SwiGLU: W13 (2I x H) and W2 (H x I)
+    want = 2 * (2 * 8 * per_expert + 128 * per_expert + 4 * 2048)
+    assert floor_bytes(shape, 8) == want
+    assert round(128 * per_expert * 2 / 1e9, 2) == 1.21
+    biased = MoKExpertFamily("glu", fc1_bias=True, fc2_bias=True)
+    assert floor_bytes(shape, 8, biased) - floor_bytes(shape, 8) == 2 * (2 * 8 + 128) * (2 * 768 + 2048)
+    linear = MoKExpertFamily("linear")
+    assert floor_bytes(MoEShape(4, 64, 64, 4, 2), 2, linear) == 2 * ((2 * 2 + 4) * 64 * 64 + 4 * 4 * 64)
+    with pytest.raises(ValueError, match="used_experts"):
+        floor_bytes(shape, 129)
+    assert routed_experts(torch.tensor([[3, 5], [5, 7], [3, 7]])) == 3
+
+
+def test_graph_rows_print_against_their_floor(capsys):
+    timing = {"ms": 0.6, "p20": 0.6, "p80": 0.6}
+    row = {"shape": "tiny", "routing": "uniform", "provider": "mok-multi", layer.GRAPH_PASS: timing,
+           "floor_bytes": 1_200_000_000}  # fmt: skip
+    eager_only = {k: v for k, v in row.items() if k != layer.GRAPH_PASS}  # no replay: no floor line
+    layer.print_floors([row, eager_only], copy=4.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert "0.600 ms against the floor 0.300 ms (1.20 GB at 4.00 TB/s): 2.00x" in lines[0]

@@ -5,6 +5,7 @@ Each module has one job:
   ceiling     the dense bf16 GEMM ceiling, measured in the same run
   families    the expert families by name (swiglu, gpt-oss, nemotron, glu-gelu, mlp-relu, ...)
   flops       the FLOP count of a pass, per expert family (SonicMoE's convention; BENCHMARKS.md, Method)
+  floor       the fewest bytes a fwd+bwd moves, and the device-copy rate they are held against
   memory      what sets a pass's peak memory, from the caching allocator's trace
   breakdown   torch.profiler readers: GPU time per kernel, device time per named range
   providers   the layer's implementations under test (MoK, torch grouped_mm, Megatron, Liger), per family

@@ -37,6 +37,7 @@ import torch
 from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
 from mok_plugin.bench.families import EXPERT_FAMILIES
+from mok_plugin.bench.floor import copy_tbps, floor_bytes, routed_experts
 from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.memory import memory_breakdown, print_memory
 from mok_plugin.bench.providers import PROVIDERS, check_provider, fwd_bwd, leaves, make_inputs, provider_reference
@@ -187,7 +188,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--graphs",
         action="store_true",
         help="also time forward + backward captured once in a CUDA graph and replayed: the GPU's time without "
-        "the host's (small batches are host-bound in eager mode)",
+        "the host's (small batches are host-bound in eager mode), against the memory floor at the device copy "
+        "rate measured in the run (mok_plugin/bench/floor.py)",
     )
     parser.add_argument(
         "--host-profile",
@@ -247,6 +249,10 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
         f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
         f"({burst:.0f} in its first calls after idle)"
     )
+    copy = None
+    if args.graphs:  # the floor the graph rows are held against (floor.py)
+        copy = copy_tbps(settle_s=args.settle_s)
+        dense_line += f"; device copy {copy:.2f} TB/s"
     print(dense_line, flush=True)
     rows = []
     for shape_name, shape in shapes:
@@ -261,6 +267,7 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
         "expert_families": {name: EXPERT_FAMILIES[name].config_fields() for name in args.expert},
         "dense_gemm_tflops": gemm,
         "dense_gemm_tflops_first_calls_after_idle": burst,
+        "device_copy_tbps": copy,
         "settle_s": args.settle_s,
         "config_overrides": {k: tile_config_label(c) for k, c in overrides.items()},
     }
@@ -268,6 +275,8 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
     print()
     print_families(args.expert)
     print_table(rows, gemm)
+    if copy is not None:
+        print_floors(rows, copy)
     for row in rows:
         if "kernels" in row:
             print_breakdown(row)
@@ -311,6 +320,8 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
                    routing=routing)  # fmt: skip
+        if GRAPH_PASS in row:
+            row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
         rows.append(row)
         if not row["error"]:
             timed.append((row, fn))
@@ -332,6 +343,19 @@ def print_families(names: list[str]) -> None:
     """One line per expert family of the run: its benchmark name and what it computes."""
     for name in names:
         print(f"experts {name}: {EXPERT_FAMILIES[name].describe()}")
+
+
+def print_floors(rows: list[dict], copy: float) -> None:
+    """Each graph-replayed row against its memory floor (floor.py) at the measured copy rate."""
+    for row in rows:
+        if "floor_bytes" not in row or GRAPH_PASS not in row:
+            continue
+        ms, floor_ms = row[GRAPH_PASS]["ms"], row["floor_bytes"] / copy / 1e9
+        print(
+            f"{row['shape']:<16} {row.get('expert', 'swiglu'):<16} {row['routing']:<8} {row['provider']:<10} "
+            f"{GRAPH_PASS} {ms:.3f} ms against the floor {floor_ms:.3f} ms ({row['floor_bytes'] / 1e9:.2f} GB at "
+            f"{copy:.2f} TB/s): {ms / floor_ms:.2f}x"
+        )
 
 
 def print_table(rows: list[dict], gemm: float) -> None:
