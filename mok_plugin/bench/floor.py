@@ -47,7 +47,12 @@ def routed_experts(topk_ids: torch.Tensor) -> int:
 def copy_tbps(iters: int = 10, settle_s: float = SETTLE_S) -> float:
     """The current CUDA device's copy rate in TB/s (bytes read plus written, median of `iters`
     device-to-device copies of 1 GiB after `settle_s` of them)."""
+    ms = _copy_ms(iters, settle_s)
+    torch.cuda.empty_cache()  # the copy's 2 GiB back to the device, not kept for the shapes timed after it
+    return 2 * _COPY_BYTES / ms / 1e9
+
+
+def _copy_ms(iters: int, settle_s: float) -> float:
     src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = statistics.median(time_ms(lambda: dst.copy_(src), iters, settle_s=settle_s))
-    return 2 * _COPY_BYTES / ms / 1e9
+    return statistics.median(time_ms(lambda: dst.copy_(src), iters, settle_s=settle_s))
