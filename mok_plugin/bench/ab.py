@@ -3,14 +3,16 @@ module attributes set or pinned tile configs replaced (B), alternated round by r
 inputs so that both see the same clock drift; each kernel's GPU time from profiles alternated the
 same way (the lower of each side's two); and whether B gives A's bits.
 
-    mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.fp8_hopper.FLAT_WGRAD=False
+    mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
     mok bench ab --shape qwen3-30b-a3b --set mok_plugin.kernels.configs.SPREAD_MIN_BLOCK_N=128 --rounds 5
     mok bench ab --shape 37,2048,768,128,8 --graphs --set ...     # small batches: the GPU's time, no host
 
 A setting takes effect where its attribute is read: set it on the module that reads it, not on one
-that imported the name. Values are Python literals. The results go to host memory for the bitwise
-check, so a shape that fits the GPU once fits here. One shape a process, as every timing here.
+that imported the name (HOPPER_WGRAD_MIN_WIDTH above is read in grouped_mlp). Side B is MoK's bf16
+multi-kernel layer; the FP8 experts have `mok bench fp8`. Values are Python literals. The results
+go to host memory for the bitwise check, so a shape that fits the GPU once fits here. One shape a
+process, as every timing here.
 """
 
 from __future__ import annotations
