@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown
-from mok_plugin.bench.families import EXPERT_FAMILIES
+from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, time_ms
-from mok_plugin.bench.tuning import overridden_configs, parse_tile_config, tile_config_label
-from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
+from mok_plugin.bench.tuning import overridden_configs, parse_overrides, tile_config_label
+from mok_plugin.kernels.configs import MoKTileConfig
 from mok_plugin.testing import parse_shape
 
 __all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_ab"]
@@ -176,14 +176,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         shape = parse_shape(args.shape)
         settings = [parse_setting(text) for text in args.settings]
-        overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
+        overrides = parse_overrides(args.override)
     except ValueError as error:
         parser.error(str(error))
-    unknown = sorted(set(overrides) - set(PINNED_KERNELS))
-    if unknown:
-        parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
-    if EXPERT_FAMILIES[args.expert].kind == "linear" and shape.I != shape.H:
-        parser.error(f"--expert {args.expert}: one H x H linear per expert needs I = H; not in {args.shape}")
+    if why := shapes_it_cannot_take(args.expert, [(args.shape, shape)]):
+        parser.error(why)
     if not settings and not overrides:
         parser.error("nothing to compare: give B at least one --set or --override")
     if args.rounds < 1 or args.iters < 2:

@@ -17,8 +17,9 @@ swiglu), gelu, gelu-tanh, quick-gelu, relu, squared-relu.
 from __future__ import annotations
 
 from mok_plugin.experts import ACTIVATIONS, SWIGLU, MoKExpertFamily
+from mok_plugin.testing import MoEShape
 
-__all__ = ["EXPERT_FAMILIES", "expert_family"]
+__all__ = ["EXPERT_FAMILIES", "expert_family", "shapes_it_cannot_take"]
 
 
 def _table() -> dict[str, MoKExpertFamily]:
@@ -49,3 +50,14 @@ def expert_family(name: str) -> MoKExpertFamily:
         return EXPERT_FAMILIES[name]
     except KeyError:
         raise ValueError(f"unknown expert family {name[:80]!r}; known: {', '.join(EXPERT_FAMILIES)}") from None
+
+
+def shapes_it_cannot_take(name: str, shapes: list[tuple[str, MoEShape]]) -> str | None:
+    """Why family `name` cannot run on some of these (label, shape) pairs, as the commands print it;
+    None if it can run on all: a linear expert is one H x H linear, so it needs I = H."""
+    if EXPERT_FAMILIES[name].kind != "linear":
+        return None
+    not_square = [text for text, shape in shapes if shape.I != shape.H]
+    if not not_square:
+        return None
+    return f"--expert {name}: one H x H linear per expert needs I = H; not in {', '.join(not_square)}"

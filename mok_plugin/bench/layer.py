@@ -36,16 +36,15 @@ import torch
 
 from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
-from mok_plugin.bench.families import EXPERT_FAMILIES
+from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.floor import copy_tbps, floor_bytes, routed_experts
 from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.memory import memory_breakdown, print_memory
 from mok_plugin.bench.providers import PROVIDERS, check_provider, fwd_bwd, leaves, make_inputs, provider_reference
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, summarize, time_ms
-from mok_plugin.bench.tuning import overridden_configs, parse_tile_config, tile_config_label
+from mok_plugin.bench.tuning import overridden_configs, parse_overrides, tile_config_label
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
-from mok_plugin.kernels.configs import PINNED_KERNELS
 from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
 
 __all__ = ["add_rounds", "bench_provider", "build_parser", "main", "time_passes"]
@@ -213,26 +212,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        overrides = {kernel: parse_tile_config(spec) for kernel, spec in (o.split("=", 1) for o in args.override)}
+        overrides = parse_overrides(args.override)
     except ValueError as error:
-        parser.error(f"--override KERNEL=CONFIG: {error}")
+        parser.error(str(error))
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
-    unknown = sorted(set(overrides) - set(PINNED_KERNELS))
-    if unknown:
-        parser.error(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
     try:
         named = args.shapes if args.shapes is not None else ([] if args.shape else DEFAULT_SHAPES)
         shapes = [(text, parse_shape(text)) for text in [*named, *args.shape]]
     except ValueError as error:
         parser.error(str(error))
     for name in args.expert:
-        if EXPERT_FAMILIES[name].kind == "linear":
-            not_square = [text for text, shape in shapes if shape.I != shape.H]
-            if not_square:
-                parser.error(
-                    f"--expert {name}: one H x H linear per expert needs I = H; not in {', '.join(not_square)}"
-                )
+        if why := shapes_it_cannot_take(name, shapes):
+            parser.error(why)
     if not torch.cuda.is_available():
         print("mok bench layer (scripts/bench_layer.py) needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from mok_plugin.kernels import configs
 from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
 
-__all__ = ["overridden_configs", "parse_tile_config", "tile_config_label", "tile_config_spec"]
+__all__ = ["overridden_configs", "parse_overrides", "parse_tile_config", "tile_config_label", "tile_config_spec"]
 
 _SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(p?)")
 
@@ -33,6 +33,26 @@ def parse_tile_config(spec: str) -> MoKTileConfig:
         raise ValueError(f"config {spec!r}: expected like 128x256x64w8s3, 128x128x64w8s4g or 128x128x64w8s4gt")
     *numbers, gather, tma, sweep = match.groups()
     return MoKTileConfig(*(int(n) for n in numbers), tma=tma == "t", gather_rows=gather == "g", sweep=sweep == "p")
+
+
+def parse_overrides(specs: list[str]) -> dict[str, MoKTileConfig]:
+    """The pinned-table entries of repeated `--override KERNEL=CONFIG` options, by kernel.
+
+    Raises:
+        ValueError: a spec not in that form, or a kernel the table does not have (the message says
+            which, as the commands print it).
+    """
+    overrides = {}
+    for text in specs:
+        kernel, _, spec = text.partition("=")
+        try:
+            overrides[kernel] = parse_tile_config(spec)
+        except ValueError as error:
+            raise ValueError(f"--override KERNEL=CONFIG: {error}") from None
+    unknown = sorted(set(overrides) - set(PINNED_KERNELS))
+    if unknown:
+        raise ValueError(f"--override: unknown kernel {', '.join(unknown)}; kernels: {', '.join(PINNED_KERNELS)}")
+    return overrides
 
 
 def tile_config_spec(cfg: MoKTileConfig) -> str:
