@@ -245,6 +245,24 @@ def test_the_profile_keeps_the_kernels_after_the_mark_only():
     assert after_mark(events[:2], name=lambda e: e[1], start=lambda e: e[0]) is None
 
 
+def test_a_kernels_name_fits_its_column_and_keeps_what_tells_it_apart():
+    # PyTorch's elementwise kernels are templates of hundreds of characters (as a profile on the H200
+    # names them): the printed label keeps the outer name and the functor; short names stay whole
+    from mok_plugin.bench.breakdown import short_kernel_name
+
+    copy = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+            "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#12}"
+            "::operator()() const::{lambda(c10::BFloat16)#1}>(at::TensorIteratorBase&)::{lambda(int)#1}>"
+            "(int)")  # fmt: skip
+    fill = ("void at::native::vectorized_elementwise_kernel<2, at::native::FillFunctor<long>, std::array<char*, "
+            "1ul> >(int, at::native::FillFunctor<long>, std::array<char*, 1ul>)")  # fmt: skip
+    assert short_kernel_name(copy) == "at::native::elementwise_kernel<direct_copy_kernel_cuda>"
+    assert short_kernel_name(fill) == "at::native::vectorized_elementwise_kernel<FillFunctor>"
+    assert short_kernel_name("_expert_wgrad_kernel") == "_expert_wgrad_kernel"
+    cut = short_kernel_name("void " + "x" * 80 + "<int>", width=20)
+    assert len(cut) == 20 and cut.endswith("…")
+
+
 def test_settle_stops_at_its_calls_cap_or_its_time(monkeypatch):
     # the profile's second settling (after the profiler's start) is capped in calls, so that short work
     # does not fill the profile with events; without a cap it runs its time

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mok_plugin.bench.breakdown import kernel_breakdown
+from mok_plugin.bench.breakdown import kernel_breakdown, short_kernel_name
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
@@ -223,7 +223,7 @@ def format_report(
         lines.append(f"  {'kernel (GPU ms a call, the lower of two profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
         for name in sorted(set(ka) | set(kb), key=lambda n: -ka.get(n, 0.0)):
             x, y = ka.get(name, 0.0), kb.get(name, 0.0)
-            lines.append(f"  {name:<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
+            lines.append(f"  {short_kernel_name(name):<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
         sa, sb = sum(ka.values()), sum(kb.values())
         lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
     differ = [n for n, same in zip(names, result["bitwise"], strict=True) if not same]

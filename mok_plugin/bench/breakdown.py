@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import re
 import time
 from collections.abc import Callable, Iterable
 
@@ -28,6 +29,7 @@ __all__ = [
     "kernel_breakdown",
     "print_breakdown",
     "print_host_profile",
+    "short_kernel_name",
     "range_times",
 ]
 
@@ -164,6 +166,18 @@ def host_profile(work: Callable[[], object], iters: int = 100, top: int = 30) ->
     return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
+def short_kernel_name(name: str, width: int = 56) -> str:
+    """A kernel's name fit to a table column of `width` characters. PyTorch's elementwise kernels are
+    C++ templates of several hundred characters that differ only deep inside: they keep their outer
+    name and the functor that tells them apart (`at::native::elementwise_kernel<direct_copy_kernel_cuda>`)."""
+    if len(name) <= width:
+        return name
+    outer = name.removeprefix("void ").split("<", 1)[0]
+    functor = re.search(r"\w+(?:Functor|_kernel_cuda)\b", name[len(outer) :])
+    label = f"{outer}<{functor.group(0)}>" if functor else outer
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
 def _short_path(path: str) -> str:
     """A source path from its package down (site-packages/torch/... -> torch/...), for a readable table."""
     for marker in ("site-packages/", "mok_plugin/"):
@@ -190,12 +204,14 @@ def print_breakdown(row: dict) -> None:
           f"(sum {total:.2f} ms; timed fwd+bwd {row['fwd+bwd']['ms']:.2f} ms{host})")  # fmt: skip
     for k in kernels:
         if k["ms"] >= 0.005:
-            print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {k['kernel'][:90]}")
+            name = short_kernel_name(k["kernel"], 90)
+            print(f"  {k['ms']:7.3f} ms {100 * k['ms'] / total:5.1f}% x{k['launches']:<3} {name}")
     idle = row.get("idle")
     if idle:
         print(f"  idle between kernels {idle['idle_ms']:.3f} ms of a {idle['span_ms']:.2f} ms span per call; largest:")
         for gap in idle["largest"]:
-            print(f"  {gap['ms']:7.3f} ms  after {gap['after'][:50]}  before {gap['before'][:50]}")
+            after, before = short_kernel_name(gap["after"], 50), short_kernel_name(gap["before"], 50)
+            print(f"  {gap['ms']:7.3f} ms  after {after}  before {before}")
 
 
 def range_times(events: Iterable, names: Iterable[str]) -> dict[str, list[float]]:

@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from mok_plugin.bench.breakdown import kernel_breakdown
+from mok_plugin.bench.breakdown import kernel_breakdown, short_kernel_name
 from mok_plugin.bench.ceiling import dense_fp8_gemm_tflops, dense_gemm_tflops
 from mok_plugin.bench.flops import moe_flops
 from mok_plugin.bench.fp8_errors import float64_errors, relative_error
@@ -389,7 +389,7 @@ def _print_table(rows: list[dict], out: Path) -> None:
             print(f"    weights kept, profiled: kernels {sum(k['ms'] for k in kernels):.3f} ms, GPU idle "
                   f"{idle['idle_ms']:.3f} ms in a span of {idle['span_ms']:.3f} ms")  # fmt: skip
         for kernel in kernels[:8]:
-            print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {kernel['kernel'][:70]}")
+            print(f"    {kernel['ms']:7.3f} ms x{kernel['launches']:<2} {short_kernel_name(kernel['kernel'], 70)}")
         if row.get(NOT_MEASURED):
             print(f"    not measured (out of the GPU's memory): {', '.join(row[NOT_MEASURED])}")
         errors = row.get("error against float64")
