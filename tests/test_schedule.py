@@ -136,6 +136,29 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind, mo
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize(
+    "T, K, E, tile, capacity",
+    [(1500, 2, 6, 32, 300), (700, 4, 384, 128, None), (2500, 1, 1, 128, None), (3000, 4, 130, 16, None)],
+    ids=["drops", "384_experts", "one_expert_in_all", "130_experts"],
+)
+def test_triton_schedule_in_smaller_chunks_gives_the_same_maps(T, K, E, tile, capacity, chunk, monkeypatch):
+    # the chunked path at other chunk sizes (the one-hot tiles' SUB then capped at the chunk: at E = 1
+    # the histogram's 256 and the scatter's 64 would read the next chunk's pairs as well)
+    pytest.importorskip("triton", reason="the triton schedule needs triton")
+    from mok_plugin.kernels import schedule as schedule_kernels
+
+    g = torch.Generator().manual_seed(T + E + chunk)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = ids.to("cuda" if torch.cuda.is_available() else "cpu")
+    a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
+    monkeypatch.setattr(schedule_kernels, "_MANY_CHUNK", chunk)
+    b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
+    for field in a.__slots__:
+        x, y = getattr(a, field), getattr(b, field)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
+
+
 @pytest.mark.parametrize(
     "T, K, E, tile, capacity, dtype",
     [(37, 2, 8, 16, None, torch.float32), (30, 2, 4, 8, 12, torch.float32), (0, 2, 4, 8, None, torch.float32),

@@ -288,7 +288,7 @@ def _schedule_one_chunk_kernel(
 _CHUNK = 2048
 # Pairs per chunk above that: a program per chunk in the histogram and the scatter, so that they
 # spread over the GPU (512 programs at T*K = 131k; 64 chunks of 2048 left half the SMs idle and
-# each program 16 times the work: 0.21 ms of qwen3-30b-a3b's schedule on the H200).
+# each program 16 times the work: 0.21 ms of qwen3-30b-a3b's schedule on the H200). A power of 2.
 _MANY_CHUNK = 256
 
 
@@ -346,7 +346,9 @@ def schedule_maps(
         )
         num_dropped = num_dropped.view(())
     e_pow2 = next_power_of_2(E)
-    sub = max(16, min(256, 8192 // e_pow2))  # keeps the [SUB, E] one-hot tile small
+    # the [SUB, E] one-hot tiles kept small, and no wider than a chunk (a wider one would count the next chunk's pairs)
+    sub = max(16, min(256, 8192 // e_pow2))
+    scatter_sub = min(_MANY_CHUNK, max(4, min(64, 2048 // e_pow2)))
     cap = R if capacity is None else capacity
     if one_chunk:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
         launch(_schedule_one_chunk_kernel, (E,),
@@ -355,12 +357,13 @@ def schedule_maps(
         )  # fmt: skip
     else:
         chunk_counts, chunk_prefix, totals = scratch
-        launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_MANY_CHUNK, SUB=sub)
+        launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_MANY_CHUNK,
+               SUB=min(sub, _MANY_CHUNK))  # fmt: skip
         launch(_chunk_prefix_kernel, (E,), chunk_counts, chunk_prefix, totals, C, E=E, BLOCK_C=1024)
         launch(_chunk_scatter_kernel, (C,),
             ids, chunk_prefix, totals, tokens_per_expert, expert_offsets, num_dropped, tile_to_expert, tk_to_row,
             row_to_tk, row_to_token, R, cap, num_rows // tile_m, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m,
-            CHUNK=_MANY_CHUNK, SUB=max(4, min(64, 2048 // e_pow2)), BLOCK_T=16,
+            CHUNK=_MANY_CHUNK, SUB=scatter_sub, BLOCK_T=16,
         )  # fmt: skip
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
 
