@@ -136,15 +136,23 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind, mo
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunks_shrink_with_the_pairs_until_there_are_enough_programs():
+    # 512 chunks where the pairs allow, of 32 to 256 pairs, a power of 2 (the one-hot tiles' steps)
+    pytest.importorskip("triton", reason="the triton schedule needs triton")
+    from mok_plugin.kernels.schedule import chunk_pairs
+
+    assert [chunk_pairs(r) for r in (2049, 4096, 16385, 32768, 131072, 10**7)] == [32, 32, 64, 64, 256, 256]
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 256])
 @pytest.mark.parametrize(
     "T, K, E, tile, capacity",
     [(1500, 2, 6, 32, 300), (700, 4, 384, 128, None), (2500, 1, 1, 128, None), (3000, 4, 130, 16, None)],
     ids=["drops", "384_experts", "one_expert_in_all", "130_experts"],
 )
 def test_triton_schedule_in_smaller_chunks_gives_the_same_maps(T, K, E, tile, capacity, chunk, monkeypatch):
-    # the chunked path at other chunk sizes (the one-hot tiles' SUB then capped at the chunk: at E = 1
-    # the histogram's 256 and the scatter's 64 would read the next chunk's pairs as well)
+    # the chunked path at chunk sizes other than these pairs' own (32): the one-hot tiles' SUB capped at
+    # the chunk (at E = 1 the histogram's 256 and the scatter's 64 would read the next chunk's pairs too)
     pytest.importorskip("triton", reason="the triton schedule needs triton")
     from mok_plugin.kernels import schedule as schedule_kernels
 
@@ -152,7 +160,7 @@ def test_triton_schedule_in_smaller_chunks_gives_the_same_maps(T, K, E, tile, ca
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     ids = ids.to("cuda" if torch.cuda.is_available() else "cpu")
     a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
-    monkeypatch.setattr(schedule_kernels, "_MANY_CHUNK", chunk)
+    monkeypatch.setattr(schedule_kernels, "chunk_pairs", lambda num_pairs: chunk)
     b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
     for field in a.__slots__:
         x, y = getattr(a, field), getattr(b, field)

@@ -13,7 +13,7 @@ per expert, before any capacity) and tokens_per_expert int64 [E]; expert_offsets
 tk_to_row int64 [T*K]; row_to_tk and row_to_token int64 [R_pad]; tile_to_expert int64
 [R_pad / TILE_M].
 
-Grids: three kernels over chunks of _MANY_CHUNK pairs. The histogram runs a program per chunk and
+Grids: three kernels over chunks of 32 to 256 pairs (`chunk_pairs`). The histogram runs a program per chunk and
 writes that chunk's per-expert counts; the prefix kernel runs a program per expert, which turns its
 column of chunk counts into an exclusive prefix over chunks and its total; the scatter runs a
 program per chunk, which derives every expert's offset from the totals, writes its share of the
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from mok_plugin.kernels.launch import cdiv, launch, next_power_of_2
 
-__all__ = ["dense_rows", "row_values", "schedule_maps"]
+__all__ = ["chunk_pairs", "dense_rows", "row_values", "schedule_maps"]
 
 
 @triton.jit
@@ -287,9 +287,22 @@ def _schedule_one_chunk_kernel(
 # Pairs the one-launch schedule takes (a program per expert reads them all).
 _CHUNK = 2048
 # Pairs per chunk above that: a program per chunk in the histogram and the scatter, so that they
-# spread over the GPU (512 programs at T*K = 131k; 64 chunks of 2048 left half the SMs idle and
-# each program 16 times the work: 0.21 ms of qwen3-30b-a3b's schedule on the H200). A power of 2.
+# spread over the GPU (64 chunks of 2048 at T*K = 131k left half the SMs idle and each program 16
+# times the work: 0.21 ms of qwen3-30b-a3b's schedule on the H200). Each program's chunk is a chain
+# of dependent steps, so the chunk shrinks with R until there are _CHUNK_PROGRAMS of them, down to
+# _MIN_CHUNK pairs: at T*K = 4096 (16 chunks of 256) the scatter took 0.039 ms, in 128 chunks of
+# 32 0.007 (H100; 0.018 at 32,768 pairs in chunks of 64 against 0.042). Below ~512 chunks the
+# prefix kernel's column reads stay cheap (2,048 chunks of 64 at 131k pairs: 0.005 -> 0.013 ms).
+# Powers of 2: the one-hot tiles step through a chunk SUB pairs at a time.
 _MANY_CHUNK = 256
+_MIN_CHUNK = 32
+_CHUNK_PROGRAMS = 512
+
+
+def chunk_pairs(num_pairs: int) -> int:
+    """Pairs per chunk of the chunked schedule (more than _CHUNK pairs): _MANY_CHUNK, or fewer where
+    that leaves under _CHUNK_PROGRAMS chunks, never under _MIN_CHUNK. The maps do not depend on it."""
+    return min(_MANY_CHUNK, max(_MIN_CHUNK, next_power_of_2(cdiv(num_pairs, _CHUNK_PROGRAMS))))
 
 
 def schedule_maps(
@@ -319,7 +332,8 @@ def schedule_maps(
     device = topk_ids.device
     ids = topk_ids.reshape(-1).contiguous()
     one_chunk = R <= _CHUNK
-    C = cdiv(R, _MANY_CHUNK)
+    chunk = chunk_pairs(R)
+    C = cdiv(R, chunk)
     # The four maps start at -1 (empty slots match no expert; padding rows and unused tiles stay -1),
     # written by the one-chunk kernel itself, else by a fill; the counts, offsets and dropped count
     # are written whole by the kernels, and so are the chunked path's scratch (chunk counts, their
@@ -348,7 +362,7 @@ def schedule_maps(
     e_pow2 = next_power_of_2(E)
     # the [SUB, E] one-hot tiles kept small, and no wider than a chunk (a wider one would count the next chunk's pairs)
     sub = max(16, min(256, 8192 // e_pow2))
-    scatter_sub = min(_MANY_CHUNK, max(4, min(64, 2048 // e_pow2)))
+    scatter_sub = min(chunk, max(4, min(64, 2048 // e_pow2)))
     cap = R if capacity is None else capacity
     if one_chunk:  # small batches: one launch instead of three (host time, not GPU time, bounds them)
         launch(_schedule_one_chunk_kernel, (E,),
@@ -357,13 +371,13 @@ def schedule_maps(
         )  # fmt: skip
     else:
         chunk_counts, chunk_prefix, totals = scratch
-        launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=_MANY_CHUNK,
-               SUB=min(sub, _MANY_CHUNK))  # fmt: skip
+        launch(_chunk_histogram_kernel, (C,), ids, chunk_counts, R, E=E, E_POW2=e_pow2, CHUNK=chunk,
+               SUB=min(sub, chunk))  # fmt: skip
         launch(_chunk_prefix_kernel, (E,), chunk_counts, chunk_prefix, totals, C, E=E, BLOCK_C=1024)
         launch(_chunk_scatter_kernel, (C,),
             ids, chunk_prefix, totals, tokens_per_expert, expert_offsets, num_dropped, tile_to_expert, tk_to_row,
             row_to_tk, row_to_token, R, cap, num_rows // tile_m, K=K, E=E, E_POW2=e_pow2, TILE_M=tile_m,
-            CHUNK=_MANY_CHUNK, SUB=scatter_sub, BLOCK_T=16,
+            CHUNK=chunk, SUB=scatter_sub, BLOCK_T=16,
         )  # fmt: skip
     return tokens_per_expert, expert_offsets, row_to_tk, row_to_token, tk_to_row, tile_to_expert, num_dropped
 
