@@ -106,6 +106,48 @@ def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma
     assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
 
 
+@pytest.mark.parametrize("sweep", [False, True], ids=["per_tile", "sweep"])
+def test_wgrad_reads_x_through_the_pair_map_divided_by_top_k(sweep):
+    # dW13 of per-pair dh (ops.compact_h): x [T, H] read through row_to_tk // K gives the bits of a
+    # copy of x per pair read through row_to_tk (pair t * K + k is token t's), and the per-expert sum
+    T, H, I, E, K = 70, 72, 40, 10, 3
+    g = torch.Generator().manual_seed(23)
+    schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    d_h = torch.randn(T * K, I, generator=g).to(DEVICE, torch.float16)
+    x = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
+    x_pairs = x.repeat_interleave(K, dim=0)
+    segments = (schedule.row_to_tk, schedule.expert_offsets, schedule.tokens_per_expert)
+    cfg = MoKTileConfig(32, 32, 32, 4, 2, sweep=sweep)
+
+    def wgrad(right, divisor):
+        return grouped_mlp.expert_wgrad(
+            d_h, right, *segments, left_by_token=True, right_by_token=True, segment_align=schedule.tile_m,
+            config=cfg, right_index_divisor=divisor,
+        )  # fmt: skip
+
+    got = wgrad(x, K)
+    assert torch.equal(got, wgrad(x_pairs, 1))
+    assert torch.equal(wgrad(x, K), got)
+    pairs = schedule.row_to_tk.clamp(min=0)
+    real = (schedule.row_to_tk >= 0)[:, None]
+    lhs = torch.where(real, d_h[pairs].float(), 0.0)
+    rhs = torch.where(real, x[pairs // K].float(), 0.0)
+    starts = schedule.expert_offsets.tolist()[:E]
+    want = torch.stack(
+        [lhs[s : s + n].T @ rhs[s : s + n] for s, n in zip(starts, schedule.tokens_per_expert.tolist(), strict=True)]
+    )
+    assert_close(got, want, torch.float16, "dW13", n_reduce=T * K // E)
+
+
+def test_wgrad_index_divisor_needs_both_operands_by_token():
+    rows, segments = torch.zeros(4, 8), (torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+                                         torch.zeros(2, dtype=torch.int64))  # fmt: skip
+    with pytest.raises(ValueError, match="right_index_divisor=2: expected 1, or any positive divisor with both"):
+        grouped_mlp.expert_wgrad(rows, rows, *segments, left_by_token=False, right_by_token=True, right_index_divisor=2)
+    with pytest.raises(ValueError, match="right_index_divisor=0"):
+        grouped_mlp.expert_wgrad(rows, rows, *segments, left_by_token=True, right_by_token=True, right_index_divisor=0)
+
+
 @pytest.mark.parametrize(
     "gather_rows, tma", [(False, False), (False, True), (True, True)], ids=["in_loop", "in_loop_tma", "pre_gathered"]
 )

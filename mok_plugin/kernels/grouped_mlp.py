@@ -236,7 +236,7 @@ def _expert_wgrad_kernel(
     stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SWEEP: tl.constexpr, D_W_TRANSPOSED: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows. With SWEEP, (E *
@@ -265,6 +265,7 @@ def _expert_wgrad_kernel(
             stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m,
             stride_d_w_n=stride_d_w_n, LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+            RIGHT_INDEX_DIVISOR=RIGHT_INDEX_DIVISOR,
         )
     else:
         pid_m, pid_n = grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
@@ -275,6 +276,7 @@ def _expert_wgrad_kernel(
             stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m,
             stride_d_w_n=stride_d_w_n, LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+            RIGHT_INDEX_DIVISOR=RIGHT_INDEX_DIVISOR,
         )
 
 
@@ -505,7 +507,7 @@ def gate_up_dgrad(
 def expert_wgrad(
     left: torch.Tensor, right: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor, *, left_by_token: bool, right_by_token: bool, segment_align: int = 1,
-    config: MoKTileConfig | None = None,
+    config: MoKTileConfig | None = None, right_index_divisor: int = 1,
 ) -> torch.Tensor:
     """dW [E, M, N] = per expert, sum over its rows of left[row]^T right[row] (rows in order).
 
@@ -513,8 +515,18 @@ def expert_wgrad(
     segment_align: what every expert segment's start and padded length are a multiple of (the
     schedule's tile_m). TMA reads a by-row operand BLOCK_K rows at a time, so it is used only when
     segment_align is a multiple of BLOCK_K, and then the padding rows must hold finite values
-    (down_dgrad writes zeros there).
+    (down_dgrad writes zeros there). right_index_divisor, with both operands by token: right's row
+    is the map's entry divided by it (dW13 of per-pair dh through row_to_tk, and x [T, H] with top_k:
+    pair t * K + k reads token t's row, no copy of x per pair).
+
+    Raises:
+        ValueError: right_index_divisor under 1, or not 1 without both operands by token.
     """
+    if right_index_divisor < 1 or (right_index_divisor != 1 and not (left_by_token and right_by_token)):
+        raise ValueError(
+            f"right_index_divisor={right_index_divisor}: expected 1, or any positive divisor with both operands "
+            "by token"
+        )
     check_tensor("left", left, 2)
     check_tensor("right", right, 2, left.dtype)
     check_tensor("expert_offsets", expert_offsets, 1, torch.int64)
@@ -546,7 +558,7 @@ def expert_wgrad(
     if not (cfg.gather_rows and left_by_token != right_by_token):
         _launch_wgrad(
             left, right, d_w, row_to_token, expert_offsets, tokens_per_expert, left_by_token, right_by_token,
-            segment_align, cfg,
+            segment_align, cfg, right_index_divisor,
         )
         return d_w
     block = cfg.block_m if left_by_token else cfg.block_n
@@ -585,9 +597,9 @@ def pair_wgrad_hopper(
     column block at a time (`dense_rows`), in a layout of their own whose segments are padded to the
     kernel's 64-row K step rather than the schedule's tile_m (4096,7168,2048,384,8: 57k rows, not
     82k): the same rows in the same K steps, so the same bits as the padded layout. The two copies
-    alive at once hold no more than the per-pair path's own copy of x (one row per pair, T * K x H):
-    this path's peak is that path's, and a copy's blocks are wide enough to pay
-    (`pair_column_blocks`)."""
+    alive at once hold no more than a copy of x per pair would (T * K x H; the Triton kernel that
+    stays elsewhere reads x through row_to_tk // K without one), and a copy's blocks are wide enough
+    to pay (`pair_column_blocks`)."""
     num_experts, num_pairs = tokens_per_expert.shape[0], d_h.shape[0]
     align = wgrad_hopper.BLOCK_K
     if x.shape[0] == 0 or num_pairs == 0 or tile_m % align or d_h.shape[1] % 8 or x.shape[1] % 8:
@@ -694,9 +706,10 @@ def gather_column_blocks(num_cols: int, bytes_per_col: int, block: int) -> list[
 def _launch_wgrad(
     left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, row_to_token: torch.Tensor,
     expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor, left_by_token: bool, right_by_token: bool,
-    segment_align: int, cfg: MoKTileConfig,
+    segment_align: int, cfg: MoKTileConfig, right_index_divisor: int = 1,
 ) -> None:
-    """One weight-gradient launch into d_w [E, M, N] (any strides)."""
+    """One weight-gradient launch into d_w [E, M, N] (any strides); a by-token right operand's rows
+    through row_to_token // right_index_divisor."""
     E, M, N = d_w.shape
     transposed = d_w.stride(2) != 1  # dW13's swapped launch writes a transposed view
     grid = (E * cdiv(M, cfg.block_m) * (1 if cfg.sweep else cdiv(N, cfg.block_n)),)
@@ -708,7 +721,7 @@ def _launch_wgrad(
         expert_offsets, tokens_per_expert, M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(1),
         d_w.stride(2), LEFT_BY_TOKEN=left_by_token, RIGHT_BY_TOKEN=right_by_token, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
-        TMA=tma, SWEEP=cfg.sweep, D_W_TRANSPOSED=transposed,
+        TMA=tma, SWEEP=cfg.sweep, D_W_TRANSPOSED=transposed, RIGHT_INDEX_DIVISOR=right_index_divisor,
         ALIGN=alignment(M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(2 if transposed else 1)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

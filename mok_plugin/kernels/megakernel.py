@@ -263,7 +263,7 @@ def _backward_megakernel(
                     tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=H, N_OUT=I, stride_left=stride_d_out_t,
                     stride_right=stride_a_r, stride_d_w_e=stride_dw2_e, stride_d_w_m=stride_dw2_m, stride_d_w_n=1,
                     LEFT_BY_TOKEN=True, RIGHT_BY_TOKEN=False, BLOCK_M=WG_BM, BLOCK_N=WG_BN, BLOCK_K=WG_BK,
-                    DOT_PRECISION=DOT_PRECISION, TMA=False,
+                    DOT_PRECISION=DOT_PRECISION, TMA=False, RIGHT_INDEX_DIVISOR=1,
                 )
             else:
                 pid_m, pid_n = grouped_pid(t % per_expert, w13_m, w13_n, GROUP_M)
@@ -273,7 +273,7 @@ def _backward_megakernel(
                     tokens_per_expert_ptr=tokens_per_expert_ptr, M_OUT=2 * I, N_OUT=H, stride_left=stride_h_r,
                     stride_right=stride_x_t, stride_d_w_e=stride_dw13_e, stride_d_w_m=stride_dw13_m, stride_d_w_n=1,
                     LEFT_BY_TOKEN=False, RIGHT_BY_TOKEN=True, BLOCK_M=WG_BM, BLOCK_N=WG_BN, BLOCK_K=WG_BK,
-                    DOT_PRECISION=DOT_PRECISION, TMA=False,
+                    DOT_PRECISION=DOT_PRECISION, TMA=False, RIGHT_INDEX_DIVISOR=1,
                 )
         else:
             t = task - end_w13

@@ -527,6 +527,14 @@ def gate_up_dgrad_tile(
 
 
 @triton.jit
+def _divided(index, DIVISOR: tl.constexpr):
+    """index // DIVISOR; index itself (no division emitted) when DIVISOR is 1."""
+    if DIVISOR != 1:
+        index = index // DIVISOR
+    return index
+
+
+@triton.jit
 def _wgrad_operand(src, rows, tokens, r_ok, r0, col0, cols, col_ok, stride, BY_TOKEN: tl.constexpr, TMA: tl.constexpr):
     """[BLOCK_K, len(cols)] rows of a weight-gradient operand: gathered by token (always pointer
     loads, masked), or the contiguous schedule rows r0.. (a tensor descriptor when TMA; rows past
@@ -545,7 +553,7 @@ def wgrad_tile(
     expert, pid_m, pid_n, left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT,
     N_OUT, stride_left, stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr,
     RIGHT_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr,
 ):
     """dW_e[m-block, n-block] = sum over e's rows r of left[r, m-block]^T right[r, n-block], in
     ascending row order, BLOCK_K rows per step; an expert with no rows writes zeros. With TMA the
@@ -556,9 +564,11 @@ def wgrad_tile(
         left: rows of the left operand: (T, M_OUT) when LEFT_BY_TOKEN, else (R_pad, M_OUT) (a descriptor with TMA)
         right: rows of the right operand: (T, N_OUT) when RIGHT_BY_TOKEN, else (R_pad, N_OUT) (likewise)
         d_w_ptr: (E, M_OUT, N_OUT) out, any strides (a transposed view when the launcher swapped operands)
-        row_to_token_ptr: (R_pad,) int64
+        row_to_token_ptr: (R_pad,) int64, the by-token operands' row of each schedule row
         expert_offsets_ptr: (E+1,) int64
-        tokens_per_expert_ptr: (E,) int64"""
+        tokens_per_expert_ptr: (E,) int64
+        RIGHT_INDEX_DIVISOR: a by-token right operand's row is the index map's entry divided by this:
+            1, or top_k where the map is row_to_tk and right is x (pair t * K + k is token t's row)"""
     expert = expert.to(tl.int64)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
@@ -583,7 +593,8 @@ def wgrad_tile(
         # MMA's operand layout (measured faster than loading the left tile transposed).
         lhs = _wgrad_operand(left, rows, tokens, r_ok, r0, m0, ms, m_ok, stride_left, BY_TOKEN=LEFT_BY_TOKEN, TMA=TMA)
         rhs = _wgrad_operand(
-            right, rows, tokens, r_ok, r0, n0, ns, n_ok, stride_right, BY_TOKEN=RIGHT_BY_TOKEN, TMA=TMA
+            right, rows, _divided(tokens, RIGHT_INDEX_DIVISOR), r_ok, r0, n0, ns, n_ok, stride_right,
+            BY_TOKEN=RIGHT_BY_TOKEN, TMA=TMA,
         )
         acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
         tokens = next_tokens
@@ -596,7 +607,7 @@ def wgrad_sweep(
     expert, pid_m, left, right, d_w_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, M_OUT, N_OUT,
     stride_left, stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr,
     RIGHT_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr,
 ):
     """wgrad_tile for every n-block of one (expert, m-block), as one loop over (n-block, K step):
     the loads of a tile's first steps are issued while the tile before it multiplies its last ones
@@ -636,7 +647,8 @@ def wgrad_sweep(
                 left, rows, tokens, r_ok, r0, pid_m * BLOCK_M, ms, m_ok, stride_left, BY_TOKEN=LEFT_BY_TOKEN, TMA=TMA
             )
             rhs = _wgrad_operand(
-                right, rows, tokens, r_ok, r0, n0, ns, n_ok, stride_right, BY_TOKEN=RIGHT_BY_TOKEN, TMA=TMA
+                right, rows, _divided(tokens, RIGHT_INDEX_DIVISOR), r_ok, r0, n0, ns, n_ok, stride_right,
+                BY_TOKEN=RIGHT_BY_TOKEN, TMA=TMA,
             )
             acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
             if step == steps - 1:
