@@ -245,6 +245,18 @@ def test_the_profile_keeps_the_kernels_after_the_mark_only():
     assert after_mark(events[:2], name=lambda e: e[1], start=lambda e: e[0]) is None
 
 
+def test_the_weights_are_drawn_an_expert_at_a_time_at_their_scale():
+    # bf16 N(0, 1 / fan-in), seeded, a different draw for each expert (drawn an expert at a time, so
+    # that the 384-expert shape's fp32 draws fit an 80 GB GPU)
+    shape = MoEShape(8, 256, 128, 3, 2)
+    first, again = (providers.make_inputs(shape, "uniform", 3, device="cpu") for _ in range(2))
+    for name, size, fan_in in (("gate_up_proj", (3, 256, 256), 256), ("down_proj", (3, 256, 128), 128)):
+        w = first[name]
+        assert w.dtype == torch.bfloat16 and w.shape == size and torch.equal(w, again[name])
+        assert not torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])
+        assert w.float().std().item() * fan_in**0.5 == pytest.approx(1.0, abs=0.05)
+
+
 def test_a_kernels_name_fits_its_column_and_keeps_what_tells_it_apart():
     # PyTorch's elementwise kernels are templates of hundreds of characters (as a profile on the H200
     # names them): the printed label keeps the outer name and the functor; short names stay whole
