@@ -106,10 +106,14 @@ def test_wgrad_gathered_in_column_blocks_is_bitwise_unchanged(left_by_token, tma
     assert_close(whole, want, torch.float16, "dW", n_reduce=T * K // E)
 
 
-@pytest.mark.parametrize("sweep", [False, True], ids=["per_tile", "sweep"])
-def test_wgrad_reads_x_through_the_pair_map_divided_by_top_k(sweep):
+@pytest.mark.parametrize(
+    "sweep, keep_one_step_left", [(False, False), (True, False), (True, True)],
+    ids=["per_tile", "sweep", "sweep_one_step_left_kept"],
+)  # fmt: skip
+def test_wgrad_reads_x_through_the_pair_map_divided_by_top_k(sweep, keep_one_step_left, monkeypatch):
     # dW13 of per-pair dh (ops.compact_h): x [T, H] read through row_to_tk // K gives the bits of a
     # copy of x per pair read through row_to_tk (pair t * K + k is token t's), and the per-expert sum
+    monkeypatch.setattr(grouped_mlp, "SWEEP_KEEPS_ONE_STEP_LEFT", keep_one_step_left)
     T, H, I, E, K = 70, 72, 40, 10, 3
     g = torch.Generator().manual_seed(23)
     schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
@@ -152,15 +156,19 @@ def test_wgrad_index_divisor_needs_both_operands_by_token():
     "gather_rows, tma", [(False, False), (False, True), (True, True)], ids=["in_loop", "in_loop_tma", "pre_gathered"]
 )
 @pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
-def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, tma):
+@pytest.mark.parametrize("keep_one_step_left", [False, True], ids=["", "one_step_left_kept"])
+def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, tma, keep_one_step_left, monkeypatch):
     # A program sweeping its row block's tiles (config sweep) sums each tile's products in the same
     # order as a program per tile: the same bits, also for empty experts (zeros), for partial K
     # steps (segments of 1-70 rows against BLOCK_K 32), for tiles past the edge (H 72 against 32-wide
-    # blocks) and for the transposed store of dW13's swapped launch.
+    # blocks) and for the transposed store of dW13's swapped launch; and so it does with the left
+    # tile of a one-step expert loaded once for all its tiles.
+    monkeypatch.setattr(grouped_mlp, "SWEEP_KEEPS_ONE_STEP_LEFT", keep_one_step_left)
     T, H, I, E, K = 70, 72, 40, 10, 2
     g = torch.Generator().manual_seed(5)
     schedule = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
-    assert (schedule.tokens_per_expert == 0).any() and (schedule.tokens_per_expert > 32).any()
+    counts = schedule.tokens_per_expert
+    assert (counts == 0).any() and (counts > 32).any() and ((counts > 0) & (counts <= 32)).any()
     by_token = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
     by_row = torch.randn(schedule.row_to_token.shape[0], I, generator=g).to(DEVICE, torch.float16)
     by_row[schedule.row_to_token < 0] = 0  # the zero padding rows down_dgrad writes

@@ -236,7 +236,7 @@ def _expert_wgrad_kernel(
     stride_right, stride_d_w_e, stride_d_w_m, stride_d_w_n, LEFT_BY_TOKEN: tl.constexpr, RIGHT_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SWEEP: tl.constexpr, D_W_TRANSPOSED: tl.constexpr,
-    ALIGN: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr,
+    ALIGN: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr, KEEP_ONE_STEP_LEFT: tl.constexpr,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows. With SWEEP, (E *
@@ -265,7 +265,7 @@ def _expert_wgrad_kernel(
             stride_right=stride_right, stride_d_w_e=stride_d_w_e, stride_d_w_m=stride_d_w_m,
             stride_d_w_n=stride_d_w_n, LEFT_BY_TOKEN=LEFT_BY_TOKEN, RIGHT_BY_TOKEN=RIGHT_BY_TOKEN, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-            RIGHT_INDEX_DIVISOR=RIGHT_INDEX_DIVISOR,
+            RIGHT_INDEX_DIVISOR=RIGHT_INDEX_DIVISOR, KEEP_ONE_STEP_LEFT=KEEP_ONE_STEP_LEFT,
         )
     else:
         pid_m, pid_n = grouped_pid(pid % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M)
@@ -722,11 +722,18 @@ def _launch_wgrad(
         d_w.stride(2), LEFT_BY_TOKEN=left_by_token, RIGHT_BY_TOKEN=right_by_token, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(left.dtype),
         TMA=tma, SWEEP=cfg.sweep, D_W_TRANSPOSED=transposed, RIGHT_INDEX_DIVISOR=right_index_divisor,
+        KEEP_ONE_STEP_LEFT=cfg.sweep and SWEEP_KEEPS_ONE_STEP_LEFT,
         ALIGN=alignment(M, N, left.stride(0), right.stride(0), d_w.stride(0), d_w.stride(2 if transposed else 1)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
+
+# The sweep (tiles.wgrad_sweep) loads an expert's left tile once for all of a program's tiles where
+# the expert's rows fit one K step (the small batches), instead of once a tile: the same products.
+# Off until timed against the pinned behaviour (`mok bench ab --set
+# mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=True`, T = 37 and 512 with --graphs).
+SWEEP_KEEPS_ONE_STEP_LEFT = False
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)
