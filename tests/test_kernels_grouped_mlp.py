@@ -156,7 +156,7 @@ def test_wgrad_index_divisor_needs_both_operands_by_token():
     "gather_rows, tma", [(False, False), (False, True), (True, True)], ids=["in_loop", "in_loop_tma", "pre_gathered"]
 )
 @pytest.mark.parametrize("left_by_token", [True, False], ids=["dW2_like", "dW13_like"])
-@pytest.mark.parametrize("keep_one_step_left", [False, True], ids=["", "one_step_left_kept"])
+@pytest.mark.parametrize("keep_one_step_left", [False, True], ids=["left_a_tile", "one_step_left_kept"])
 def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, tma, keep_one_step_left, monkeypatch):
     # A program sweeping its row block's tiles (config sweep) sums each tile's products in the same
     # order as a program per tile: the same bits, also for empty experts (zeros), for partial K
