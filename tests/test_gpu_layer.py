@@ -286,6 +286,47 @@ def test_narrow_row_tiles_for_small_grids_change_no_bits(T, monkeypatch):
         assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+@pytest.mark.parametrize("T", [1, 512, 4096])
+def test_dependent_launches_change_no_bits(T, monkeypatch):
+    # launch.DEPENDENT_LAUNCHES (v39): each kernel's programs start while the one before drains and
+    # wait before touching memory. Same bits as stream order, eager and replayed from a CUDA graph,
+    # and the launches did go dependent (their binaries carry Triton's launch_pdl option).
+    from mok_plugin.kernels import launch as launch_module
+
+    shape = (T, 2048, 768, 128, 8)
+    x = make_layer_inputs(T, 2048, dtype=torch.bfloat16, device="cuda", seed=7).requires_grad_()
+    probe = make_layer_inputs(T, 2048, device="cuda", seed=8)
+    layer = _layer(shape, "triton")
+    in_order = _fwd_bwd(layer, x, probe)
+    monkeypatch.setattr(launch_module, "DEPENDENT_LAUNCHES", True)
+    dependent = _fwd_bwd(layer, x, probe)
+    assert any(("launch_pdl", True) in key for key in launch_module._binaries)
+    for i, (a, b) in enumerate(zip(dependent, in_order, strict=True)):
+        assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
+
+    def step():
+        out, aux = layer(x)
+        ((out.float() * probe).sum() + aux).backward()
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    for tensor in [x, *layer.parameters()]:
+        tensor.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [out, x.grad, *[p.grad for p in layer.parameters()]]
+    for i, (a, b) in enumerate(zip(replayed, in_order, strict=True)):
+        assert torch.equal(a, b), f"tensor {i}: the graph's replay with dependent launches differs"
+
+
 VARIANTS = ["multi_kernel", "megakernel"]
 
 
