@@ -184,7 +184,10 @@ def test_anything_but_a_jit_kernel_is_indexed_and_called():
             return lambda *args, **kwargs: calls.append((grid, args, kwargs))
 
     launch(StandIn(), (2, 1), 1, 2, BLOCK=3)
-    assert calls == [((2, 1), (1, 2), {"BLOCK": 3})]
+    with pytest.MonkeyPatch.context() as patch:  # dependent launches ask nothing of a stand-in
+        patch.setattr(launch_module, "DEPENDENT_LAUNCHES", True)
+        launch(StandIn(), (2, 1), 1, 2, BLOCK=3)
+    assert calls == [((2, 1), (1, 2), {"BLOCK": 3})] * 2
     assert launch_module._TRITON_GETITEM is JITFunction.__getitem__
 
 

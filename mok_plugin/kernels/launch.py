@@ -185,7 +185,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
 
     With DEPENDENT_LAUNCHES, a kernel that takes a PDL constexpr gets PDL=True and Triton's
     `launch_pdl` option where `dependent_launch_ok` (either path)."""
-    if DEPENDENT_LAUNCHES and "PDL" in kernel.arg_names and dependent_launch_ok(kernel):
+    if DEPENDENT_LAUNCHES and "PDL" in getattr(kernel, "arg_names", ()) and dependent_launch_ok(kernel):
         kwargs["PDL"] = kwargs["launch_pdl"] = True
     if (
         torch.compiler.is_compiling()
