@@ -7,7 +7,6 @@ none when off. On a GPU (tests/test_gpu_layer.py): the same bits with and withou
 from a CUDA graph."""
 
 import ast
-import contextlib
 import inspect
 import json
 from pathlib import Path
@@ -20,7 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from triton_cases import outside_the_interpreter  # noqa: E402
 
-from mok_plugin.bench.host import experts_step  # noqa: E402
+from mok_plugin.bench.host import experts_step, stubbed_launches  # noqa: E402
 from mok_plugin.kernels import combine, grouped_mlp, schedule  # noqa: E402
 from mok_plugin.kernels import launch as launch_module  # noqa: E402
 from mok_plugin.testing import parse_shape  # noqa: E402
@@ -74,34 +73,15 @@ print(json.dumps(found))
         assert found[f"{kernel} False"][:2] == [-1, -1] and found[f"{kernel} False"][3] == shared, found
 
 
-@contextlib.contextmanager
-def _recorded_launches():
-    """Within: every Triton launch records (kernel name, its keyword arguments) and runs nothing."""
-    calls: list[tuple[str, dict]] = []
-
-    def stand_in(self, grid):
-        return lambda *args, **kwargs: calls.append((self.fn.__name__, kwargs))
-
-    saved = {cls: cls.__getitem__ for cls in (JITFunction, InterpretedFunction)}
-    try:
-        for cls in saved:
-            cls.__getitem__ = stand_in
-        yield calls
-    finally:
-        for cls, getitem in saved.items():
-            cls.__getitem__ = getitem
-
-
 @pytest.mark.parametrize("tokens", [1, 512], ids=["one_chunk_schedule", "chunked_schedule"])
 def test_a_step_passes_pdl_to_every_launch_when_switched_on_and_to_none_when_off(tokens, monkeypatch):
     # On meta tensors, with the GPU's check stood in: the chunked schedule's three kernels at T = 512,
     # its one-kernel path at T = 1, the row GEMMs, the epilogue, combines and weight gradients.
     monkeypatch.setattr(launch_module, "dependent_launch_ok", lambda kernel: True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tile configs, as `mok bench host`
     step = experts_step(parse_shape(f"{tokens},256,128,16,4"))
     for switched_on in (False, True):
         monkeypatch.setattr(launch_module, "DEPENDENT_LAUNCHES", switched_on)
-        with _recorded_launches() as calls:
+        with stubbed_launches(calls := []):
             step()
         assert len(calls) >= 9, calls
         for name, kwargs in calls:

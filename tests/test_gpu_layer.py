@@ -163,11 +163,10 @@ def test_compile_at_several_token_counts(dynamic):
             assert_close(a, b, torch.bfloat16, f"{tokens} tokens, compiled vs eager", n_reduce=tokens)
 
 
-def test_cuda_graph_capture_forward_backward():
-    shape = (1024, 1024, 512, 16, 4)
-    layer = _layer(shape, "triton")
-    x = make_layer_inputs(1024, 1024, dtype=torch.bfloat16, device="cuda", seed=5).requires_grad_()
-    probe = make_layer_inputs(1024, 1024, device="cuda", seed=6)
+def _replayed_fwd_bwd(layer, x, probe):
+    """What _fwd_bwd returns, from one replay of a CUDA graph captured after two eager warm-up steps
+    (which compile the kernels) on a side stream."""
+    x = x.detach().requires_grad_()
 
     def step():
         out, aux = layer(x)
@@ -177,20 +176,27 @@ def test_cuda_graph_capture_forward_backward():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up (compiles kernels) outside the capture
+        for _ in range(2):
             layer.zero_grad(set_to_none=False)
             x.grad = None
             step()
     torch.cuda.current_stream().wait_stream(stream)
-    for p in layer.parameters():
-        p.grad.zero_()
-    x.grad.zero_()
+    for tensor in [x, *layer.parameters()]:
+        tensor.grad.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
     graph.replay()
     torch.cuda.synchronize()
-    replayed = [out.clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    return [out.clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+def test_cuda_graph_capture_forward_backward():
+    shape = (1024, 1024, 512, 16, 4)
+    layer = _layer(shape, "triton")
+    x = make_layer_inputs(1024, 1024, dtype=torch.bfloat16, device="cuda", seed=5)
+    probe = make_layer_inputs(1024, 1024, device="cuda", seed=6)
+    replayed = _replayed_fwd_bwd(layer, x, probe)
     eager = _fwd_bwd(layer, x, probe)
     for i, (a, b) in enumerate(zip(replayed, eager, strict=True)):
         assert torch.equal(a, b), f"tensor {i}: graph replay differs from eager"
@@ -295,36 +301,15 @@ def test_dependent_launches_change_no_bits(T, monkeypatch):
     from mok_plugin.kernels import launch as launch_module
 
     shape = (T, 2048, 768, 128, 8)
-    x = make_layer_inputs(T, 2048, dtype=torch.bfloat16, device="cuda", seed=7).requires_grad_()
+    x = make_layer_inputs(T, 2048, dtype=torch.bfloat16, device="cuda", seed=7)
     probe = make_layer_inputs(T, 2048, device="cuda", seed=8)
     layer = _layer(shape, "triton")
     in_order = _fwd_bwd(layer, x, probe)
     monkeypatch.setattr(launch_module, "DEPENDENT_LAUNCHES", True)
-    dependent = _fwd_bwd(layer, x, probe)
+    for how, run in (("eager", _fwd_bwd), ("replayed from a graph", _replayed_fwd_bwd)):
+        for i, (a, b) in enumerate(zip(run(layer, x, probe), in_order, strict=True)):
+            assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients), {how}, differs"
     assert any(("launch_pdl", True) in key for key in launch_module._binaries)
-    for i, (a, b) in enumerate(zip(dependent, in_order, strict=True)):
-        assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
-
-    def step():
-        out, aux = layer(x)
-        ((out.float() * probe).sum() + aux).backward()
-        return out
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    for tensor in [x, *layer.parameters()]:
-        tensor.grad.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = [out, x.grad, *[p.grad for p in layer.parameters()]]
-    for i, (a, b) in enumerate(zip(replayed, in_order, strict=True)):
-        assert torch.equal(a, b), f"tensor {i}: the graph's replay with dependent launches differs"
 
 
 VARIANTS = ["multi_kernel", "megakernel"]
