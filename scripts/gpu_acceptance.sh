@@ -31,10 +31,13 @@
 #                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
-#              that say "not yet timed"): their GPU tests, then each switch A/B'd with `mok bench ab --graphs` at
-#              qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each: bits compared, GPU time per kernel),
-#              then all of them together against the code as is. Edit the list as switches come
-#              and go: v38 SWEEP_KEEPS_ONE_STEP_LEFT, v39 DEPENDENT_LAUNCHES
+#              that say "not yet timed"): their GPU tests (untimed-tests), then (untimed-ab) each switch A/B'd
+#              with `mok bench ab --graphs` at qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each:
+#              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
+#              T = 1 and 37 (where the host's time is the step's). Judge a switch by the fwd+bwd times: with
+#              DEPENDENT_LAUNCHES a kernel's profiled time includes its early programs' wait for the kernel
+#              before. Edit the list as switches come and go: v38 SWEEP_KEEPS_ONE_STEP_LEFT, v39
+#              DEPENDENT_LAUNCHES
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -146,24 +149,35 @@ for part in "${parts[@]}"; do
                     --out "$out/perf-small-T$tokens"
             done
         fi ;;
-    untimed)
+    untimed | untimed-tests | untimed-ab)
         switches=(mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=True
                   mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
-        run_part untimed-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_layer.py \
-            tests/test_kernels_grouped_mlp.py tests/test_compact_h.py -k "dependent or sweep or compact or per_pair"
-        for switch in "${switches[@]}"; do
-            name=${switch%%=*}
-            for tokens in 1 37 512; do
-                run_part "untimed-${name##*.}-T$tokens" python3 -m mok_plugin.cli bench ab \
-                    --shape "$tokens,2048,768,128,8" --graphs --set "$switch" --out "$out/untimed-${name##*.}-T$tokens"
+        if [ "$part" != untimed-ab ]; then
+            spread=()
+            python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+            run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
+                tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
+                -k "dependent or sweep or compact or per_pair or pair_map or on_the_gpu"
+        fi
+        if [ "$part" != untimed-tests ]; then
+            sets=()
+            for switch in "${switches[@]}"; do
+                sets+=(--set "$switch")
+                name=${switch%%=*}
+                for tokens in 1 37 512; do
+                    run_part "untimed-${name##*.}-T$tokens" python3 -m mok_plugin.cli bench ab \
+                        --shape "$tokens,2048,768,128,8" --graphs --set "$switch" --out "$out/untimed-${name##*.}-T$tokens"
+                done
             done
-        done
-        sets=()
-        for switch in "${switches[@]}"; do sets+=(--set "$switch"); done
-        for tokens in 1 37 512; do
-            run_part "untimed-all-T$tokens" python3 -m mok_plugin.cli bench ab --shape "$tokens,2048,768,128,8" \
-                --graphs "${sets[@]}" --out "$out/untimed-all-T$tokens"
-        done ;;
+            for tokens in 1 37 512; do
+                run_part "untimed-all-T$tokens" python3 -m mok_plugin.cli bench ab --shape "$tokens,2048,768,128,8" \
+                    --graphs "${sets[@]}" --out "$out/untimed-all-T$tokens"
+            done
+            for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
+                run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
+                    --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
+            done
+        fi ;;
     families)
         families=(swiglu swiglu-bias gpt-oss glu-gelu glu-gelu-tanh glu-quick-gelu glu-relu mlp-silu mlp-gelu
                   mlp-gelu-tanh mlp-quick-gelu mlp-relu mlp-squared-relu)

@@ -112,9 +112,10 @@ def test_per_pair_dh_takes_the_hopper_weight_gradient(family_name, T, into_rows,
     ids=["E384", "deepseek_v3_dims", "deepseek_v3_dims_T2048", "E384_T2048", "gpt_oss_dims", "deepseek_v3_dims_T512",
          "small"],
 )  # fmt: skip
-def test_pair_column_blocks_keep_the_per_pair_paths_memory(shape, blocks):
+def test_pair_column_blocks_fit_a_copy_of_x_per_pair(shape, blocks):
     # The copies of dh and x alive at once (rows in segments padded to the Gluon kernel's 64-row K
-    # step) never outgrow the per-pair path's copy of x (T * K x H).
+    # step) never outgrow a copy of x per pair (T * K x H): what the Triton path held until it read x
+    # through the pair map (v37), and the budget the measured peaks below the PyTorch path's rest on.
     T, H, I, E, K = shape
     rows = max_padded_rows(T * K, E, wgrad_hopper.BLOCK_K)
     budget = T * K * H * 2

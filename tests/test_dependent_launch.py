@@ -91,9 +91,9 @@ def test_a_step_passes_pdl_to_every_launch_when_switched_on_and_to_none_when_off
 
 def test_no_dependent_launch_off_a_hopper_gpu_or_under_torch_compile(monkeypatch):
     kernel = JITFunction(grouped_mlp._down_fwd_kernel.fn)  # compiled, whatever TRITON_INTERPRET says
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch_module, "_gpu_present", lambda: False)
     assert not launch_module.dependent_launch_ok(kernel)  # no GPU
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch_module, "_gpu_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_module, "_has_copy_engine", lambda device: False)
     assert not launch_module.dependent_launch_ok(kernel)  # before Hopper: no griddepcontrol
