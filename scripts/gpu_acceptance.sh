@@ -36,8 +36,10 @@
 #              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
 #              T = 1 and 37 (where the host's time is the step's). Judge a switch by the fwd+bwd times: with
 #              DEPENDENT_LAUNCHES a kernel's profiled time includes its early programs' wait for the kernel
-#              before. Edit the list as switches come and go: v38 SWEEP_KEEPS_ONE_STEP_LEFT, v39
-#              DEPENDENT_LAUNCHES
+#              before. Then the pinned-config candidates (`candidates`: bench ab's arguments, --override
+#              each). Edit the lists as switches and candidates come and go: v38 SWEEP_KEEPS_ONE_STEP_LEFT, v39
+#              DEPENDENT_LAUNCHES; the forward row GEMMs with TMA and 4 stages at T = 512; gpt-oss-120b's
+#              row GEMMs 128 wide (256-wide tiles leave a quarter-full last tile over its 2880 columns)
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -176,6 +178,17 @@ for part in "${parts[@]}"; do
             for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
                 run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
                     --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
+            done
+            candidates=(
+                "--shape 512,2048,768,128,8 --graphs --override gate_up_fwd=128x128x64w8s4t
+                 --override down_fwd=128x256x64w8s4t"
+                "--shape gpt-oss-120b --override down_fwd=128x128x64w8s3 --override down_dgrad=128x128x64w8s3
+                 --override gate_up_dgrad=128x128x64w8s4t"
+            )
+            for i in "${!candidates[@]}"; do
+                # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
+                run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
+                    --out "$out/untimed-candidate-$i"
             done
         fi ;;
     families)
