@@ -52,7 +52,13 @@
 #              fp8-hopper-tests and fp8-hopper-bench run one half each (if one call cannot hold both)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
 # (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
-# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD. The wheels (~8 MB, a few seconds; .whl/ is
+# git-ignored), made on a machine with the registry:
+#   pip download --no-deps -d .whl "megatron-core>=0.19,<0.20" pydantic pydantic-core annotated-types \
+#       typing-inspection typing-extensions hjson py-cpuinfo msgpack pytest-xdist execnet --python-version 3.12 \
+#       --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
+#   DS_BUILD_OPS=0 pip wheel --no-deps -w .whl "deepspeed>=0.19.4,<0.20"    # pure Python
+# (pydantic pins its pydantic-core: download them together.)
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
 # On the H200 (2026-12-02): tests ~190 s with pytest-xdist, layer ~140 s (four processes); compare ~190 s
 # (2026-11-30): more than one 10-minute device call holds, so split them, e.g. `tests layer` and `compare`.
