@@ -88,6 +88,13 @@ def test_bad_arguments():
         build_schedule(torch.zeros(3, 2, dtype=torch.long), 4, tile_m=0)
 
 
+def _assert_same_schedule(a, b) -> None:
+    """Every field of two schedules equal (tensors bitwise)."""
+    for field in a.__slots__:
+        x, y = getattr(a, field), getattr(b, field)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
+
+
 @pytest.mark.parametrize(
     "T, K, E, tile, capacity, kind",
     [
@@ -131,9 +138,7 @@ def test_triton_schedule_equals_torch_schedule(T, K, E, tile, capacity, kind, mo
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: fresh(*args, **kwargs).fill_(7777))
     b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
     monkeypatch.undo()
-    for field in a.__slots__:
-        x, y = getattr(a, field), getattr(b, field)
-        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
+    _assert_same_schedule(a, b)
 
 
 def test_chunks_shrink_with_the_pairs_until_there_are_enough_programs():
@@ -162,9 +167,7 @@ def test_triton_schedule_in_smaller_chunks_gives_the_same_maps(T, K, E, tile, ca
     a = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="torch")
     monkeypatch.setattr(schedule_kernels, "chunk_pairs", lambda num_pairs: chunk)
     b = build_schedule(ids, E, tile_m=tile, capacity=capacity, impl="triton")
-    for field in a.__slots__:
-        x, y = getattr(a, field), getattr(b, field)
-        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field
+    _assert_same_schedule(a, b)
 
 
 @pytest.mark.parametrize(

@@ -246,19 +246,17 @@ def dependent_launch_ok(kernel: object) -> bool:
     """Whether `kernel` may be launched dependent on the kernel before it: a compiled Triton kernel (not
     the interpreter's) on a GPU with griddepcontrol (Hopper or newer), not traced by torch.compile
     (whose launcher would take `launch_pdl` for an argument)."""
-    return type(kernel) is JITFunction and not torch.compiler.is_compiling() and _current_gpu_has_griddepcontrol()
-
-
-def _current_gpu_has_griddepcontrol() -> bool:
-    """Whether the current CUDA device is Hopper or newer; each device's answer kept (asked at every
-    launch while DEPENDENT_LAUNCHES is on: `torch.cuda.is_available` alone is ~1 us)."""
-    if not _gpu_present():
-        return False
-    return _has_copy_engine(torch.cuda.current_device())
+    return (
+        type(kernel) is JITFunction
+        and not torch.compiler.is_compiling()
+        and _gpu_present()
+        and _has_copy_engine(torch.cuda.current_device())  # Hopper or newer, as TMA
+    )
 
 
 @functools.cache
 def _gpu_present() -> bool:
+    """`torch.cuda.is_available()`, kept: asked at every launch while DEPENDENT_LAUNCHES is on (~1 us a call)."""
     return torch.cuda.is_available()
 
 
