@@ -25,6 +25,7 @@
 #              perf-graphs  the same T = 1, 37, 512 with forward + backward also replayed from a CUDA graph
 #                           (--graphs): the GPU's time without the host's, against the floor of writing
 #                           every expert's weight gradient
+#              perf-graphs-untimed  the same with every untimed switch on (bench_layer.py --set; see untimed)
 #              perf-host    T = 1, 37, 512 uniform, 3 rounds of both MoK variants and the PyTorch path, with
 #                           --host-profile: where the host's time goes, and whether the megakernel's three
 #                           launches a step (against the multi-kernel's eleven) pay at small T; and `mok bench host
@@ -76,6 +77,9 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
     exit 2
 fi
 summary=()
+# The switches written without a GPU and off until timed (the untimed and perf-graphs-untimed parts).
+untimed_switches=(mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=True
+                  mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
 
 run_part() {  # name, command...
     local name=$1
@@ -127,11 +131,15 @@ for part in "${parts[@]}"; do
                 scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
                 --out "$out/layer-$shape"
         done ;;
-    perf-graphs)
+    perf-graphs | perf-graphs-untimed)
+        sets=()
+        if [ "$part" = perf-graphs-untimed ]; then
+            for switch in "${untimed_switches[@]}"; do sets+=(--set "$switch"); done
+        fi
         for tokens in 1 37 512; do
-            run_part "perf-graphs-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
-                --routing uniform skewed --providers mok-multi torch --iters 20 --graphs \
-                --out "$out/perf-graphs-T$tokens"
+            run_part "$part-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
+                --routing uniform skewed --providers mok-multi torch --iters 20 --graphs "${sets[@]}" \
+                --out "$out/$part-T$tokens"
         done ;;
     perf-host)
         for tokens in 1 37 512; do
@@ -158,8 +166,6 @@ for part in "${parts[@]}"; do
             done
         fi ;;
     untimed | untimed-tests | untimed-ab)
-        switches=(mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=True
-                  mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
         if [ "$part" != untimed-ab ]; then
             spread=()
             python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
@@ -169,7 +175,7 @@ for part in "${parts[@]}"; do
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()
-            for switch in "${switches[@]}"; do
+            for switch in "${untimed_switches[@]}"; do
                 sets+=(--set "$switch")
                 name=${switch%%=*}
                 for tokens in 1 37 512; do

@@ -337,3 +337,17 @@ def test_graph_rows_print_against_their_floor(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
     assert "0.600 ms against the floor 0.300 ms (1.20 GB at 4.00 TB/s): 2.00x" in lines[0]
+
+
+def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
+    from mok_plugin.kernels import launch
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(layer, "_run", lambda *args: seen.append(launch.DEPENDENT_LAUNCHES) or 0)
+    before = launch.DEPENDENT_LAUNCHES
+    argv = ["--shape", "1,64,32,4,2", "--set", f"mok_plugin.kernels.launch.DEPENDENT_LAUNCHES={not before}"]
+    assert layer.main(argv) == 0
+    assert seen == [not before] and launch.DEPENDENT_LAUNCHES == before
+    with pytest.raises(SystemExit):  # an attribute the module lacks is refused before any work
+        layer.main(["--shape", "1,64,32,4,2", "--set", "mok_plugin.kernels.launch.NO_SUCH_SWITCH=1"])

@@ -18,14 +18,11 @@ process, as every timing here.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import importlib
 import json
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,66 +33,13 @@ from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, time_ms
-from mok_plugin.bench.tuning import overridden_configs, parse_overrides, tile_config_label
-from mok_plugin.kernels.configs import MoKTileConfig
+from mok_plugin.bench.tuning import Setting, changed, parse_overrides, parse_setting, tile_config_label
 from mok_plugin.testing import parse_shape
 
 __all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_ab"]
 
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
-
-
-@dataclass(frozen=True, slots=True)
-class Setting:
-    """B's value of one module attribute."""
-
-    module: str
-    attr: str
-    value: object
-
-    def __str__(self) -> str:
-        return f"{self.module}.{self.attr}={self.value!r}"
-
-
-def parse_setting(text: str) -> Setting:
-    """'package.module.ATTR=VALUE' (VALUE a Python literal) as a Setting, checked against the module.
-
-    Raises:
-        ValueError: not in that form, the module does not import, it has no such attribute, or
-            VALUE is not a literal.
-    """
-    target, sep, literal = text.partition("=")
-    module, dot, attr = target.strip().rpartition(".")
-    if not sep or not dot or not module or not attr:
-        raise ValueError(f"{text!r}: expected package.module.ATTR=VALUE")
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError as error:
-        raise ValueError(f"{text!r}: module {module} does not import ({error})") from None
-    if not hasattr(loaded, attr):
-        raise ValueError(f"{text!r}: {module} has no attribute {attr}")
-    try:
-        value = ast.literal_eval(literal.strip())
-    except (ValueError, SyntaxError):
-        raise ValueError(f"{text!r}: {literal.strip()!r} is not a Python literal (quote strings)") from None
-    return Setting(module, attr, value)
-
-
-@contextlib.contextmanager
-def changed(settings: Sequence[Setting], overrides: dict[str, MoKTileConfig]) -> Iterator[None]:
-    """Within the block, B: each setting's attribute holds its value and the pinned table has the
-    overrides; A's values come back on leaving it, errors included."""
-    modules = [importlib.import_module(s.module) for s in settings]
-    previous = [getattr(m, s.attr) for m, s in zip(modules, settings, strict=True)]
-    try:
-        for m, s in zip(modules, settings, strict=True):
-            setattr(m, s.attr, s.value)
-        with overridden_configs(overrides):
-            yield
-    finally:
-        for m, s, value in zip(modules, settings, previous, strict=True):
-            setattr(m, s.attr, value)
 
 
 def run_ab(

@@ -43,7 +43,7 @@ from mok_plugin.bench.memory import memory_breakdown, print_memory
 from mok_plugin.bench.providers import PROVIDERS, check_provider, fwd_bwd, leaves, make_inputs, provider_reference
 from mok_plugin.bench.report import run_metadata
 from mok_plugin.bench.timing import SETTLE_S, summarize, time_ms
-from mok_plugin.bench.tuning import overridden_configs, parse_overrides, tile_config_label
+from mok_plugin.bench.tuning import changed, parse_overrides, parse_setting, tile_config_label
 from mok_plugin.experts import SWIGLU, MoKExpertFamily
 from mok_plugin.testing import NAMED_SHAPES, MoEShape, parse_shape
 
@@ -204,6 +204,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
                         help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
                              "(mok bench tune's notation); repeatable")  # fmt: skip
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                        help="time MoK with this module attribute set, as mok bench ab's --set: a switch that is "
+                             "off until timed, e.g. mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True; "
+                             "repeatable")  # fmt: skip
     return parser
 
 
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.override)
+        settings = [parse_setting(text) for text in args.settings]
     except ValueError as error:
         parser.error(str(error))
     if args.rounds < 1:
@@ -230,7 +235,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
     if overrides:
         print("pinned table overridden: " + ", ".join(f"{k}={tile_config_label(c)}" for k, c in overrides.items()))
-    with overridden_configs(overrides):
+    if settings:
+        print("set: " + ", ".join(map(str, settings)))
+    with changed(settings, overrides):
         return _run(args, overrides, shapes)
 
 
@@ -262,6 +269,7 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
         "device_copy_tbps": copy,
         "settle_s": args.settle_s,
         "config_overrides": {k: tile_config_label(c) for k, c in overrides.items()},
+        "settings": args.settings,
     }
     (args.out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print()

@@ -8,14 +8,26 @@ for TMA and 'p' for a weight-gradient program sweeping its row block's tiles, in
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from mok_plugin.kernels import configs
 from mok_plugin.kernels.configs import PINNED_KERNELS, MoKTileConfig
 
-__all__ = ["overridden_configs", "parse_overrides", "parse_tile_config", "tile_config_label", "tile_config_spec"]
+__all__ = [
+    "Setting",
+    "changed",
+    "overridden_configs",
+    "parse_overrides",
+    "parse_setting",
+    "parse_tile_config",
+    "tile_config_label",
+    "tile_config_spec",
+]
 
 _SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(p?)")
 
@@ -84,3 +96,55 @@ def overridden_configs(overrides: Mapping[str, MoKTileConfig]) -> Iterator[None]
         yield
     finally:
         configs.swap_pinned(previous)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """B's value of one module attribute."""
+
+    module: str
+    attr: str
+    value: object
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.attr}={self.value!r}"
+
+
+def parse_setting(text: str) -> Setting:
+    """'package.module.ATTR=VALUE' (VALUE a Python literal) as a Setting, checked against the module.
+
+    Raises:
+        ValueError: not in that form, the module does not import, it has no such attribute, or
+            VALUE is not a literal.
+    """
+    target, sep, literal = text.partition("=")
+    module, dot, attr = target.strip().rpartition(".")
+    if not sep or not dot or not module or not attr:
+        raise ValueError(f"{text!r}: expected package.module.ATTR=VALUE")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as error:
+        raise ValueError(f"{text!r}: module {module} does not import ({error})") from None
+    if not hasattr(loaded, attr):
+        raise ValueError(f"{text!r}: {module} has no attribute {attr}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"{text!r}: {literal.strip()!r} is not a Python literal (quote strings)") from None
+    return Setting(module, attr, value)
+
+
+@contextlib.contextmanager
+def changed(settings: Sequence[Setting], overrides: dict[str, MoKTileConfig]) -> Iterator[None]:
+    """Within the block, B: each setting's attribute holds its value and the pinned table has the
+    overrides; A's values come back on leaving it, errors included."""
+    modules = [importlib.import_module(s.module) for s in settings]
+    previous = [getattr(m, s.attr) for m, s in zip(modules, settings, strict=True)]
+    try:
+        for m, s in zip(modules, settings, strict=True):
+            setattr(m, s.attr, s.value)
+        with overridden_configs(overrides):
+            yield
+    finally:
+        for m, s, value in zip(modules, settings, previous, strict=True):
+            setattr(m, s.attr, value)
