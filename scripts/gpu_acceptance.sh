@@ -78,8 +78,7 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
 fi
 summary=()
 # The switches written without a GPU and off until timed (the untimed and perf-graphs-untimed parts).
-untimed_switches=(mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=True
-                  mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
+untimed_switches=(mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
 
 run_part() {  # name, command...
     local name=$1
