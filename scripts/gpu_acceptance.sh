@@ -35,12 +35,13 @@
 #              that say "not yet timed"): their GPU tests (untimed-tests), then (untimed-ab) each switch A/B'd
 #              with `mok bench ab --graphs` at qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each:
 #              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
-#              T = 1 and 37 (where the host's time is the step's). Judge a switch by the fwd+bwd times: with
-#              DEPENDENT_LAUNCHES a kernel's profiled time includes its early programs' wait for the kernel
-#              before. Then the pinned-config candidates (`candidates`: bench ab's arguments, --override
-#              each). Edit the lists as switches and candidates come and go: v38 SWEEP_KEEPS_ONE_STEP_LEFT, v39
-#              DEPENDENT_LAUNCHES; the forward row GEMMs with TMA and 4 stages at T = 512; gpt-oss-120b's
-#              row GEMMs 128 wide (256-wide tiles leave a quarter-full last tile over its 2880 columns)
+#              T = 1 and 37 (where the host's time is the step's). Judge a switch by the fwd+bwd times (with
+#              launch.DEPENDENT_LAUNCHES a kernel's profiled time includes its programs' wait for the kernel
+#              before). Then the pinned-config candidates (`candidates`: bench ab's arguments, --override
+#              each). Edit the lists as switches and candidates come and go (session 48 timed v38, landed,
+#              and v39, off; the switch list is empty). Candidates now: the forward row GEMMs with TMA and
+#              4 stages (1 % faster at T = 512, session 48) on the coarse shapes, since one pinned entry
+#              serves every T
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -78,7 +79,7 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
 fi
 summary=()
 # The switches written without a GPU and off until timed (the untimed and perf-graphs-untimed parts).
-untimed_switches=(mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True)
+untimed_switches=()
 
 run_part() {  # name, command...
     local name=$1
@@ -134,6 +135,7 @@ for part in "${parts[@]}"; do
         sets=()
         if [ "$part" = perf-graphs-untimed ]; then
             for switch in "${untimed_switches[@]}"; do sets+=(--set "$switch"); done
+            [ ${#sets[@]} -eq 0 ] && echo "perf-graphs-untimed: no switch is off until timed" && continue
         fi
         for tokens in 1 37 512; do
             run_part "$part-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
@@ -182,19 +184,20 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" --graphs --set "$switch" --out "$out/untimed-${name##*.}-T$tokens"
                 done
             done
+            [ ${#sets[@]} -eq 0 ] && echo "untimed-ab: no switch is off until timed; the candidates only"
             for tokens in 1 37 512; do
+                [ ${#sets[@]} -eq 0 ] && break
                 run_part "untimed-all-T$tokens" python3 -m mok_plugin.cli bench ab --shape "$tokens,2048,768,128,8" \
                     --graphs "${sets[@]}" --out "$out/untimed-all-T$tokens"
             done
             for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
+                [ ${#sets[@]} -eq 0 ] && break
                 run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
                     --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
             done
             candidates=(
-                "--shape 512,2048,768,128,8 --graphs --override gate_up_fwd=128x128x64w8s4t
-                 --override down_fwd=128x256x64w8s4t"
-                "--shape gpt-oss-120b --override down_fwd=128x128x64w8s3 --override down_dgrad=128x128x64w8s3
-                 --override gate_up_dgrad=128x128x64w8s4t"
+                "--shape qwen3-30b-a3b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
+                "--shape mixtral-8x7b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
             )
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
