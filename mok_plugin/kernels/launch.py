@@ -160,11 +160,10 @@ _direct = True  # False within `through_triton`
 # Programmatic dependent launch (v39; timed and off: at most 0.6 % faster under graphs on an H100,
 # BENCHMARKS.md, session 48: with the wait first, nothing of a kernel overlaps the one before). Every
 # kernel that takes a PDL constexpr (the multi-kernel variant's: `tiles.wait_for_prior_kernels` first
-# in each) is launched with CUDA's
-# programmatic stream serialization on Hopper or newer: its programs become resident while the kernel
-# before it drains, and wait (griddepcontrol.wait) before their first memory access, so a boundary
-# between two kernels costs no launch latency and no bit changes. Kept as the base for work placed
-# before the wait (a prologue that touches no memory the kernel before writes).
+# in each) is launched with CUDA's programmatic stream serialization on Hopper or newer: its programs
+# become resident while the kernel before it drains, and wait (griddepcontrol.wait) before their first
+# memory access, so a boundary between two kernels costs no launch latency and no bit changes. Kept as
+# the base for work placed before the wait (a prologue that touches no memory the kernel before writes).
 DEPENDENT_LAUNCHES = False
 
 
