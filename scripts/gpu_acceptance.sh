@@ -25,7 +25,6 @@
 #              perf-graphs  the same T = 1, 37, 512 with forward + backward also replayed from a CUDA graph
 #                           (--graphs): the GPU's time without the host's, against the floor of writing
 #                           every expert's weight gradient
-#              perf-graphs-untimed  the same with every untimed switch on (bench_layer.py --set; see untimed)
 #              perf-host    T = 1, 37, 512 uniform, 3 rounds of both MoK variants and the PyTorch path, with
 #                           --host-profile: where the host's time goes, and whether the megakernel's three
 #                           launches a step (against the multi-kernel's eleven) pay at small T; and `mok bench host
@@ -35,13 +34,11 @@
 #              that say "not yet timed"): their GPU tests (untimed-tests), then (untimed-ab) each switch A/B'd
 #              with `mok bench ab --graphs` at qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each:
 #              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
-#              T = 1 and 37 (where the host's time is the step's). Judge a switch by the fwd+bwd times (with
-#              launch.DEPENDENT_LAUNCHES a kernel's profiled time includes its programs' wait for the kernel
-#              before). Then the pinned-config candidates (`candidates`: bench ab's arguments, --override
-#              each). Edit the lists as switches and candidates come and go (session 48 timed v38, landed,
-#              and v39, off; the switch list is empty). Candidates now: the forward row GEMMs with TMA and
-#              4 stages (1 % faster at T = 512, session 48) on the coarse shapes, since one pinned entry
-#              serves every T
+#              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
+#              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
+#              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
+#              empty). Candidates now: the forward row GEMMs with TMA and 4 stages (1 % faster at T = 512,
+#              session 48) on the coarse shapes, since one pinned entry serves every T
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -78,7 +75,7 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
     exit 2
 fi
 summary=()
-# The switches written without a GPU and off until timed (the untimed and perf-graphs-untimed parts).
+# The switches written without a GPU and off until timed (the untimed part).
 untimed_switches=()
 
 run_part() {  # name, command...
@@ -131,16 +128,11 @@ for part in "${parts[@]}"; do
                 scripts/bench_layer.py --shapes "$shape" --providers "${providers[@]}" --iters "$iters" \
                 --out "$out/layer-$shape"
         done ;;
-    perf-graphs | perf-graphs-untimed)
-        sets=()
-        if [ "$part" = perf-graphs-untimed ]; then
-            for switch in "${untimed_switches[@]}"; do sets+=(--set "$switch"); done
-            [ ${#sets[@]} -eq 0 ] && echo "perf-graphs-untimed: no switch is off until timed" && continue
-        fi
+    perf-graphs)
         for tokens in 1 37 512; do
-            run_part "$part-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
-                --routing uniform skewed --providers mok-multi torch --iters 20 --graphs "${sets[@]}" \
-                --out "$out/$part-T$tokens"
+            run_part "perf-graphs-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
+                --routing uniform skewed --providers mok-multi torch --iters 20 --graphs \
+                --out "$out/perf-graphs-T$tokens"
         done ;;
     perf-host)
         for tokens in 1 37 512; do
@@ -172,7 +164,7 @@ for part in "${parts[@]}"; do
             python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
-                -k "dependent or sweep or compact or per_pair or pair_map or on_the_gpu"
+                -k "sweep or compact or per_pair or pair_map or on_the_gpu"
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()
@@ -184,17 +176,16 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" --graphs --set "$switch" --out "$out/untimed-${name##*.}-T$tokens"
                 done
             done
-            [ ${#sets[@]} -eq 0 ] && echo "untimed-ab: no switch is off until timed; the candidates only"
-            for tokens in 1 37 512; do
-                [ ${#sets[@]} -eq 0 ] && break
-                run_part "untimed-all-T$tokens" python3 -m mok_plugin.cli bench ab --shape "$tokens,2048,768,128,8" \
-                    --graphs "${sets[@]}" --out "$out/untimed-all-T$tokens"
-            done
-            for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
-                [ ${#sets[@]} -eq 0 ] && break
-                run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
-                    --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
-            done
+            if [ ${#sets[@]} -gt 0 ]; then
+                for tokens in 1 37 512; do
+                    run_part "untimed-all-T$tokens" python3 -m mok_plugin.cli bench ab \
+                        --shape "$tokens,2048,768,128,8" --graphs "${sets[@]}" --out "$out/untimed-all-T$tokens"
+                done
+                for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
+                    run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
+                        --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
+                done
+            fi
             candidates=(
                 "--shape qwen3-30b-a3b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
                 "--shape mixtral-8x7b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"

@@ -340,14 +340,14 @@ def test_graph_rows_print_against_their_floor(capsys):
 
 
 def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
-    from mok_plugin.kernels import launch
+    from mok_plugin.kernels import grouped_mlp
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(layer, "_run", lambda *args: seen.append(launch.DEPENDENT_LAUNCHES) or 0)
-    before = launch.DEPENDENT_LAUNCHES
-    argv = ["--shape", "1,64,32,4,2", "--set", f"mok_plugin.kernels.launch.DEPENDENT_LAUNCHES={not before}"]
-    assert layer.main(argv) == 0
-    assert seen == [not before] and launch.DEPENDENT_LAUNCHES == before
+    monkeypatch.setattr(layer, "_run", lambda *args: seen.append(grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT) or 0)
+    before = grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT
+    switch = "mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT"
+    assert layer.main(["--shape", "1,64,32,4,2", "--set", f"{switch}={not before}"]) == 0
+    assert seen == [not before] and grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT == before
     with pytest.raises(SystemExit):  # an attribute the module lacks is refused before any work
-        layer.main(["--shape", "1,64,32,4,2", "--set", "mok_plugin.kernels.launch.NO_SUCH_SWITCH=1"])
+        layer.main(["--shape", "1,64,32,4,2", "--set", "mok_plugin.kernels.grouped_mlp.NO_SUCH_SWITCH=1"])

@@ -13,7 +13,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mok_plugin.kernels import launch as launch_module  # noqa: E402
 from mok_plugin.kernels.launch import launch, through_triton  # noqa: E402
-from mok_plugin.kernels.tiles import wait_for_prior_kernels  # noqa: E402
 
 
 @triton.jit
@@ -35,28 +34,15 @@ class _Compiled:
         self.launches.append(args)
 
 
-@triton.jit
-def _scale_after_wait_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_prior_kernels(PDL)
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * factor, mask=mask)
-
-
 @pytest.fixture
 def recorded(monkeypatch):
     """A fresh JITFunction of _scale_kernel whose Triton path (compile + launch) is recorded,
     bound by Triton's binder for sm_90, on "device 0" with "stream 7"."""
-    return _recorded(_scale_kernel, monkeypatch)
-
-
-def _recorded(jit_function, monkeypatch):
-    """(kernel, its stand-in binary, Triton's path's calls) for a fresh JITFunction of jit_function."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    kernel = JITFunction(jit_function.fn)  # compiled, whatever TRITON_INTERPRET says
+    kernel = JITFunction(_scale_kernel.fn)  # compiled, whatever TRITON_INTERPRET says
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     kernel.device_caches = {0: (None, None, None, None, binder)}
     compiled, triton_path = _Compiled(), []
@@ -122,25 +108,6 @@ def test_another_specialization_goes_through_triton(recorded, change):
     assert len(triton_path) == 2 and len(compiled.launches) == 1
 
 
-def test_dependent_launches_pass_pdl_and_keep_binaries_of_their_own(monkeypatch):
-    # launch.DEPENDENT_LAUNCHES: a kernel that takes PDL gets PDL=True and Triton's launch_pdl option
-    # (the launch attribute), compiled and kept apart from its binary without them; a kernel without
-    # PDL is launched as before.
-    kernel, compiled, triton_path = _recorded(_scale_after_wait_kernel, monkeypatch)
-    monkeypatch.setattr(launch_module, "dependent_launch_ok", lambda kernel: True)
-    x, out = torch.randn(64), torch.empty(64)
-    for switched_on in (False, True, True, False):
-        monkeypatch.setattr(launch_module, "DEPENDENT_LAUNCHES", switched_on)
-        launch(kernel, (4,), x, out, 64, 2.0, BLOCK=16)
-    assert [call[2] for call in triton_path] == [{"BLOCK": 16}, {"BLOCK": 16, "PDL": True, "launch_pdl": True}]
-    assert [args[-2:] for args in compiled.launches] == [(16, True), (16, False)]  # the kept binaries, direct
-
-    plain, _, plain_path = _recorded(_scale_kernel, monkeypatch)
-    monkeypatch.setattr(launch_module, "DEPENDENT_LAUNCHES", True)
-    launch(plain, (4,), x, out, 64, 2.0, BLOCK=16)
-    assert plain_path[0][2] == {"BLOCK": 16}
-
-
 def test_hooks_compiling_and_stand_ins_keep_tritons_path(recorded, monkeypatch):
     kernel, compiled, triton_path = recorded
     x, out = torch.randn(64), torch.empty(64)
@@ -184,10 +151,7 @@ def test_anything_but_a_jit_kernel_is_indexed_and_called():
             return lambda *args, **kwargs: calls.append((grid, args, kwargs))
 
     launch(StandIn(), (2, 1), 1, 2, BLOCK=3)
-    with pytest.MonkeyPatch.context() as patch:  # dependent launches ask nothing of a stand-in
-        patch.setattr(launch_module, "DEPENDENT_LAUNCHES", True)
-        launch(StandIn(), (2, 1), 1, 2, BLOCK=3)
-    assert calls == [((2, 1), (1, 2), {"BLOCK": 3})] * 2
+    assert calls == [((2, 1), (1, 2), {"BLOCK": 3})]
     assert launch_module._TRITON_GETITEM is JITFunction.__getitem__
 
 

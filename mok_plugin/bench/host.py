@@ -37,10 +37,9 @@ DEFAULT_DIMS = "2048,768,128,8"  # qwen3-30b-a3b's H, I, E, K
 
 
 @contextlib.contextmanager
-def stubbed_launches(calls: list[tuple[str, dict]] | None = None) -> Iterator[Counter]:
-    """Within: every Triton kernel launch (`kernel[grid](...)`) counts its kernel's name (and appends
-    (name, keyword arguments) to `calls` if given) and runs nothing, and the launchers pick the GPU's
-    tile configs (TRITON_INTERPRET unset)."""
+def stubbed_launches() -> Iterator[Counter]:
+    """Within: every Triton kernel launch (`kernel[grid](...)`) counts its kernel's name and runs
+    nothing, and the launchers pick the GPU's tile configs (TRITON_INTERPRET unset)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -51,8 +50,6 @@ def stubbed_launches(calls: list[tuple[str, dict]] | None = None) -> Iterator[Co
     def stub(self, grid):
         def launch(*args, **kwargs):
             counts[self.fn.__name__] += 1
-            if calls is not None:
-                calls.append((self.fn.__name__, kwargs))
 
         return launch
 

@@ -106,13 +106,11 @@ def _is_pointer(name: str) -> bool:
     return name.endswith("_ptr") or not (name.isupper() or name.startswith("stride_"))
 
 
-def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16, pdl: bool = False):
+def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
     """`kernel` compiled for sm_90 as its launcher would specialise a bf16 call with `cfg`; with
     align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
-    8), which Triton then knows nothing about, and ALIGN = align (launch.alignment); with pdl, as
-    launched dependent on the kernel before (launch.DEPENDENT_LAUNCHES)."""
+    8), which Triton then knows nothing about, and ALIGN = align (launch.alignment)."""
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
-    constexprs = dict(constexprs, PDL=pdl)
     return compile_jit_for_hopper(fn, constexprs, align, _descriptor_blocks(kernel, cfg), num_warps=cfg.num_warps,
                                   num_stages=cfg.num_stages)  # fmt: skip
 
@@ -124,10 +122,9 @@ def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: d
     arguments typed by the kernels' naming: bf16 pointers but the int64, int32 and fp32 ones named above
     and those `pointer_types` names (e.g. {"data_ptr": "*fp8e4nv"}), `descriptors` as tensor descriptors
     of those block shapes, 32-bit sizes and strides divisible by 16 only when align is 16, and
-    `scalars` as plain 32-bit integers. A constexpr with a default value not given takes it (PDL: False)."""
+    `scalars` as plain 32-bit integers."""
     pointer_types = pointer_types or {}
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    constexprs = defaults | (dict(constexprs, ALIGN=align) if "ALIGN" in fn.arg_names else constexprs)
+    constexprs = dict(constexprs, ALIGN=align) if "ALIGN" in fn.arg_names else constexprs
     descriptors = descriptors or {}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -205,9 +205,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
                              "(mok bench tune's notation); repeatable")  # fmt: skip
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                        help="time MoK with this module attribute set, as mok bench ab's --set: a switch that is "
-                             "off until timed, e.g. mok_plugin.kernels.launch.DEPENDENT_LAUNCHES=True; "
-                             "repeatable")  # fmt: skip
+                        help="time MoK with this module attribute set, as mok bench ab's --set, e.g. "
+                             "mok_plugin.kernels.grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT=False; repeatable")  # fmt: skip
     return parser
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from mok_plugin.kernels.configs import kernel_config
 from mok_plugin.kernels.launch import alignment, cdiv, launch
-from mok_plugin.kernels.tiles import aligned, combine_tile, router_grad_tile, wait_for_prior_kernels
+from mok_plugin.kernels.tiles import aligned, combine_tile, router_grad_tile
 
 __all__ = ["combine_rows", "reduce_router_grad"]
 
@@ -34,10 +34,9 @@ __all__ = ["combine_rows", "reduce_router_grad"]
 @triton.jit
 def _combine_rows_kernel(
     rows_ptr, tk_to_row_ptr, out_ptr, T, H, stride_rows_r, stride_out_t, K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)). Program (m, n) owns out[m-block, n-block]."""
-    wait_for_prior_kernels(PDL)
     # H and the strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     stride_rows_r = aligned(stride_rows_r, ALIGN)
@@ -49,11 +48,8 @@ def _combine_rows_kernel(
 
 
 @triton.jit
-def _reduce_router_grad_kernel(
-    partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False
-):
+def _reduce_router_grad_kernel(partial_ptr, tk_to_row_ptr, d_w_ptr, TK, J, stride_partial_r, BLOCK_M: tl.constexpr):
     """Grid: (cdiv(T*K, BLOCK_M),). Program m owns d_w[m-block]."""
-    wait_for_prior_kernels(PDL)
     router_grad_tile(
         tl.program_id(0), partial_ptr=partial_ptr, tk_to_row_ptr=tk_to_row_ptr, d_w_ptr=d_w_ptr, TK=TK, J=J,
         stride_partial_r=stride_partial_r, BLOCK_M=BLOCK_M,

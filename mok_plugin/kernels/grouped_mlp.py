@@ -67,7 +67,6 @@ from mok_plugin.kernels.tiles import (
     gate_up_tile,
     grouped_pid,
     tile_rows,
-    wait_for_prior_kernels,
     wgrad_sweep,
     wgrad_tile,
 )
@@ -97,10 +96,9 @@ def _gate_up_fwd_kernel(
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -126,10 +124,9 @@ def _down_fwd_kernel(
     stride_a_r, stride_w_e,
     stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -153,11 +150,10 @@ def _down_dgrad_gemm_kernel(
     d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
     stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
     (rows in use only) for _down_dgrad_epilogue_kernel."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -183,11 +179,10 @@ def _down_dgrad_epilogue_kernel(
     tile_to_expert_ptr, I,
     stride_d_a_r, stride_h_r, stride_a_r, stride_part_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M, cdiv(I, BLOCK_N)); program (m, n) runs the down-dgrad epilogue on the
     dA' block (m, n), padding rows reading zeros, with router partial slot n."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     I = aligned(I, ALIGN)
     stride_d_a_r = aligned(stride_d_a_r, ALIGN)
@@ -216,10 +211,9 @@ def _gate_up_dgrad_kernel(
     d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r,
     stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     N1 = aligned(N1, ALIGN)
@@ -243,12 +237,10 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SWEEP: tl.constexpr, D_W_TRANSPOSED: tl.constexpr,
     ALIGN: tl.constexpr, RIGHT_INDEX_DIVISOR: tl.constexpr, KEEP_ONE_STEP_LEFT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (E * cdiv(M_OUT, BLOCK_M) * cdiv(N_OUT, BLOCK_N),), expert-major and grouped within an
     expert, so the programs running together read the same expert's rows. With SWEEP, (E *
     cdiv(M_OUT, BLOCK_M),): a program per (expert, m-block) sweeps its n-blocks (tiles.wgrad_sweep)."""
-    wait_for_prior_kernels(PDL)
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     M_OUT = aligned(M_OUT, ALIGN)
     N_OUT = aligned(N_OUT, ALIGN)
@@ -292,10 +284,8 @@ def _expert_wgrad_kernel(
 def _bias_grad_kernel(
     src, scale_ptr, d_b_ptr, row_to_token_ptr, expert_offsets_ptr, tokens_per_expert_ptr, N, stride_src,
     stride_d_b_e, BY_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (E, cdiv(N, BLOCK_N)); program (e, n) owns bias-gradient block (e, n)."""
-    wait_for_prior_kernels(PDL)
     N = aligned(N, ALIGN)  # sizes and strides restated as multiples of ALIGN (tiles.aligned)
     stride_src = aligned(stride_src, ALIGN)
     stride_d_b_e = aligned(stride_d_b_e, ALIGN)
@@ -311,10 +301,8 @@ def _bias_grad_kernel(
 def _bias_router_grad_kernel(
     d_out_ptr, b2_ptr, d_w_partial_ptr, row_to_token_ptr, tile_to_expert_ptr, H, stride_d_out_t, stride_b2_e,
     stride_part_r, slot, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (R_pad / BLOCK_M,); program m writes partial column `slot` of row block m."""
-    wait_for_prior_kernels(PDL)
     H = aligned(H, ALIGN)  # sizes and strides restated as multiples of ALIGN (tiles.aligned)
     stride_d_out_t = aligned(stride_d_out_t, ALIGN)
     stride_b2_e = aligned(stride_b2_e, ALIGN)

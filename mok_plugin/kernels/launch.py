@@ -157,15 +157,6 @@ _TRITON_GETITEM = JITFunction.__getitem__
 _binaries: dict[tuple, _Binary] = {}
 _direct = True  # False within `through_triton`
 
-# Programmatic dependent launch (v39; timed and off: at most 0.6 % faster under graphs on an H100,
-# BENCHMARKS.md, session 48: with the wait first, nothing of a kernel overlaps the one before). Every
-# kernel that takes a PDL constexpr (the multi-kernel variant's: `tiles.wait_for_prior_kernels` first
-# in each) is launched with CUDA's programmatic stream serialization on Hopper or newer: its programs
-# become resident while the kernel before it drains, and wait (griddepcontrol.wait) before their first
-# memory access, so a boundary between two kernels costs no launch latency and no bit changes. Kept as
-# the base for work placed before the wait (a prologue that touches no memory the kernel before writes).
-DEPENDENT_LAUNCHES = False
-
 
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` with less of Triton's per-launch Python on a GPU.
@@ -182,12 +173,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     compiles it), launches while Triton's launch hooks or the kernel's pre-run hooks are set
     (profilers), anything not a plain `triton.jit` kernel (the interpreter's kernels, stand-ins),
     tracing under torch.compile, and launches within `through_triton`. Not seen after a
-    specialization's first launch: Triton's debug and instrumentation knobs changed mid-process.
-
-    With DEPENDENT_LAUNCHES, a kernel that takes a PDL constexpr gets PDL=True and Triton's
-    `launch_pdl` option where `dependent_launch_ok` (either path)."""
-    if DEPENDENT_LAUNCHES and "PDL" in getattr(kernel, "arg_names", ()) and dependent_launch_ok(kernel):
-        kwargs["PDL"] = kwargs["launch_pdl"] = True
+    specialization's first launch: Triton's debug and instrumentation knobs changed mid-process."""
     if (
         torch.compiler.is_compiling()
         or not _direct
@@ -241,24 +227,6 @@ class _Binary:
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
         self.run(grid[0], grid_y, grid_z, stream, *self.head, *values)
-
-
-def dependent_launch_ok(kernel: object) -> bool:
-    """Whether `kernel` may be launched dependent on the kernel before it: a compiled Triton kernel (not
-    the interpreter's) on a GPU with griddepcontrol (Hopper or newer), not traced by torch.compile
-    (whose launcher would take `launch_pdl` for an argument)."""
-    return (
-        type(kernel) is JITFunction
-        and not torch.compiler.is_compiling()
-        and _gpu_present()
-        and _has_copy_engine(torch.cuda.current_device())  # Hopper or newer, as TMA
-    )
-
-
-@functools.cache
-def _gpu_present() -> bool:
-    """`torch.cuda.is_available()`, kept: asked at every launch while DEPENDENT_LAUNCHES is on (~1 us a call)."""
-    return torch.cuda.is_available()
 
 
 def _c_launcher(run: object) -> tuple[object | None, tuple[tuple[int, object], ...]]:

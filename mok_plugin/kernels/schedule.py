@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from mok_plugin.kernels.launch import cdiv, launch, next_power_of_2
-from mok_plugin.kernels.tiles import wait_for_prior_kernels
 
 __all__ = ["chunk_pairs", "dense_rows", "row_values", "schedule_maps"]
 
@@ -58,11 +57,9 @@ def _chunk_histogram_kernel(
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (C,). Program c owns chunk_counts[c, :], the expert histogram of pairs
     [c*CHUNK, (c+1)*CHUNK)."""
-    wait_for_prior_kernels(PDL)
     c = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_POW2)
     hist = _chunk_histogram(ids_ptr, c, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
@@ -77,11 +74,9 @@ def _chunk_prefix_kernel(
     C,
     E: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (E,). Program e owns column e of chunk_prefix (the exclusive prefix of column e of
     chunk_counts over ascending chunks) and totals[e]; it reads that column only."""
-    wait_for_prior_kernels(PDL)
     e = tl.program_id(0)
     mine = tl.zeros((), dtype=tl.int64)
     for c0 in range(0, C, BLOCK_C):
@@ -157,12 +152,10 @@ def _chunk_scatter_kernel(
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (C,). Every program derives the experts' kept counts and offsets from the totals;
     program 0 stores them and the dropped count, program c the tiles c*BLOCK_T.. (strided by C)
     and the map entries of chunk c's pairs, ranked within their experts in ascending tk."""
-    wait_for_prior_kernels(PDL)
     c = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_POW2)
     is_expert = experts < E
@@ -254,7 +247,6 @@ def _schedule_one_chunk_kernel(
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid: (E,). The three kernels in one launch when all pairs fit one chunk (R <= CHUNK): program
     e takes the histogram of every pair itself (no chunk counts to exchange), then owns expert e's
@@ -262,7 +254,6 @@ def _schedule_one_chunk_kernel(
     maps are not pre-filled here (one launch less in front of the first GEMM): program e also writes
     the -1s of its segment's padding rows and, the programs taking turns a BLOCK at a time, those
     of the rows and tiles past the last segment and of the empty slots' tk_to_row."""
-    wait_for_prior_kernels(PDL)
     e = tl.program_id(0)
     zero = tl.zeros((), dtype=tl.int64)  # chunk 0, and no pairs of e before it (an int64 as in the scatter)
     totals = _chunk_histogram(ids_ptr, zero, R, E_POW2=E_POW2, CHUNK=CHUNK, SUB=SUB)
@@ -392,9 +383,8 @@ def schedule_maps(
 
 
 @triton.jit
-def _row_values_kernel(values_ptr, row_to_tk_ptr, out_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _row_values_kernel(values_ptr, row_to_tk_ptr, out_ptr, num_rows, BLOCK: tl.constexpr):
     """Grid: (cdiv(R_pad, BLOCK),). out[r] = values[row_to_tk[r]], 0 on padding rows."""
-    wait_for_prior_kernels(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = r < num_rows
     tk = tl.load(row_to_tk_ptr + r, mask=in_range, other=-1)
@@ -419,12 +409,10 @@ def row_values(values_TK: torch.Tensor, row_to_tk: torch.Tensor) -> torch.Tensor
 def _dense_rows_kernel(
     src_ptr, index_ptr, tile_to_expert_ptr, offsets_ptr, dense_offsets_ptr, out_ptr, num_rows, num_dense_rows, N,
     stride_src, stride_out, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid: (cdiv(R_pad, BLOCK_R), cdiv(N, BLOCK_N)). Schedule row r, local row r - offsets[e] of
     expert e's segment, goes to row dense_offsets[e] + local while local is under the dense
     segment's length: src[index[r]], 0 where index[r] < 0."""
-    wait_for_prior_kernels(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(tile_to_expert_ptr + r // TILE_M, mask=r < num_rows, other=-1)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -168,19 +167,6 @@ def aligned(value, ALIGN: tl.constexpr):
     if ALIGN < 16:
         value = value // ALIGN * ALIGN
     return value
-
-
-@triton.jit
-def wait_for_prior_kernels(PDL: tl.constexpr):
-    """First in every multi-kernel kernel. With PDL (programmatic dependent launch, Hopper or newer:
-    `launch.DEPENDENT_LAUNCHES`) the kernel's programs may start while the kernel before it in the
-    stream still runs: here they wait until every kernel before has finished and its writes are
-    visible (griddepcontrol.wait), then let the next kernel's programs take the SMs this one frees.
-    Nothing is read or written before the wait, so every kernel sees memory as in stream order, and
-    no bit changes. A no-op when PDL is False (the default, and always under the interpreter)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
