@@ -78,7 +78,8 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # (dW2's launch: its output columns are contiguous, a stride Triton specialises as the constant 1)
     return gm._expert_wgrad_kernel, dict(common, BLOCK_N=cfg.block_n, LEFT_BY_TOKEN=not cfg.gather_rows,
                                          RIGHT_BY_TOKEN=False, SWEEP=cfg.sweep, D_W_TRANSPOSED=False,
-                                         RIGHT_INDEX_DIVISOR=1, KEEP_ONE_STEP_LEFT=False,
+                                         RIGHT_INDEX_DIVISOR=1,
+                                         KEEP_ONE_STEP_LEFT=cfg.sweep and gm.SWEEP_KEEPS_ONE_STEP_LEFT,
                                          stride_d_w_n=1)  # fmt: skip
 
 
