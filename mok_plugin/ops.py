@@ -313,15 +313,19 @@ def expert_up_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh (rows,
     or one per pair)."""
-    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
+    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets,
+                        tile_m, top_k)  # fmt: skip
     return d_x, _up_weight_grad(
         d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets, tokens_per_expert, tile_m, top_k
     )
 
 
-def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
+def _up_data_grad(
+    d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tile_m: int, top_k: int
+):
     pair_map = row_to_tk if _is_compact(d_h, row_to_token) else None
-    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=pair_map)
+    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=pair_map,
+                           expert_offsets=expert_offsets)  # fmt: skip
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
 
@@ -384,7 +388,8 @@ def _backward_up(ctx, d_h, _d_a):
     row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
     has_bias, tile_m, top_k = ctx.has_bias, ctx.tile_m, ctx.top_k
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW1 (and db1) in backward_dw (wgrad.py)
-        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
+        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets,
+                            tile_m, top_k)  # fmt: skip
 
         def weight_grads():
             d_bias = None
@@ -472,7 +477,8 @@ def expert_down_fwd(
     here: it is an input so that this node's backward (the activation's gradient needs h) returns
     dh to the up node; the family scalars are for that backward."""
     T, K = topk_weights.shape
-    y = down_fwd(a, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias)
+    y = down_fwd(a, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
+                 expert_offsets=expert_offsets)  # fmt: skip
     return combine_rows(y, tk_to_row, T, K)
 
 

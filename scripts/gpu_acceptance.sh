@@ -37,9 +37,10 @@
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
-#              empty). Candidates now: the forward row GEMMs with TMA and 4 stages (1 % faster at T = 512,
-#              session 48) on the coarse shapes, since one pinned entry serves every T; gpt-oss-120b among them
-#              (0.2 ms short of 70 % of dense)
+#              empty). Candidates now (gpt-oss-120b first: 0.2 ms short of 70 % of dense): fc2's forward and
+#              fc1's input gradient swept by one program an SM (`p`, tiles.row_sweep, written in session 49
+#              without a GPU), and the forward row GEMMs with TMA and 4 stages (1 % faster at T = 512, session
+#              48), on the coarse shapes, since one pinned entry serves every T
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -187,10 +188,12 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
+            sweeps="--override down_fwd=128x256x64w8s4tp --override gate_up_dgrad=128x256x64w8s4tp"
+            forward_tma="--override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
             candidates=(
-                "--shape qwen3-30b-a3b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
-                "--shape mixtral-8x7b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
-                "--shape gpt-oss-120b --override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
+                "--shape gpt-oss-120b $sweeps" "--shape qwen3-30b-a3b $sweeps"
+                "--shape gpt-oss-120b $forward_tma" "--shape qwen3-30b-a3b $forward_tma"
+                "--shape mixtral-8x7b $sweeps" "--shape mixtral-8x7b $forward_tma"
             )
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose

@@ -85,3 +85,18 @@ print(json.dumps(counts))
     counts = json.loads(outside_the_interpreter("-c", code, timeout=600).splitlines()[-1])
     for name in ("_bias_grad_kernel", "_bias_router_grad_kernel", "_forward_megakernel", "_backward_megakernel"):
         assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][2] > 0, counts
+
+
+def test_row_sweeps_compile_fully_pipelined_without_spills():
+    # fc2's forward and fc1's input gradient swept by one program an SM (tiles.row_sweep): the next
+    # tile's expert loaded a step ahead keeps every K step's loads independent of the step's own
+    # loads, so the loop gets all its stages (it had two with the expert loaded in the step), and
+    # the 128x256 accumulator fits the registers (Triton's own loop flattening spilled 368-1000 bytes).
+    for align in ("16", "8"):
+        stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--align", align, "--kernels",
+                                         "down_fwd", "gate_up_dgrad", "--candidates", "128x256x64w8s4tp")  # fmt: skip
+        rows = [line.split() for line in stdout.splitlines() if "sweep" in line.split()]
+        assert len(rows) == 2, stdout
+        for fields in rows:
+            # kernel, 128x256x64, w8, s4, tma, sweep, buffers, async copies, smem KiB, regs, stack
+            assert int(fields[6]) == 4 and int(fields[10]) == 0, fields

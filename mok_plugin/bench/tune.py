@@ -91,7 +91,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         ),
         "down_fwd": (
             2 * T * K * H * I,
-            lambda c: gm.down_fwd(a, w2, *weights, *rt, config=c),
+            lambda c: gm.down_fwd(a, w2, *weights, *rt, config=c, expert_offsets=s.expert_offsets),
             kernel_config("down_fwd", H),
         ),
         "down_dgrad": (
@@ -101,7 +101,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         ),
         "gate_up_dgrad": (
             4 * T * K * H * I,
-            lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c),
+            lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c, expert_offsets=s.expert_offsets),
             kernel_config("gate_up_dgrad", H),
         ),
         "wgrad_down": (

@@ -66,6 +66,7 @@ from mok_plugin.kernels.tiles import (
     gate_up_dgrad_tile,
     gate_up_tile,
     grouped_pid,
+    row_sweep,
     tile_rows,
     wgrad_sweep,
     wgrad_tile,
@@ -142,6 +143,35 @@ def _down_fwd_kernel(
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
         stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+    )
+
+
+@triton.jit
+def _row_sweep_kernel(
+    a, w, b_ptr, topk_weights_ptr, row_to_tk_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr, expert_offsets_ptr,
+    E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Grid: (G,), at most one program an SM; each sweeps tiles p, p + G, ... (tiles.row_sweep)."""
+    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
+    N_OUT = aligned(N_OUT, ALIGN)
+    K_DIM = aligned(K_DIM, ALIGN)
+    W_ROWS = aligned(W_ROWS, ALIGN)
+    stride_a_r = aligned(stride_a_r, ALIGN)
+    stride_w_e = aligned(stride_w_e, ALIGN)
+    stride_w_k = aligned(stride_w_k, ALIGN)
+    stride_w_n = aligned(stride_w_n, ALIGN)
+    stride_b_e = aligned(stride_b_e, ALIGN)
+    stride_out_r = aligned(stride_out_r, ALIGN)
+    row_sweep(
+        a=a, w=w, b_ptr=b_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, out_ptr=out_ptr,
+        row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, expert_offsets_ptr=expert_offsets_ptr,
+        E=E, N_OUT=N_OUT, K_DIM=K_DIM, W_ROWS=W_ROWS, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
+        stride_w_k=stride_w_k, stride_w_n=stride_w_n, stride_b_e=stride_b_e, stride_out_r=stride_out_r, TILE_M=TILE_M,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+        W_N_MAJOR=W_N_MAJOR, ROUTED=ROUTED,
     )
 
 
@@ -346,6 +376,29 @@ def _launch_row_tiles(
     )
 
 
+# Programs of a row sweep under Triton's interpreter (no SMs to count): a few, so that each sweeps several tiles.
+INTERPRETED_SWEEP_PROGRAMS = 3
+
+
+def _launch_row_sweep(
+    cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, **args
+) -> None:
+    """Launch `_row_sweep_kernel` (cfg.sweep: tiles.row_sweep) over at most one program an SM, never
+    more than the schedule's bound on tiles."""
+    if args["expert_offsets_ptr"] is None:
+        raise ValueError("a config that sweeps (its 'p') needs the schedule's expert_offsets")
+    cfg = stages_for(cfg, dtype)
+    tiles = num_rows // cfg.block_m * cdiv(n_out, cfg.block_n)
+    device = args["out_ptr"].device
+    programs = sm_count(device.index) if device.type == "cuda" else INTERPRETED_SWEEP_PROGRAMS
+    sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernel restates
+    launch(_row_sweep_kernel, (max(1, min(programs, tiles)),),
+        TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **args,
+    )
+
+
 def gate_up_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, gate_up_bias: torch.Tensor | None = None,
@@ -390,10 +443,11 @@ def _stride0(t: torch.Tensor | None) -> int:
 def down_fwd(
     a: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
-    down_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None, expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] = w_r * (A[r] @ W2_e^T + b2_e) in the params dtype, w_r = topk_weights[row_to_tk[r]]
-    (fp32 [T, K])."""
+    (fp32 [T, K]). With the schedule's expert_offsets and a config that sweeps (`MoKTileConfig.sweep`),
+    one program an SM sweeps the tiles (tiles.row_sweep): the same bits."""
     check_tensor("a", a, 2)
     check_tensor("down_proj", down_proj, 3, a.dtype)
     topk_weights = routing_weights_arg(topk_weights)
@@ -403,10 +457,20 @@ def down_fwd(
     cfg, num_rows = _row_gemm_config("down_fwd", H, row_to_token, tile_to_expert, tile_m, config)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
     tma = tma_ok(cfg, a, down_proj)
+    a_arg = descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a
+    w2_arg = descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj
+    if cfg.sweep:
+        _launch_row_sweep(
+            cfg, num_rows, H, a.dtype, tile_m, a=a_arg, w=w2_arg, b_ptr=down_bias, topk_weights_ptr=topk_weights,
+            row_to_tk_ptr=row_to_tk, out_ptr=y, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert,
+            expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=I, W_ROWS=H, stride_a_r=a.stride(0),
+            stride_w_e=down_proj.stride(0), stride_w_k=down_proj.stride(2), stride_w_n=down_proj.stride(1),
+            stride_b_e=_stride0(down_bias), stride_out_r=y.stride(0), TMA=tma, W_N_MAJOR=True, ROUTED=True,
+        )
+        return y
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
-        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
-        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
+        a=a_arg, w2=w2_arg, b2_ptr=down_bias,
         topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, y_ptr=y, row_to_token_ptr=row_to_token,
         tile_to_expert_ptr=tile_to_expert, H=H, I=I,
         stride_a_r=a.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
@@ -482,10 +546,12 @@ def down_dgrad(
 def gate_up_dgrad(
     d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, d_h_row_to_pair: torch.Tensor | None = None,
+    expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype (dh [R_pad, N1], W13 [E, N1, H]).
     d_h_row_to_pair: the schedule's row_to_tk when dh is one row per (token, k) pair ([T * K, N1]:
-    row r's at row_to_tk[r], read by pointer loads)."""
+    row r's at row_to_tk[r], read by pointer loads). With the schedule's expert_offsets, dh in row
+    order and a config that sweeps, one program an SM sweeps the tiles (tiles.row_sweep): the same bits."""
     check_tensor("d_h", d_h, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, N1, H = gate_up_proj.shape
@@ -493,6 +559,17 @@ def gate_up_dgrad(
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     by_pair = d_h_row_to_pair is not None
     tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)
+    if cfg.sweep and not by_pair:  # per-pair dh is read by pointer through the pair map: tile by tile
+        _launch_row_sweep(
+            cfg, num_rows, H, d_h.dtype, tile_m, a=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h,
+            w=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, b_ptr=None,
+            topk_weights_ptr=None, row_to_tk_ptr=None, out_ptr=d_x_rows, row_to_token_ptr=row_to_token,
+            tile_to_expert_ptr=tile_to_expert, expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=N1,
+            W_ROWS=N1, stride_a_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_k=gate_up_proj.stride(1),
+            stride_w_n=gate_up_proj.stride(2), stride_b_e=0, stride_out_r=d_x_rows.stride(0), TMA=tma,
+            W_N_MAJOR=False, ROUTED=False,
+        )
+        return d_x_rows
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h,

@@ -359,12 +359,94 @@ def down_tile(
             col_ok=col_ok, K_DIM=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
             W_N_MAJOR=True, A_TMA=TMA, W_TMA=TMA,
         )
-        if b2_ptr is not None:
-            acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-        y = acc * w[:, None]
-        y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
-        tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        down_epilogue(
+            acc, expert, rows, row_ok, cols, col_ok, b2_ptr=b2_ptr, stride_b2_e=stride_b2_e,
+            topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, y_ptr=y_ptr, stride_y_r=stride_y_r,
+        )
+
+
+@triton.jit
+def down_epilogue(
+    acc, expert, rows, row_ok, cols, col_ok, b2_ptr, stride_b2_e, topk_weights_ptr, row_to_tk_ptr, y_ptr, stride_y_r
+):
+    """y[rows, cols] = w_r * (acc + b2_e) rounded once, routed rows only (down_tile's and row_sweep's)."""
+    if b2_ptr is not None:
+        acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+    y = acc * w[:, None]
+    y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
+    tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def row_sweep(
+    a, w, b_ptr, topk_weights_ptr, row_to_tk_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr, expert_offsets_ptr,
+    E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
+):
+    """Every tile of a row GEMM whose left operand's rows lie in schedule order (fc2's forward: A;
+    fc1's input gradient: dh), program p of G taking tiles p, p + G, ... of the row blocks in use
+    (expert_offsets[E] rows; grouped order) in one loop over (tile, K step): a tile's first loads
+    are issued while the tile before multiplies its last steps and stores, where a program per tile
+    refills its pipeline for each (12-32 K steps a tile at qwen3-30b-a3b's sizes). Each tile sums
+    the same products in the same order into one fp32 accumulator as down_tile (ROUTED: its
+    epilogue) or gate_up_dgrad_tile (the tile stored as is): bitwise the same.
+
+    The next tile's expert is loaded a step ahead, so no load's address waits on a load of the same
+    step (which held the loop to two buffers). A block in use has every row allocated: padding
+    rows are read (TMA reads them too) and never stored.
+
+    Arguments:
+        a: (R_pad, K_DIM) left rows; with TMA a descriptor over it
+        w: expert weights viewed (E * W_ROWS, ...) (see _weight_block); with TMA a descriptor
+        b_ptr: (E, N_OUT) bias (ROUTED), or None
+        out_ptr: (R_pad, N_OUT) out
+        expert_offsets_ptr: (E + 1,) int64 padded segment offsets; the last is the rows in use"""
+    used_m = (tl.load(expert_offsets_ptr + E) // BLOCK_M).to(tl.int32)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    num_tiles = used_m * num_pid_n
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    steps = tl.cdiv(K_DIM, BLOCK_K)
+    my_tiles = tl.cdiv(tl.maximum(num_tiles - pid, 0), programs)
+    # the first tile's expert (a valid index even with no tile: the loop then never runs)
+    first_m, _ = grouped_pid(tl.minimum(pid, tl.maximum(num_tiles - 1, 0)), tl.maximum(used_m, 1), num_pid_n, GROUP_M)
+    expert = tl.load(tile_to_expert_ptr + (first_m * BLOCK_M) // TILE_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, my_tiles * steps):
+        j = i // steps
+        step = i - j * steps
+        pid_m, pid_n = grouped_pid(pid + j * programs, used_m, num_pid_n, GROUP_M)
+        next_m, _ = grouped_pid(tl.minimum(pid + (j + 1) * programs, num_tiles - 1), used_m, num_pid_n, GROUP_M)
+        next_expert = tl.load(tile_to_expert_ptr + (next_m * BLOCK_M) // TILE_M)
+        n0 = pid_n * BLOCK_N
+        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        col_ok = cols < N_OUT
+        k0 = step * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K_DIM
+        row0 = pid_m * BLOCK_M
+        rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+        a_blk = _row_block(a, row0, rows, rows >= 0, stride_a_r, k0, ks, k_ok, TMA=TMA)
+        w_blk = _weight_block(
+            w, expert, stride_w_e, expert * W_ROWS, k0, n0, ks, cols, k_ok, col_ok, stride_w_k, stride_w_n,
+            N_MAJOR=W_N_MAJOR, TMA=TMA,
+        )
+        acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
+        if step == steps - 1:
+            row_ok = tl.load(row_to_token_ptr + rows) >= 0
+            if ROUTED:
+                down_epilogue(
+                    acc, expert, rows, row_ok, cols, col_ok, b2_ptr=b_ptr, stride_b2_e=stride_b_e,
+                    topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, y_ptr=out_ptr,
+                    stride_y_r=stride_out_r,
+                )
+            else:
+                out_tile = out_ptr + rows[:, None] * stride_out_r + cols[None, :]
+                tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        expert = tl.where(step == steps - 1, next_expert, expert)
 
 
 # ----------------------------------------------------------------------------------------------
