@@ -511,22 +511,22 @@ def expert_down_bwd(
     bias), then dW2 from the w*A rows it wrote."""
     d_out = d_out.contiguous()
     d_h, d_topk_weights, a_weighted = _down_data_grads(
-        d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
-        activation, gated, clamp, offset,
+        d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
+        expert_offsets, tile_m, activation, gated, clamp, offset,
     )  # fmt: skip
     return d_h, d_topk_weights, _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert,
                                                   tile_m)  # fmt: skip
 
 
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
-                     tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
+                     expert_offsets, tile_m: int, activation: str, gated: bool, clamp: float | None,
+                     offset: float):  # fmt: skip
     """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward; dh one row
     per pair where h came so (`compact_h`: the kernels read and write them through row_to_tk)."""
     T, K = topk_weights.shape
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
-        activation=activation,
-        gated=gated, clamp=clamp, offset=offset,
+        activation=activation, gated=gated, clamp=clamp, offset=offset, expert_offsets=expert_offsets,
     )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
@@ -556,8 +556,8 @@ def _backward_down(ctx, d_out):
     d_out, has_bias, tile_m = d_out.contiguous(), ctx.has_bias, ctx.tile_m
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW2 (and db2) in backward_dw (wgrad.py)
         d_h, d_topk_weights, a_weighted = _down_data_grads(
-            d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
-            *ctx.family,
+            d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
+            expert_offsets, tile_m, *ctx.family,
         )  # fmt: skip
 
         def weight_grads():

@@ -64,9 +64,9 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
-    if cfg.sweep and kernel in ("down_fwd", "gate_up_dgrad"):  # one program an SM sweeping the tiles
+    if cfg.sweep and kernel in ("down_fwd", "gate_up_dgrad", "down_dgrad"):  # one program an SM sweeping the tiles
         return gm._row_sweep_kernel, dict(row_tiles, b_ptr=None, W_N_MAJOR=kernel == "down_fwd",
-                                          ROUTED=kernel == "down_fwd")  # fmt: skip
+                                          ROUTED=kernel == "down_fwd", A_BY_TOKEN=kernel == "down_dgrad")  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
                                          H_BY_PAIR=False)  # fmt: skip
@@ -95,7 +95,7 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     blocks = {
         "gate_up_fwd": {"w13": [n, k]},
         "down_fwd": {"a": [m, k], "w": [n, k]} if cfg.sweep else {"a": [m, k], "w2": [n, k]},
-        "down_dgrad": {"w2": [k, n]},
+        "down_dgrad": {"w": [k, n]} if cfg.sweep else {"w2": [k, n]},
         "gate_up_dgrad": {"a": [m, k], "w": [k, n]} if cfg.sweep else {"d_h": [m, k], "w13": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),

@@ -96,7 +96,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         ),
         "down_dgrad": (
             2 * T * K * H * I,
-            lambda c: gm.down_dgrad(d_out, w2, h, *weights, *rt, config=c),
+            lambda c: gm.down_dgrad(d_out, w2, h, *weights, *rt, config=c, expert_offsets=s.expert_offsets),
             kernel_config("down_dgrad", I),
         ),
         "gate_up_dgrad": (

@@ -152,7 +152,7 @@ def _row_sweep_kernel(
     E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
-    ALIGN: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (G,), at most one program an SM; each sweeps tiles p, p + G, ... (tiles.row_sweep)."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
@@ -171,7 +171,7 @@ def _row_sweep_kernel(
         E=E, N_OUT=N_OUT, K_DIM=K_DIM, W_ROWS=W_ROWS, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
         stride_w_k=stride_w_k, stride_w_n=stride_w_n, stride_b_e=stride_b_e, stride_out_r=stride_out_r, TILE_M=TILE_M,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-        W_N_MAJOR=W_N_MAJOR, ROUTED=ROUTED,
+        W_N_MAJOR=W_N_MAJOR, ROUTED=ROUTED, A_BY_TOKEN=A_BY_TOKEN,
     )
 
 
@@ -466,6 +466,7 @@ def down_fwd(
             expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=I, W_ROWS=H, stride_a_r=a.stride(0),
             stride_w_e=down_proj.stride(0), stride_w_k=down_proj.stride(2), stride_w_n=down_proj.stride(1),
             stride_b_e=_stride0(down_bias), stride_out_r=y.stride(0), TMA=tma, W_N_MAJOR=True, ROUTED=True,
+            A_BY_TOKEN=False,
         )
         return y
     _launch_row_tiles(
@@ -483,7 +484,7 @@ def down_dgrad(
     d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
     down_bias: torch.Tensor | None = None, activation: str = "silu", gated: bool = True, clamp: float | None = None,
-    offset: float = 0.0,
+    offset: float = 0.0, expert_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J], set on routed rows only).
 
@@ -494,7 +495,8 @@ def down_dgrad(
     partials from it (kept apart, the GEMM keeps a plain epilogue and takes a 128x256 tile; fused,
     the epilogue's registers held it to 128x64). dA' is freed on return. Padding rows of every
     active row block hold zeros in dh and w*A. With the fc2 bias, a third launch writes each row's
-    <dO, b2_e> into the last partial column (J = I-blocks + 1).
+    <dO, b2_e> into the last partial column (J = I-blocks + 1). With the schedule's expert_offsets
+    and a config that sweeps, one program an SM sweeps the GEMM's tiles (tiles.row_sweep): the same bits.
     """
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
@@ -517,12 +519,22 @@ def down_dgrad(
     partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
-    _launch_row_tiles(
-        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
-        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
-        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
-    )
+    w2_arg = descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj
+    if cfg.sweep:
+        _launch_row_sweep(
+            cfg, num_rows, I, d_out.dtype, tile_m, a=d_out, w=w2_arg, b_ptr=None, topk_weights_ptr=None,
+            row_to_tk_ptr=None, out_ptr=d_a, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert,
+            expert_offsets_ptr=expert_offsets, E=E, N_OUT=I, K_DIM=H, W_ROWS=H, stride_a_r=d_out.stride(0),
+            stride_w_e=down_proj.stride(0), stride_w_k=down_proj.stride(1), stride_w_n=down_proj.stride(2),
+            stride_b_e=0, stride_out_r=d_a.stride(0), TMA=tma, W_N_MAJOR=False, ROUTED=False, A_BY_TOKEN=True,
+        )
+    else:
+        _launch_row_tiles(
+            _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out, w2=w2_arg, d_a_ptr=d_a,
+            row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
+            stride_d_out_t=d_out.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
+            stride_d_a_r=d_a.stride(0), TMA=tma,
+        )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
@@ -567,7 +579,7 @@ def gate_up_dgrad(
             tile_to_expert_ptr=tile_to_expert, expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=N1,
             W_ROWS=N1, stride_a_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_k=gate_up_proj.stride(1),
             stride_w_n=gate_up_proj.stride(2), stride_b_e=0, stride_out_r=d_x_rows.stride(0), TMA=tma,
-            W_N_MAJOR=False, ROUTED=False,
+            W_N_MAJOR=False, ROUTED=False, A_BY_TOKEN=False,
         )
         return d_x_rows
     _launch_row_tiles(

@@ -384,21 +384,23 @@ def row_sweep(
     E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr,
 ):
-    """Every tile of a row GEMM whose left operand's rows lie in schedule order (fc2's forward: A;
-    fc1's input gradient: dh), program p of G taking tiles p, p + G, ... of the row blocks in use
+    """Every tile of a row GEMM, program p of G taking tiles p, p + G, ... of the row blocks in use
     (expert_offsets[E] rows; grouped order) in one loop over (tile, K step): a tile's first loads
     are issued while the tile before multiplies its last steps and stores, where a program per tile
     refills its pipeline for each (12-32 K steps a tile at qwen3-30b-a3b's sizes). Each tile sums
-    the same products in the same order into one fp32 accumulator as down_tile (ROUTED: its
-    epilogue) or gate_up_dgrad_tile (the tile stored as is): bitwise the same.
+    the same products in the same order into one fp32 accumulator as down_tile (fc2's forward,
+    ROUTED: its epilogue), gate_up_dgrad_tile (fc1's input gradient) or down_dgrad_block (fc2's
+    input gradient, A_BY_TOKEN: dO's rows gathered by token): bitwise the same.
 
-    The next tile's expert is loaded a step ahead, so no load's address waits on a load of the same
-    step (which held the loop to two buffers). A block in use has every row allocated: padding
-    rows are read (TMA reads them too) and never stored.
+    The next tile's expert (and with A_BY_TOKEN its tokens) is loaded a step ahead, so no load's
+    address waits on a load of the same step (which held the loop to two buffers). A block in use
+    has every row allocated: padding rows of a left operand in row order are read (TMA reads them
+    too) and never stored; by token, they read zeros.
 
     Arguments:
-        a: (R_pad, K_DIM) left rows; with TMA a descriptor over it
+        a: (R_pad, K_DIM) left rows (with TMA a descriptor over it), or with A_BY_TOKEN (T, K_DIM)
         w: expert weights viewed (E * W_ROWS, ...) (see _weight_block); with TMA a descriptor
         b_ptr: (E, N_OUT) bias (ROUTED), or None
         out_ptr: (R_pad, N_OUT) out
@@ -413,6 +415,7 @@ def row_sweep(
     # the first tile's expert (a valid index even with no tile: the loop then never runs)
     first_m, _ = grouped_pid(tl.minimum(pid, tl.maximum(num_tiles - 1, 0)), tl.maximum(used_m, 1), num_pid_n, GROUP_M)
     expert = tl.load(tile_to_expert_ptr + (first_m * BLOCK_M) // TILE_M)
+    tokens = tl.load(row_to_token_ptr + first_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, my_tiles * steps):
         j = i // steps
@@ -420,6 +423,8 @@ def row_sweep(
         pid_m, pid_n = grouped_pid(pid + j * programs, used_m, num_pid_n, GROUP_M)
         next_m, _ = grouped_pid(tl.minimum(pid + (j + 1) * programs, num_tiles - 1), used_m, num_pid_n, GROUP_M)
         next_expert = tl.load(tile_to_expert_ptr + (next_m * BLOCK_M) // TILE_M)
+        if A_BY_TOKEN:
+            next_tokens = tl.load(row_to_token_ptr + next_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
         n0 = pid_n * BLOCK_N
         cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
         col_ok = cols < N_OUT
@@ -428,14 +433,20 @@ def row_sweep(
         k_ok = ks < K_DIM
         row0 = pid_m * BLOCK_M
         rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
-        a_blk = _row_block(a, row0, rows, rows >= 0, stride_a_r, k0, ks, k_ok, TMA=TMA)
+        if A_BY_TOKEN:
+            a_blk = _row_block(a, row0, tokens, tokens >= 0, stride_a_r, k0, ks, k_ok, TMA=False)
+        else:
+            a_blk = _row_block(a, row0, rows, rows >= 0, stride_a_r, k0, ks, k_ok, TMA=TMA)
         w_blk = _weight_block(
             w, expert, stride_w_e, expert * W_ROWS, k0, n0, ks, cols, k_ok, col_ok, stride_w_k, stride_w_n,
             N_MAJOR=W_N_MAJOR, TMA=TMA,
         )
         acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
         if step == steps - 1:
-            row_ok = tl.load(row_to_token_ptr + rows) >= 0
+            if A_BY_TOKEN:
+                row_ok = tokens >= 0
+            else:
+                row_ok = tl.load(row_to_token_ptr + rows) >= 0
             if ROUTED:
                 down_epilogue(
                     acc, expert, rows, row_ok, cols, col_ok, b2_ptr=b_ptr, stride_b2_e=stride_b_e,
@@ -447,6 +458,8 @@ def row_sweep(
                 tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         expert = tl.where(step == steps - 1, next_expert, expert)
+        if A_BY_TOKEN:
+            tokens = tl.where(step == steps - 1, next_tokens, tokens)
 
 
 # ----------------------------------------------------------------------------------------------
