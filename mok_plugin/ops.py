@@ -285,7 +285,7 @@ def expert_up_fwd(
     return gate_up_fwd(
         x, gate_up_proj, row_to_token, tile_to_expert, tile_m, gate_up_bias=gate_up_bias, activation=activation,
         gated=gated, clamp=clamp, offset=offset,
-        h_pairs=(row_to_tk, pairs) if compact_h(row_to_token.shape[0], pairs) else None,
+        h_pairs=(row_to_tk, pairs) if compact_h(row_to_token.shape[0], pairs) else None, expert_offsets=expert_offsets,
     )  # fmt: skip
 
 

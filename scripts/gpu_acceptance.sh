@@ -37,8 +37,8 @@
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
-#              empty). Candidates now (gpt-oss-120b first: 0.2 ms short of 70 % of dense): fc2's forward and
-#              both input gradients swept by one program an SM (`p`, tiles.row_sweep, written in session 49
+#              empty). Candidates now (gpt-oss-120b first: 0.2 ms short of 70 % of dense): the four row GEMMs
+#              swept by one program an SM (`p`, tiles.row_sweep and gate_up_sweep, written in session 49
 #              without a GPU), and the forward row GEMMs with TMA and 4 stages (1 % faster at T = 512, session
 #              48), on the coarse shapes, since one pinned entry serves every T
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -188,8 +188,9 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            sweep=128x256x64w8s4tp
-            sweeps="--override down_fwd=$sweep --override gate_up_dgrad=$sweep --override down_dgrad=$sweep"
+            sweep=128x256x64w8s4tp  # gate_up_fwd's two accumulators: 128x128 (its pinned width)
+            sweeps="--override gate_up_fwd=128x128x64w8s4tp --override down_fwd=$sweep --override gate_up_dgrad=$sweep"
+            sweeps+=" --override down_dgrad=$sweep"
             forward_tma="--override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
             candidates=(
                 "--shape gpt-oss-120b $sweeps" "--shape qwen3-30b-a3b $sweeps"

@@ -88,17 +88,19 @@ print(json.dumps(counts))
 
 
 def test_row_sweeps_compile_fully_pipelined_without_spills():
-    # fc2's forward and both input gradients swept by one program an SM (tiles.row_sweep): the next
+    # The row GEMMs swept by one program an SM (tiles.row_sweep, tiles.gate_up_sweep): the next
     # tile's expert (and dO's tokens) loaded a step ahead keeps every K step's loads independent of
     # the step's own loads, so the loop gets all its stages (two with the expert loaded in the
     # step), and the 128x256 accumulator fits the registers (Triton's own loop flattening spilled
     # 368-1000 bytes).
     for align in ("16", "8"):
         stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--align", align, "--kernels",
-                                         "down_fwd", "gate_up_dgrad", "down_dgrad", "--candidates",
-                                         "128x256x64w8s4tp")  # fmt: skip
+                                         "down_fwd", "gate_up_dgrad", "down_dgrad", "gate_up_fwd", "--candidates",
+                                         "128x256x64w8s4tp", "128x128x64w8s4tp")  # fmt: skip
+        # gate_up_fwd's two accumulators take 128x128 (its pinned width), the others 128x256
         rows = [line.split() for line in stdout.splitlines() if "sweep" in line.split()]
-        assert len(rows) == 3, stdout
+        rows = [fields for fields in rows if (fields[0] == "gate_up_fwd") == (fields[1] == "128x128x64")]
+        assert len(rows) == 4, stdout
         for fields in rows:
             # kernel, 128x256x64, w8, s4, tma, sweep, buffers, async copies, smem KiB, regs, stack
             assert int(fields[6]) == 4 and int(fields[10]) == 0, fields

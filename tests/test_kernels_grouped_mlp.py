@@ -195,9 +195,10 @@ def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "fc2_bias"])
 def test_row_sweep_is_bitwise_the_per_tile_kernels(tma, with_bias):
     # One program an SM (3 interpreted) sweeping the row blocks in use (config sweep) sums each tile
-    # in the same order as a program per tile: the same bits for fc2's forward (bias and routing
-    # weight in its epilogue), fc1's input gradient and fc2's (dO gathered by token, then the
-    # epilogue kernel), over empty experts, partial K steps (I = 40, 2I = 80, H = 72 against BLOCK_K
+    # in the same order as a program per tile: the same bits for fc1's forward (x gathered by token,
+    # two accumulators, bias and SwiGLU in its epilogue), fc2's forward (bias and routing weight in
+    # its epilogue), fc1's input gradient and fc2's (dO gathered by token, then the epilogue
+    # kernel), over empty experts, partial K steps (I = 40, 2I = 80, H = 72 against BLOCK_K
     # 32) and tiles past the edge (H = 72 and I = 40 against 32-wide blocks). Padding rows of the
     # left operands in row order hold NaN, as unwritten rows may: the sweep reads them (as TMA does)
     # and they reach no stored row.
@@ -231,13 +232,19 @@ def test_row_sweep_is_bitwise_the_per_tile_kernels(tma, with_bias):
         return grouped_mlp.gate_up_dgrad(d_h, w13, *maps, config, expert_offsets=s.expert_offsets)[routed]
 
     h, d_out = torch.randn(s.num_rows, 2 * I, generator=g).to(DEVICE, dtype), torch.randn(T, H, generator=g)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    b1 = torch.randn(E, 2 * I, generator=g).to(DEVICE, dtype) if with_bias else None
+
+    def fc1(config):
+        h, a = grouped_mlp.gate_up_fwd(x, w13, *maps, config, gate_up_bias=b1, expert_offsets=s.expert_offsets)
+        return torch.cat([h[routed].flatten(), a[routed].flatten()])
 
     def fc2_dgrad(config):
         outputs = grouped_mlp.down_dgrad(d_out.to(DEVICE, dtype), w2, h, weights, s.row_to_tk, *maps, config,
                                          down_bias=bias, expert_offsets=s.expert_offsets)  # fmt: skip
         return torch.cat([t[routed].float().flatten() for t in outputs])
 
-    for run in (fc2, fc1_dgrad, fc2_dgrad):
+    for run in (fc1, fc2, fc1_dgrad, fc2_dgrad):
         per_tile, swept = run(cfg), run(replace(cfg, sweep=True))
         assert swept.isfinite().all() and swept.ne(0).any()
         assert torch.equal(swept, per_tile), run.__name__
@@ -254,12 +261,12 @@ def test_row_sweep_needs_the_expert_offsets():
 
 
 def test_row_sweeps_through_the_layer_give_the_same_bits():
-    # The layer with fc2's forward and both input gradients sweeping (their pinned entries with 'p'):
+    # The layer with its four row GEMMs sweeping (their pinned entries with 'p'):
     # every output and gradient bitwise the pinned table's. At this size h is kept per pair, so fc1's
     # input gradient reads dh through the pair map tile by tile; the direct test above sweeps it.
     case = (70, 72, 40, 10, 2, "skewed", torch.float16)
     pinned = compare_with_reference(*case, variant="multi_kernel")
-    swept_kernels = ("down_fwd", "gate_up_dgrad", "down_dgrad")
+    swept_kernels = ("gate_up_fwd", "down_fwd", "gate_up_dgrad", "down_dgrad")
     sweeping = {name: replace(kernel_config(name, 1 << 16), sweep=True) for name in swept_kernels}
     with overridden_configs(sweeping):
         swept = compare_with_reference(*case, variant="multi_kernel")

@@ -69,7 +69,7 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
                                           ROUTED=kernel == "down_fwd", A_BY_TOKEN=kernel == "down_dgrad")  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
-                                         H_BY_PAIR=False)  # fmt: skip
+                                         H_BY_PAIR=False, SWEEP=cfg.sweep)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":

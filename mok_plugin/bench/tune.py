@@ -86,7 +86,7 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         # name: (flops, fn(config), default config)
         "gate_up_fwd": (
             2 * T * K * H * 2 * I,
-            lambda c: gm.gate_up_fwd(x, w13, *rt, config=c),
+            lambda c: gm.gate_up_fwd(x, w13, *rt, config=c, expert_offsets=s.expert_offsets),
             kernel_config("gate_up_fwd", I),
         ),
         "down_fwd": (

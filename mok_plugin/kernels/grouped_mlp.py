@@ -64,6 +64,7 @@ from mok_plugin.kernels.tiles import (
     down_dgrad_epilogue,
     down_tile,
     gate_up_dgrad_tile,
+    gate_up_sweep,
     gate_up_tile,
     grouped_pid,
     row_sweep,
@@ -93,13 +94,14 @@ __all__ = [
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
-    stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, expert_offsets_ptr,
+    NUM_ROWS, E, H, I, stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, SWEEP: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p. With SWEEP,
+    (G,), at most one program an SM; each sweeps tiles p, p + G, ... (tiles.gate_up_sweep)."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -109,6 +111,16 @@ def _gate_up_fwd_kernel(
     stride_b1_e = aligned(stride_b1_e, ALIGN)
     stride_h_r = aligned(stride_h_r, ALIGN)
     stride_a_r = aligned(stride_a_r, ALIGN)
+    if SWEEP:
+        gate_up_sweep(
+            x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
+            row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, expert_offsets_ptr=expert_offsets_ptr,
+            E=E, H=H, I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e,
+            stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP,
+            OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
+        )
+        return
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
         pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
@@ -381,18 +393,20 @@ INTERPRETED_SWEEP_PROGRAMS = 3
 
 
 def _launch_row_sweep(
-    cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, **args
+    cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, kernel=None, **args
 ) -> None:
-    """Launch `_row_sweep_kernel` (cfg.sweep: tiles.row_sweep) over at most one program an SM, never
-    more than the schedule's bound on tiles."""
+    """Launch a row sweep (cfg.sweep: `_row_sweep_kernel`, tiles.row_sweep, unless another kernel is
+    given) over at most one program an SM, never more than the schedule's bound on tiles."""
     if args["expert_offsets_ptr"] is None:
         raise ValueError("a config that sweeps (its 'p') needs the schedule's expert_offsets")
     cfg = stages_for(cfg, dtype)
     tiles = num_rows // cfg.block_m * cdiv(n_out, cfg.block_n)
-    device = args["out_ptr"].device
+    if tiles == 0:  # no row space (an expert-parallel rank without tokens): nothing to read or write
+        return
+    device = args["row_to_token_ptr"].device
     programs = sm_count(device.index) if device.type == "cuda" else INTERPRETED_SWEEP_PROGRAMS
     sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernel restates
-    launch(_row_sweep_kernel, (max(1, min(programs, tiles)),),
+    launch(kernel or _row_sweep_kernel, (min(programs, tiles),),
         TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **args,
@@ -403,14 +417,15 @@ def gate_up_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, gate_up_bias: torch.Tensor | None = None,
     activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
-    h_pairs: tuple[torch.Tensor, int] | None = None,
+    h_pairs: tuple[torch.Tensor, int] | None = None, expert_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R_pad, N1] (+ the fc1 bias) and A [R_pad, I] = the activation of h (params dtype) for the
     gathered rows; N1 = 2I when gated, else I. Padding rows untouched.
 
     h_pairs: (the schedule's row_to_tk, T * K) to store h one row per (token, k) pair instead,
     [T * K, N1], row r's at row_to_tk[r] (small batches: ops.compact_h); a pair dropped by capacity
-    keeps an unwritten row, which nothing reads."""
+    keeps an unwritten row, which nothing reads. With the schedule's expert_offsets and a config that
+    sweeps, one program an SM sweeps the tiles (tiles.gate_up_sweep): the same bits."""
     check_tensor("x", x, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, x.dtype)
     E, N1, H = gate_up_proj.shape
@@ -425,14 +440,18 @@ def gate_up_fwd(
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
-    _launch_row_tiles(
-        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
-        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
-        h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
-        H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
-        stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
-        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None,
-    )
+    args = dict(
+        x_ptr=x, w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj,
+        b1_ptr=gate_up_bias, h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk,
+        tile_to_expert_ptr=tile_to_expert, expert_offsets_ptr=expert_offsets, E=E, H=H, I=I, stride_x_t=x.stride(0),
+        stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1), stride_b1_e=_stride0(gate_up_bias),
+        stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation, GATED=gated, CLAMP=clamp,
+        OFFSET=offset, H_BY_PAIR=h_pairs is not None, SWEEP=cfg.sweep,
+    )  # fmt: skip
+    if cfg.sweep:
+        _launch_row_sweep(cfg, num_rows, I, x.dtype, tile_m, kernel=_gate_up_fwd_kernel, NUM_ROWS=num_rows, **args)
+    else:
+        _launch_row_tiles(_gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, **args)
     return h, a
 
 
