@@ -39,8 +39,8 @@
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
 #              empty). Candidates now (gpt-oss-120b first: 0.2 ms short of 70 % of dense): the four row GEMMs
 #              swept by one program an SM (`p`, tiles.row_sweep and gate_up_sweep, written in session 49
-#              without a GPU), and the forward row GEMMs with TMA and 4 stages (1 % faster at T = 512, session
-#              48), on the coarse shapes, since one pinned entry serves every T
+#              without a GPU) on the coarse shapes, since one pinned entry serves every T (the forward's TMA
+#              at 4 stages, timed so in session 49, is pinned)
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -188,15 +188,10 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            sweep=128x256x64w8s4tp  # gate_up_fwd's two accumulators: 128x128 (its pinned width)
-            sweeps="--override gate_up_fwd=128x128x64w8s4tp --override down_fwd=$sweep --override gate_up_dgrad=$sweep"
-            sweeps+=" --override down_dgrad=$sweep"
-            forward_tma="--override gate_up_fwd=128x128x64w8s4t --override down_fwd=128x256x64w8s4t"
-            candidates=(
-                "--shape gpt-oss-120b $sweeps" "--shape qwen3-30b-a3b $sweeps"
-                "--shape gpt-oss-120b $forward_tma" "--shape qwen3-30b-a3b $forward_tma"
-                "--shape mixtral-8x7b $sweeps" "--shape mixtral-8x7b $forward_tma"
-            )
+            # 128x128 for gate_up_fwd's two accumulators and down_dgrad's fp32 dA' (shared memory)
+            sweeps="--override gate_up_fwd=128x128x64w8s4tp --override down_fwd=128x256x64w8s4tp"
+            sweeps+=" --override gate_up_dgrad=128x256x64w8s4tp --override down_dgrad=128x128x64w8s4tp"
+            candidates=("--shape gpt-oss-120b $sweeps" "--shape qwen3-30b-a3b $sweeps" "--shape mixtral-8x7b $sweeps")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

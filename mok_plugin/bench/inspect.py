@@ -115,8 +115,10 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
     align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
     8), which Triton then knows nothing about, and ALIGN = align (launch.alignment)."""
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
+    # the swept down_dgrad GEMM stores fp32 dA' through the sweep's generic out_ptr
+    fp32_out = {"out_ptr": "*fp32"} if cfg.sweep and kernel == "down_dgrad" else {}
     return compile_jit_for_hopper(fn, constexprs, align, _descriptor_blocks(kernel, cfg), num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages)  # fmt: skip
+                                  num_stages=cfg.num_stages, pointer_types=fp32_out)  # fmt: skip
 
 
 def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: dict | None = None,
