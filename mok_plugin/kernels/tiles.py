@@ -431,6 +431,17 @@ def _sweep_tile(
 
 
 @triton.jit
+def _step_ranges(pid_n, step, N_OUT, K_DIM, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(n0, cols, col_ok, k0, ks, k_ok): the output columns of column block pid_n and the reduction
+    indices of K step `step`, with their bounds."""
+    n0 = pid_n * BLOCK_N
+    cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    k0 = step * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return n0, cols, cols < N_OUT, k0, ks, ks < K_DIM
+
+
+@triton.jit
 def row_sweep(
     a, w, b_ptr, topk_weights_ptr, row_to_tk_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr, expert_offsets_ptr,
     E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
@@ -467,12 +478,7 @@ def row_sweep(
         step, pid_m, pid_n, next_expert, next_tokens = _sweep_tile(
             i, steps, used_m, num_pid_n, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M, GROUP_M
         )
-        n0 = pid_n * BLOCK_N
-        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        col_ok = cols < N_OUT
-        k0 = step * BLOCK_K
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K_DIM
+        n0, cols, col_ok, k0, ks, k_ok = _step_ranges(pid_n, step, N_OUT, K_DIM, BLOCK_N, BLOCK_K)
         row0 = pid_m * BLOCK_M
         rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
         if A_BY_TOKEN:
@@ -527,12 +533,7 @@ def gate_up_sweep(
         step, pid_m, pid_n, next_expert, next_tokens = _sweep_tile(
             i, steps, used_m, num_pid_n, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M, GROUP_M
         )
-        n0 = pid_n * BLOCK_N
-        cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
-        k0 = step * BLOCK_K
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
+        n0, cols, col_ok, k0, ks, k_ok = _step_ranges(pid_n, step, I, H, BLOCK_N, BLOCK_K)
         row_ok = tokens >= 0
         xa = tl.load(
             x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
