@@ -285,7 +285,7 @@ def expert_up_fwd(
     return gate_up_fwd(
         x, gate_up_proj, row_to_token, tile_to_expert, tile_m, gate_up_bias=gate_up_bias, activation=activation,
         gated=gated, clamp=clamp, offset=offset,
-        h_pairs=(row_to_tk, pairs) if compact_h(row_to_token.shape[0], pairs) else None, expert_offsets=expert_offsets,
+        h_pairs=(row_to_tk, pairs) if compact_h(row_to_token.shape[0], pairs) else None,
     )  # fmt: skip
 
 
@@ -313,19 +313,15 @@ def expert_up_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_x [T, H]: each token's K rows summed in k order, d_gate_up [E, N1, H]) from dh (rows,
     or one per pair)."""
-    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets,
-                        tile_m, top_k)  # fmt: skip
+    d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
     return d_x, _up_weight_grad(
         d_h, x, row_to_token, row_to_tk, tile_to_expert, expert_offsets, tokens_per_expert, tile_m, top_k
     )
 
 
-def _up_data_grad(
-    d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tile_m: int, top_k: int
-):
+def _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m: int, top_k: int):
     pair_map = row_to_tk if _is_compact(d_h, row_to_token) else None
-    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=pair_map,
-                           expert_offsets=expert_offsets)  # fmt: skip
+    d_rows = gate_up_dgrad(d_h, gate_up_proj, row_to_token, tile_to_expert, tile_m, d_h_row_to_pair=pair_map)
     return combine_rows(d_rows, tk_to_row, x.shape[0], top_k)
 
 
@@ -388,8 +384,7 @@ def _backward_up(ctx, d_h, _d_a):
     row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets, tokens_per_expert = schedule
     has_bias, tile_m, top_k = ctx.has_bias, ctx.tile_m, ctx.top_k
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW1 (and db1) in backward_dw (wgrad.py)
-        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, expert_offsets,
-                            tile_m, top_k)  # fmt: skip
+        d_x = _up_data_grad(d_h, x, gate_up_proj, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m, top_k)
 
         def weight_grads():
             d_bias = None
@@ -477,8 +472,7 @@ def expert_down_fwd(
     here: it is an input so that this node's backward (the activation's gradient needs h) returns
     dh to the up node; the family scalars are for that backward."""
     T, K = topk_weights.shape
-    y = down_fwd(a, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
-                 expert_offsets=expert_offsets)  # fmt: skip
+    y = down_fwd(a, down_proj, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias)
     return combine_rows(y, tk_to_row, T, K)
 
 
@@ -511,22 +505,22 @@ def expert_down_bwd(
     bias), then dW2 from the w*A rows it wrote."""
     d_out = d_out.contiguous()
     d_h, d_topk_weights, a_weighted = _down_data_grads(
-        d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
-        expert_offsets, tile_m, activation, gated, clamp, offset,
+        d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
+        activation, gated, clamp, offset,
     )  # fmt: skip
     return d_h, d_topk_weights, _down_weight_grad(d_out, a_weighted, row_to_token, expert_offsets, tokens_per_expert,
                                                   tile_m)  # fmt: skip
 
 
 def _down_data_grads(d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
-                     expert_offsets, tile_m: int, activation: str, gated: bool, clamp: float | None,
-                     offset: float):  # fmt: skip
+                     tile_m: int, activation: str, gated: bool, clamp: float | None, offset: float):  # fmt: skip
     """(dh, d_topk_weights, the w*A rows dW2 is made from) of the down node's backward; dh one row
     per pair where h came so (`compact_h`: the kernels read and write them through row_to_tk)."""
     T, K = topk_weights.shape
     d_h, a_weighted, partial = down_dgrad(
         d_out, down_proj, h, topk_weights, row_to_tk, row_to_token, tile_to_expert, tile_m, down_bias=down_bias,
-        activation=activation, gated=gated, clamp=clamp, offset=offset, expert_offsets=expert_offsets,
+        activation=activation,
+        gated=gated, clamp=clamp, offset=offset,
     )  # fmt: skip
     d_topk_weights = reduce_router_grad(partial, tk_to_row, T, K)
     return d_h, d_topk_weights.to(topk_weights.dtype), a_weighted
@@ -556,8 +550,8 @@ def _backward_down(ctx, d_out):
     d_out, has_bias, tile_m = d_out.contiguous(), ctx.has_bias, ctx.tile_m
     if ctx.deferral is not None:  # --delay-wgrad-compute: dW2 (and db2) in backward_dw (wgrad.py)
         d_h, d_topk_weights, a_weighted = _down_data_grads(
-            d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert,
-            expert_offsets, tile_m, *ctx.family,
+            d_out, h, topk_weights, down_proj, down_bias, row_to_token, row_to_tk, tk_to_row, tile_to_expert, tile_m,
+            *ctx.family,
         )  # fmt: skip
 
         def weight_grads():

@@ -37,10 +37,8 @@
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
-#              empty). Candidates now (gpt-oss-120b first: 0.2 ms short of 70 % of dense): the four row GEMMs
-#              swept by one program an SM (`p`, tiles.row_sweep and gate_up_sweep, written in session 49
-#              without a GPU) on the coarse shapes, since one pinned entry serves every T (the forward's TMA
-#              at 4 stages, timed so in session 49, is pinned)
+#              empty). Candidates now: the forward's entries before session 49's TMA pin, on deepseek-v3 and
+#              two shapes of the issue's class, where the pin is not yet timed (B/A above 1 confirms it)
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -94,8 +92,12 @@ for part in "${parts[@]}"; do
     tests)
         # pytest-xdist, where installed, spreads the kernel compiles (CPU-bound) over the cores: ~3 minutes
         # on the H200 with 12 workers; without it the same tests run one after the other.
+        # 12 workers on the H200's 141 GB; an 80 GB H100 ran out of memory with 12 (session 49): 6 there
         spread=()
-        python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+        workers=12
+        gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+        [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] && workers=6
+        python3 -c "import xdist" 2>/dev/null && spread=(-n "$workers")
         run_part tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
             tests/test_gpu_parallel.py tests/test_empty_work.py tests/test_layer.py tests/test_kernels_grouped_mlp.py \
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
@@ -188,10 +190,11 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            # 128x128 for gate_up_fwd's two accumulators and down_dgrad's fp32 dA' (shared memory)
-            sweeps="--override gate_up_fwd=128x128x64w8s4tp --override down_fwd=128x256x64w8s4tp"
-            sweeps+=" --override gate_up_dgrad=128x256x64w8s4tp --override down_dgrad=128x128x64w8s4tp"
-            candidates=("--shape gpt-oss-120b $sweeps" "--shape qwen3-30b-a3b $sweeps" "--shape mixtral-8x7b $sweeps")
+            # B is the forward's entries before session 49 pinned TMA at 4 stages (timed on qwen3-30b-a3b,
+            # mixtral-8x7b and gpt-oss-120b only): B/A above 1 confirms the pin on the shapes not yet timed.
+            before="--override gate_up_fwd=128x128x64w8s3 --override down_fwd=128x256x64w8s3"
+            candidates=("--shape deepseek-v3 $before" "--shape 4096,7168,2048,384,8 $before"
+                        "--shape 8192,3000,1000,160,6 $before")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

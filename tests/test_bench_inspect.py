@@ -85,24 +85,3 @@ print(json.dumps(counts))
     counts = json.loads(outside_the_interpreter("-c", code, timeout=600).splitlines()[-1])
     for name in ("_bias_grad_kernel", "_bias_router_grad_kernel", "_forward_megakernel", "_backward_megakernel"):
         assert counts[f"{name} 8"] == counts[f"{name} 16"] and counts[f"{name} 8"][2] > 0, counts
-
-
-def test_row_sweeps_compile_fully_pipelined_without_spills():
-    # The row GEMMs swept by one program an SM (tiles.row_sweep, tiles.gate_up_sweep): the next
-    # tile's expert (and dO's tokens) loaded a step ahead keeps every K step's loads independent of
-    # the step's own loads, so the loop gets all its stages (two with the expert loaded in the
-    # step), and the 128x256 accumulator fits the registers (Triton's own loop flattening spilled
-    # 368-1000 bytes).
-    for align in ("16", "8"):
-        stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--align", align, "--kernels",
-                                         "down_fwd", "gate_up_dgrad", "down_dgrad", "gate_up_fwd", "--candidates",
-                                         "128x256x64w8s4tp", "128x128x64w8s4tp")  # fmt: skip
-        # gate_up_fwd's two accumulators and down_dgrad's fp32 dA' (its epilogue's 128 KiB of shared
-        # memory at 128x256, beside the next tile's stages) take 128x128, the others 128x256
-        narrow = ("gate_up_fwd", "down_dgrad")
-        rows = [line.split() for line in stdout.splitlines() if "sweep" in line.split()]
-        rows = [fields for fields in rows if (fields[0] in narrow) == (fields[1] == "128x128x64")]
-        assert len(rows) == 4, stdout
-        for fields in rows:
-            # kernel, 128x256x64, w8, s4, tma, sweep, buffers, async copies, smem KiB, regs, stack
-            assert int(fields[6]) == 4 and int(fields[10]) == 0, fields

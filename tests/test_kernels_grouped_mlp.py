@@ -18,7 +18,6 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from triton_cases import CASES, DEVICE, DTYPES, GRADIENT_NAMES, compare_with_reference, crafted_routing  # noqa: E402
 
-from mok_plugin.bench.tuning import overridden_configs  # noqa: E402
 from mok_plugin.kernels import grouped_mlp  # noqa: E402
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, values_per_row  # noqa: E402
@@ -189,90 +188,6 @@ def test_wgrad_sweep_is_bitwise_the_per_tile_kernel(left_by_token, gather_rows, 
     assert torch.equal(wgrad(replace(cfg, sweep=True)), swept)
     empty = schedule.tokens_per_expert == 0
     assert swept[empty].eq(0).all() and swept[~empty].ne(0).any(dim=(1, 2)).all()
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "fc2_bias"])
-def test_row_sweep_is_bitwise_the_per_tile_kernels(tma, with_bias):
-    # One program an SM (3 interpreted) sweeping the row blocks in use (config sweep) sums each tile
-    # in the same order as a program per tile: the same bits for fc1's forward (x gathered by token,
-    # two accumulators, bias and SwiGLU in its epilogue), fc2's forward (bias and routing weight in
-    # its epilogue), fc1's input gradient and fc2's (dO gathered by token, then the epilogue
-    # kernel), over empty experts, partial K steps (I = 40, 2I = 80, H = 72 against BLOCK_K
-    # 32) and tiles past the edge (H = 72 and I = 40 against 32-wide blocks). Padding rows of the
-    # left operands in row order hold NaN, as unwritten rows may: the sweep reads them (as TMA does)
-    # and they reach no stored row.
-    T, H, I, E, K = 70, 72, 40, 10, 2
-    g = torch.Generator().manual_seed(11)
-    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
-    assert (s.tokens_per_expert == 0).any()
-    routed = s.row_to_token >= 0
-    dtype = torch.float16
-
-    def left(width):
-        rows = torch.randn(s.num_rows, width, generator=g).to(DEVICE, dtype)
-        rows[~routed] = float("nan")
-        return rows
-
-    a, d_h = left(I), left(2 * I)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
-    bias = torch.randn(E, H, generator=g).to(DEVICE, dtype) if with_bias else None
-    weights = torch.rand(T, K, generator=g).to(DEVICE)
-    maps = (s.row_to_token, s.tile_to_expert, s.tile_m)
-    cfg = MoKTileConfig(32, 32, 32, 4, 2, tma=tma)
-    assert s.num_rows // cfg.block_m * (H // cfg.block_n + 1) > 3 * grouped_mlp.INTERPRETED_SWEEP_PROGRAMS
-
-    def fc2(config):
-        y = grouped_mlp.down_fwd(a, w2, weights, s.row_to_tk, *maps, config, down_bias=bias,
-                                 expert_offsets=s.expert_offsets)  # fmt: skip
-        return y[routed]
-
-    def fc1_dgrad(config):
-        return grouped_mlp.gate_up_dgrad(d_h, w13, *maps, config, expert_offsets=s.expert_offsets)[routed]
-
-    h, d_out = torch.randn(s.num_rows, 2 * I, generator=g).to(DEVICE, dtype), torch.randn(T, H, generator=g)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    b1 = torch.randn(E, 2 * I, generator=g).to(DEVICE, dtype) if with_bias else None
-
-    def fc1(config):
-        h, a = grouped_mlp.gate_up_fwd(x, w13, *maps, config, gate_up_bias=b1, expert_offsets=s.expert_offsets)
-        return torch.cat([h[routed].flatten(), a[routed].flatten()])
-
-    def fc2_dgrad(config):
-        outputs = grouped_mlp.down_dgrad(d_out.to(DEVICE, dtype), w2, h, weights, s.row_to_tk, *maps, config,
-                                         down_bias=bias, expert_offsets=s.expert_offsets)  # fmt: skip
-        return torch.cat([t[routed].float().flatten() for t in outputs])
-
-    for run in (fc1, fc2, fc1_dgrad, fc2_dgrad):
-        per_tile, swept = run(cfg), run(replace(cfg, sweep=True))
-        assert swept.isfinite().all() and swept.ne(0).any()
-        assert torch.equal(swept, per_tile), run.__name__
-        assert torch.equal(run(replace(cfg, sweep=True)), swept)
-
-
-def test_row_sweep_needs_the_expert_offsets():
-    s = build_schedule(torch.tensor([[0, 1], [1, 2]], device=DEVICE), 3, tile_m=DEFAULT_TILE_M)
-    a = torch.randn(s.num_rows, 32, device=DEVICE)
-    w2 = torch.randn(3, 32, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="expert_offsets"):
-        grouped_mlp.down_fwd(a, w2, torch.rand(2, 2, device=DEVICE), s.row_to_tk, s.row_to_token, s.tile_to_expert,
-                             s.tile_m, MoKTileConfig(32, 32, 32, 4, 1, sweep=True))  # fmt: skip
-
-
-def test_row_sweeps_through_the_layer_give_the_same_bits():
-    # The layer with its four row GEMMs sweeping (their pinned entries with 'p'):
-    # every output and gradient bitwise the pinned table's. At this size h is kept per pair, so fc1's
-    # input gradient reads dh through the pair map tile by tile; the direct test above sweeps it.
-    case = (70, 72, 40, 10, 2, "skewed", torch.float16)
-    pinned = compare_with_reference(*case, variant="multi_kernel")
-    swept_kernels = ("gate_up_fwd", "down_fwd", "gate_up_dgrad", "down_dgrad")
-    sweeping = {name: replace(kernel_config(name, 1 << 16), sweep=True) for name in swept_kernels}
-    with overridden_configs(sweeping):
-        swept = compare_with_reference(*case, variant="multi_kernel")
-    assert len(swept) == len(pinned)
-    for ours, theirs in zip(swept, pinned, strict=True):
-        assert torch.equal(ours, theirs)
 
 
 # The weight-gradient entries differ in tile shape, warps and stages, never in BLOCK_K, and

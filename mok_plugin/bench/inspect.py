@@ -64,12 +64,9 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
-    if cfg.sweep and kernel in ("down_fwd", "gate_up_dgrad", "down_dgrad"):  # one program an SM sweeping the tiles
-        return gm._row_sweep_kernel, dict(row_tiles, b_ptr=None, W_N_MAJOR=kernel == "down_fwd",
-                                          ROUTED=kernel == "down_fwd", A_BY_TOKEN=kernel == "down_dgrad")  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
-                                         H_BY_PAIR=False, SWEEP=cfg.sweep)  # fmt: skip
+                                         H_BY_PAIR=False)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":
@@ -94,9 +91,9 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     blocks = {
         "gate_up_fwd": {"w13": [n, k]},
-        "down_fwd": {"a": [m, k], "w": [n, k]} if cfg.sweep else {"a": [m, k], "w2": [n, k]},
-        "down_dgrad": {"w": [k, n]} if cfg.sweep else {"w2": [k, n]},
-        "gate_up_dgrad": {"a": [m, k], "w": [k, n]} if cfg.sweep else {"d_h": [m, k], "w13": [k, n]},
+        "down_fwd": {"a": [m, k], "w2": [n, k]},
+        "down_dgrad": {"w2": [k, n]},
+        "gate_up_dgrad": {"d_h": [m, k], "w13": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),
         "wgrad_gate_up": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),
@@ -115,10 +112,8 @@ def compile_for_hopper(kernel: str, cfg: MoKTileConfig, align: int = 16):
     align < 16, as for sizes and strides that are multiples of `align` but not of 16 (H = 3000:
     8), which Triton then knows nothing about, and ALIGN = align (launch.alignment)."""
     fn, constexprs = _kernel_and_constexprs(kernel, cfg)
-    # the swept down_dgrad GEMM stores fp32 dA' through the sweep's generic out_ptr
-    fp32_out = {"out_ptr": "*fp32"} if cfg.sweep and kernel == "down_dgrad" else {}
     return compile_jit_for_hopper(fn, constexprs, align, _descriptor_blocks(kernel, cfg), num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages, pointer_types=fp32_out)  # fmt: skip
+                                  num_stages=cfg.num_stages)  # fmt: skip
 
 
 def compile_jit_for_hopper(fn, constexprs: dict, align: int = 16, descriptors: dict | None = None,

@@ -86,22 +86,22 @@ def _tune_shape(name: str, iters: int, defaults_only: bool = False, only: list[s
         # name: (flops, fn(config), default config)
         "gate_up_fwd": (
             2 * T * K * H * 2 * I,
-            lambda c: gm.gate_up_fwd(x, w13, *rt, config=c, expert_offsets=s.expert_offsets),
+            lambda c: gm.gate_up_fwd(x, w13, *rt, config=c),
             kernel_config("gate_up_fwd", I),
         ),
         "down_fwd": (
             2 * T * K * H * I,
-            lambda c: gm.down_fwd(a, w2, *weights, *rt, config=c, expert_offsets=s.expert_offsets),
+            lambda c: gm.down_fwd(a, w2, *weights, *rt, config=c),
             kernel_config("down_fwd", H),
         ),
         "down_dgrad": (
             2 * T * K * H * I,
-            lambda c: gm.down_dgrad(d_out, w2, h, *weights, *rt, config=c, expert_offsets=s.expert_offsets),
+            lambda c: gm.down_dgrad(d_out, w2, h, *weights, *rt, config=c),
             kernel_config("down_dgrad", I),
         ),
         "gate_up_dgrad": (
             4 * T * K * H * I,
-            lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c, expert_offsets=s.expert_offsets),
+            lambda c: gm.gate_up_dgrad(d_h, w13, *rt, config=c),
             kernel_config("gate_up_dgrad", H),
         ),
         "wgrad_down": (

@@ -3,8 +3,7 @@
 The kernel package keeps the pinned table and its lookup (`mok_plugin.kernels.configs`); trying
 other configs is a benchmark's business and lives here. The notation: '128x256x64w8s3' is
 BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; then 'g' for pre-gathered weight-gradient rows, 't'
-for TMA and 'p' for a program sweeping tiles (a weight gradient's row block; fc2's forward and both
-input gradients: one program an SM over all tiles), in that order.
+for TMA and 'p' for a weight-gradient program sweeping its row block's tiles, in that order.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ _SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(g?)(t?)(p?)")
 
 def parse_tile_config(spec: str) -> MoKTileConfig:
     """A config from its short form: '128x256x64w8s3' (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages),
-    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'p' for a program sweeping tiles (a
-    weight gradient's row block; fc2's forward and both input gradients: one program an SM).
+    then 'g' for pre-gathered weight-gradient rows, 't' for TMA, 'p' for a weight-gradient program
+    sweeping its row block's tiles.
 
     Raises:
         ValueError: spec is not in that form.

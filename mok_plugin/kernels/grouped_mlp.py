@@ -64,10 +64,8 @@ from mok_plugin.kernels.tiles import (
     down_dgrad_epilogue,
     down_tile,
     gate_up_dgrad_tile,
-    gate_up_sweep,
     gate_up_tile,
     grouped_pid,
-    row_sweep,
     tile_rows,
     wgrad_sweep,
     wgrad_tile,
@@ -94,14 +92,13 @@ __all__ = [
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, expert_offsets_ptr,
-    NUM_ROWS, E, H, I, stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
+    stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, SWEEP: tl.constexpr, ALIGN: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p. With SWEEP,
-    (G,), at most one program an SM; each sweeps tiles p, p + G, ... (tiles.gate_up_sweep)."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -111,16 +108,6 @@ def _gate_up_fwd_kernel(
     stride_b1_e = aligned(stride_b1_e, ALIGN)
     stride_h_r = aligned(stride_h_r, ALIGN)
     stride_a_r = aligned(stride_a_r, ALIGN)
-    if SWEEP:
-        gate_up_sweep(
-            x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, expert_offsets_ptr=expert_offsets_ptr,
-            E=E, H=H, I=I, stride_x_t=stride_x_t, stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e,
-            stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP,
-            OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-        )
-        return
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
         pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
@@ -155,35 +142,6 @@ def _down_fwd_kernel(
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
         stride_w_h=stride_w_h, stride_b2_e=stride_b2_e, stride_y_r=stride_y_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-    )
-
-
-@triton.jit
-def _row_sweep_kernel(
-    a, w, b_ptr, topk_weights_ptr, row_to_tk_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr, expert_offsets_ptr,
-    E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
-    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
-    A_BY_TOKEN: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """Grid: (G,), at most one program an SM; each sweeps tiles p, p + G, ... (tiles.row_sweep)."""
-    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
-    N_OUT = aligned(N_OUT, ALIGN)
-    K_DIM = aligned(K_DIM, ALIGN)
-    W_ROWS = aligned(W_ROWS, ALIGN)
-    stride_a_r = aligned(stride_a_r, ALIGN)
-    stride_w_e = aligned(stride_w_e, ALIGN)
-    stride_w_k = aligned(stride_w_k, ALIGN)
-    stride_w_n = aligned(stride_w_n, ALIGN)
-    stride_b_e = aligned(stride_b_e, ALIGN)
-    stride_out_r = aligned(stride_out_r, ALIGN)
-    row_sweep(
-        a=a, w=w, b_ptr=b_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, out_ptr=out_ptr,
-        row_to_token_ptr=row_to_token_ptr, tile_to_expert_ptr=tile_to_expert_ptr, expert_offsets_ptr=expert_offsets_ptr,
-        E=E, N_OUT=N_OUT, K_DIM=K_DIM, W_ROWS=W_ROWS, stride_a_r=stride_a_r, stride_w_e=stride_w_e,
-        stride_w_k=stride_w_k, stride_w_n=stride_w_n, stride_b_e=stride_b_e, stride_out_r=stride_out_r, TILE_M=TILE_M,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-        W_N_MAJOR=W_N_MAJOR, ROUTED=ROUTED, A_BY_TOKEN=A_BY_TOKEN,
     )
 
 
@@ -388,44 +346,18 @@ def _launch_row_tiles(
     )
 
 
-# Programs of a row sweep under Triton's interpreter (no SMs to count): a few, so that each sweeps several tiles.
-INTERPRETED_SWEEP_PROGRAMS = 3
-
-
-def _launch_row_sweep(
-    cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, kernel=None, **args
-) -> None:
-    """Launch a row sweep (cfg.sweep: `_row_sweep_kernel`, tiles.row_sweep, unless another kernel is
-    given) over at most one program an SM, never more than the schedule's bound on tiles."""
-    if args["expert_offsets_ptr"] is None:
-        raise ValueError("a config that sweeps (its 'p') needs the schedule's expert_offsets")
-    cfg = stages_for(cfg, dtype)
-    tiles = num_rows // cfg.block_m * cdiv(n_out, cfg.block_n)
-    if tiles == 0:  # no row space (an expert-parallel rank without tokens): nothing to read or write
-        return
-    device = args["row_to_token_ptr"].device
-    programs = sm_count(device.index) if device.type == "cuda" else INTERPRETED_SWEEP_PROGRAMS
-    sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernel restates
-    launch(kernel or _row_sweep_kernel, (min(programs, tiles),),
-        TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **args,
-    )
-
-
 def gate_up_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, gate_up_bias: torch.Tensor | None = None,
     activation: str = "silu", gated: bool = True, clamp: float | None = None, offset: float = 0.0,
-    h_pairs: tuple[torch.Tensor, int] | None = None, expert_offsets: torch.Tensor | None = None,
+    h_pairs: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R_pad, N1] (+ the fc1 bias) and A [R_pad, I] = the activation of h (params dtype) for the
     gathered rows; N1 = 2I when gated, else I. Padding rows untouched.
 
     h_pairs: (the schedule's row_to_tk, T * K) to store h one row per (token, k) pair instead,
     [T * K, N1], row r's at row_to_tk[r] (small batches: ops.compact_h); a pair dropped by capacity
-    keeps an unwritten row, which nothing reads. With the schedule's expert_offsets and a config that
-    sweeps, one program an SM sweeps the tiles (tiles.gate_up_sweep): the same bits."""
+    keeps an unwritten row, which nothing reads."""
     check_tensor("x", x, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, x.dtype)
     E, N1, H = gate_up_proj.shape
@@ -440,18 +372,14 @@ def gate_up_fwd(
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
-    args = dict(
-        x_ptr=x, w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj,
-        b1_ptr=gate_up_bias, h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk,
-        tile_to_expert_ptr=tile_to_expert, expert_offsets_ptr=expert_offsets, E=E, H=H, I=I, stride_x_t=x.stride(0),
-        stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1), stride_b1_e=_stride0(gate_up_bias),
-        stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation, GATED=gated, CLAMP=clamp,
-        OFFSET=offset, H_BY_PAIR=h_pairs is not None, SWEEP=cfg.sweep,
-    )  # fmt: skip
-    if cfg.sweep:
-        _launch_row_sweep(cfg, num_rows, I, x.dtype, tile_m, kernel=_gate_up_fwd_kernel, NUM_ROWS=num_rows, **args)
-    else:
-        _launch_row_tiles(_gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, **args)
+    _launch_row_tiles(
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
+        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
+        h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
+        H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
+        stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
+        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None,
+    )
     return h, a
 
 
@@ -462,11 +390,10 @@ def _stride0(t: torch.Tensor | None) -> int:
 def down_fwd(
     a: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
-    down_bias: torch.Tensor | None = None, expert_offsets: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R_pad, H] = w_r * (A[r] @ W2_e^T + b2_e) in the params dtype, w_r = topk_weights[row_to_tk[r]]
-    (fp32 [T, K]). With the schedule's expert_offsets and a config that sweeps (`MoKTileConfig.sweep`),
-    one program an SM sweeps the tiles (tiles.row_sweep): the same bits."""
+    (fp32 [T, K])."""
     check_tensor("a", a, 2)
     check_tensor("down_proj", down_proj, 3, a.dtype)
     topk_weights = routing_weights_arg(topk_weights)
@@ -476,21 +403,10 @@ def down_fwd(
     cfg, num_rows = _row_gemm_config("down_fwd", H, row_to_token, tile_to_expert, tile_m, config)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
     tma = tma_ok(cfg, a, down_proj)
-    a_arg = descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a
-    w2_arg = descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj
-    if cfg.sweep:
-        _launch_row_sweep(
-            cfg, num_rows, H, a.dtype, tile_m, a=a_arg, w=w2_arg, b_ptr=down_bias, topk_weights_ptr=topk_weights,
-            row_to_tk_ptr=row_to_tk, out_ptr=y, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert,
-            expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=I, W_ROWS=H, stride_a_r=a.stride(0),
-            stride_w_e=down_proj.stride(0), stride_w_k=down_proj.stride(2), stride_w_n=down_proj.stride(1),
-            stride_b_e=_stride0(down_bias), stride_out_r=y.stride(0), TMA=tma, W_N_MAJOR=True, ROUTED=True,
-            A_BY_TOKEN=False,
-        )
-        return y
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
-        a=a_arg, w2=w2_arg, b2_ptr=down_bias,
+        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
+        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
         topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, y_ptr=y, row_to_token_ptr=row_to_token,
         tile_to_expert_ptr=tile_to_expert, H=H, I=I,
         stride_a_r=a.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
@@ -503,7 +419,7 @@ def down_dgrad(
     d_out: torch.Tensor, down_proj: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, row_to_tk: torch.Tensor,
     row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, config: MoKTileConfig | None = None, *,
     down_bias: torch.Tensor | None = None, activation: str = "silu", gated: bool = True, clamp: float | None = None,
-    offset: float = 0.0, expert_offsets: torch.Tensor | None = None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh [R_pad, N1], w_r * A [R_pad, I], router partials fp32 [R_pad, J], set on routed rows only).
 
@@ -514,8 +430,7 @@ def down_dgrad(
     partials from it (kept apart, the GEMM keeps a plain epilogue and takes a 128x256 tile; fused,
     the epilogue's registers held it to 128x64). dA' is freed on return. Padding rows of every
     active row block hold zeros in dh and w*A. With the fc2 bias, a third launch writes each row's
-    <dO, b2_e> into the last partial column (J = I-blocks + 1). With the schedule's expert_offsets
-    and a config that sweeps, one program an SM sweeps the GEMM's tiles (tiles.row_sweep): the same bits.
+    <dO, b2_e> into the last partial column (J = I-blocks + 1).
     """
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
@@ -538,22 +453,12 @@ def down_dgrad(
     partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
-    w2_arg = descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj
-    if cfg.sweep:
-        _launch_row_sweep(
-            cfg, num_rows, I, d_out.dtype, tile_m, a=d_out, w=w2_arg, b_ptr=None, topk_weights_ptr=None,
-            row_to_tk_ptr=None, out_ptr=d_a, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert,
-            expert_offsets_ptr=expert_offsets, E=E, N_OUT=I, K_DIM=H, W_ROWS=H, stride_a_r=d_out.stride(0),
-            stride_w_e=down_proj.stride(0), stride_w_k=down_proj.stride(1), stride_w_n=down_proj.stride(2),
-            stride_b_e=0, stride_out_r=d_a.stride(0), TMA=tma, W_N_MAJOR=False, ROUTED=False, A_BY_TOKEN=True,
-        )
-    else:
-        _launch_row_tiles(
-            _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out, w2=w2_arg, d_a_ptr=d_a,
-            row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
-            stride_d_out_t=d_out.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
-            stride_d_a_r=d_a.stride(0), TMA=tma,
-        )
+    _launch_row_tiles(
+        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
+        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
+        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
+    )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
@@ -577,12 +482,10 @@ def down_dgrad(
 def gate_up_dgrad(
     d_h: torch.Tensor, gate_up_proj: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor,
     tile_m: int, config: MoKTileConfig | None = None, *, d_h_row_to_pair: torch.Tensor | None = None,
-    expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dx rows [R_pad, H] = dh[r] @ W13_e in the params dtype (dh [R_pad, N1], W13 [E, N1, H]).
     d_h_row_to_pair: the schedule's row_to_tk when dh is one row per (token, k) pair ([T * K, N1]:
-    row r's at row_to_tk[r], read by pointer loads). With the schedule's expert_offsets, dh in row
-    order and a config that sweeps, one program an SM sweeps the tiles (tiles.row_sweep): the same bits."""
+    row r's at row_to_tk[r], read by pointer loads)."""
     check_tensor("d_h", d_h, 2)
     check_tensor("gate_up_proj", gate_up_proj, 3, d_h.dtype)
     E, N1, H = gate_up_proj.shape
@@ -590,17 +493,6 @@ def gate_up_dgrad(
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     by_pair = d_h_row_to_pair is not None
     tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)
-    if cfg.sweep and not by_pair:  # per-pair dh is read by pointer through the pair map: tile by tile
-        _launch_row_sweep(
-            cfg, num_rows, H, d_h.dtype, tile_m, a=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma else d_h,
-            w=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, b_ptr=None,
-            topk_weights_ptr=None, row_to_tk_ptr=None, out_ptr=d_x_rows, row_to_token_ptr=row_to_token,
-            tile_to_expert_ptr=tile_to_expert, expert_offsets_ptr=expert_offsets, E=E, N_OUT=H, K_DIM=N1,
-            W_ROWS=N1, stride_a_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_k=gate_up_proj.stride(1),
-            stride_w_n=gate_up_proj.stride(2), stride_b_e=0, stride_out_r=d_x_rows.stride(0), TMA=tma,
-            W_N_MAJOR=False, ROUTED=False, A_BY_TOKEN=False,
-        )
-        return d_x_rows
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
         d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h,

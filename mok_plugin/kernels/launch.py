@@ -64,8 +64,8 @@ def next_power_of_2(n: int) -> int:
 @functools.cache  # asked for every argument of every row-tile launch (~64 names a small step)
 def is_size_or_stride(name: str) -> bool:
     """Whether a kernel argument is one of the sizes and strides the kernels restate through ALIGN
-    (their names: H, I, N, N1, M_OUT, N_OUT, K_DIM, W_ROWS and stride_*)."""
-    return name in ("H", "I", "N", "N1", "M_OUT", "N_OUT", "K_DIM", "W_ROWS") or name.startswith("stride_")
+    (their names: H, I, N, N1, M_OUT, N_OUT and stride_*)."""
+    return name in ("H", "I", "N", "N1", "M_OUT", "N_OUT") or name.startswith("stride_")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -310,38 +310,23 @@ def gate_up_tile(
                     N_MAJOR=True, TMA=TMA,
                 )
                 acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
-        gate_up_epilogue(
-            acc_gate, acc_up, expert, rows, row_ok, cols, col_ok, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, I=I, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
-            ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-        )
-
-
-@triton.jit
-def gate_up_epilogue(
-    acc_gate, acc_up, expert, rows, row_ok, cols, col_ok, b1_ptr, h_ptr, a_ptr, row_to_tk_ptr, I, stride_b1_e,
-    stride_h_r, stride_a_r, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    H_BY_PAIR: tl.constexpr,
-):
-    """h = the accumulators (+ b1) rounded once, and A = the activation of the rounded h, on routed
-    rows only (gate_up_tile's and gate_up_sweep's)."""
-    if b1_ptr is not None:
-        b1 = b1_ptr + expert * stride_b1_e + cols
-        acc_gate += tl.load(b1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if b1_ptr is not None:
+            b1 = b1_ptr + expert * stride_b1_e + cols
+            acc_gate += tl.load(b1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b1 + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out_ty = h_ptr.dtype.element_ty
+        gate = acc_gate.to(out_ty)
+        up = acc_up.to(out_ty)
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_rows = h_rows_of(rows, row_ok, row_to_tk_ptr, H_BY_PAIR)
+        h_tile = h_ptr + h_rows[:, None] * stride_h_r + cols[None, :]
+        tl.store(h_tile, gate, mask=mask)
         if GATED:
-            acc_up += tl.load(b1 + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_ty = h_ptr.dtype.element_ty
-    gate = acc_gate.to(out_ty)
-    up = acc_up.to(out_ty)
-    mask = row_ok[:, None] & col_ok[None, :]
-    h_rows = h_rows_of(rows, row_ok, row_to_tk_ptr, H_BY_PAIR)
-    h_tile = h_ptr + h_rows[:, None] * stride_h_r + cols[None, :]
-    tl.store(h_tile, gate, mask=mask)
-    if GATED:
-        tl.store(h_tile + I, up, mask=mask)
-    # A from the rounded h, exactly as the backward recomputes it.
-    a = expert_activation(gate.to(tl.float32), up.to(tl.float32), ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
-    tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
+            tl.store(h_tile + I, up, mask=mask)
+        # A from the rounded h, exactly as the backward recomputes it.
+        a = expert_activation(gate.to(tl.float32), up.to(tl.float32), ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET)
+        tl.store(a_ptr + rows[:, None] * stride_a_r + cols[None, :], a.to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -374,191 +359,12 @@ def down_tile(
             col_ok=col_ok, K_DIM=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
             W_N_MAJOR=True, A_TMA=TMA, W_TMA=TMA,
         )
-        down_epilogue(
-            acc, expert, rows, row_ok, cols, col_ok, b2_ptr=b2_ptr, stride_b2_e=stride_b2_e,
-            topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, y_ptr=y_ptr, stride_y_r=stride_y_r,
-        )
-
-
-@triton.jit
-def down_epilogue(
-    acc, expert, rows, row_ok, cols, col_ok, b2_ptr, stride_b2_e, topk_weights_ptr, row_to_tk_ptr, y_ptr, stride_y_r
-):
-    """y[rows, cols] = w_r * (acc + b2_e) rounded once, routed rows only (down_tile's and row_sweep's)."""
-    if b2_ptr is not None:
-        acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
-    y = acc * w[:, None]
-    y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
-    tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sweep_start(
-    expert_offsets_ptr, E, row_to_token_ptr, tile_to_expert_ptr, N_OUT, K_DIM, TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """A row sweep's plan for this program: (row blocks in use, column blocks, its loop's (tile, K step)
-    iterations, its first tile's expert and tokens; a valid index even with no tile, when the loop
-    never runs)."""
-    used_m = (tl.load(expert_offsets_ptr + E) // BLOCK_M).to(tl.int32)
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    num_tiles = used_m * num_pid_n
-    pid = tl.program_id(0)
-    my_tiles = tl.cdiv(tl.maximum(num_tiles - pid, 0), tl.num_programs(0))
-    first_m, _ = grouped_pid(tl.minimum(pid, tl.maximum(num_tiles - 1, 0)), tl.maximum(used_m, 1), num_pid_n, GROUP_M)
-    expert = tl.load(tile_to_expert_ptr + (first_m * BLOCK_M) // TILE_M)
-    tokens = tl.load(row_to_token_ptr + first_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
-    return used_m, num_pid_n, my_tiles * tl.cdiv(K_DIM, BLOCK_K), expert, tokens
-
-
-@triton.jit
-def _sweep_tile(
-    i, steps, used_m, num_pid_n, row_to_token_ptr, tile_to_expert_ptr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Iteration i of a row sweep: (its K step, its tile's row and column block, and the next tile's
-    expert and tokens, loaded a step ahead; the last tile's again after the last)."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    num_tiles = used_m * num_pid_n
-    j = i // steps
-    pid_m, pid_n = grouped_pid(pid + j * programs, used_m, num_pid_n, GROUP_M)
-    next_m, _ = grouped_pid(tl.minimum(pid + (j + 1) * programs, num_tiles - 1), used_m, num_pid_n, GROUP_M)
-    next_expert = tl.load(tile_to_expert_ptr + (next_m * BLOCK_M) // TILE_M)
-    next_tokens = tl.load(row_to_token_ptr + next_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
-    return i - j * steps, pid_m, pid_n, next_expert, next_tokens
-
-
-@triton.jit
-def _step_ranges(pid_n, step, N_OUT, K_DIM, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(n0, cols, col_ok, k0, ks, k_ok): the output columns of column block pid_n and the reduction
-    indices of K step `step`, with their bounds."""
-    n0 = pid_n * BLOCK_N
-    cols = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-    k0 = step * BLOCK_K
-    ks = k0 + tl.arange(0, BLOCK_K)
-    return n0, cols, cols < N_OUT, k0, ks, ks < K_DIM
-
-
-@triton.jit
-def row_sweep(
-    a, w, b_ptr, topk_weights_ptr, row_to_tk_ptr, out_ptr, row_to_token_ptr, tile_to_expert_ptr, expert_offsets_ptr,
-    E, N_OUT, K_DIM, W_ROWS, stride_a_r, stride_w_e, stride_w_k, stride_w_n, stride_b_e, stride_out_r,
-    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, W_N_MAJOR: tl.constexpr, ROUTED: tl.constexpr,
-    A_BY_TOKEN: tl.constexpr,
-):
-    """Every tile of a row GEMM, program p of G taking tiles p, p + G, ... of the row blocks in use
-    (expert_offsets[E] rows; grouped order) in one loop over (tile, K step): a tile's first loads
-    are issued while the tile before multiplies its last steps and stores, where a program per tile
-    refills its pipeline for each (12-32 K steps a tile at qwen3-30b-a3b's sizes). Each tile sums
-    the same products in the same order into one fp32 accumulator as down_tile (fc2's forward,
-    ROUTED: its epilogue), gate_up_dgrad_tile (fc1's input gradient) or down_dgrad_block (fc2's
-    input gradient, A_BY_TOKEN: dO's rows gathered by token): bitwise the same.
-
-    The next tile's expert (and with A_BY_TOKEN its tokens) is loaded a step ahead, so no load's
-    address waits on a load of the same step (which held the loop to two buffers). A block in use
-    has every row allocated: padding rows of a left operand in row order are read (TMA reads them
-    too) and never stored; by token, they read zeros.
-
-    Arguments:
-        a: (R_pad, K_DIM) left rows (with TMA a descriptor over it), or with A_BY_TOKEN (T, K_DIM)
-        w: expert weights viewed (E * W_ROWS, ...) (see _weight_block); with TMA a descriptor
-        b_ptr: (E, N_OUT) bias (ROUTED), or None
-        out_ptr: (R_pad, N_OUT) out
-        expert_offsets_ptr: (E + 1,) int64 padded segment offsets; the last is the rows in use"""
-    used_m, num_pid_n, iterations, expert, tokens = _sweep_start(
-        expert_offsets_ptr, E, row_to_token_ptr, tile_to_expert_ptr, N_OUT, K_DIM, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K,
-        GROUP_M,
-    )
-    steps = tl.cdiv(K_DIM, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, iterations):
-        step, pid_m, pid_n, next_expert, next_tokens = _sweep_tile(
-            i, steps, used_m, num_pid_n, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M, GROUP_M
-        )
-        n0, cols, col_ok, k0, ks, k_ok = _step_ranges(pid_n, step, N_OUT, K_DIM, BLOCK_N, BLOCK_K)
-        row0 = pid_m * BLOCK_M
-        rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
-        if A_BY_TOKEN:
-            a_blk = _row_block(a, row0, tokens, tokens >= 0, stride_a_r, k0, ks, k_ok, TMA=False)
-        else:
-            a_blk = _row_block(a, row0, rows, rows >= 0, stride_a_r, k0, ks, k_ok, TMA=TMA)
-        w_blk = _weight_block(
-            w, expert, stride_w_e, expert * W_ROWS, k0, n0, ks, cols, k_ok, col_ok, stride_w_k, stride_w_n,
-            N_MAJOR=W_N_MAJOR, TMA=TMA,
-        )
-        acc = tl.dot(a_blk, w_blk, acc, input_precision=DOT_PRECISION)
-        if step == steps - 1:
-            if A_BY_TOKEN:
-                row_ok = tokens >= 0
-            else:
-                row_ok = tl.load(row_to_token_ptr + rows) >= 0
-            if ROUTED:
-                down_epilogue(
-                    acc, expert, rows, row_ok, cols, col_ok, b2_ptr=b_ptr, stride_b2_e=stride_b_e,
-                    topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, y_ptr=out_ptr,
-                    stride_y_r=stride_out_r,
-                )
-            else:
-                out_tile = out_ptr + rows[:, None] * stride_out_r + cols[None, :]
-                tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        expert = tl.where(step == steps - 1, next_expert, expert)
-        if A_BY_TOKEN:
-            tokens = tl.where(step == steps - 1, next_tokens, tokens)
-
-
-@triton.jit
-def gate_up_sweep(
-    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, expert_offsets_ptr, E, H,
-    I, stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr,
-):
-    """gate_up_tile for every tile of the row blocks in use, swept as row_sweep sweeps (x's rows
-    gathered by token, the next tile's tokens and expert loaded a step ahead): the same products in
-    the same order, the same epilogue, so the same bits. Arguments as gate_up_tile's, and the
-    schedule's expert_offsets."""
-    used_m, num_pid_n, iterations, expert, tokens = _sweep_start(
-        expert_offsets_ptr, E, row_to_token_ptr, tile_to_expert_ptr, I, H, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
-    )
-    steps = tl.cdiv(H, BLOCK_K)
-    n1 = 2 * I if GATED else I
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, iterations):
-        step, pid_m, pid_n, next_expert, next_tokens = _sweep_tile(
-            i, steps, used_m, num_pid_n, row_to_token_ptr, tile_to_expert_ptr, TILE_M, BLOCK_M, GROUP_M
-        )
-        n0, cols, col_ok, k0, ks, k_ok = _step_ranges(pid_n, step, I, H, BLOCK_N, BLOCK_K)
-        row_ok = tokens >= 0
-        xa = tl.load(
-            x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        wg = _weight_block(
-            w13, expert, stride_w_e, expert * n1, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n, N_MAJOR=True, TMA=TMA
-        )
-        acc_gate = tl.dot(xa, wg, acc_gate, input_precision=DOT_PRECISION)
-        if GATED:  # the up half: output columns I + n of the same weight
-            wu = _weight_block(
-                w13, expert, stride_w_e, expert * n1, k0, n0 + I, ks, cols + I, k_ok, col_ok, 1, stride_w_n,
-                N_MAJOR=True, TMA=TMA,
-            )
-            acc_up = tl.dot(xa, wu, acc_up, input_precision=DOT_PRECISION)
-        if step == steps - 1:
-            gate_up_epilogue(
-                acc_gate, acc_up, expert, pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M), row_ok, cols, col_ok,
-                b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_tk_ptr=row_to_tk_ptr, I=I, stride_b1_e=stride_b1_e,
-                stride_h_r=stride_h_r, stride_a_r=stride_a_r, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET,
-                H_BY_PAIR=H_BY_PAIR,
-            )
-            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        expert = tl.where(step == steps - 1, next_expert, expert)
-        tokens = tl.where(step == steps - 1, next_tokens, tokens)
+        if b2_ptr is not None:
+            acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        w = routing_weights_of_rows(topk_weights_ptr, row_to_tk_ptr, rows, row_ok)
+        y = acc * w[:, None]
+        y_tile = y_ptr + rows[:, None] * stride_y_r + cols[None, :]
+        tl.store(y_tile, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
