@@ -78,6 +78,17 @@ summary=()
 # The switches written without a GPU and off until timed (the untimed part).
 untimed_switches=()
 
+# pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
+# sets `spread` to N workers, sized for the H200's 141 GB, half of them on a GPU under 100 GB (12 ran an
+# 80 GB H100 out of memory in session 49); without xdist the tests run one after the other.
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+spread_over() {
+    local workers=$1
+    [[ "$gpu_mib" =~ ^[0-9]+$ ]] && [ "$gpu_mib" -lt 100000 ] && workers=$((workers / 2))
+    spread=()
+    python3 -c "import xdist" 2>/dev/null && spread=(-n "$workers")
+}
+
 run_part() {  # name, command...
     local name=$1
     shift
@@ -90,14 +101,7 @@ run_part() {  # name, command...
 for part in "${parts[@]}"; do
     case $part in
     tests)
-        # pytest-xdist, where installed, spreads the kernel compiles (CPU-bound) over the cores: ~3 minutes
-        # on the H200 with 12 workers; without it the same tests run one after the other.
-        # 12 workers on the H200's 141 GB; an 80 GB H100 ran out of memory with 12 (session 49): 6 there
-        spread=()
-        workers=12
-        gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-        [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] && workers=6
-        python3 -c "import xdist" 2>/dev/null && spread=(-n "$workers")
+        spread_over 12  # ~3 minutes on the H200
         run_part tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
             tests/test_gpu_parallel.py tests/test_empty_work.py tests/test_layer.py tests/test_kernels_grouped_mlp.py \
             tests/test_kernels_megakernel.py tests/test_kernels_combine.py tests/test_kernel_configs.py \
@@ -115,8 +119,7 @@ for part in "${parts[@]}"; do
         # harness on a Megatron-DeepSpeed GPT-MoE-like model (GeLU experts with biases, top-1, dropping, RTS).
         # The ranks (2 or 4) share the GPU over gloo; TORCH_CUDA_ARCH_LIST=9.0 for the FusedAdam JIT
         # build (DeepSpeed 0.19.8's builder cannot parse an arch list with "9.0a").
-        spread=()
-        python3 -c "import xdist" 2>/dev/null && spread=(-n 6)
+        spread_over 6
         TORCH_CUDA_ARCH_LIST=9.0 run_part deepspeed-upstream python3 -m pytest -q "${spread[@]}" -p no:cacheprovider \
             -rs tests/test_deepspeed_upstream.py
         run_part compare-ds-gpt-moe python3 scripts/compare.py --framework deepspeed \
@@ -164,8 +167,7 @@ for part in "${parts[@]}"; do
         fi ;;
     untimed | untimed-tests | untimed-ab)
         if [ "$part" != untimed-ab ]; then
-            spread=()
-            python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+            spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
                 -k "sweep or compact or per_pair or pair_map or on_the_gpu"
@@ -209,8 +211,7 @@ for part in "${parts[@]}"; do
                 --providers mok-multi torch --iters 10 --out "$out/families-$shape"
         done ;;
     fp8)
-        spread=()
-        python3 -c "import xdist" 2>/dev/null && spread=(-n 12)
+        spread_over 12
         run_part fp8-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8.py \
             tests/test_fp8_kernels.py tests/test_fp8_reference.py tests/test_fp8_layer.py tests/test_megatron_fp8.py \
             tests/test_fp8_hopper.py tests/test_mxfp8_mma.py
@@ -223,8 +224,7 @@ for part in "${parts[@]}"; do
             --fp8 e4m3 --steps 200 --out "$out/fp8-compare" ;;
     fp8-hopper | fp8-hopper-tests | fp8-hopper-bench)
         if [ "$part" != fp8-hopper-bench ]; then
-            spread=()
-            python3 -c "import xdist" 2>/dev/null && spread=(-n 8)
+            spread_over 8
             run_part fp8-hopper-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_fp8_hopper.py
         fi
         if [ "$part" != fp8-hopper-tests ]; then
