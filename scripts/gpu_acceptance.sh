@@ -38,7 +38,8 @@
 #              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
 #              empty). Candidates now: the forward's entries before session 49's TMA pin, on deepseek-v3 and
-#              two shapes of the issue's class, where the pin is not yet timed (B/A above 1 confirms it)
+#              two shapes of the issue's class, where the pin is not yet timed (B/A above 1 confirms it), and
+#              gpt-oss-120b with 128-wide tiles in its three 256-wide row GEMMs (B/A below 1 pins them)
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -195,8 +196,12 @@ for part in "${parts[@]}"; do
             # B is the forward's entries before session 49 pinned TMA at 4 stages (timed on qwen3-30b-a3b,
             # mixtral-8x7b and gpt-oss-120b only): B/A above 1 confirms the pin on the shapes not yet timed.
             before="--override gate_up_fwd=128x128x64w8s3 --override down_fwd=128x256x64w8s3"
+            # And gpt-oss-120b (0.1 ms short of 70 %) with 128-wide tiles in the three row GEMMs whose 256-wide
+            # ones leave a quarter-full last tile over its 2880 columns: B/A below 1 would pin them for it.
+            narrow="--override down_fwd=128x128x64w8s4t --override down_dgrad=128x128x64w8s3"
+            narrow+=" --override gate_up_dgrad=128x128x64w8s4t"
             candidates=("--shape deepseek-v3 $before" "--shape 4096,7168,2048,384,8 $before"
-                        "--shape 8192,3000,1000,160,6 $before")
+                        "--shape 8192,3000,1000,160,6 $before" "--shape gpt-oss-120b $narrow")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
