@@ -59,6 +59,8 @@
 #       --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
 #   DS_BUILD_OPS=0 pip wheel --no-deps -w .whl "deepspeed>=0.19.4,<0.20"    # pure Python
 # (pydantic pins its pydantic-core: download them together.)
+# The JSON names the commit from the copy's .git; where that may be stale (a device copy), run with
+# MOK_COMMIT=<the commit sent> (bench/report.py).
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
 # On the H200 (2026-12-02): tests ~190 s with pytest-xdist, layer ~140 s (four processes); compare ~190 s
 # (2026-11-30): more than one 10-minute device call holds, so split them, e.g. `tests layer` and `compare`.

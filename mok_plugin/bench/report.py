@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import time
@@ -16,7 +17,11 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """HEAD of the checkout this package runs from, or "unknown" (no git, or not a checkout)."""
+    """MOK_COMMIT where set, else HEAD of the checkout this package runs from, or "unknown" (no git, or
+    not a checkout). MOK_COMMIT is for copies whose .git is not the source's: a device machine that
+    receives the working tree may hold a stale .git, whose HEAD would name the wrong commit."""
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         run = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=_REPO)
     except (OSError, subprocess.CalledProcessError):
