@@ -328,7 +328,8 @@ def forward_megakernel(
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, DOT_PRECISION=dot_precision(x.dtype),
         ALIGN=alignment(H, I, x.stride(0), out.stride(0), *gate_up_proj.stride()[:2], *down_proj.stride()[:2],
                         h.stride(0), a.stride(0), y.stride(0)),
-        num_warps=gu.num_warps, num_stages=gu.num_stages,
+        # fp32 unpipelined: gate_up_fwd's 4 stages (pinned for 2-byte inputs) asked 288 KiB (H100, session 50)
+        num_warps=gu.num_warps, num_stages=stages_for(gu, x.dtype).num_stages,
     )  # fmt: skip
     return out, h
 
