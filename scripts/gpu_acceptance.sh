@@ -64,6 +64,7 @@
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
 # On the H200 (2026-12-02): tests ~190 s with pytest-xdist, layer ~140 s (four processes); compare ~190 s
 # (2026-11-30): more than one 10-minute device call holds, so split them, e.g. `tests layer` and `compare`.
+# On an 80 GB H100 (2026-12-07, 6 workers): tests 426 s, perf-graphs 80 s: `tests` leaves room for little else.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
 out="${OUT:-out}/acceptance"
