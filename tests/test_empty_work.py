@@ -151,6 +151,16 @@ def test_empty_work_with_x_in_row_order_is_bitwise_the_gathered_path(case, monke
     T, K, bias = (0, 2, {}) if case == "zero_tokens" else CASES[case]
     x, probe = make_layer_inputs(T, H, seed=12).to(DEVICE), make_layer_inputs(T, H, seed=13).to(DEVICE)
 
+    launched = []  # X_ROWS of each fc1 launch: with tokens, the switch must reach the kernel
+    launch_row_tiles = grouped_mlp._launch_row_tiles
+
+    def spy(*args, **kwargs):
+        if "X_ROWS" in kwargs:
+            launched.append(kwargs["X_ROWS"])
+        return launch_row_tiles(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_mlp, "_launch_row_tiles", spy)
+
     def run(x_rows: bool):
         monkeypatch.setattr(grouped_mlp, "GATE_UP_X_ROWS", x_rows)
         layer = _layer("triton", "multi_kernel", K, 0, 1.0)
@@ -161,3 +171,4 @@ def test_empty_work_with_x_in_row_order_is_bitwise_the_gathered_path(case, monke
 
     for i, (a, b) in enumerate(zip(run(False), run(True), strict=True)):
         assert torch.equal(a, b), f"result {i} (output, aux, d_x, then the parameters' gradients) differs"
+    assert launched == ([False, False] if T == 0 else [False, True])  # no token 0 to copy: gathered

@@ -127,6 +127,12 @@ def test_gate_up_fwd_on_x_in_row_order_is_bitwise_the_gathered_one(family, per_p
     cfg = MoKTileConfig(32, 32, 32, 4, 1, tma=tma)
     h_pairs = (schedule.row_to_tk, T * K) if per_pair else None
 
+    launched = []  # X_ROWS of each fc1 launch: the switch must reach the kernel
+    launch_row_tiles = grouped_mlp._launch_row_tiles
+    monkeypatch.setattr(
+        grouped_mlp, "_launch_row_tiles", lambda *a, **k: launched.append(k["X_ROWS"]) or launch_row_tiles(*a, **k)
+    )
+
     def fc1(x_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setattr(grouped_mlp, "GATE_UP_X_ROWS", x_rows)
         return grouped_mlp.gate_up_fwd(
@@ -135,6 +141,7 @@ def test_gate_up_fwd_on_x_in_row_order_is_bitwise_the_gathered_one(family, per_p
         )  # fmt: skip
 
     (h_gathered, a_gathered), (h_rows, a_rows) = fc1(False), fc1(True)
+    assert launched == [False, True]
     real = schedule.row_to_tk >= 0  # rows a pass stores (padding rows stay unwritten in both)
     assert real.any() and (~real).any() and int(schedule.num_dropped) > 0  # the case covers what it says
     h_real = schedule.row_to_tk[real] if per_pair else real
