@@ -90,7 +90,7 @@ print(json.dumps(counts))
 def test_megakernels_fit_hoppers_shared_memory_in_every_dtype_at_their_launch_stages():
     # The forward megakernel launched gate_up_fwd's pinned stages whatever the dtype: pinned at 4 for
     # 2-byte inputs, its fp32 launch asked 288 KiB of shared memory and failed on an H100 (session 50).
-    # Each megakernel compiled for sm_90 at the stages its launcher takes, with the pinned tiles, in bf16
+    # Each megakernel compiled for sm_90 at the stages its launcher passes, with the pinned tiles, in bf16
     # and fp32 (the data pointers of that type), must fit 227 KiB. In a process of its own (see above).
     code = """
 import json
@@ -98,7 +98,7 @@ from mok_plugin.bench.inspect import INT32_POINTERS, INT64_POINTERS, FP32_POINTE
 from mok_plugin.bench.inspect import compile_jit_for_hopper
 from mok_plugin.kernels import megakernel as mk
 from mok_plugin.kernels.configs import kernel_config
-from mok_plugin.kernels.launch import dot_precision
+from mok_plugin.kernels.launch import dot_precision, stages_for
 import torch
 H, I = 2048, 768
 gu, dn, comb = kernel_config("gate_up_fwd", I), kernel_config("down_fwd", H), kernel_config("combine", H)
@@ -106,11 +106,12 @@ dg, dx = kernel_config("megakernel_down_dgrad", I), kernel_config("gate_up_dgrad
 wg = kernel_config("megakernel_wgrad", H)
 tiles = dict(K=8, TILE_M=128, BLOCK_M=gu.block_m, BLOCK_K=gu.block_k, GROUP_M=gu.group_m, COMBINE_BM=comb.block_m,
              COMBINE_BN=comb.block_n)
+# the stages each launcher passes: gate_up_fwd's for the forward, megakernel_wgrad's for the backward
 launches = [(mk._forward_megakernel, dict(tiles, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n), (), gu.num_warps,
-             mk.forward_stages),
+             lambda dtype: stages_for(gu, dtype).num_stages),
             (mk._backward_megakernel, dict(tiles, BN_DGRAD=dg.block_n, BN_DX=dx.block_n, WG_BM=wg.block_m,
              WG_BN=wg.block_n, WG_BK=wg.block_k, ROUTER_BLOCK=mk._ROUTER_BLOCK), ("T", "E", "NUM_ROWS"), dg.num_warps,
-             mk.backward_stages)]
+             lambda dtype: stages_for(wg, dtype).num_stages)]
 shared = {}
 for fn, constexprs, scalars, warps, stages in launches:
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):

@@ -75,8 +75,8 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel in ("gate_up_fwd", "gate_up_fwd_x_rows"):  # a bias-free SwiGLU expert's, h per row (large batches)
-        return gm._gate_up_fwd_kernel, dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
-                                            H_BY_PAIR=False, X_ROWS=kernel == "gate_up_fwd_x_rows")  # fmt: skip
+        fc1 = dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)
+        return row_kernels["gate_up_fwd"], dict(fc1, X_ROWS=kernel == "gate_up_fwd_x_rows")
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":

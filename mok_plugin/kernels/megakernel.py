@@ -300,18 +300,6 @@ def _same_block(*configs) -> tuple[int, int]:
     return block_m.pop(), block_k.pop()
 
 
-def forward_stages(dtype: torch.dtype) -> int:
-    """The forward launch's pipeline depth: gate_up_fwd's pinned stages, for every task; fp32 unpipelined
-    (stages_for: its 4 stages, pinned for 2-byte inputs, asked 288 KiB of shared memory in fp32)."""
-    return stages_for(kernel_config("gate_up_fwd", 1 << 16), dtype).num_stages  # any width: it narrows BLOCK_N only
-
-
-def backward_stages(dtype: torch.dtype) -> int:
-    """The backward launch's pipeline depth: the weight-gradient entry's stages, for every task; fp32
-    unpipelined (3 deep asked 256 KiB of shared memory)."""
-    return stages_for(kernel_config("megakernel_wgrad", 1 << 16), dtype).num_stages  # never narrowed
-
-
 def forward_megakernel(
     x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
     row_to_tk: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tk_to_row: torch.Tensor,
@@ -340,7 +328,8 @@ def forward_megakernel(
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, DOT_PRECISION=dot_precision(x.dtype),
         ALIGN=alignment(H, I, x.stride(0), out.stride(0), *gate_up_proj.stride()[:2], *down_proj.stride()[:2],
                         h.stride(0), a.stride(0), y.stride(0)),
-        num_warps=gu.num_warps, num_stages=forward_stages(x.dtype),
+        # gate_up_fwd's stages for every task; fp32 unpipelined (its 4 stages asked 288 KiB in fp32)
+        num_warps=gu.num_warps, num_stages=stages_for(gu, x.dtype).num_stages,
     )  # fmt: skip
     return out, h
 
@@ -382,7 +371,8 @@ def backward_megakernel(
         K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=dg.block_n, BN_DX=dx_cfg.block_n,
         WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
         COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
-        DOT_PRECISION=dot_precision(dt), num_warps=dg.num_warps, num_stages=backward_stages(dt),
+        # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
+        DOT_PRECISION=dot_precision(dt), num_warps=dg.num_warps, num_stages=stages_for(wg, dt).num_stages,
         ALIGN=alignment(H, I, d_out.stride(0), x.stride(0), d_x.stride(0), *gate_up_proj.stride()[:2],
                         *down_proj.stride()[:2], h.stride(0), a_weighted.stride(0), d_x_rows.stride(0),
                         *d_w13.stride()[:2], *d_w2.stride()[:2]),
