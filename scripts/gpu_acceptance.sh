@@ -36,11 +36,11 @@
 #              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
-#              candidates come and go (session 48 timed v38, landed, and v39, removed; the switch list is
-#              empty). Candidates now: the forward's entries before session 49's TMA pin, on deepseek-v3 and
-#              two shapes of the issue's class, where the pin is not yet timed (B/A above 1 confirms it),
-#              gpt-oss-120b with 128-wide tiles in its three 256-wide row GEMMs (B/A below 1 pins them), and
-#              first (session 50, v41) fc1's forward on x copied into row order (GATE_UP_X_ROWS) on four shapes
+#              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
+#              removed, and the candidates below but one; the switch list is empty). Candidate now: the forward's
+#              entries before session 49's TMA pin where an expert's rows fit about one row tile (E = 384 at
+#              T = 4096, 85 rows an expert: gate_up_fwd 0.95 of the pin's on an H100) and at two (E = 256):
+#              B/A below 1 on the H200 would make them a size rule
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -175,7 +175,7 @@ for part in "${parts[@]}"; do
             spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
-                -k "sweep or compact or per_pair or pair_map or on_the_gpu or row_order"
+                -k "sweep or compact or per_pair or pair_map or on_the_gpu"
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()
@@ -197,18 +197,9 @@ for part in "${parts[@]}"; do
                         --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            # B is the forward's entries before session 49 pinned TMA at 4 stages (timed on qwen3-30b-a3b,
-            # mixtral-8x7b and gpt-oss-120b only): B/A above 1 confirms the pin on the shapes not yet timed.
+            # B is the forward's entries before session 49 pinned TMA at 4 stages (pointer loads, 3 stages)
             before="--override gate_up_fwd=128x128x64w8s3 --override down_fwd=128x256x64w8s3"
-            # And gpt-oss-120b (0.1 ms short of 70 %) with 128-wide tiles in the three row GEMMs whose 256-wide
-            # ones leave a quarter-full last tile over its 2880 columns: B/A below 1 would pin them for it.
-            narrow="--override down_fwd=128x128x64w8s4t --override down_dgrad=128x128x64w8s3"
-            narrow+=" --override gate_up_dgrad=128x128x64w8s4t"
-            # v41: fc1's forward on x copied into row order, read by TMA (B/A below 1 on a shape turns it on there)
-            x_rows="--set mok_plugin.kernels.grouped_mlp.GATE_UP_X_ROWS=True"
-            candidates=("--shape gpt-oss-120b $x_rows" "--shape deepseek-v3 $x_rows" "--shape qwen3-30b-a3b $x_rows"
-                        "--shape mixtral-8x7b $x_rows" "--shape gpt-oss-120b $narrow" "--shape deepseek-v3 $before"
-                        "--shape 4096,7168,2048,384,8 $before" "--shape 8192,3000,1000,160,6 $before")
+            candidates=("--shape 4096,7168,2048,384,8 $before" "--shape 4096,7168,2048,256,8 $before")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

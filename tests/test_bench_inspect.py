@@ -127,19 +127,3 @@ print(json.dumps({"limit": SMEM_LIMIT, "shared": shared}))
     assert len(report["shared"]) == 4, report
     for launch, used in report["shared"].items():
         assert 0 < used <= report["limit"], (launch, report)
-
-
-def test_gate_up_fwd_on_x_in_row_order_reads_both_operands_by_tma():
-    # GATE_UP_X_ROWS (v41): with x in schedule row order, fc1's pinned TMA config loads both operands
-    # through descriptors (no asynchronous pointer copies left in its K loop), pipelined as deep as
-    # the config asks, without spills; the gathered kernel copies x's rows with cp.async.
-    stdout = outside_the_interpreter("-m", "mok_plugin.cli", "bench", "inspect", "--kernels", "gate_up_fwd",
-                                     "gate_up_fwd_x_rows")  # fmt: skip
-    rows = {line.split()[0]: line.split() for line in stdout.splitlines() if "(pinned)" in line}
-    assert set(rows) == {"gate_up_fwd", "gate_up_fwd_x_rows"}, stdout
-    for fields in rows.values():
-        # kernel, config words (..., sN, tma), buffers, async copies, smem KiB, regs, stack, (pinned)
-        stages = next(int(word[1:]) for word in fields if word[0] == "s" and word[1:].isdigit())
-        end = fields.index("(pinned)")
-        assert "tma" in fields and int(fields[end - 5]) == stages and int(fields[end - 1]) == 0, fields
-    assert int(rows["gate_up_fwd_x_rows"][-5]) == 0 < int(rows["gate_up_fwd"][-5]), stdout

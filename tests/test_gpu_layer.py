@@ -286,25 +286,6 @@ def test_narrow_row_tiles_for_small_grids_change_no_bits(T, monkeypatch):
         assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
 
 
-@pytest.mark.parametrize(
-    "shape", [(512, 2048, 768, 128, 8), (4096, 2880, 2880, 32, 4)], ids=["qwen3_T512", "gpt_oss_like"]
-)
-def test_gate_up_fwd_on_x_in_row_order_changes_no_bits(shape, monkeypatch):
-    # GATE_UP_X_ROWS (v41, off until timed): fc1's forward on x copied into schedule row order, read
-    # by TMA on Hopper, must give the layer's output and every gradient the bits of x gathered by
-    # token in the K loop (2880: H not a multiple of the 64-wide K step).
-    from mok_plugin.kernels import grouped_mlp
-
-    T, H = shape[:2]
-    x = make_layer_inputs(T, H, dtype=torch.bfloat16, device="cuda", seed=3)
-    probe = make_layer_inputs(T, H, device="cuda", seed=4)
-    gathered = _fwd_bwd(_layer(shape, "triton"), x, probe)
-    monkeypatch.setattr(grouped_mlp, "GATE_UP_X_ROWS", True)
-    by_row = _fwd_bwd(_layer(shape, "triton"), x, probe)
-    for i, (a, b) in enumerate(zip(gathered, by_row, strict=True)):
-        assert torch.equal(a, b), f"tensor {i} (output, d_x, then the parameters' gradients) differs"
-
-
 VARIANTS = ["multi_kernel", "megakernel"]
 
 

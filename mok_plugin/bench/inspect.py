@@ -44,17 +44,7 @@ __all__ = [
     "resource_usage",
 ]
 
-KERNELS = (
-    "gate_up_fwd",
-    "gate_up_fwd_x_rows",
-    "down_fwd",
-    "down_dgrad",
-    "gate_up_dgrad",
-    "wgrad_down",
-    "wgrad_gate_up",
-)
-# Inspected kernels that run another's table entry: gate_up_fwd on x in row order (GATE_UP_X_ROWS)
-TABLE_ENTRY = {"gate_up_fwd_x_rows": "gate_up_fwd"}
+KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "row_to_tk_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr",
@@ -74,9 +64,9 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
                    "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
-    if kernel in ("gate_up_fwd", "gate_up_fwd_x_rows"):  # a bias-free SwiGLU expert's, h per row (large batches)
-        fc1 = dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)
-        return row_kernels["gate_up_fwd"], dict(fc1, X_ROWS=kernel == "gate_up_fwd_x_rows")
+    if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
+        return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
+                                         H_BY_PAIR=False)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":
@@ -101,7 +91,6 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     blocks = {
         "gate_up_fwd": {"w13": [n, k]},
-        "gate_up_fwd_x_rows": {"x": [m, k], "w13": [n, k]},
         "down_fwd": {"a": [m, k], "w2": [n, k]},
         "down_dgrad": {"w2": [k, n]},
         "gate_up_dgrad": {"d_h": [m, k], "w13": [k, n]},
@@ -329,16 +318,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter; unset it to compile them")
     print(f"Triton {triton.__version__}, target sm_90; 'buffers' = shared-memory stages the K loop's operands got"
           + (f"; sizes and strides divisible by {args.align}, not 16" if args.align < 16 else ""))  # fmt: skip
-    print(f"{'kernel':<18} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
+    print(f"{'kernel':<14} {'config':<30} {'buffers':>7} {'async copies':>12} {'smem KiB':>8} {'regs':>4} "
           f"{'stack B':>7}  note")  # fmt: skip
     for kernel in args.kernels:
         # the three pinned weight-gradient configs: pre-gathered (wide by-row operands), in the loop,
         # and the sweep (few rows per expert)
-        entries = (
-            ("wgrad", "wgrad_in_loop", "wgrad_sweep")
-            if kernel.startswith("wgrad")
-            else (TABLE_ENTRY.get(kernel, kernel),)
-        )
+        entries = ("wgrad", "wgrad_in_loop", "wgrad_sweep") if kernel.startswith("wgrad") else (kernel,)
         pinned = [kernel_config(entry, WIDE) for entry in entries]
         for cfg in [*pinned, *args.candidates]:
             name = tile_config_label(cfg)
@@ -347,7 +332,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             try:
                 compiled = compile_for_hopper(kernel, cfg, args.align)
             except Exception as error:  # a config the compiler rejects
-                print(f"{kernel:<18} {name:<30} compile failed: {type(error).__name__}")
+                print(f"{kernel:<14} {name:<30} compile failed: {type(error).__name__}")
                 continue
             report = pipeline_report(compiled.asm["ttgir"])
             note = "(pinned)" if cfg in pinned else ""
@@ -360,7 +345,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             regs, stack = resource_usage(compiled.asm["cubin"])
             if stack:
                 note += f" spills ({stack} bytes of stack)"
-            print(f"{kernel:<18} {name:<30} {report['buffers']:>7} {report['async_copies']:>12} "
+            print(f"{kernel:<14} {name:<30} {report['buffers']:>7} {report['async_copies']:>12} "
                   f"{compiled.metadata.shared / 1024:>8.1f} {regs:>4} {stack:>7}  {note.strip()}")  # fmt: skip
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)

@@ -92,11 +92,11 @@ __all__ = [
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    x, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, X_ROWS: tl.constexpr, ALIGN: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
@@ -110,12 +110,11 @@ def _gate_up_fwd_kernel(
     stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     gate_up_tile(
-        pid_m, pid_n, x=x, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
+        pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
         row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t,
         stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r,
         stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-        X_ROWS=X_ROWS,
     )
 
 
@@ -372,28 +371,16 @@ def gate_up_fwd(
     row_to_tk, h_rows = (None, num_rows) if h_pairs is None else h_pairs
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
-    by_row = GATE_UP_X_ROWS and num_rows > 0 and x.shape[0] > 0  # (no token 0 to copy on an empty rank)
-    if by_row:  # padding rows read token 0, as the weight gradients' copies do; their products are not stored
-        x = x.index_select(0, row_to_token.clamp(min=0))
-    tma = tma_ok(cfg, x, gate_up_proj) if by_row else tma_ok(cfg, gate_up_proj)
+    tma = tma_ok(cfg, gate_up_proj)
     _launch_row_tiles(
-        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m,
-        x=descriptor(x, [cfg.block_m, cfg.block_k]) if tma and by_row else x,
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
         w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
         h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
         H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
         stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
-        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None, X_ROWS=by_row,
+        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None,
     )
     return h, a
-
-
-# fc1's forward on x copied into schedule row order first (one index_select, [R_pad, H]), read as
-# contiguous row blocks (by TMA where the config asks for it) instead of gathered by token in the K
-# loop: the same bits. Off until timed (BENCHMARKS.md, v41): the copy costs a write and a read of
-# R_pad x H; the gathered pointer loads hold gate_up_fwd at ~470-490 TFLOP/s on deepseek-v3 and
-# gpt-oss-120b where gate_up_dgrad, TMA on both operands, runs at 550-620.
-GATE_UP_X_ROWS = False
 
 
 def _stride0(t: torch.Tensor | None) -> int:

@@ -135,12 +135,12 @@ def _forward_megakernel(
         if task < n_gate_up:
             pid_m, pid_n = grouped_pid(task, n_rb, n_i, GROUP_M)
             gate_up_tile(
-                pid_m, pid_n, x=x_ptr, w13=w13_ptr, b1_ptr=None, h_ptr=h_ptr, a_ptr=a_ptr,
+                pid_m, pid_n, x_ptr=x_ptr, w13=w13_ptr, b1_ptr=None, h_ptr=h_ptr, a_ptr=a_ptr,
                 row_to_token_ptr=row_to_token_ptr, row_to_tk_ptr=None, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I,
                 stride_x_t=stride_x_t, stride_w_e=stride_w13_e, stride_w_n=stride_w13_n, stride_b1_e=0,
                 stride_h_r=stride_h_r, stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BN_GATE_UP,
                 BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, TMA=False, ACT="silu", GATED=True, CLAMP=None,
-                OFFSET=0.0, H_BY_PAIR=False, X_ROWS=False,
+                OFFSET=0.0, H_BY_PAIR=False,
             )
             _signal(ready_rows_ptr + pid_m)
         elif task < n_gate_up + n_down:

@@ -264,21 +264,18 @@ def _row_tile_matmul(
 
 @triton.jit
 def gate_up_tile(
-    pid_m, pid_n, x, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, H, I,
+    pid_m, pid_n, x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, H, I,
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    H_BY_PAIR: tl.constexpr, X_ROWS: tl.constexpr,
+    H_BY_PAIR: tl.constexpr,
 ):
     """h[rows, n-block] (+ b1) of the gate and of the up half (GATED; else the one fc1 half), and
     A[rows, n-block] = the family's activation of the rounded h; reduces over H in ascending BLOCK_K
     order. Nothing for a row block past the last segment.
 
     Arguments:
-        x: (T, H) params dtype, its rows gathered by token; with X_ROWS (R_pad, H), x already in
-            schedule row order (padding rows hold any values: their products are never stored), read
-            as a contiguous row block, through a descriptor when TMA. Each stored row's products are
-            the same either way, so the same bits.
+        x_ptr: (T, H) params dtype
         w13: (E, N1, H), N1 = 2I if GATED else I; with TMA a descriptor over it viewed (E * N1, H)
         b1_ptr: (E, N1) fc1 bias, or None
         h_ptr: (R_pad, N1) out; with H_BY_PAIR (T * K, N1), row row_to_tk[r] (`h_rows_of`)
@@ -298,13 +295,9 @@ def gate_up_tile(
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < H
-            if X_ROWS:
-                xa = _row_block(x, pid_m * BLOCK_M, rows, row_ok, stride_x_t, k0, ks, k_ok, TMA=TMA)
-            else:
-                xa = tl.load(
-                    x + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
+            xa = tl.load(
+                x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
             wg = _weight_block(
                 w13, expert, stride_w_e, gate_row0, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n, N_MAJOR=True,
                 TMA=TMA,
