@@ -1,7 +1,9 @@
 """A/B one change to the layer in one process: MoK's forward + backward as the code is (A) and with
 module attributes set or pinned tile configs replaced (B), alternated round by round on the same
 inputs so that both see the same clock drift; each kernel's GPU time from profiles alternated the
-same way (the lower of each side's two); and whether B gives A's bits.
+same way (the lower of each side's two); the SM clock and power draw while each side ran
+(`bench/clocks.py`: a side can read slower because it ran at a lower clock); and whether B gives A's
+bits.
 
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
@@ -22,12 +24,13 @@ import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown, short_kernel_name
+from mok_plugin.bench.clocks import ClockLog, gpu_selector, nvidia_smi_reader
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
@@ -51,22 +54,27 @@ def run_ab(
     profile: bool = True,
     timer: Callable[..., list[float]] = time_ms,
     profiler: Callable[..., tuple[list[dict], dict]] = kernel_breakdown,
+    clock: ClockLog | None = None,
 ) -> dict:
     """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
     (the median of `iters` calls a round, the first round settled `settle_s`); with `profile`, two
     profiles a side, A B B A, each kernel's lower time kept; and B's results against A's, bitwise.
+    A running `clock` samples under side "A" or "B" through the rounds and profiles.
 
     Returns:
         {"a_ms": [per round], "b_ms": [...], "a_kernels": {kernel: ms}, "b_kernels": {...},
-         "bitwise": [per result tensor: B equal to A]}
+         "bitwise": [per result tensor: B equal to A], "clocks": clock.summary() or {}}
     """
 
-    def side(is_b: bool) -> contextlib.AbstractContextManager:
-        return b_side() if is_b else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def side(is_b: bool, timed: bool = True) -> Iterator[None]:
+        with b_side() if is_b else contextlib.nullcontext():
+            with clock.side("B" if is_b else "A") if clock and timed else contextlib.nullcontext():
+                yield
 
     first = {}
     for is_b in (False, True):
-        with side(is_b):  # compiles both sides' kernels before any timing
+        with side(is_b, timed=False):  # compiles both sides' kernels before any timing
             first[is_b] = [t.detach().cpu() for t in work()]
     times = {False: [], True: []}
     for r in range(rounds):
@@ -84,7 +92,7 @@ def run_ab(
                 kernels[is_b][name] = min(row["ms"], kernels[is_b].get(name, float("inf")))
     bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
     return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],
-            "bitwise": bitwise}  # fmt: skip
+            "bitwise": bitwise, "clocks": clock.summary() if clock else {}}  # fmt: skip
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -108,6 +116,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "time without the host's (small batches are host-bound in eager mode)",
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
+    parser.add_argument(
+        "--no-clock", action="store_true", help="skip sampling the SM clock and power (nvidia-smi every 0.25 s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
     return parser
@@ -142,8 +153,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         def timer(work, iters, settle_s):
             return time_graph_replay(run, inputs, iters, settle_s)
 
-    result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
-                    args.settle_s, profile=not args.no_profile, timer=timer)  # fmt: skip
+    read = None if args.no_clock else nvidia_smi_reader(gpu_selector())
+    clock = ClockLog(read) if read else None
+    with clock.running() if clock else contextlib.nullcontext():
+        result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
+                        args.settle_s, profile=not args.no_profile, timer=timer, clock=clock)  # fmt: skip
     timed = "fwd+bwd replayed from a CUDA graph" if args.graphs else "fwd+bwd"
     print(format_report(args.shape, args.routing, b_label, result, result_names(family), timed))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,6 +184,10 @@ def format_report(
             lines.append(f"  {short_kernel_name(name):<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
         sa, sb = sum(ka.values()), sum(kb.values())
         lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
+    if clocks := result.get("clocks"):
+        sides = ", ".join(f"{label} {c['sm_mhz']:.0f} MHz {c['watts']:.0f} W ({c['samples']} samples)"
+                          for label, c in sorted(clocks.items()))  # fmt: skip
+        lines.append(f"  SM clock and power, the mean while each side ran: {sides}")
     differ = [n for n, same in zip(names, result["bitwise"], strict=True) if not same]
     lines.append(
         f"  bitwise: B differs on {', '.join(differ)}" if differ else "  bitwise: B gives A's bits on every result"

@@ -1,0 +1,102 @@
+"""The GPU's SM clock and power draw, sampled in the background while a benchmark runs and tagged with
+what was running (an A/B's side), so that a side that reads slower because it ran at a lower clock can
+be told from one that does more work. Hopper holds its power cap by lowering the clock, and the clock
+also moves with the heat over a process: in session 51's A/Bs on an H100 the kernels that B did not
+change read 2-20 % slower in B's profiles on five of eight shapes (BENCHMARKS.md, "v41 refuted").
+
+Read through `nvidia-smi` in a thread (one query every `period_s`), not NVML bindings, which the
+device's Python does not carry; where nvidia-smi is absent nothing is sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import statistics
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["ClockLog", "Reading", "gpu_selector", "nvidia_smi_reader"]
+
+Reading = tuple[float, float]  # (SM clock in MHz, power draw in W)
+
+
+def gpu_selector(device: int | None = None) -> str:
+    """nvidia-smi's `-i` for a CUDA device: its PCI bus id where torch gives one (CUDA's device order
+    need not be nvidia-smi's), else the CUDA ordinal."""
+    index = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(index)
+    if all(hasattr(props, name) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    return str(index)
+
+
+def nvidia_smi_reader(gpu: str) -> Callable[[], Reading | None] | None:
+    """A function reading one GPU's SM clock and power draw (None for a failed query), or None where
+    nvidia-smi is not installed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    command = [exe, "-i", gpu, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+
+    def read() -> Reading | None:
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=5, check=True).stdout
+            mhz, watts = (float(value) for value in out.strip().splitlines()[0].split(","))
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None  # a busy or odd query: a sample fewer, never a failed benchmark
+        return mhz, watts
+
+    return read
+
+
+class ClockLog:
+    """Samples `read()` every `period_s` while `running()`, keeping each sample under the label set
+    by `side(label)` at both ends of its query (samples taken while no side runs, or across a change
+    of side, are dropped)."""
+
+    def __init__(self, read: Callable[[], Reading | None], period_s: float = 0.25) -> None:
+        self._read = read
+        self._period_s = period_s
+        self._label: str | None = None
+        self._samples: dict[str, list[Reading]] = {}
+        self._stop = threading.Event()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[ClockLog]:
+        self._stop.clear()
+        thread = threading.Thread(target=self._sample, name="mok-clock-log", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+
+    @contextlib.contextmanager
+    def side(self, label: str) -> Iterator[None]:
+        self._label = label
+        try:
+            yield
+        finally:
+            self._label = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._period_s):
+            label = self._label
+            if label is None:
+                continue
+            reading = self._read()
+            if reading is not None and self._label == label:
+                self._samples.setdefault(label, []).append(reading)
+
+    def summary(self) -> dict[str, dict]:
+        """{label: {"sm_mhz": mean, "watts": mean, "samples": count}} for each label sampled."""
+        return {
+            label: {"sm_mhz": statistics.fmean(r[0] for r in readings),
+                    "watts": statistics.fmean(r[1] for r in readings), "samples": len(readings)}
+            for label, readings in self._samples.items()
+        }  # fmt: skip
