@@ -1,9 +1,9 @@
 """A/B one change to the layer in one process: MoK's forward + backward as the code is (A) and with
 module attributes set or pinned tile configs replaced (B), alternated round by round on the same
-inputs so that both see the same clock drift; each kernel's GPU time from profiles alternated the
-same way (the lower of each side's two); the SM clock and power draw while each side ran
-(`bench/clocks.py`: a side can read slower because it ran at a lower clock); and whether B gives A's
-bits.
+inputs so that both see the same clock drift; each kernel's GPU time from profiles in A B B A order
+(the mean of each side's two, each profile settled as the first round is); the SM clock and power
+draw while each side ran (`bench/clocks.py`: a side can read slower because it ran at a lower clock);
+and whether B gives A's bits.
 
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
@@ -35,12 +35,20 @@ from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
-from mok_plugin.bench.timing import SETTLE_S, time_ms
+from mok_plugin.bench.timing import SETTLE_S as LAYER_SETTLE_S
+from mok_plugin.bench.timing import time_ms
 from mok_plugin.bench.tuning import Setting, changed, parse_overrides, parse_setting, tile_config_label
 from mok_plugin.testing import parse_shape
 
 __all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_ab"]
 
+# The first round and every profile settle this long by default, more than the layer benchmark's
+# LAYER_SETTLE_S: the profiles follow a pause (the profiler's start), and an H100 took 2-3 s of work
+# from idle to come down to the clock it holds at its 700 W cap (1980 -> 1560 -> 1470 -> 1395 MHz,
+# one sample a second). Settled 0.5 s and kept as the lower of two, a null A/B (B the same code)
+# read B's kernels 7-19 % slower than A's, whose first profile ran nearest the pause (session 51,
+# BENCHMARKS.md, "The A/B's clock").
+AB_SETTLE_S = 3 * LAYER_SETTLE_S
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
 
@@ -58,7 +66,8 @@ def run_ab(
 ) -> dict:
     """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
     (the median of `iters` calls a round, the first round settled `settle_s`); with `profile`, two
-    profiles a side, A B B A, each kernel's lower time kept; and B's results against A's, bitwise.
+    profiles a side, A B B A, each settled `settle_s`, each kernel's mean of its side's two kept (the
+    order's drift cancels); and B's results against A's, bitwise.
     A running `clock` samples under side "A" or "B" through the rounds and profiles.
 
     Returns:
@@ -82,14 +91,14 @@ def run_ab(
             with side(is_b):
                 samples = timer(work, iters, settle_s=settle_s if r == 0 else min(settle_s, LATER_SETTLE_S))
             times[is_b].append(statistics.median(samples))
-    kernels = {False: {}, True: {}}
+    profiled: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     if profile:
         for is_b in (False, True, True, False):
             with side(is_b):
-                rows, _ = profiler(work, iters=3, settle_s=min(settle_s, 0.5))
+                rows, _ = profiler(work, iters=3, settle_s=settle_s)
             for row in rows:
-                name = row["kernel"]
-                kernels[is_b][name] = min(row["ms"], kernels[is_b].get(name, float("inf")))
+                profiled[is_b].setdefault(row["kernel"], []).append(row["ms"])
+    kernels = {is_b: {name: statistics.fmean(ms) for name, ms in by_name.items()} for is_b, by_name in profiled.items()}
     bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
     return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],
             "bitwise": bitwise, "clocks": clock.summary() if clock else {}}  # fmt: skip
@@ -108,7 +117,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="B replaces this pinned-table entry (mok bench tune's notation); repeatable")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, alternated (default 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls a round (default 10)")
-    parser.add_argument("--settle-s", type=float, default=SETTLE_S)
+    parser.add_argument(
+        "--settle-s", type=float, default=AB_SETTLE_S,
+        help=f"seconds of work before the first round and each profile (default {AB_SETTLE_S})",
+    )  # fmt: skip
     parser.add_argument(
         "--graphs",
         action="store_true",
@@ -178,7 +190,7 @@ def format_report(
              f"  rounds A {rounds['a']}  B {rounds['b']}"]  # fmt: skip
     ka, kb = result["a_kernels"], result["b_kernels"]
     if ka or kb:
-        lines.append(f"  {'kernel (GPU ms a call, the lower of two profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
+        lines.append(f"  {'kernel (GPU ms a call, the mean of two profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
         for name in sorted(set(ka) | set(kb), key=lambda n: -ka.get(n, 0.0)):
             x, y = ka.get(name, 0.0), kb.get(name, 0.0)
             lines.append(f"  {short_kernel_name(name):<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
