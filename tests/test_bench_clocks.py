@@ -135,3 +135,14 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
     report = ab.format_report("tiny", "uniform", "X=1", result, ["output"])
     assert "A 1755 MHz 612 W (9 samples), B 1650 MHz 700 W (8 samples)" in report
     assert "SM clock" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])
+
+
+def test_a_clock_log_is_made_only_where_asked_for_and_nvidia_smi_answers(monkeypatch):
+    monkeypatch.setattr(clocks, "gpu_selector", lambda: "0")
+    assert clocks.clock_log(enabled=False) is None
+    monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
+    assert clocks.clock_log() is None
+    monkeypatch.setattr(clocks.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert isinstance(clocks.clock_log(), clocks.ClockLog)
+    assert clocks.describe({"sm_mhz": 1404.4, "watts": 686.2, "samples": 20}) == "1404 MHz 686 W (20 samples)"
+    assert clocks.describe(None) == ""

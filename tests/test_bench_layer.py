@@ -351,3 +351,34 @@ def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
     assert seen == [not before] and grouped_mlp.SWEEP_KEEPS_ONE_STEP_LEFT == before
     with pytest.raises(SystemExit):  # an attribute the module lacks is refused before any work
         layer.main(["--shape", "1,64,32,4,2", "--set", "mok_plugin.kernels.grouped_mlp.NO_SUCH_SWITCH=1"])
+
+
+def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, capsys):
+    import argparse
+    import contextlib
+
+    from mok_plugin.experts import SWIGLU
+
+    labels = []
+
+    class StubClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
+        @contextlib.contextmanager
+        def side(self, label):
+            labels.append(label)
+            yield
+
+        def summary(self):
+            return {label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7} for label in labels}
+
+    monkeypatch.setattr(layer, "make_inputs", lambda *args, **kwargs: providers.make_inputs(SHAPE, "uniform", 0,
+                                                                                             device="cpu"))  # fmt: skip
+    monkeypatch.setattr(layer, "bench_provider", lambda name, *args: {"provider": name, "error": None})
+    args = argparse.Namespace(providers=["torch"], iters=2, settle_s=0.0, graphs=False, profile=False,
+                              host_profile=False, memory=False, rounds=1, seed=0)  # fmt: skip
+    rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", StubClock())
+    assert labels == ["tiny swiglu uniform torch"]
+    assert rows[0]["clock"] == {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7}
+    out = capsys.readouterr().out
+    assert "tiny swiglu uniform torch: done in" in out and "SM clock 1404 MHz 686 W (7 samples)" in out
+    rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", None)
+    assert rows[0]["clock"] is None

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown, short_kernel_name
-from mok_plugin.bench.clocks import ClockLog, gpu_selector, nvidia_smi_reader
+from mok_plugin.bench.clocks import ClockLog, clock_log, describe, tagged
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
@@ -78,7 +78,7 @@ def run_ab(
     @contextlib.contextmanager
     def side(is_b: bool, timed: bool = True) -> Iterator[None]:
         with b_side() if is_b else contextlib.nullcontext():
-            with clock.side("B" if is_b else "A") if clock and timed else contextlib.nullcontext():
+            with tagged(clock if timed else None, "B" if is_b else "A"):
                 yield
 
     first = {}
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         def timer(work, iters, settle_s):
             return time_graph_replay(run, inputs, iters, settle_s)
 
-    read = None if args.no_clock else nvidia_smi_reader(gpu_selector())
-    clock = ClockLog(read) if read else None
+    clock = clock_log(enabled=not args.no_clock)
     with clock.running() if clock else contextlib.nullcontext():
         result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
                         args.settle_s, profile=not args.no_profile, timer=timer, clock=clock)  # fmt: skip
@@ -197,8 +196,7 @@ def format_report(
         sa, sb = sum(ka.values()), sum(kb.values())
         lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
     if clocks := result.get("clocks"):
-        sides = ", ".join(f"{label} {c['sm_mhz']:.0f} MHz {c['watts']:.0f} W ({c['samples']} samples)"
-                          for label, c in sorted(clocks.items()))  # fmt: skip
+        sides = ", ".join(f"{label} {describe(entry)}" for label, entry in sorted(clocks.items()))
         lines.append(f"  SM clock and power, the mean while each side ran: {sides}")
     differ = [n for n, same in zip(names, result["bitwise"], strict=True) if not same]
     lines.append(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["ClockLog", "Reading", "gpu_selector", "nvidia_smi_reader"]
+__all__ = ["ClockLog", "Reading", "clock_log", "describe", "gpu_selector", "nvidia_smi_reader", "tagged"]
 
 Reading = tuple[float, float]  # (SM clock in MHz, power draw in W)
 
@@ -100,3 +100,22 @@ class ClockLog:
                     "watts": statistics.fmean(r[1] for r in readings), "samples": len(readings)}
             for label, readings in self._samples.items()
         }  # fmt: skip
+
+
+def clock_log(enabled: bool = True) -> ClockLog | None:
+    """A ClockLog of the current CUDA device through nvidia-smi, or None when not `enabled` or where
+    nvidia-smi is absent; start it with `running()`."""
+    read = nvidia_smi_reader(gpu_selector()) if enabled else None
+    return ClockLog(read) if read else None
+
+
+def tagged(clock: ClockLog | None, label: str) -> contextlib.AbstractContextManager:
+    """`clock.side(label)`, or nothing without a clock log."""
+    return clock.side(label) if clock else contextlib.nullcontext()
+
+
+def describe(entry: dict | None) -> str:
+    """One label's summary as a report prints it ("1404 MHz 686 W (20 samples)"); "" for none."""
+    if not entry:
+        return ""
+    return f"{entry['sm_mhz']:.0f} MHz {entry['watts']:.0f} W ({entry['samples']} samples)"

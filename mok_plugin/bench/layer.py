@@ -26,6 +26,7 @@ the same for every provider and are not timed (the megatron peer includes its ow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ import torch
 
 from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
+from mok_plugin.bench.clocks import ClockLog, clock_log, describe, tagged
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.floor import copy_tbps, floor_bytes, routed_experts
 from mok_plugin.bench.flops import moe_flops
@@ -52,6 +54,8 @@ __all__ = ["add_rounds", "bench_provider", "build_parser", "main", "time_passes"
 PASSES = ("forward", "backward", "fwd+bwd")
 # --graphs: forward + backward captured once in a CUDA graph and replayed (its FLOPs are fwd+bwd's)
 GRAPH_PASS = "fwd+bwd graph"
+# The clock log's label for the settled dense GEMM (each provider's is "<shape> <family> <routing> <provider>")
+DENSE_LABEL = "dense GEMM"
 
 
 def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int,
@@ -201,6 +205,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="also list the tensors live at each provider's peak, by the line that allocated them",
     )
+    parser.add_argument(
+        "--no-clock", action="store_true", help="skip sampling the SM clock and power (nvidia-smi every 0.25 s)"
+    )
     parser.add_argument("--override", action="append", default=[], metavar="KERNEL=CONFIG",
                         help="time MoK with this pinned-table entry replaced, e.g. wgrad=128x128x64w8s4g "
                              "(mok bench tune's notation); repeatable")  # fmt: skip
@@ -241,11 +248,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoEShape]]) -> int:
+    clock = clock_log(enabled=not args.no_clock)
+    with clock.running() if clock else contextlib.nullcontext():
+        return _run_clocked(args, overrides, shapes, clock)
+
+
+def _run_clocked(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoEShape]],
+                 clock: ClockLog | None) -> int:  # fmt: skip
     burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
-    gemm = dense_gemm_tflops(settle_s=args.settle_s)
+    with tagged(clock, DENSE_LABEL):
+        gemm = dense_gemm_tflops(settle_s=args.settle_s)
+    dense_clock = clock.summary().get(DENSE_LABEL) if clock else None
     dense_line = (
         f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
-        f"({burst:.0f} in its first calls after idle)"
+        f"({burst:.0f} in its first calls after idle)" + (f", SM clock {describe(dense_clock)}" if dense_clock else "")
     )
     copy = None
     if args.graphs:  # the floor the graph rows are held against (floor.py)
@@ -257,7 +273,7 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
         for expert in args.expert:
             family = EXPERT_FAMILIES[expert]
             for routing in args.routing:
-                rows += _bench_case(args, shape_name, shape, expert, family, routing)
+                rows += _bench_case(args, shape_name, shape, expert, family, routing, clock)
 
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -265,6 +281,7 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
         "expert_families": {name: EXPERT_FAMILIES[name].config_fields() for name in args.expert},
         "dense_gemm_tflops": gemm,
         "dense_gemm_tflops_first_calls_after_idle": burst,
+        "dense_gemm_clock": dense_clock,
         "device_copy_tbps": copy,
         "settle_s": args.settle_s,
         "config_overrides": {k: tile_config_label(c) for k, c in overrides.items()},
@@ -288,7 +305,7 @@ def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoES
 
 
 def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expert: str, family: MoKExpertFamily,
-                routing: str) -> list[dict]:  # fmt: skip
+                routing: str, clock: ClockLog | None = None) -> list[dict]:  # fmt: skip
     """The rows of one shape, expert family and routing: every provider that computes the family."""
     rows = []
     timed: list[tuple[dict, Callable]] = []  # the rows with a timing, and their providers, for --rounds
@@ -302,8 +319,11 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
         except RuntimeError as why:  # ProviderUnavailable: a peer not installed, or not computing this family
             print(f"  {case} {provider}: skipped ({why})", flush=True)
             continue
+        label = f"{case} {provider}"
         try:
-            row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family, args.graphs)
+            with tagged(clock, label):  # the SM clock while its timings ran (bench/clocks.py)
+                row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family,
+                                     args.graphs)  # fmt: skip
         except NotImplementedError as why:  # a family the provider's op does not compute yet
             print(f"  {case} {provider}: skipped (not implemented: {why})", flush=True)
             torch.cuda.empty_cache()
@@ -321,11 +341,13 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
                    routing=routing)  # fmt: skip
         if GRAPH_PASS in row:
             row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
+        row["clock"] = clock.summary().get(label) if clock else None
         rows.append(row)
         if not row["error"]:
             timed.append((row, fn))
         print(
             f"  {case} {provider}: done in {time.time() - t0:.1f} s"
+            + (f", SM clock {describe(row['clock'])}" if row["clock"] else "")
             + (f" WRONG: {row['error']}" if row["error"] else ""),
             flush=True,
         )
