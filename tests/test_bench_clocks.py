@@ -146,3 +146,11 @@ def test_a_clock_log_is_made_only_where_asked_for_and_nvidia_smi_answers(monkeyp
     assert isinstance(clocks.clock_log(), clocks.ClockLog)
     assert clocks.describe({"sm_mhz": 1404.4, "watts": 686.2, "samples": 20}) == "1404 MHz 686 W (20 samples)"
     assert clocks.describe(None) == ""
+
+
+def test_a_log_whose_queries_all_failed_says_so(capsys):
+    log = clocks.ClockLog(lambda: None, period_s=0.001)
+    with log.running(), log.side("A"):
+        wait_for(lambda: log.failed_reads >= 2)
+    assert log.summary() == {}
+    assert "nvidia-smi answered none of" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import contextlib
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -64,9 +65,12 @@ class ClockLog:
         self._label: str | None = None
         self._samples: dict[str, list[Reading]] = {}
         self._stop = threading.Event()
+        self.failed_reads = 0  # queries that gave no reading (see warn_if_silent)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ClockLog]:
+        """Samples in a thread while the block runs; afterwards says on stderr if no query answered
+        (the reports then have no clock lines, which should not pass for "not asked")."""
         self._stop.clear()
         thread = threading.Thread(target=self._sample, name="mok-clock-log", daemon=True)
         thread.start()
@@ -75,6 +79,9 @@ class ClockLog:
         finally:
             self._stop.set()
             thread.join()
+            if self.failed_reads and not self._samples:
+                print(f"clock log: nvidia-smi answered none of {self.failed_reads} queries; no SM clock is reported",
+                      file=sys.stderr)  # fmt: skip
 
     @contextlib.contextmanager
     def side(self, label: str) -> Iterator[None]:
@@ -90,6 +97,7 @@ class ClockLog:
             if label is None:
                 continue
             reading = self._read()
+            self.failed_reads += reading is None
             if reading is not None and self._label == label:
                 self._samples.setdefault(label, []).append(reading)
 
