@@ -35,12 +35,14 @@
 #              with `mok bench ab --graphs` at qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each:
 #              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
-#              (`candidates`: bench ab's arguments, --override each). Edit the lists as switches and
+#              (`candidates`: bench ab's arguments, --override or --set each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
 #              removed, and the candidates below but one; the switch list is empty). Candidates now: a null A/B
 #              (the method's check), then the forward's entries before session 49's TMA pin where an expert's
-#              rows fit about one row tile (E = 384 at T = 4096, 85 rows an expert: gate_up_fwd 0.95 of the
-#              pin's on an H100) and two (E = 256): B/A below 1 on the H200 would make them a size rule
+#              rows fill less than one 128-row tile (E = 384 at T = 4096, 85 rows an expert: gate_up_fwd 0.95
+#              of the pin's on an H100) or exactly one (E = 256, 128 rows): B/A below 1 on the H200 would make
+#              them a size rule. The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with
+#              --no-clock: no nvidia-smi process beside a timing that is the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -149,7 +151,7 @@ for part in "${parts[@]}"; do
     perf-host)
         for tokens in 1 37 512; do
             run_part "perf-host-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
-                --routing uniform --providers mok-multi mok-mega torch --iters 20 --rounds 3 --host-profile \
+                --routing uniform --providers mok-multi mok-mega torch --iters 20 --rounds 3 --host-profile --no-clock \
                 --out "$out/perf-host-T$tokens"
         done
         run_part perf-host-launch python3 -m mok_plugin.cli bench host --cuda --tokens 1 37 512 --steps 300 \
@@ -166,7 +168,7 @@ for part in "${parts[@]}"; do
         if [ "$part" != perf-coarse ]; then
             for tokens in 1 37 512 4096; do
                 run_part "perf-small-T$tokens" python3 scripts/bench_layer.py --shape "$tokens,2048,768,128,8" \
-                    --routing uniform skewed --providers mok-multi torch --iters 20 --rounds 3 \
+                    --routing uniform skewed --providers mok-multi torch --iters 20 --rounds 3 --no-clock \
                     --out "$out/perf-small-T$tokens"
             done
         fi ;;
@@ -194,7 +196,8 @@ for part in "${parts[@]}"; do
                 done
                 for tokens in 1 37; do  # eager: the host's share (the switches' host work included)
                     run_part "untimed-all-eager-T$tokens" python3 -m mok_plugin.cli bench ab \
-                        --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --out "$out/untimed-all-eager-T$tokens"
+                        --shape "$tokens,2048,768,128,8" "${sets[@]}" --rounds 6 --no-clock \
+                        --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
             # B is the forward's entries before session 49 pinned TMA at 4 stages (pointer loads, 3 stages)

@@ -137,11 +137,13 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
     assert "SM clock" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])
 
 
-def test_a_clock_log_is_made_only_where_asked_for_and_nvidia_smi_answers(monkeypatch):
+def test_a_clock_log_is_made_only_where_asked_for_and_nvidia_smi_answers(monkeypatch, capsys):
     monkeypatch.setattr(clocks, "gpu_selector", lambda: "0")
     assert clocks.clock_log(enabled=False) is None
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
     assert clocks.clock_log() is None
+    assert "no nvidia-smi" in capsys.readouterr().err  # asked for and absent: said, not silent
     monkeypatch.setattr(clocks.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert isinstance(clocks.clock_log(), clocks.ClockLog)
     assert clocks.describe({"sm_mhz": 1404.4, "watts": 686.2, "samples": 20}) == "1404 MHz 686 W (20 samples)"

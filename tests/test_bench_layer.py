@@ -359,20 +359,28 @@ def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, c
 
     from mok_plugin.experts import SWIGLU
 
-    labels = []
+    labels, active = [], []
 
     class StubClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
         @contextlib.contextmanager
         def side(self, label):
             labels.append(label)
+            active.append(label)
             yield
+            active.remove(label)
 
         def summary(self):
             return {label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7} for label in labels}
 
     monkeypatch.setattr(layer, "make_inputs", lambda *args, **kwargs: providers.make_inputs(SHAPE, "uniform", 0,
                                                                                              device="cpu"))  # fmt: skip
-    monkeypatch.setattr(layer, "bench_provider", lambda name, *args: {"provider": name, "error": None})
+    expected = {"active": ["tiny swiglu uniform torch"]}
+
+    def timed_provider(name, *args):
+        assert active == expected["active"]  # timed inside its provider's tag
+        return {"provider": name, "error": None}
+
+    monkeypatch.setattr(layer, "bench_provider", timed_provider)
     args = argparse.Namespace(providers=["torch"], iters=2, settle_s=0.0, graphs=False, profile=False,
                               host_profile=False, memory=False, rounds=1, seed=0)  # fmt: skip
     rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", StubClock())
@@ -380,5 +388,6 @@ def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, c
     assert rows[0]["clock"] == {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7}
     out = capsys.readouterr().out
     assert "tiny swiglu uniform torch: done in" in out and "SM clock 1404 MHz 686 W (7 samples)" in out
+    expected["active"] = []
     rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", None)
     assert rows[0]["clock"] is None

@@ -35,7 +35,6 @@ from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
-from mok_plugin.bench.timing import SETTLE_S as LAYER_SETTLE_S
 from mok_plugin.bench.timing import time_ms
 from mok_plugin.bench.tuning import Setting, changed, parse_overrides, parse_setting, tile_config_label
 from mok_plugin.testing import parse_shape
@@ -43,12 +42,12 @@ from mok_plugin.testing import parse_shape
 __all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_ab"]
 
 # The first round and every profile settle this long by default, more than the layer benchmark's
-# LAYER_SETTLE_S: the profiles follow a pause (the profiler's start), and an H100 took 2-3 s of work
+# 1 s (timing.SETTLE_S): the profiles follow a pause (the profiler's start), and an H100 took 2-3 s of work
 # from idle to come down to the clock it holds at its 700 W cap (1980 -> 1560 -> 1470 -> 1395 MHz,
 # one sample a second). Settled 0.5 s and kept as the lower of two, a null A/B (B the same code)
 # read B's kernels 7-19 % slower than A's, whose first profile ran nearest the pause (session 51,
 # BENCHMARKS.md, "The A/B's clock").
-AB_SETTLE_S = 3 * LAYER_SETTLE_S
+AB_SETTLE_S = 3.0
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
 

@@ -78,7 +78,7 @@ class ClockLog:
             yield self
         finally:
             self._stop.set()
-            thread.join()
+            thread.join(timeout=self._period_s + 10)  # a query hung in the driver must not hold the report
             if self.failed_reads and not self._samples:
                 print(f"clock log: nvidia-smi answered none of {self.failed_reads} queries; no SM clock is reported",
                       file=sys.stderr)  # fmt: skip
@@ -103,18 +103,24 @@ class ClockLog:
 
     def summary(self) -> dict[str, dict]:
         """{label: {"sm_mhz": mean, "watts": mean, "samples": count}} for each label sampled."""
+        taken = {label: list(readings) for label, readings in list(self._samples.items())}  # the thread may add
         return {
             label: {"sm_mhz": statistics.fmean(r[0] for r in readings),
                     "watts": statistics.fmean(r[1] for r in readings), "samples": len(readings)}
-            for label, readings in self._samples.items()
+            for label, readings in taken.items()
         }  # fmt: skip
 
 
 def clock_log(enabled: bool = True) -> ClockLog | None:
     """A ClockLog of the current CUDA device through nvidia-smi, or None when not `enabled` or where
     nvidia-smi is absent; start it with `running()`."""
-    read = nvidia_smi_reader(gpu_selector()) if enabled else None
-    return ClockLog(read) if read else None
+    if not enabled:
+        return None
+    read = nvidia_smi_reader(gpu_selector())
+    if read is None:
+        print("clock log: no nvidia-smi on this machine; no SM clock is reported", file=sys.stderr)
+        return None
+    return ClockLog(read)
 
 
 def tagged(clock: ClockLog | None, label: str) -> contextlib.AbstractContextManager:

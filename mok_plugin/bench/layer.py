@@ -321,7 +321,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             continue
         label = f"{case} {provider}"
         try:
-            with tagged(clock, label):  # the SM clock while its timings ran (bench/clocks.py)
+            with tagged(clock, label):  # the SM clock in its first timing window (--rounds adds more, untagged)
                 row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family,
                                      args.graphs)  # fmt: skip
         except NotImplementedError as why:  # a family the provider's op does not compute yet
