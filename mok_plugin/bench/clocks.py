@@ -1,8 +1,9 @@
 """The GPU's SM clock and power draw, sampled in the background while a benchmark runs and tagged with
 what was running (an A/B's side), so that a side that reads slower because it ran at a lower clock can
-be told from one that does more work. Hopper holds its power cap by lowering the clock, and the clock
-also moves with the heat over a process: in session 51's A/Bs on an H100 the kernels that B did not
-change read 2-20 % slower in B's profiles on five of eight shapes (BENCHMARKS.md, "v41 refuted").
+be told from one that does more work. Hopper holds its power cap by lowering the clock, and comes
+down to it over seconds of work after a pause: in session 51's null A/B on an H100 (B the same code)
+B's kernels read 7-19 % slower, B's side at 1388-1404 MHz against A's 1592-1614 (BENCHMARKS.md,
+"The A/B's clock").
 
 Read through `nvidia-smi` in a thread (one query every `period_s`), not NVML bindings, which the
 device's Python does not carry; where nvidia-smi is absent nothing is sampled.
@@ -65,7 +66,7 @@ class ClockLog:
         self._label: str | None = None
         self._samples: dict[str, list[Reading]] = {}
         self._stop = threading.Event()
-        self.failed_reads = 0  # queries that gave no reading (see warn_if_silent)
+        self.failed_reads = 0  # queries that gave no reading (running() says so if none gave one)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ClockLog]:
@@ -80,8 +81,8 @@ class ClockLog:
             self._stop.set()
             thread.join(timeout=self._period_s + 10)  # a query hung in the driver must not hold the report
             if self.failed_reads and not self._samples:
-                print(f"clock log: nvidia-smi answered none of {self.failed_reads} queries; no SM clock is reported",
-                      file=sys.stderr)  # fmt: skip
+                message = f"nvidia-smi answered none of {self.failed_reads} queries; no SM clock is reported"
+                print(f"clock log: {message}", file=sys.stderr)
 
     @contextlib.contextmanager
     def side(self, label: str) -> Iterator[None]:
