@@ -1,6 +1,7 @@
 """`mok bench ab` (mok_plugin/bench/ab.py) on the CPU: its settings are checked against the modules
 before any GPU work, B's changes are undone whatever happens, the rounds alternate, each kernel's time
-is the mean of its side's two settled profiles, and the bitwise verdict is B's results against A's."""
+is the mean of its side's two settled profiles, the clock log tags the rounds and profiles (not the compile
+passes) by side, and the bitwise verdict is B's results against A's."""
 
 import contextlib
 
@@ -10,6 +11,20 @@ import torch
 from mok_plugin.bench import ab
 from mok_plugin.kernels import configs
 from mok_plugin.kernels.configs import kernel_config
+
+
+def flag_side(state: dict):
+    """A b_side for run_ab that sets state["b"] while B runs, errors included."""
+
+    @contextlib.contextmanager
+    def b_side():
+        state["b"] = True
+        try:
+            yield
+        finally:
+            state["b"] = False
+
+    return b_side
 
 
 def test_a_setting_is_parsed_and_checked_against_its_module():
@@ -52,13 +67,7 @@ def test_rounds_alternate_profiles_are_settled_and_averaged_and_bits_compare_b_w
     state = {"b": False}
     calls = []
 
-    @contextlib.contextmanager
-    def b_side():
-        state["b"] = True
-        try:
-            yield
-        finally:
-            state["b"] = False
+    b_side = flag_side(state)
 
     def work():
         # B changes the second result only
@@ -116,3 +125,32 @@ def test_bad_arguments_fail_before_any_gpu_work(argv, message, capsys):
 def test_without_a_gpu_it_says_so(capsys):
     assert ab.main(["--shape", "tiny", "--set", "mok_plugin.kernels.configs.FEW_ROWS_MAX=1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
+    state = {"b": False}
+    tags = []
+
+    class StubClock:
+        @contextlib.contextmanager
+        def side(self, label):
+            assert state["b"] == (label == "B")  # tagged inside B's change, not around it
+            tags.append(label)
+            yield
+
+        def summary(self):
+            return {"A": {"sm_mhz": 1755.0, "watts": 612.0, "samples": 9},
+                    "B": {"sm_mhz": 1650.0, "watts": 700.0, "samples": 8}}  # fmt: skip
+
+    b_side = flag_side(state)
+
+    result = ab.run_ab(
+        lambda: [torch.ones(2)], b_side, rounds=2, iters=2, settle_s=0.0,
+        timer=lambda fn, iters, settle_s: [1.0] * iters,
+        profiler=lambda fn, iters, settle_s: ([{"kernel": "k", "ms": 1.0, "launches": 1}], {}), clock=StubClock(),
+    )  # fmt: skip
+    assert tags == ["A", "B", "B", "A", "A", "B", "B", "A"]  # two rounds, then the profiles; no compile pass
+    assert result["clocks"]["B"]["sm_mhz"] == 1650.0
+    report = ab.format_report("tiny", "uniform", "X=1", result, ["output"])
+    assert "A 1755 MHz 612 W (9 samples), B 1650 MHz 700 W (8 samples)" in report
+    assert "SM clock" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])

@@ -1,8 +1,7 @@
-"""The clock log of `mok bench ab` (mok_plugin/bench/clocks.py) on the CPU: samples are kept under the
-side that ran at both ends of their query, nvidia-smi's answer is parsed and its failures cost a sample,
-not the benchmark, and the A/B tags its rounds and profiles (not its compile passes) by side."""
+"""The clock log of `mok bench ab` and `mok bench layer` (mok_plugin/bench/clocks.py) on the CPU: samples
+are kept under the side that ran at both ends of their query, nvidia-smi's answer is parsed and its
+failures cost a sample, not the benchmark, and a log that got nothing says so."""
 
-import contextlib
 import subprocess
 import threading
 import time
@@ -11,7 +10,7 @@ import types
 import pytest
 import torch
 
-from mok_plugin.bench import ab, clocks
+from mok_plugin.bench import clocks
 
 
 def wait_for(condition, timeout_s=10.0):
@@ -100,41 +99,6 @@ def test_the_gpu_is_named_by_its_pci_bus_id_where_torch_gives_one(monkeypatch):
     assert clocks.gpu_selector() == "00000000:19:00.0"
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace())
     assert clocks.gpu_selector() == "3"
-
-
-def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
-    state = {"b": False}
-    tags = []
-
-    class StubClock:
-        @contextlib.contextmanager
-        def side(self, label):
-            assert state["b"] == (label == "B")  # tagged inside B's change, not around it
-            tags.append(label)
-            yield
-
-        def summary(self):
-            return {"A": {"sm_mhz": 1755.0, "watts": 612.0, "samples": 9},
-                    "B": {"sm_mhz": 1650.0, "watts": 700.0, "samples": 8}}  # fmt: skip
-
-    @contextlib.contextmanager
-    def b_side():
-        state["b"] = True
-        try:
-            yield
-        finally:
-            state["b"] = False
-
-    result = ab.run_ab(
-        lambda: [torch.ones(2)], b_side, rounds=2, iters=2, settle_s=0.0,
-        timer=lambda fn, iters, settle_s: [1.0] * iters,
-        profiler=lambda fn, iters, settle_s: ([{"kernel": "k", "ms": 1.0, "launches": 1}], {}), clock=StubClock(),
-    )  # fmt: skip
-    assert tags == ["A", "B", "B", "A", "A", "B", "B", "A"]  # two rounds, then the profiles; no compile pass
-    assert result["clocks"]["B"]["sm_mhz"] == 1650.0
-    report = ab.format_report("tiny", "uniform", "X=1", result, ["output"])
-    assert "A 1755 MHz 612 W (9 samples), B 1650 MHz 700 W (8 samples)" in report
-    assert "SM clock" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])
 
 
 def test_a_clock_log_is_made_only_where_asked_for_and_nvidia_smi_answers(monkeypatch, capsys):
