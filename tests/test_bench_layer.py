@@ -61,6 +61,7 @@ def test_rounds_time_the_providers_in_turn_and_pool_their_samples(monkeypatch):
 
     add_rounds([(rows[0], a), (rows[1], b)], {}, rounds=3, iters=2, settle_s=0.0)
     assert order == [a, b, a, b]
+    assert "clock" not in rows[0]  # no clock log, no clock
     assert rows[0]["samples"]["backward"] == [1.0, 1.0, 10.0, 10.0, 30.0, 30.0]
     assert rows[1]["rounds"] == 3 and rows[1]["fwd+bwd"] == summarize([1.0, 1.0, -2.0, -2.0, -4.0, -4.0])
 
@@ -391,3 +392,30 @@ def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, c
     expected["active"] = []
     rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", None)
     assert rows[0]["clock"] is None
+
+
+def test_later_rounds_are_clocked_under_their_providers_label(monkeypatch):
+    import contextlib
+
+    active, samples = [], {}
+
+    class StubClock:
+        @contextlib.contextmanager
+        def side(self, label):
+            active.append(label)
+            yield
+            active.pop()
+
+        def summary(self):
+            return {label: {"sm_mhz": 1400.0, "watts": 690.0, "samples": n} for label, n in samples.items()}
+
+    def fake_time_passes(fn, inputs, iters, settle_s):
+        samples[active[-1]] = samples.get(active[-1], 0) + 1  # timed under its row's label
+        return {p: [1.0] * iters for p in ("forward", "backward", "fwd+bwd")}
+
+    monkeypatch.setattr(layer, "time_passes", fake_time_passes)
+    rows = [{"samples": {p: [1.0] for p in ("forward", "backward", "fwd+bwd")}, "clock_label": f"case {name}"}
+            for name in ("mok-multi", "torch")]  # fmt: skip
+    add_rounds([(row, None) for row in rows], {}, rounds=3, iters=2, settle_s=0.0, clock=StubClock())
+    assert samples == {"case mok-multi": 2, "case torch": 2}
+    assert rows[1]["clock"] == {"sm_mhz": 1400.0, "watts": 690.0, "samples": 2}

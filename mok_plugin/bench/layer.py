@@ -138,19 +138,24 @@ def time_passes(fn: Callable, inputs: dict, iters: int, settle_s: float = SETTLE
     return samples
 
 
-def add_rounds(timed: list[tuple[dict, Callable]], inputs: dict, rounds: int, iters: int, settle_s: float) -> None:
+def add_rounds(timed: list[tuple[dict, Callable]], inputs: dict, rounds: int, iters: int, settle_s: float,
+               clock: ClockLog | None = None) -> None:  # fmt: skip
     """Time every (row, provider) `rounds - 1` more times, the providers in turn (A B A B ...), and
-    pool each pass's samples. Small batches are bound by the host's time to issue work, and the
-    H200 host's speed drifts by tens of percent over seconds (the PyTorch path at T = 1 read 2.51
-    and 1.55 ms in two windows of one process), so a comparison timed in one window per provider
-    measures the drift; alternated rounds give every provider the same mix of windows."""
+    pool each pass's samples (with a clock log, the SM clock too, under the row's "clock_label").
+    Small batches are bound by the host's time to issue work, and the H200 host's speed drifts by
+    tens of percent over seconds (the PyTorch path at T = 1 read 2.51 and 1.55 ms in two windows of
+    one process), so a comparison timed in one window per provider measures the drift; alternated
+    rounds give every provider the same mix of windows."""
     for _ in range(rounds - 1):
         for row, fn in timed:
-            for pass_name, times in time_passes(fn, inputs, iters, settle_s).items():
-                row["samples"][pass_name] += times
+            with tagged(clock, row.get("clock_label", "")):
+                for pass_name, times in time_passes(fn, inputs, iters, settle_s).items():
+                    row["samples"][pass_name] += times
     for row, _ in timed:
         row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
         row["rounds"] = rounds
+        if clock:
+            row["clock"] = clock.summary().get(row.get("clock_label", ""))
 
 
 DEFAULT_SHAPES = ["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"]
@@ -321,7 +326,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             continue
         label = f"{case} {provider}"
         try:
-            with tagged(clock, label):  # the SM clock in its first timing window (--rounds adds more, untagged)
+            with tagged(clock, label):  # the SM clock while it is timed (add_rounds tags its later rounds too)
                 row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family,
                                      args.graphs)  # fmt: skip
         except NotImplementedError as why:  # a family the provider's op does not compute yet
@@ -341,7 +346,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
                    routing=routing)  # fmt: skip
         if GRAPH_PASS in row:
             row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
-        row["clock"] = clock.summary().get(label) if clock else None
+        row["clock_label"], row["clock"] = label, clock.summary().get(label) if clock else None
         rows.append(row)
         if not row["error"]:
             timed.append((row, fn))
@@ -353,7 +358,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
         )
         torch.cuda.empty_cache()
     if args.rounds > 1 and timed:
-        add_rounds(timed, inputs, args.rounds, args.iters, args.settle_s)
+        add_rounds(timed, inputs, args.rounds, args.iters, args.settle_s, clock)
         print(f"  {case}: {args.rounds} rounds of every provider in turn, samples pooled", flush=True)
     del inputs, expected, timed
     torch.cuda.empty_cache()
