@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mok_plugin.bench.breakdown import kernel_breakdown, short_kernel_name
-from mok_plugin.bench.clocks import ClockLog, clock_log, describe, tagged
+from mok_plugin.bench.clocks import ClockLog, clock_log, describe, running, tagged
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return time_graph_replay(run, inputs, iters, settle_s)
 
     clock = clock_log(enabled=not args.no_clock)
-    with clock.running() if clock else contextlib.nullcontext():
+    with running(clock):
         result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
                         args.settle_s, profile=not args.no_profile, timer=timer, clock=clock)  # fmt: skip
     timed = "fwd+bwd replayed from a CUDA graph" if args.graphs else "fwd+bwd"

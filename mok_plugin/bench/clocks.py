@@ -21,7 +21,17 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["ClockLog", "Reading", "clock_log", "describe", "gpu_selector", "nvidia_smi_reader", "tagged"]
+__all__ = [
+    "ClockLog",
+    "Reading",
+    "clock_log",
+    "describe",
+    "gpu_selector",
+    "nvidia_smi_reader",
+    "summary_of",
+    "running",
+    "tagged",
+]
 
 Reading = tuple[float, float]  # (SM clock in MHz, power draw in W)
 
@@ -124,9 +134,19 @@ def clock_log(enabled: bool = True) -> ClockLog | None:
     return ClockLog(read)
 
 
+def running(clock: ClockLog | None) -> contextlib.AbstractContextManager:
+    """`clock.running()`, or nothing without a clock log."""
+    return clock.running() if clock else contextlib.nullcontext()
+
+
 def tagged(clock: ClockLog | None, label: str) -> contextlib.AbstractContextManager:
     """`clock.side(label)`, or nothing without a clock log."""
     return clock.side(label) if clock else contextlib.nullcontext()
+
+
+def summary_of(clock: ClockLog | None, label: str) -> dict | None:
+    """`label`'s entry of `clock.summary()`, or None (no clock log, or no sample under it)."""
+    return clock.summary().get(label) if clock else None
 
 
 def describe(entry: dict | None) -> str:

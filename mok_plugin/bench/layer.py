@@ -26,7 +26,6 @@ the same for every provider and are not timed (the megatron peer includes its ow
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 
 from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
-from mok_plugin.bench.clocks import ClockLog, clock_log, describe, tagged
+from mok_plugin.bench.clocks import ClockLog, clock_log, describe, running, summary_of, tagged
 from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.floor import copy_tbps, floor_bytes, routed_experts
 from mok_plugin.bench.flops import moe_flops
@@ -155,7 +154,7 @@ def add_rounds(timed: list[tuple[dict, Callable]], inputs: dict, rounds: int, it
         row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
         row["rounds"] = rounds
         if clock:
-            row["clock"] = clock.summary().get(row.get("clock_label", ""))
+            row["clock"] = summary_of(clock, row.get("clock_label", ""))
 
 
 DEFAULT_SHAPES = ["qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "deepseek-v3"]
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def _run(args: argparse.Namespace, overrides: dict, shapes: list[tuple[str, MoEShape]]) -> int:
     clock = clock_log(enabled=not args.no_clock)
-    with clock.running() if clock else contextlib.nullcontext():
+    with running(clock):
         return _run_clocked(args, overrides, shapes, clock)
 
 
@@ -263,7 +262,7 @@ def _run_clocked(args: argparse.Namespace, overrides: dict, shapes: list[tuple[s
     burst = dense_gemm_tflops(settle_s=0.0)  # first, while the clock is still at its idle-time high
     with tagged(clock, DENSE_LABEL):
         gemm = dense_gemm_tflops(settle_s=args.settle_s)
-    dense_clock = clock.summary().get(DENSE_LABEL) if clock else None
+    dense_clock = summary_of(clock, DENSE_LABEL)
     dense_line = (
         f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
         f"({burst:.0f} in its first calls after idle)" + (f", SM clock {describe(dense_clock)}" if dense_clock else "")
@@ -346,7 +345,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
                    routing=routing)  # fmt: skip
         if GRAPH_PASS in row:
             row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
-        row["clock_label"], row["clock"] = label, clock.summary().get(label) if clock else None
+        row["clock_label"], row["clock"] = label, summary_of(clock, label)
         rows.append(row)
         if not row["error"]:
             timed.append((row, fn))
