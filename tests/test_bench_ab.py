@@ -1,7 +1,7 @@
 """`mok bench ab` (mok_plugin/bench/ab.py) on the CPU: its settings are checked against the modules
 before any GPU work, B's changes are undone whatever happens, the rounds alternate, each kernel's time
-is the mean of its side's two settled profiles, the clock log tags the rounds and profiles (not the compile
-passes) by side, and the bitwise verdict is B's results against A's."""
+is the mean of its side's settled profiles (A B B A B A A B), the clock log tags the rounds and
+profiles (not the compile passes) by side, and the bitwise verdict is B's results against A's."""
 
 import contextlib
 
@@ -77,25 +77,31 @@ def test_rounds_alternate_profiles_are_settled_and_averaged_and_bits_compare_b_w
         calls.append(("B" if state["b"] else "A", settle_s))
         return [20.0 if state["b"] else 10.0] * iters
 
-    profiles = iter([5.0, 7.0, 6.0, 4.0])  # A, B, B, A
+    profiles = iter([5.0, 7.0, 6.0, 4.0, 8.0, 3.0, 2.0, 9.0])  # A B B A B A A B
 
     profile_settles = []
 
     def profiler(fn, iters, settle_s):
         profile_settles.append(settle_s)
         ms = next(profiles)
-        return [{"kernel": "k", "ms": ms, "launches": 1}], {}
+        return [{"kernel": "k", "ms": ms, "launches": 1}, {"kernel": "j", "ms": 1.0, "launches": 1}], {}
 
     result = ab.run_ab(work, b_side, rounds=3, iters=4, settle_s=1.0, timer=timer, profiler=profiler)
-    assert [side for side, _ in calls] == ["A", "B", "B", "A", "A", "B"]
-    assert [s for _, s in calls] == [1.0, 1.0, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S,
+    # first an untimed settle from idle (A's code: nothing is compared), then the rounds
+    assert [side for side, _ in calls] == ["A", "A", "B", "B", "A", "A", "B"]
+    assert [s for _, s in calls] == [1.0, 1.0, 1.0, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S,
                                      ab.LATER_SETTLE_S]  # fmt: skip
     assert result["a_ms"] == [10.0] * 3 and result["b_ms"] == [20.0] * 3
-    assert profile_settles == [1.0] * 4  # each profile settled as the first round (it follows a pause)
-    assert result["a_kernels"] == {"k": 4.5} and result["b_kernels"] == {"k": 6.5}  # A B B A: the mean cancels drift
+    assert profile_settles == [1.0] * 8  # each profile settled as the first round (it follows a pause)
+    # A B B A B A A B: each side's mean cancels a linear or quadratic drift
+    assert result["a_kernels"] == {"k": 3.5, "j": 1.0} and result["b_kernels"] == {"k": 7.5, "j": 1.0}
+    assert [(p["side"], p["ms"], p["clock"]) for p in result["profiles"]] == [
+        ("A", 6.0, None), ("B", 8.0, None), ("B", 7.0, None), ("A", 5.0, None),
+        ("B", 9.0, None), ("A", 4.0, None), ("A", 3.0, None), ("B", 10.0, None)]  # fmt: skip
     assert result["bitwise"] == [True, False]
     report = ab.format_report("tiny", "uniform", "X=1", result, ["output", "d_x"])
     assert "B/A 2.000" in report and "B differs on d_x" in report
+    assert "profiles in order, the kernels' sum (ms) at the mean SM clock: A 6.000, B 8.000, B 7.000," in report
 
 
 @pytest.mark.parametrize(
@@ -134,13 +140,19 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
     class StubClock:
         @contextlib.contextmanager
         def side(self, label):
-            assert state["b"] == (label == "B")  # tagged inside B's change, not around it
+            assert state["b"] == (ab.side_of(label) == "B")  # tagged inside B's change, not around it
             tags.append(label)
             yield
 
-        def summary(self):
-            return {"A": {"sm_mhz": 1755.0, "watts": 612.0, "samples": 9},
-                    "B": {"sm_mhz": 1650.0, "watts": 700.0, "samples": 8}}  # fmt: skip
+        def summary(self, group=None):
+            per_label = {"A": (1755.0, 612.0), "B": (1650.0, 700.0), "A profile 1": (1500.0, 690.0)}
+            later = list(enumerate("ABBABAAB", start=1))[1:]
+            per_label |= {f"{letter} profile {n}": (1400.0 + n, 700.0) for n, letter in later}
+            merged = {}
+            for label, (mhz, watts) in per_label.items():
+                merged.setdefault(group(label) if group else label, []).append((mhz, watts))
+            return {label: {"sm_mhz": sum(m for m, _ in r) / len(r), "watts": sum(w for _, w in r) / len(r),
+                            "samples": len(r)} for label, r in merged.items()}  # fmt: skip
 
     b_side = flag_side(state)
 
@@ -149,8 +161,13 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
         timer=lambda fn, iters, settle_s: [1.0] * iters,
         profiler=lambda fn, iters, settle_s: ([{"kernel": "k", "ms": 1.0, "launches": 1}], {}), clock=StubClock(),
     )  # fmt: skip
-    assert tags == ["A", "B", "B", "A", "A", "B", "B", "A"]  # two rounds, then the profiles; no compile pass
-    assert result["clocks"]["B"]["sm_mhz"] == 1650.0
+    # two rounds, then the profiles, each under its own label; no compile pass, no settle from idle
+    assert tags == ["A", "B", "B", "A"] + [f"{letter} profile {n}" for n, letter in enumerate("ABBABAAB", start=1)]
+    assert result["profiles"][0]["clock"]["sm_mhz"] == 1500.0  # each profile's own clock
+    assert result["profiles"][7]["clock"]["sm_mhz"] == 1408.0
+    assert result["clocks"]["A"]["samples"] == 5  # a side's rounds and profiles together
     report = ab.format_report("tiny", "uniform", "X=1", result, ["output"])
-    assert "A 1755 MHz 612 W (9 samples), B 1650 MHz 700 W (8 samples)" in report
-    assert "SM clock" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])
+    assert "A 1.000 @ 1500 MHz, B 1.000 @ 1402 MHz" in report
+    a, b = result["clocks"]["A"], result["clocks"]["B"]
+    assert f"A {a['sm_mhz']:.0f} MHz {a['watts']:.0f} W (5 samples), B {b['sm_mhz']:.0f} MHz" in report
+    assert "SM clock and power" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])

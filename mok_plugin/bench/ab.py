@@ -1,8 +1,8 @@
 """A/B one change to the layer in one process: MoK's forward + backward as the code is (A) and with
 module attributes set or pinned tile configs replaced (B), alternated round by round on the same
-inputs so that both see the same clock drift; each kernel's GPU time from profiles in A B B A order
-(the mean of each side's two, each profile settled as the first round is); the SM clock and power
-draw while each side ran (`bench/clocks.py`: a side can read slower because it ran at a lower clock);
+inputs so that both see the same clock drift; each kernel's GPU time from profiles in A B B A B A A B
+order (the mean of each side's four, each profile settled as the first round is); the SM clock and
+power draw while each side ran (`bench/clocks.py`: a side can read slower because it ran at a lower clock);
 and whether B gives A's bits.
 
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
@@ -50,6 +50,16 @@ __all__ = ["Setting", "build_parser", "changed", "main", "parse_setting", "run_a
 AB_SETTLE_S = 3.0
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
+# The profiles' sides in order: A B B A B A A B (Thue-Morse) cancels a drift that is linear or
+# quadratic in time from each side's mean. With A B B A and 3 s settles a null A/B still read B's
+# kernels 1-4.6 % slower on an H100 (session 52); each profile's kernel sum and clock are kept, so
+# the order's effect shows.
+PROFILE_ORDER = "ABBABAAB"
+
+
+def side_of(label: str) -> str:
+    """The side ("A" or "B") of a clock label: a round's ("A") or a profile's ("A profile 3")."""
+    return label.split()[0]
 
 
 def run_ab(
@@ -64,26 +74,30 @@ def run_ab(
     clock: ClockLog | None = None,
 ) -> dict:
     """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
-    (the median of `iters` calls a round, the first round settled `settle_s`); with `profile`, two
-    profiles a side, A B B A, each settled `settle_s`, each kernel's mean of its side's two kept (the
-    order's drift cancels); and B's results against A's, bitwise.
-    A running `clock` samples under side "A" or "B" through the rounds and profiles.
+    (the median of `iters` calls a round, the first round settled `settle_s` after as long again of
+    untimed, unsampled work, so that neither side's clock includes the way down from idle); with
+    `profile`, profiles in PROFILE_ORDER, each settled `settle_s`, each kernel's mean over its
+    side's profiles kept (the order's drift cancels); and B's results against A's, bitwise.
+    A running `clock` samples under side "A" or "B" through the rounds, and under "A profile N"
+    (N counting from 1 in order) through each profile.
 
     Returns:
         {"a_ms": [per round], "b_ms": [...], "a_kernels": {kernel: ms}, "b_kernels": {...},
-         "bitwise": [per result tensor: B equal to A], "clocks": clock.summary() or {}}
+         "profiles": [{"side", "ms" (its kernels' sum), "clock" (its summary entry or None)}, in order],
+         "bitwise": [per result tensor: B equal to A], "clocks": {side: summary entry} or {}}
     """
 
     @contextlib.contextmanager
-    def side(is_b: bool, timed: bool = True) -> Iterator[None]:
+    def side(is_b: bool, label: str | None = None, timed: bool = True) -> Iterator[None]:
         with b_side() if is_b else contextlib.nullcontext():
-            with tagged(clock if timed else None, "B" if is_b else "A"):
+            with tagged(clock if timed else None, label or ("B" if is_b else "A")):
                 yield
 
     first = {}
     for is_b in (False, True):
         with side(is_b, timed=False):  # compiles both sides' kernels before any timing
             first[is_b] = [t.detach().cpu() for t in work()]
+    timer(work, 2, settle_s=settle_s)  # down from idle to the loaded clock, sampled under neither side
     times = {False: [], True: []}
     for r in range(rounds):
         for is_b in (False, True) if r % 2 == 0 else (True, False):
@@ -91,16 +105,22 @@ def run_ab(
                 samples = timer(work, iters, settle_s=settle_s if r == 0 else min(settle_s, LATER_SETTLE_S))
             times[is_b].append(statistics.median(samples))
     profiled: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
-    if profile:
-        for is_b in (False, True, True, False):
-            with side(is_b):
-                rows, _ = profiler(work, iters=3, settle_s=settle_s)
-            for row in rows:
-                profiled[is_b].setdefault(row["kernel"], []).append(row["ms"])
+    profiles = []
+    for n, letter in enumerate(PROFILE_ORDER if profile else "", start=1):
+        label = f"{letter} profile {n}"
+        with side(letter == "B", label):
+            rows, _ = profiler(work, iters=3, settle_s=settle_s)
+        for row in rows:
+            profiled[letter == "B"].setdefault(row["kernel"], []).append(row["ms"])
+        profiles.append({"side": letter, "ms": sum(row["ms"] for row in rows), "label": label})
+    summary = clock.summary() if clock else {}
+    for entry in profiles:
+        entry["clock"] = summary.get(entry.pop("label"))
     kernels = {is_b: {name: statistics.fmean(ms) for name, ms in by_name.items()} for is_b, by_name in profiled.items()}
     bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
     return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],
-            "bitwise": bitwise, "clocks": clock.summary() if clock else {}}  # fmt: skip
+            "profiles": profiles, "bitwise": bitwise,
+            "clocks": clock.summary(group=side_of) if clock else {}}  # fmt: skip
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -188,12 +208,16 @@ def format_report(
              f"  rounds A {rounds['a']}  B {rounds['b']}"]  # fmt: skip
     ka, kb = result["a_kernels"], result["b_kernels"]
     if ka or kb:
-        lines.append(f"  {'kernel (GPU ms a call, the mean of two profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
+        lines.append(f"  {'kernel (GPU ms a call, the mean of four profiles)':<56} {'A':>8} {'B':>8} {'B/A':>6}")
         for name in sorted(set(ka) | set(kb), key=lambda n: -ka.get(n, 0.0)):
             x, y = ka.get(name, 0.0), kb.get(name, 0.0)
             lines.append(f"  {short_kernel_name(name):<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
         sa, sb = sum(ka.values()), sum(kb.values())
         lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
+    if profiles := result.get("profiles"):
+        lines.append("  profiles in order, the kernels' sum (ms) at the mean SM clock: " + ", ".join(
+            f"{p['side']} {p['ms']:.3f}" + (f" @ {p['clock']['sm_mhz']:.0f} MHz" if p["clock"] else "")
+            for p in profiles))  # fmt: skip
     if clocks := result.get("clocks"):
         sides = ", ".join(f"{label} {describe(entry)}" for label, entry in sorted(clocks.items()))
         lines.append(f"  SM clock and power, the mean while each side ran: {sides}")

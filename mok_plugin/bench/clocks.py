@@ -112,9 +112,12 @@ class ClockLog:
             if reading is not None and self._label == label:
                 self._samples.setdefault(label, []).append(reading)
 
-    def summary(self) -> dict[str, dict]:
-        """{label: {"sm_mhz": mean, "watts": mean, "samples": count}} for each label sampled."""
-        taken = {label: list(readings) for label, readings in list(self._samples.items())}  # the thread may add
+    def summary(self, group: Callable[[str], str] | None = None) -> dict[str, dict]:
+        """{label: {"sm_mhz": mean, "watts": mean, "samples": count}} for each label sampled; with
+        `group`, the samples of every label under group(label) together (a side's profiles)."""
+        taken: dict[str, list[Reading]] = {}
+        for label, readings in list(self._samples.items()):  # the thread may add
+            taken.setdefault(group(label) if group else label, []).extend(list(readings))
         return {
             label: {"sm_mhz": statistics.fmean(r[0] for r in readings),
                     "watts": statistics.fmean(r[1] for r in readings), "samples": len(readings)}
