@@ -4,7 +4,6 @@
 stock peer against the reference on the CPU, and the memory trace behind `--memory` on a synthetic
 allocator trace."""
 
-import contextlib
 import sys
 
 import pytest
@@ -245,28 +244,6 @@ def test_the_profile_keeps_the_kernels_after_the_mark_only():
     kept = after_mark(events, name=lambda e: e[1], start=lambda e: e[0])
     assert kept == [(300, "a"), (350, "b"), (400, "a")]
     assert after_mark(events[:2], name=lambda e: e[1], start=lambda e: e[0]) is None
-
-
-def test_the_profiler_is_started_once_before_any_settle(monkeypatch):
-    # the process's first profile starts CUPTI (a pause that brings the clock back up): one throwaway
-    # profile around one call, the first time only, so no measured profile follows that pause
-    import torch.profiler
-
-    from mok_plugin.bench import breakdown
-
-    opened, calls = [], []
-
-    @contextlib.contextmanager
-    def recording_profile(activities):
-        opened.append(activities)
-        yield
-
-    monkeypatch.setattr(torch.profiler, "profile", recording_profile)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(breakdown, "_profiler_started", False)
-    for _ in range(3):
-        breakdown.start_profiler_once(lambda: calls.append("work"))
-    assert opened == [[torch.profiler.ProfilerActivity.CUDA]] and calls == ["work"]
 
 
 def test_the_weights_are_drawn_an_expert_at_a_time_at_their_scale():

@@ -51,10 +51,9 @@ AB_SETTLE_S = 3.0
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
 # The profiles' sides in order: A B B A B A A B (Thue-Morse) cancels a drift that is linear or
-# quadratic in time from each side's mean. With A B B A a null A/B still read B's kernels 1-4.6 %
-# slower on an H100 (session 52): the process's first profile, A's, ran after CUPTI's start at a
-# higher clock (breakdown.start_profiler_once now takes that pause out). Each profile's kernel sum
-# and clock are kept, so an order effect shows.
+# quadratic in time from each side's mean. With A B B A and 3 s settles a null A/B still read B's
+# kernels 1-4.6 % slower on an H100 (session 52); each profile's kernel sum and clock are kept, so
+# the order's effect shows.
 PROFILE_ORDER = "ABBABAAB"
 
 

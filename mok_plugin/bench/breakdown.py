@@ -31,7 +31,6 @@ __all__ = [
     "print_host_profile",
     "short_kernel_name",
     "range_times",
-    "start_profiler_once",
 ]
 
 
@@ -50,7 +49,6 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
     # timed call by up to a fifth. Settled again inside the profile, whose start is such a pause: FP8
     # mixtral-8x7b's profiled span 22.0 -> 23.7 ms with it on an H100, against 24.3-24.9 timed; the
     # rest of that gap is not explained (BENCHMARKS.md, "FP8 against its own ceiling", session 41).
-    start_profiler_once(work)
     settle(work, settle_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         settle(work, min(settle_s, RESETTLE_S), max_calls=RESETTLE_CALLS)
@@ -77,27 +75,6 @@ def kernel_breakdown(work: Callable[[], object], iters: int = 3, settle_s: float
     rows = [{"kernel": name, "ms": ms, "launches": count // iters} for name, (ms, count) in totals.items()]
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
     return sorted(rows, key=lambda r: -r["ms"]), idle_gaps(spans, iters)
-
-
-_profiler_started = False
-
-
-def start_profiler_once(work: Callable[[], object]) -> None:
-    """Open and close one CUDA profile around a call of `work`, the first time in the process only.
-    The first profile starts CUPTI, a pause long enough for the clock to climb back to its idle high
-    that the 0.3 s settle inside a profile (RESETTLE_S) does not undo: in session 52's A/B on an H100
-    the process's first profile ran at 1534 MHz and read its kernels' sum 27.6 ms, the seven after it
-    1371-1390 MHz and 28.4-30.8 ms (BENCHMARKS.md, "The A/B's clock, again"). Started here, before
-    the settle, that pause no longer lands inside a measured profile."""
-    global _profiler_started
-    if _profiler_started:
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]):
-        work()
-        torch.cuda.synchronize()
-    _profiler_started = True
 
 
 # The settling inside the profile, before the mark: long enough for the clock to come back down
