@@ -77,12 +77,12 @@ def test_rounds_alternate_profiles_are_settled_and_averaged_and_bits_compare_b_w
         calls.append(("B" if state["b"] else "A", settle_s))
         return [20.0 if state["b"] else 10.0] * iters
 
-    profiles = iter([5.0, 7.0, 6.0, 4.0, 8.0, 3.0, 2.0, 9.0])  # A B B A B A A B
+    profiles = iter([1.0, 5.0, 7.0, 6.0, 4.0, 8.0, 3.0, 2.0, 9.0])  # warm-up, then A B B A B A A B
 
     profile_settles = []
 
     def profiler(fn, iters, settle_s):
-        profile_settles.append(settle_s)
+        profile_settles.append((settle_s, "B" if state["b"] else "A"))
         ms = next(profiles)
         return [{"kernel": "k", "ms": ms, "launches": 1}, {"kernel": "j", "ms": 1.0, "launches": 1}], {}
 
@@ -92,16 +92,17 @@ def test_rounds_alternate_profiles_are_settled_and_averaged_and_bits_compare_b_w
     assert [s for _, s in calls] == [1.0, 1.0, 1.0, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S, ab.LATER_SETTLE_S,
                                      ab.LATER_SETTLE_S]  # fmt: skip
     assert result["a_ms"] == [10.0] * 3 and result["b_ms"] == [20.0] * 3
-    assert profile_settles == [1.0] * 8  # each profile settled as the first round (it follows a pause)
+    # each profile settled as the first round (it follows a pause); the warm-up as the last round's side
+    assert profile_settles == [(1.0, side) for side in "BABBABAAB"]
     # A B B A B A A B: each side's mean cancels a linear or quadratic drift
     assert result["a_kernels"] == {"k": 3.5, "j": 1.0} and result["b_kernels"] == {"k": 7.5, "j": 1.0}
-    assert [(p["side"], p["ms"], p["clock"]) for p in result["profiles"]] == [
+    assert [(p["side"], p["ms"], p["clock"]) for p in result["profiles"]] == [("warm-up", 2.0, None),
         ("A", 6.0, None), ("B", 8.0, None), ("B", 7.0, None), ("A", 5.0, None),
         ("B", 9.0, None), ("A", 4.0, None), ("A", 3.0, None), ("B", 10.0, None)]  # fmt: skip
     assert result["bitwise"] == [True, False]
     report = ab.format_report("tiny", "uniform", "X=1", result, ["output", "d_x"])
     assert "B/A 2.000" in report and "B differs on d_x" in report
-    assert "profiles in order, the kernels' sum (ms) at the mean SM clock: A 6.000, B 8.000, B 7.000," in report
+    assert "the mean SM clock: warm-up 2.000, A 6.000, B 8.000, B 7.000," in report  # the warm-up counts for neither
 
 
 @pytest.mark.parametrize(
@@ -162,9 +163,10 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
         profiler=lambda fn, iters, settle_s: ([{"kernel": "k", "ms": 1.0, "launches": 1}], {}), clock=StubClock(),
     )  # fmt: skip
     # two rounds, then the profiles, each under its own label; no compile pass, no settle from idle
-    assert tags == ["A", "B", "B", "A"] + [f"{letter} profile {n}" for n, letter in enumerate("ABBABAAB", start=1)]
-    assert result["profiles"][0]["clock"]["sm_mhz"] == 1500.0  # each profile's own clock
-    assert result["profiles"][7]["clock"]["sm_mhz"] == 1408.0
+    profiles = [f"{letter} profile {n}" for n, letter in enumerate("ABBABAAB", start=1)]
+    assert tags == ["A", "B", "B", "A", "warm-up"] + profiles
+    assert result["profiles"][1]["clock"]["sm_mhz"] == 1500.0  # each profile's own clock
+    assert result["profiles"][8]["clock"]["sm_mhz"] == 1408.0 and result["profiles"][0]["clock"] is None
     assert result["clocks"]["A"]["samples"] == 5  # a side's rounds and profiles together
     report = ab.format_report("tiny", "uniform", "X=1", result, ["output"])
     assert "A 1.000 @ 1500 MHz, B 1.000 @ 1402 MHz" in report

@@ -51,14 +51,17 @@ AB_SETTLE_S = 3.0
 # Later rounds settle for less: the work ran back to back just before.
 LATER_SETTLE_S = 0.3
 # The profiles' sides in order: A B B A B A A B (Thue-Morse) cancels a drift that is linear or
-# quadratic in time from each side's mean. With A B B A and 3 s settles a null A/B still read B's
-# kernels 1-4.6 % slower on an H100 (session 52); each profile's kernel sum and clock are kept, so
-# the order's effect shows.
+# quadratic in time from each side's mean. Each profile's kernel sum and clock are kept, so an order
+# effect shows: on an H100 (session 52) the process's first profile read its kernels' sum 3-7 %
+# below the seven after it, in every one of six A/Bs (the profiler started once beforehand did not
+# change that), which with A B B A had read B's kernels 1-4.6 % slower in a null A/B. So one profile
+# runs first, kept apart ("warm-up"), as the side that ran the last round.
 PROFILE_ORDER = "ABBABAAB"
 
 
 def side_of(label: str) -> str:
-    """The side ("A" or "B") of a clock label: a round's ("A") or a profile's ("A profile 3")."""
+    """The side ("A" or "B") of a clock label, a round's ("A") or a profile's ("A profile 3"); the
+    warm-up profile's ("warm-up") is a group of its own."""
     return label.split()[0]
 
 
@@ -76,14 +79,16 @@ def run_ab(
     """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
     (the median of `iters` calls a round, the first round settled `settle_s` after as long again of
     untimed, unsampled work, so that neither side's clock includes the way down from idle); with
-    `profile`, profiles in PROFILE_ORDER, each settled `settle_s`, each kernel's mean over its
-    side's profiles kept (the order's drift cancels); and B's results against A's, bitwise.
-    A running `clock` samples under side "A" or "B" through the rounds, and under "A profile N"
-    (N counting from 1 in order) through each profile.
+    `profile`, a warm-up profile (kept apart), then profiles in PROFILE_ORDER, each settled
+    `settle_s`, each kernel's mean over its side's profiles kept (the order's drift cancels); and B's
+    results against A's, bitwise. A running `clock` samples under side "A" or "B" through the
+    rounds, under "A profile N" (N counting from 1 in order) through each profile, and under
+    "warm-up" through the first.
 
     Returns:
         {"a_ms": [per round], "b_ms": [...], "a_kernels": {kernel: ms}, "b_kernels": {...},
-         "profiles": [{"side", "ms" (its kernels' sum), "clock" (its summary entry or None)}, in order],
+         "profiles": [{"side" ("A", "B" or "warm-up"), "ms" (its kernels' sum), "clock" (its summary
+                       entry or None)}, in order],
          "bitwise": [per result tensor: B equal to A], "clocks": {side: summary entry} or {}}
     """
 
@@ -106,13 +111,16 @@ def run_ab(
             times[is_b].append(statistics.median(samples))
     profiled: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     profiles = []
-    for n, letter in enumerate(PROFILE_ORDER if profile else "", start=1):
-        label = f"{letter} profile {n}"
+    last_side = "A" if rounds % 2 == 0 else "B"
+    order = [("warm-up", last_side)] + [(f"{letter} profile {n}", letter) for n, letter in enumerate(PROFILE_ORDER, 1)]
+    for label, letter in order if profile else []:
         with side(letter == "B", label):
             rows, _ = profiler(work, iters=3, settle_s=settle_s)
-        for row in rows:
-            profiled[letter == "B"].setdefault(row["kernel"], []).append(row["ms"])
-        profiles.append({"side": letter, "ms": sum(row["ms"] for row in rows), "label": label})
+        if label != "warm-up":
+            for row in rows:
+                profiled[letter == "B"].setdefault(row["kernel"], []).append(row["ms"])
+        profiles.append({"side": letter if label != "warm-up" else label, "ms": sum(row["ms"] for row in rows),
+                         "label": label})  # fmt: skip
     summary = clock.summary() if clock else {}
     for entry in profiles:
         entry["clock"] = summary.get(entry.pop("label"))
