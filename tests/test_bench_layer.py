@@ -4,6 +4,7 @@
 stock peer against the reference on the CPU, and the memory trace behind `--memory` on a synthetic
 allocator trace."""
 
+import contextlib
 import sys
 
 import pytest
@@ -354,44 +355,69 @@ def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
         layer.main(["--shape", "1,64,32,4,2", "--set", "mok_plugin.kernels.grouped_mlp.NO_SUCH_SWITCH=1"])
 
 
+class LabelClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
+    def __init__(self):
+        self.labels, self.active = [], []
+
+    @contextlib.contextmanager
+    def side(self, label):
+        self.labels.append(label)
+        self.active.append(label)
+        yield
+        self.active.remove(label)
+
+    def summary(self):
+        return {label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7} for label in self.labels}
+
+
 def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, capsys):
     import argparse
-    import contextlib
 
     from mok_plugin.experts import SWIGLU
 
-    labels, active = [], []
-
-    class StubClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
-        @contextlib.contextmanager
-        def side(self, label):
-            labels.append(label)
-            active.append(label)
-            yield
-            active.remove(label)
-
-        def summary(self):
-            return {label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7} for label in labels}
-
+    clock = LabelClock()
     monkeypatch.setattr(layer, "make_inputs", lambda *args, **kwargs: providers.make_inputs(SHAPE, "uniform", 0,
                                                                                              device="cpu"))  # fmt: skip
-    expected = {"active": ["tiny swiglu uniform torch"]}
+    given = []
 
     def timed_provider(name, *args):
-        assert active == expected["active"]  # timed inside its provider's tag
+        given.append(args[-2:])  # the clock log and the label to time under
         return {"provider": name, "error": None}
 
     monkeypatch.setattr(layer, "bench_provider", timed_provider)
     args = argparse.Namespace(providers=["torch"], iters=2, settle_s=0.0, graphs=False, profile=False,
                               host_profile=False, memory=False, rounds=1, seed=0)  # fmt: skip
-    rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", StubClock())
-    assert labels == ["tiny swiglu uniform torch"]
+    clock.labels.append("tiny swiglu uniform torch")  # as bench_provider's timing would
+    rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", clock)
+    assert given == [(clock, "tiny swiglu uniform torch")]
     assert rows[0]["clock"] == {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7}
     out = capsys.readouterr().out
     assert "tiny swiglu uniform torch: done in" in out and "SM clock 1404 MHz 686 W (7 samples)" in out
-    expected["active"] = []
     rows = layer._bench_case(args, "tiny", SHAPE, "swiglu", SWIGLU, "uniform", None)
     assert rows[0]["clock"] is None
+
+
+def test_a_provider_is_clocked_while_timed_not_while_checked(monkeypatch):
+    # the check's host copies leave the GPU idle at its high clock: only the timings are sampled
+    clock = LabelClock()
+
+    def check(*args):
+        assert clock.active == []
+        return {"error": None, "bitwise": True}
+
+    def time_passes(*args):
+        assert clock.active == ["case torch"]
+        return {"fwd+bwd": [1.0, 2.0]}
+
+    monkeypatch.setattr(layer, "check_provider", check)
+    monkeypatch.setattr(layer, "time_passes", time_passes)
+    monkeypatch.setattr(layer, "fwd_bwd", lambda fn, inputs: None)
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    row = bench_provider("torch", None, {}, SHAPE, [], iters=2, clock=clock, clock_label="case torch")
+    assert clock.labels == ["case torch"] and row["fwd+bwd"]["ms"] == 1.5
 
 
 def test_later_rounds_are_clocked_under_their_providers_label(monkeypatch):

@@ -59,11 +59,13 @@ DENSE_LABEL = "dense GEMM"
 
 def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expected: list, iters: int,
                    settle_s: float = SETTLE_S, family: MoKExpertFamily = SWIGLU,
-                   graphs: bool = False) -> dict:  # fmt: skip
+                   graphs: bool = False, clock: ClockLog | None = None, clock_label: str = "") -> dict:  # fmt: skip
     """Check one provider, then time it: peak memory of a forward + backward, then forward,
     backward and forward + backward, each `iters` CUDA-event timings after `settle_s` of load;
     with `graphs` also forward + backward replayed from a CUDA graph (GRAPH_PASS; "graph_error" says
-    why a provider could not be captured).
+    why a provider could not be captured). A running `clock` samples under `clock_label` while it is
+    timed (not through the check, whose host copies leave the GPU idle: deepseek-v3's read 1923 MHz
+    at 184 W so, against ~1500 MHz under load, session 52).
 
     Returns:
         {"provider", "error", "bitwise"} and, when error is None, "peak_mib", per pass
@@ -80,13 +82,14 @@ def bench_provider(name: str, fn: Callable, inputs: dict, shape: MoEShape, expec
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd(fn, inputs)
     row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    row["samples"] = time_passes(fn, inputs, iters, settle_s)
-    if graphs:
-        try:
-            row["samples"][GRAPH_PASS] = time_graph_replay(fn, inputs, iters, settle_s)
-        except RuntimeError as why:  # a provider that reads the host mid-pass, or syncs
-            row["graph_error"] = str(why).splitlines()[0][:200]
-        torch.cuda.empty_cache()
+    with tagged(clock, clock_label):
+        row["samples"] = time_passes(fn, inputs, iters, settle_s)
+        if graphs:
+            try:
+                row["samples"][GRAPH_PASS] = time_graph_replay(fn, inputs, iters, settle_s)
+            except RuntimeError as why:  # a provider that reads the host mid-pass, or syncs
+                row["graph_error"] = str(why).splitlines()[0][:200]
+    torch.cuda.empty_cache()
     row.update({pass_name: summarize(times) for pass_name, times in row["samples"].items()})
     return row
 
@@ -325,9 +328,9 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             continue
         label = f"{case} {provider}"
         try:
-            with tagged(clock, label):  # the SM clock while it is timed (add_rounds tags its later rounds too)
-                row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family,
-                                     args.graphs)  # fmt: skip
+            # the SM clock while it is timed (add_rounds tags its later rounds too)
+            row = bench_provider(provider, fn, inputs, shape, expected, args.iters, args.settle_s, family,
+                                 args.graphs, clock, label)  # fmt: skip
         except NotImplementedError as why:  # a family the provider's op does not compute yet
             print(f"  {case} {provider}: skipped (not implemented: {why})", flush=True)
             torch.cuda.empty_cache()
