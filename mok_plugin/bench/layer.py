@@ -318,7 +318,8 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
     timed: list[tuple[dict, Callable]] = []  # the rows with a timing, and their providers, for --rounds
     case = f"{shape_name} {expert} {routing}"
     inputs = make_inputs(shape, routing, args.seed, family=family)
-    expected = fwd_bwd(provider_reference(inputs, shape, family), inputs)
+    # in host memory, as each provider's first pass (check_provider): GPU memory for the providers
+    expected = [t.cpu() for t in fwd_bwd(provider_reference(inputs, shape, family), inputs)]
     for provider in args.providers:
         t0 = time.time()
         try:

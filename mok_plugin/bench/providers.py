@@ -155,7 +155,8 @@ def check(
 ) -> str | None:
     """None when every tensor is within the bf16 tolerance of the reference, else what failed.
 
-    Compared in slices along dim 0, so the fp32 temporaries stay small at deepseek-v3 size. The
+    Compared in slices along dim 0, each of `expected` brought to its result's device (the
+    reference may wait in host memory), so the fp32 temporaries stay small at deepseek-v3 size. The
     bound grows with the square root of the length of the sum behind each tensor. For a family
     with a kink (relu, a clamp), the fc1-side gradients may have KINK_OUTLIER_FRACTION of their
     elements out of bound.
@@ -167,10 +168,10 @@ def check(
               "d_gate_up_bias": rows, "d_down_bias": rows}  # fmt: skip
     kinked = family.kind != "linear" and (family.activation == "relu" or family.clamp is not None)
     for name, got, want in zip(result_names(family), results, expected, strict=True):
-        scale = max(float(want[i : i + 16].abs().max()) for i in range(0, want.shape[0], 16))
+        scale = max(float(want[i : i + 16].to(got.device).abs().max()) for i in range(0, want.shape[0], 16))
         worst, outside = 0.0, 0
         for i in range(0, want.shape[0], 16):
-            a, b = got[i : i + 16].float(), want[i : i + 16].float()
+            a, b = got[i : i + 16].float(), want[i : i + 16].to(got.device).float()
             bound = tol.atol * scale * max(1.0, (growth[name] / 64) ** 0.5) + tol.rtol * b.abs()
             if not torch.isfinite(a).all():
                 return f"{name}: non-finite values"
