@@ -130,7 +130,7 @@ def test_layer_case_skips_what_cannot_run_the_family(monkeypatch, capsys):
     cpu_inputs = providers.make_inputs
     monkeypatch.setattr(layer, "make_inputs", lambda *a, **k: cpu_inputs(*a, device="cpu", **k))
 
-    def fake_bench(name, fn, inputs, shape, expected, iters, settle_s, family, graphs=False, clock=None, clock_label=""):
+    def fake_bench(name, fn, inputs, shape, expected, iters, settle_s, family, *_clock):
         if name == "mok-multi":
             raise NotImplementedError(f"the triton backend does not compute {family.describe()} experts yet")
         return {"provider": name, **providers.check_provider(fn, inputs, shape, expected, family)}
