@@ -37,12 +37,10 @@
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override or --set each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
-#              removed, and the candidates below but one; the switch list is empty). Candidates now: a null A/B
-#              (the method's check), then the forward's entries before session 49's TMA pin where an expert's
-#              rows fill less than one 128-row tile (E = 384 at T = 4096, 85 rows an expert: gate_up_fwd 0.95
-#              of the pin's on an H100) or exactly one (E = 256, 128 rows): B/A below 1 on the H200 would make
-#              them a size rule. The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with
-#              --no-clock: no nvidia-smi process beside a timing that is the host's
+#              removed, and the candidates below but one; session 52 the rest; the switch list is empty).
+#              Candidates now: a null A/B only (the method's check). The host-bound eager parts (perf-small,
+#              perf-host, untimed-all-eager) run with --no-clock: no nvidia-smi process beside a timing that is
+#              the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -200,13 +198,12 @@ for part in "${parts[@]}"; do
                         --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            # B is the forward's entries before session 49 pinned TMA at 4 stages (pointer loads, 3 stages)
-            before="--override gate_up_fwd=128x128x64w8s3 --override down_fwd=128x256x64w8s3"
-            # First a null A/B (B sets an attribute to its own value): every B/A 1.00 +- 0.02 shows the method
-            # settled (session 51's, settled less, read B's kernels 7-19 % slow: BENCHMARKS.md, "The A/B's clock").
+            # First a null A/B (B sets an attribute to its own value): every B/A 1.00 +- 0.02 and the sides'
+            # clocks within ~20 MHz show the method settled (session 52's three: 0.985-1.012 on every GEMM, 4-15
+            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates, none now (session 52 timed the
+            # forward's loads before the TMA pin on five shapes: the pin stays).
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
-            candidates=("--shape deepseek-v3 $null" "--shape 4096,7168,2048,384,8 $before"
-                        "--shape 4096,7168,2048,256,8 $before")
+            candidates=("--shape deepseek-v3 $null")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
