@@ -356,8 +356,9 @@ def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
 
 
 class LabelClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
-    def __init__(self):
+    def __init__(self, counts: dict | None = None):
         self.labels, self.active = [], []
+        self.counts = {} if counts is None else counts  # samples a label, where a test counts them
 
     @contextlib.contextmanager
     def side(self, label):
@@ -367,7 +368,9 @@ class LabelClock:  # what bench/clocks.ClockLog summarises, without nvidia-smi
         self.active.remove(label)
 
     def summary(self):
-        return {label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": 7} for label in self.labels}
+        return {
+            label: {"sm_mhz": 1404.0, "watts": 686.0, "samples": self.counts.get(label, 7)} for label in self.labels
+        }
 
 
 def test_each_providers_row_keeps_the_sm_clock_its_timings_ran_at(monkeypatch, capsys):
@@ -421,27 +424,16 @@ def test_a_provider_is_clocked_while_timed_not_while_checked(monkeypatch):
 
 
 def test_later_rounds_are_clocked_under_their_providers_label(monkeypatch):
-    import contextlib
-
-    active, samples = [], {}
-
-    class StubClock:
-        @contextlib.contextmanager
-        def side(self, label):
-            active.append(label)
-            yield
-            active.pop()
-
-        def summary(self):
-            return {label: {"sm_mhz": 1400.0, "watts": 690.0, "samples": n} for label, n in samples.items()}
+    samples = {}
+    clock = LabelClock(samples)
 
     def fake_time_passes(fn, inputs, iters, settle_s):
-        samples[active[-1]] = samples.get(active[-1], 0) + 1  # timed under its row's label
+        samples[clock.active[-1]] = samples.get(clock.active[-1], 0) + 1  # timed under its row's label
         return {p: [1.0] * iters for p in ("forward", "backward", "fwd+bwd")}
 
     monkeypatch.setattr(layer, "time_passes", fake_time_passes)
     rows = [{"samples": {p: [1.0] for p in ("forward", "backward", "fwd+bwd")}, "clock_label": f"case {name}"}
             for name in ("mok-multi", "torch")]  # fmt: skip
-    add_rounds([(row, None) for row in rows], {}, rounds=3, iters=2, settle_s=0.0, clock=StubClock())
+    add_rounds([(row, None) for row in rows], {}, rounds=3, iters=2, settle_s=0.0, clock=clock)
     assert samples == {"case mok-multi": 2, "case torch": 2}
-    assert rows[1]["clock"] == {"sm_mhz": 1400.0, "watts": 690.0, "samples": 2}
+    assert rows[1]["clock"] == {"sm_mhz": 1404.0, "watts": 686.0, "samples": 2}
