@@ -97,30 +97,21 @@ import json
 from mok_plugin.bench.inspect import INT32_POINTERS, INT64_POINTERS, FP32_POINTERS, SMEM_LIMIT, _is_pointer
 from mok_plugin.bench.inspect import compile_jit_for_hopper
 from mok_plugin.kernels import megakernel as mk
-from mok_plugin.kernels.configs import kernel_config
-from mok_plugin.kernels.launch import dot_precision, stages_for
 import torch
 H, I = 2048, 768
-gu, dn, comb = kernel_config("gate_up_fwd", I), kernel_config("down_fwd", H), kernel_config("combine", H)
-dg, dx = kernel_config("megakernel_down_dgrad", I), kernel_config("gate_up_dgrad", H)
-wg = kernel_config("megakernel_wgrad", H)
-tiles = dict(K=8, TILE_M=128, BLOCK_M=gu.block_m, BLOCK_K=gu.block_k, GROUP_M=gu.group_m, COMBINE_BM=comb.block_m,
-             COMBINE_BN=comb.block_n)
-# the stages each launcher passes: gate_up_fwd's for the forward, megakernel_wgrad's for the backward
-launches = [(mk._forward_megakernel, dict(tiles, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n), (), gu.num_warps,
-             lambda dtype: stages_for(gu, dtype).num_stages),
-            (mk._backward_megakernel, dict(tiles, BN_DGRAD=dg.block_n, BN_DX=dx.block_n, WG_BM=wg.block_m,
-             WG_BN=wg.block_n, WG_BK=wg.block_k, ROUTER_BLOCK=mk._ROUTER_BLOCK), ("T", "E", "NUM_ROWS"), dg.num_warps,
-             lambda dtype: stages_for(wg, dtype).num_stages)]
+# what each launcher passes: its tiles and launch options (stages: gate_up_fwd's forward, megakernel_wgrad's back)
+launches = [(mk._forward_megakernel, mk.forward_launch, ()),
+            (mk._backward_megakernel, mk.backward_launch, ("T", "E", "NUM_ROWS"))]
 shared = {}
-for fn, constexprs, scalars, warps, stages in launches:
+for fn, launch_of, scalars in launches:
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        constexprs = dict(launch_of(H, I, dtype), K=8, TILE_M=128)
+        warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
         data = {arg: f"*{name}" for arg in fn.arg_names if _is_pointer(arg) and arg not in constexprs
                 and arg not in INT64_POINTERS | INT32_POINTERS | FP32_POINTERS}
-        compiled = compile_jit_for_hopper(fn, dict(constexprs, DOT_PRECISION=dot_precision(dtype)), 16,
-                                          scalars=scalars, num_warps=warps, num_stages=stages(dtype),
+        compiled = compile_jit_for_hopper(fn, constexprs, 16, scalars=scalars, num_warps=warps, num_stages=stages,
                                           pointer_types=data)
-        shared[f"{fn.__name__} {name} s{stages(dtype)}"] = compiled.metadata.shared
+        shared[f"{fn.__name__} {name} s{stages}"] = compiled.metadata.shared
 print(json.dumps({"limit": SMEM_LIMIT, "shared": shared}))
 """
     report = json.loads(outside_the_interpreter("-c", code, timeout=900).splitlines()[-1])

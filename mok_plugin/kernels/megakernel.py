@@ -300,6 +300,34 @@ def _same_block(*configs) -> tuple[int, int]:
     return block_m.pop(), block_k.pop()
 
 
+def forward_launch(H: int, I: int, dtype: torch.dtype) -> dict:
+    """The forward megakernel's tile constexprs and launch options (num_warps, num_stages) for
+    hidden size H, intermediate size I and data type dtype: what forward_megakernel passes, and what
+    tests/test_bench_inspect.py compiles for Hopper to check its shared memory."""
+    gu, dn, comb = kernel_config("gate_up_fwd", I), kernel_config("down_fwd", H), kernel_config("combine", H)
+    block_m, block_k = _same_block(gu, dn)
+    return dict(
+        BLOCK_M=block_m, BLOCK_K=block_k, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n, GROUP_M=gu.group_m,
+        COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, DOT_PRECISION=dot_precision(dtype),
+        # gate_up_fwd's stages for every task; fp32 unpipelined (its 4 stages asked 288 KiB in fp32)
+        num_warps=gu.num_warps, num_stages=stages_for(gu, dtype).num_stages,
+    )  # fmt: skip
+
+
+def backward_launch(H: int, I: int, dtype: torch.dtype) -> dict:
+    """The backward megakernel's tile constexprs and launch options, as forward_launch's."""
+    dg, dx = kernel_config("megakernel_down_dgrad", I), kernel_config("gate_up_dgrad", H)
+    wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # these tiles never narrow
+    block_m, block_k = _same_block(dg, dx)
+    return dict(
+        BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=dg.block_n, BN_DX=dx.block_n, WG_BM=wg.block_m,
+        WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m, COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n,
+        ROUTER_BLOCK=_ROUTER_BLOCK, DOT_PRECISION=dot_precision(dtype),
+        # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
+        num_warps=dg.num_warps, num_stages=stages_for(wg, dtype).num_stages,
+    )  # fmt: skip
+
+
 def forward_megakernel(
     x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
     row_to_tk: torch.Tensor, row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tk_to_row: torch.Tensor,
@@ -311,9 +339,9 @@ def forward_megakernel(
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
-    gu, dn, comb = kernel_config("gate_up_fwd", I), kernel_config("down_fwd", H), kernel_config("combine", H)
-    block_m, block_k = _same_block(gu, dn)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, gu)
+    options = forward_launch(H, I, x.dtype)
+    block_m = options["BLOCK_M"]
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, kernel_config("gate_up_fwd", I))
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     y = torch.empty(num_rows, H, dtype=x.dtype, device=x.device)
@@ -324,12 +352,9 @@ def forward_megakernel(
         counters, num_rows,
         T, H, I, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
         down_proj.stride(1), h.stride(0), a.stride(0), y.stride(0), out.stride(0), K=top_k, TILE_M=tile_m,
-        BLOCK_M=block_m, BLOCK_K=block_k, BN_GATE_UP=gu.block_n, BN_DOWN=dn.block_n, GROUP_M=gu.group_m,
-        COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, DOT_PRECISION=dot_precision(x.dtype),
         ALIGN=alignment(H, I, x.stride(0), out.stride(0), *gate_up_proj.stride()[:2], *down_proj.stride()[:2],
                         h.stride(0), a.stride(0), y.stride(0)),
-        # gate_up_fwd's stages for every task; fp32 unpipelined (its 4 stages asked 288 KiB in fp32)
-        num_warps=gu.num_warps, num_stages=stages_for(gu, x.dtype).num_stages,
+        **options,
     )  # fmt: skip
     return out, h
 
@@ -346,14 +371,13 @@ def backward_megakernel(
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
-    dg, dx_cfg = kernel_config("megakernel_down_dgrad", I), kernel_config("gate_up_dgrad", H)
-    wg, comb = kernel_config("megakernel_wgrad", H), kernel_config("combine", H)  # these tiles never narrow
-    block_m, block_k = _same_block(dg, dx_cfg)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, dg)
     dev, dt = x.device, x.dtype
+    options = backward_launch(H, I, dt)
+    block_m = options["BLOCK_M"]
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, kernel_config("megakernel_down_dgrad", I))
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
-    partial = torch.zeros(num_rows, cdiv(I, dg.block_n), dtype=torch.float32, device=dev)
+    partial = torch.zeros(num_rows, cdiv(I, options["BN_DGRAD"]), dtype=torch.float32, device=dev)
     d_x_rows = torch.empty(num_rows, H, dtype=dt, device=dev)
     d_x = torch.empty(T, H, dtype=dt, device=dev)
     d_topk = torch.empty(T * top_k, dtype=torch.float32, device=dev)
@@ -368,11 +392,7 @@ def backward_megakernel(
         d_out.stride(0), x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), down_proj.stride(0),
         down_proj.stride(1), h.stride(0), a_weighted.stride(0), partial.stride(0), d_x_rows.stride(0), d_x.stride(0),
         d_w13.stride(0), d_w13.stride(1), d_w2.stride(0), d_w2.stride(1),
-        K=top_k, TILE_M=tile_m, BLOCK_M=block_m, BLOCK_K=block_k, BN_DGRAD=dg.block_n, BN_DX=dx_cfg.block_n,
-        WG_BM=wg.block_m, WG_BN=wg.block_n, WG_BK=wg.block_k, GROUP_M=dg.group_m,
-        COMBINE_BM=comb.block_m, COMBINE_BN=comb.block_n, ROUTER_BLOCK=_ROUTER_BLOCK,
-        # the weight-gradient entry's stages, for every task; fp32 unpipelined (3 deep asked 256 KiB)
-        DOT_PRECISION=dot_precision(dt), num_warps=dg.num_warps, num_stages=stages_for(wg, dt).num_stages,
+        K=top_k, TILE_M=tile_m, **options,
         ALIGN=alignment(H, I, d_out.stride(0), x.stride(0), d_x.stride(0), *gate_up_proj.stride()[:2],
                         *down_proj.stride()[:2], h.stride(0), a_weighted.stride(0), d_x_rows.stride(0),
                         *d_w13.stride()[:2], *d_w2.stride()[:2]),
