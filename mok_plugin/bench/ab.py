@@ -52,10 +52,10 @@ AB_SETTLE_S = 3.0
 LATER_SETTLE_S = 0.3
 # The profiles' sides in order: A B B A B A A B (Thue-Morse) cancels a drift that is linear or
 # quadratic in time from each side's mean. Each profile's kernel sum and clock are kept, so an order
-# effect shows: on an H100 (session 52) the process's first profile read its kernels' sum 3-7 %
-# below the seven after it, in every one of six A/Bs (the profiler started once beforehand did not
-# change that), which with A B B A had read B's kernels 1-4.6 % slower in a null A/B. So one profile
-# runs first, kept apart ("warm-up"), as the side that ran the last round.
+# effect shows: on an H100 (session 52) the process's first profile ran 50-160 MHz faster than every
+# later one in nine A/Bs and read its kernels' sum 2-10 % low in five (the profiler started once
+# beforehand did not change that); with A B B A it had read B's kernels 1-4.6 % slower in null A/Bs.
+# So one profile runs first, kept apart ("warm-up"), as the side that ran the last round.
 PROFILE_ORDER = "ABBABAAB"
 
 
