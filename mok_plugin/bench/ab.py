@@ -113,17 +113,17 @@ def run_ab(
     profiles = []
     last_side = "A" if rounds % 2 == 0 else "B"
     order = [("warm-up", last_side)] + [(f"{letter} profile {n}", letter) for n, letter in enumerate(PROFILE_ORDER, 1)]
-    for label, letter in order if profile else []:
+    order = order if profile else []
+    for label, letter in order:
         with side(letter == "B", label):
             rows, _ = profiler(work, iters=3, settle_s=settle_s)
         if label != "warm-up":
             for row in rows:
                 profiled[letter == "B"].setdefault(row["kernel"], []).append(row["ms"])
-        profiles.append({"side": letter if label != "warm-up" else label, "ms": sum(row["ms"] for row in rows),
-                         "label": label})  # fmt: skip
+        profiles.append({"side": side_of(label), "ms": sum(row["ms"] for row in rows)})
     summary = clock.summary() if clock else {}
-    for entry in profiles:
-        entry["clock"] = summary.get(entry.pop("label"))
+    for (label, _), entry in zip(order, profiles, strict=True):
+        entry["clock"] = summary.get(label)
     kernels = {is_b: {name: statistics.fmean(ms) for name, ms in by_name.items()} for is_b, by_name in profiled.items()}
     bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
     return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],

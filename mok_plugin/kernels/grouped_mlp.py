@@ -326,7 +326,7 @@ def _row_gemm_config(
     """(the tile config, R_pad) of a row GEMM: `config` as given, else the pinned one, narrowed on a
     GPU where its launch would leave SMs idle (`spread_over_sms`: small batches)."""
     cfg = config or kernel_config(kernel, n_out)
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg)
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, cfg.block_m)
     if config is None and row_to_token.is_cuda:
         cfg = spread_over_sms(cfg, num_rows // cfg.block_m, n_out, sm_count(row_to_token.device.index))
     return cfg, num_rows

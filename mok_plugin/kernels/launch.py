@@ -92,8 +92,8 @@ def routing_weights_arg(topk_weights: torch.Tensor) -> torch.Tensor:
     return topk_weights if topk_weights.numel() else topk_weights.new_zeros(1, 1)
 
 
-def check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, cfg: MoKTileConfig) -> int:
-    """The schedule's padded row count R_pad, after checking its maps fit tiles of cfg.
+def check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, block_m: int) -> int:
+    """The schedule's padded row count R_pad, after checking its maps fit row tiles of block_m rows.
 
     Raises:
         ValueError: a map has the wrong dtype or rank, or tile_m is not a multiple of BLOCK_M that
@@ -102,9 +102,9 @@ def check_schedule(row_to_token: torch.Tensor, tile_to_expert: torch.Tensor, til
     check_tensor("row_to_token", row_to_token, 1, torch.int64)
     check_tensor("tile_to_expert", tile_to_expert, 1, torch.int64)
     num_rows = row_to_token.shape[0]
-    if tile_m % cfg.block_m != 0 or num_rows % tile_m != 0 or tile_to_expert.shape[0] != num_rows // tile_m:
+    if tile_m % block_m != 0 or num_rows % tile_m != 0 or tile_to_expert.shape[0] != num_rows // tile_m:
         raise ValueError(
-            f"schedule tile_m={tile_m} must be a multiple of BLOCK_M={cfg.block_m} and divide num_rows={num_rows}, "
+            f"schedule tile_m={tile_m} must be a multiple of BLOCK_M={block_m} and divide num_rows={num_rows}, "
             f"with one tile_to_expert entry per tile (got {tile_to_expert.shape[0]})"
         )
     return num_rows

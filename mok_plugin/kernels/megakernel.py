@@ -341,7 +341,7 @@ def forward_megakernel(
     I = I2 // 2
     options = forward_launch(H, I, x.dtype)
     block_m = options["BLOCK_M"]
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, kernel_config("gate_up_fwd", I))
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, block_m)
     h = torch.empty(num_rows, I2, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     y = torch.empty(num_rows, H, dtype=x.dtype, device=x.device)
@@ -374,7 +374,7 @@ def backward_megakernel(
     dev, dt = x.device, x.dtype
     options = backward_launch(H, I, dt)
     block_m = options["BLOCK_M"]
-    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, kernel_config("megakernel_down_dgrad", I))
+    num_rows = check_schedule(row_to_token, tile_to_expert, tile_m, block_m)
     d_h = torch.empty(num_rows, I2, dtype=dt, device=dev)
     a_weighted = torch.empty(num_rows, I, dtype=dt, device=dev)
     partial = torch.zeros(num_rows, cdiv(I, options["BN_DGRAD"]), dtype=torch.float32, device=dev)
