@@ -264,6 +264,42 @@ def test_weight_gradient_launch_passes_the_alignment_of_its_sizes_and_strides(
         assert kwargs["ALIGN"] == 8 and kwargs["D_W_TRANSPOSED"] == transposed, kwargs
 
 
+GPU_BF16 = [pytest.param(torch.bfloat16, id="bf16")] if DEVICE == "cuda" else []
+
+
+@pytest.mark.parametrize("family", ["swiglu", "glu_gelu_bias", "gpt_oss"])
+@pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
+@pytest.mark.parametrize("T, H, I", [(50, 48, 72), (300, 256, 320)], ids=["small", "tiles"])
+def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monkeypatch):
+    # fc1's forward with the gate and up blocks in one load and one accumulator (JOIN_GATE_UP) sums
+    # every element's products in the order of the two-accumulator kernel: the same bits, also
+    # where I is not a multiple of the block (the last block's rows past I read zeros in each half).
+    fam = EXPERT_FAMILIES[family]
+    E, K = 5, 2
+    g = torch.Generator().manual_seed(11)
+    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    b1 = torch.randn(E, 2 * I, generator=g).to(DEVICE, dtype) if fam.fc1_bias else None
+    config = replace(kernel_config("gate_up_fwd", I), tma=True)
+    joined_flags = []
+    launch_row_tiles = grouped_mlp._launch_row_tiles
+    monkeypatch.setattr(grouped_mlp, "_launch_row_tiles",
+                        lambda *a, **kw: joined_flags.append(kw["JOINED"]) or launch_row_tiles(*a, **kw))  # fmt: skip
+    results = {}
+    for joined in (True, False):
+        monkeypatch.setattr(grouped_mlp, "JOIN_GATE_UP", joined)
+        results[joined] = grouped_mlp.gate_up_fwd(
+            x, w13, s.row_to_token, s.tile_to_expert, s.tile_m, config, gate_up_bias=b1,
+            activation=fam.activation, clamp=fam.clamp, offset=fam.linear_offset,
+        )  # fmt: skip
+    assert joined_flags == [True, False]
+    used = s.row_to_token >= 0
+    for name, a, b in zip(["h", "A"], results[True], results[False], strict=True):
+        assert torch.equal(a[used], b[used]), name
+    assert results[True][1][used].abs().sum() > 0  # not a vacuous comparison
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_down_dgrad_matches_float64(dtype):
     # down_dgrad is a GEMM into an fp32 dA' and an epilogue kernel; the same two launches the GPU

@@ -96,7 +96,7 @@ def _gate_up_fwd_kernel(
     stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
+    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, JOINED: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
@@ -115,6 +115,7 @@ def _gate_up_fwd_kernel(
         stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_b1_e=stride_b1_e, stride_h_r=stride_h_r,
         stride_a_r=stride_a_r, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION=DOT_PRECISION, TMA=TMA, ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
+        JOINED=JOINED,
     )
 
 
@@ -372,13 +373,17 @@ def gate_up_fwd(
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
+    joined = JOIN_GATE_UP and gated and tma
+    if joined:  # half 2e the gate rows of expert e, 2e + 1 its up rows (tiles.joined_gate_up_block)
+        w13 = descriptor(gate_up_proj.view(E * 2, I, H), [2, cfg.block_n, cfg.block_k], flatten=False)
+    else:
+        w13 = descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj
     _launch_row_tiles(
-        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x,
-        w13=descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj, b1_ptr=gate_up_bias,
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x, w13=w13, b1_ptr=gate_up_bias,
         h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
         H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
         stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
-        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None,
+        GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None, JOINED=joined,
     )
     return h, a
 
@@ -734,6 +739,11 @@ def _launch_wgrad(
 # Timed (v38, H100, `mok bench ab --graphs --set ...=False` is the way back): fwd+bwd 1.2 / 2.4 /
 # 1.3 % faster at T = 1 / 37 / 512, the weight gradients 5-7 % at T = 37 and 512; same bits.
 SWEEP_KEEPS_ONE_STEP_LEFT = True
+
+# fc1's forward on a gated family with TMA: one accumulator of twice the width over the gate and up
+# blocks of a single TMA load (tiles.joined_gate_up_block), instead of two that each read the x tile
+# (v44, not yet timed: `mok bench ab --set mok_plugin.kernels.grouped_mlp.JOIN_GATE_UP=False`).
+JOIN_GATE_UP = True
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)

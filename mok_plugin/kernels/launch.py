@@ -136,11 +136,12 @@ def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over t viewed 2-D (a stacked weight [E, rows, cols] becomes [E * rows, cols])."""
+def descriptor(t: torch.Tensor, block_shape: list[int], *, flatten: bool = True) -> TensorDescriptor:
+    """A TMA descriptor over t viewed 2-D (a stacked weight [E, rows, cols] becomes [E * rows, cols]),
+    or over t as it is (flatten=False)."""
     if t.data_ptr() % 16:
         t = t.clone()  # TMA needs a 16-byte aligned start; a fresh allocation has one
-    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block_shape)
+    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]) if flatten else t, block_shape)
 
 
 def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
