@@ -265,11 +265,17 @@ def test_weight_gradient_launch_passes_the_alignment_of_its_sizes_and_strides(
 
 
 GPU_BF16 = [pytest.param(torch.bfloat16, id="bf16")] if DEVICE == "cuda" else []
+# (T, H, I): small, and the GPU's tiles whole (I = 320: the last 128-wide block half past I);
+# the second is slow in the interpreter
+SMALL_AND_TILES = [
+    pytest.param(50, 48, 72, id="small"),
+    pytest.param(300, 256, 320, id="tiles", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("family", ["swiglu", "glu_gelu_bias", "gpt_oss"])
 @pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
-@pytest.mark.parametrize("T, H, I", [(50, 48, 72), (300, 256, 320)], ids=["small", "tiles"])
+@pytest.mark.parametrize("T, H, I", SMALL_AND_TILES)
 def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monkeypatch):
     # fc1's forward with the gate and up blocks in one load and one accumulator (JOIN_GATE_UP) sums
     # every element's products in the order of the two-accumulator kernel: the same bits, also
@@ -298,6 +304,52 @@ def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monk
     for name, a, b in zip(["h", "A"], results[True], results[False], strict=True):
         assert torch.equal(a[used], b[used]), name
     assert results[True][1][used].abs().sum() > 0  # not a vacuous comparison
+
+
+@pytest.mark.parametrize("family", ["swiglu", "gpt_oss", "mlp_gelu_bias", "linear_bias"])
+@pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
+@pytest.mark.parametrize("T, H, I", SMALL_AND_TILES)
+def test_down_dgrad_fused_gives_the_two_kernels_dh_and_weighted_a(family, dtype, T, H, I, monkeypatch):
+    # The fused down_dgrad (FUSE_DOWN_DGRAD) runs the epilogue on its accumulator a half-tile at a
+    # time: dh and w*A are elementwise in dA', so the same bits as the GEMM + epilogue kernels (also
+    # where I is not a multiple of the tile: the last half may lie past I); the router partials are
+    # blocked half as wide, so their row sums (the router-score gradient) agree to fp32 rounding. h
+    # per row, and one row per pair (small batches), with and without the fc2 bias's partial column.
+    fam = EXPERT_FAMILIES[family]
+    I = H if fam.kind == "linear" else I
+    E, K = 5, 2
+    g = torch.Generator().manual_seed(12)
+    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    n1 = fam.fc1_width(I) or H  # a linear expert's h: its gathered input rows
+    h = torch.randn(T * K if T * K * 2 <= s.num_rows else s.num_rows, n1, generator=g).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    b2 = torch.randn(E, H, generator=g).to(DEVICE, dtype) if fam.fc2_bias else None
+    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    activation = "identity" if fam.kind == "linear" else fam.activation
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(grouped_mlp, "FUSE_DOWN_DGRAD", fused)
+        results[fused] = grouped_mlp.down_dgrad(
+            d_out, w2, h, topk_weights, s.row_to_tk, s.row_to_token, s.tile_to_expert, s.tile_m, down_bias=b2,
+            activation=activation, gated=fam.kind == "glu", clamp=fam.clamp, offset=fam.linear_offset,
+        )  # fmt: skip
+    (d_h, a_w, partial), (d_h_2, a_w_2, partial_2) = results[True], results[False]
+    used = s.row_to_token >= 0
+    h_rows = s.row_to_tk[used] if h.shape[0] != s.num_rows else used.nonzero().flatten()
+    assert torch.equal(d_h[h_rows], d_h_2[h_rows]) and torch.equal(a_w[used], a_w_2[used])
+    assert d_h[h_rows].abs().sum() > 0
+    assert partial.shape[1] - (b2 is not None) == 2 * (partial_2.shape[1] - (b2 is not None))
+    sums, sums_2 = partial[used].sum(1), partial_2[used].sum(1)
+    torch.testing.assert_close(sums, sums_2, rtol=1e-5, atol=1e-5 * sums_2.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, H, I, E, K, kind, capacity", CASES)
+def test_layer_with_fused_down_dgrad_matches_reference(T, H, I, E, K, kind, capacity, dtype, monkeypatch):
+    # the whole layer with FUSE_DOWN_DGRAD against the reference backend and a second run (bitwise)
+    monkeypatch.setattr(grouped_mlp, "FUSE_DOWN_DGRAD", True)
+    compare_with_reference(T, H, I, E, K, kind, dtype, capacity=capacity, variant="multi_kernel")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

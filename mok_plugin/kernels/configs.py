@@ -69,7 +69,8 @@ def interpreter_on() -> bool:
 # qwen3-30b-a3b and mixtral-8x7b (BENCHMARKS.md, "kernel tuning"): the best of six candidates for
 # each kernel, one entry for both shapes where they agreed.
 _TABLE: dict[str, MoKTileConfig] = {
-    # Two accumulators: 128x256 of fp32 per program. The forward's weights (and fc2's A rows) through
+    # 128 gate and 128 up columns: one 128x256 fp32 accumulator over both halves of one TMA load
+    # (grouped_mlp.JOIN_GATE_UP; pointer loads: two accumulators). The forward's weights (and fc2's A rows) through
     # TMA, 4 stages: fwd+bwd 0.953-0.984 of pointer loads at 3 stages on qwen3-30b-a3b, mixtral-8x7b and
     # gpt-oss-120b (session 49, H100; gate_up_fwd 1.73 -> 1.56 ms and down_fwd 0.89 -> 0.81 on qwen3).
     "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 4, tma=True),
@@ -80,6 +81,10 @@ _TABLE: dict[str, MoKTileConfig] = {
     # (dSwiGLU, router partials, w*A). Fused into the GEMM the epilogue held the tile to 128x64
     # accumulators (255 registers); split, the GEMM takes down_fwd's 128x256 tile (BENCHMARKS.md).
     "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3),
+    # down_dgrad's GEMM and epilogue in one kernel (grouped_mlp.FUSE_DOWN_DGRAD, v45, not yet timed):
+    # the epilogue runs on the accumulator's two 64-column halves one after the other, which fits
+    # 128x128 in 188 registers without spills (the whole tile at once: 255 and 1 KiB of spills).
+    "down_dgrad_fused": MoKTileConfig(128, 128, 64, 8, 4, tma=True),
     # The epilogue kernel: block_m rows x block_n columns (its router partials are block_n wide) in
     # num_warps warps; no K loop. 32x128 in 8 warps was the fastest of 32x64 w4, 16x64, 64x64 and
     # 64x128 on the four named shapes (0.49 / 0.66 / 1.06 / 0.73 ms, 3.0-3.9 TB/s).
