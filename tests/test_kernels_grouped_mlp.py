@@ -346,6 +346,7 @@ def test_down_dgrad_fused_gives_the_two_kernels_dh_and_weighted_a(family, dtype,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, H, I, E, K, kind, capacity", CASES)
+@pytest.mark.slow  # the fast set has the kernel against the two-kernel path (above)
 def test_layer_with_fused_down_dgrad_matches_reference(T, H, I, E, K, kind, capacity, dtype, monkeypatch):
     # the whole layer with FUSE_DOWN_DGRAD against the reference backend and a second run (bitwise)
     monkeypatch.setattr(grouped_mlp, "FUSE_DOWN_DGRAD", True)
