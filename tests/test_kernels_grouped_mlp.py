@@ -264,6 +264,34 @@ def test_weight_gradient_launch_passes_the_alignment_of_its_sizes_and_strides(
         assert kwargs["ALIGN"] == 8 and kwargs["D_W_TRANSPOSED"] == transposed, kwargs
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["gemm_then_epilogue", "fused"])
+def test_down_dgrad_launch_passes_the_alignment_of_its_sizes_and_strides(fused, monkeypatch):
+    # H = 3000, I = 1000: ALIGN 8 for the GEMM, fused or not; the router partials' row stride (here
+    # 9 or 17 columns with the fc2 bias's) must not pull it down (it is no operand's row pitch).
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    for kernel in ("_down_dgrad_gemm_kernel", "_down_dgrad_epilogue_kernel", "_bias_router_grad_kernel"):
+        monkeypatch.setattr(grouped_mlp, kernel, Recorder())
+    monkeypatch.setattr(grouped_mlp, "FUSE_DOWN_DGRAD", fused)
+    H, I, E, T = 3000, 1000, 3, 5
+    schedule = build_schedule(torch.tensor([[0], [1], [1], [2], [0]]), E, tile_m=DEFAULT_TILE_M)
+    rows = schedule.row_to_token.shape[0]
+    grouped_mlp.down_dgrad(
+        torch.zeros(T, H, dtype=torch.float16), torch.zeros(E, H, I, dtype=torch.float16),
+        torch.zeros(rows, 2 * I, dtype=torch.float16), torch.ones(T, 1), schedule.row_to_tk, schedule.row_to_token,
+        schedule.tile_to_expert, schedule.tile_m, MoKTileConfig(128, 128, 64, 8, 3),
+        down_bias=torch.zeros(E, H, dtype=torch.float16),
+    )  # fmt: skip
+    gemm = [kw for kw in launches if "FUSED" in kw]
+    assert len(gemm) == 1 and gemm[0]["FUSED"] == fused and gemm[0]["ALIGN"] == 8, gemm
+    assert gemm[0]["partial_stride"] % 2 == 1  # odd: had it counted, ALIGN would be 1
+    assert len(launches) == (2 if fused else 3)  # the epilogue kernel only when not fused; the bias's partial
+
+
 GPU_BF16 = [pytest.param(torch.bfloat16, id="bf16")] if DEVICE == "cuda" else []
 # (T, H, I): small, and the GPU's tiles whole (I = 320: the last 128-wide block half past I);
 # the second is slow in the interpreter

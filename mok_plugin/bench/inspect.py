@@ -61,15 +61,18 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
               "TMA": cfg.tma, "ALIGN": 16}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n)
-    # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
-                   "down_dgrad": gm._down_dgrad_gemm_kernel, "down_dgrad_fused": gm._down_dgrad_fused_kernel,
+                   "down_dgrad": gm._down_dgrad_gemm_kernel, "down_dgrad_fused": gm._down_dgrad_gemm_kernel,
                    "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
                                          H_BY_PAIR=False, JOINED=_joined(cfg))  # fmt: skip
-    if kernel == "down_dgrad_fused":  # a bias-free SwiGLU expert's, h per row
-        return row_kernels[kernel], dict(row_tiles, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)
+    if kernel == "down_dgrad":  # the GEMM alone (the elementwise epilogue kernel that follows is not inspected)
+        return row_kernels[kernel], dict(row_tiles, **dict.fromkeys(gm.EPILOGUE_POINTERS), FUSED=False, ACT="silu",
+                                         GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)  # fmt: skip
+    if kernel == "down_dgrad_fused":  # a bias-free SwiGLU expert's, h per row, dA' not stored
+        return row_kernels[kernel], dict(row_tiles, d_a_ptr=None, FUSED=True, ACT="silu", GATED=True, CLAMP=None,
+                                         OFFSET=0.0, H_BY_PAIR=False)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":

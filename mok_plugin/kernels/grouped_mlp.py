@@ -149,13 +149,18 @@ def _down_fwd_kernel(
 
 @triton.jit
 def _down_dgrad_gemm_kernel(
-    d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
-    stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    d_out_ptr, w2, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
+    row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r,
+    stride_h_r, stride_a_r, partial_stride, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ALIGN: tl.constexpr,
+    FUSED: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
+    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
-    (rows in use only) for _down_dgrad_epilogue_kernel."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p computes the fp32 dA' tile p and
+    stores it (rows in use only) for _down_dgrad_epilogue_kernel; FUSED (FUSE_DOWN_DGRAD), runs the
+    down-dgrad epilogue on it instead, in two halves, and dA' never goes to memory (d_a_ptr None;
+    without FUSED the epilogue's arguments are None and ACT etc. unused). partial_stride, the fp32
+    partials' row stride (J, often odd), is not named stride_*: it must not pull ALIGN down."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -163,34 +168,6 @@ def _down_dgrad_gemm_kernel(
     stride_w_e = aligned(stride_w_e, ALIGN)
     stride_w_h = aligned(stride_w_h, ALIGN)
     stride_d_a_r = aligned(stride_d_a_r, ALIGN)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
-        pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
-        tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t, stride_w_e=stride_w_e,
-        stride_w_h=stride_w_h, TILE_M=TILE_M, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PRECISION=DOT_PRECISION, TMA=TMA,
-    )
-    if expert >= 0:
-        d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
-        tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _down_dgrad_fused_kernel(
-    d_out_ptr, w2, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr, row_to_token_ptr,
-    tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_h_r, stride_a_r, stride_part_r,
-    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
-    OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p computes the dA' tile p and runs
-    the down-dgrad epilogue on it in two halves (FUSE_DOWN_DGRAD): no dA' in memory."""
-    # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
-    H = aligned(H, ALIGN)
-    I = aligned(I, ALIGN)
-    stride_d_out_t = aligned(stride_d_out_t, ALIGN)
-    stride_w_e = aligned(stride_w_e, ALIGN)
-    stride_w_h = aligned(stride_w_h, ALIGN)
     stride_h_r = aligned(stride_h_r, ALIGN)
     stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -201,13 +178,17 @@ def _down_dgrad_fused_kernel(
         DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
     if expert >= 0:
-        down_dgrad_epilogue_by_halves(
-            d_a_prime, rows, row_ok, pid_n, h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr,
-            row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr,
-            d_w_partial_ptr=d_w_partial_ptr, I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
-            stride_part_r=stride_part_r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_TY=h_ptr.dtype.element_ty, ACT=ACT,
-            GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-        )
+        if FUSED:
+            down_dgrad_epilogue_by_halves(
+                d_a_prime, rows, row_ok, pid_n, h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr,
+                row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr,
+                d_w_partial_ptr=d_w_partial_ptr, I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
+                stride_part_r=partial_stride, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_TY=h_ptr.dtype.element_ty,
+                ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
+            )
+        else:
+            d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
+            tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -497,24 +478,19 @@ def down_dgrad(
     # left unset, which saved a fill launch (host time at small T).
     partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
-    w2 = descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj
     family = dict(ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_by_pair)
-    if fused:
-        _launch_row_tiles(
-            _down_dgrad_fused_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out, w2=w2, h_ptr=h,
-            topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
-            d_w_partial_ptr=partial, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
-            stride_d_out_t=d_out.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
-            stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TMA=tma, **family,
-        )
-    else:
-        d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
-        _launch_row_tiles(
-            _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out, w2=w2, d_a_ptr=d_a,
-            row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
-            stride_d_out_t=d_out.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
-            stride_d_a_r=d_a.stride(0), TMA=tma,
-        )
+    d_a = None if fused else torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
+    # fused, the GEMM's program runs the epilogue; else it stores dA' and the epilogue kernel follows
+    epilogue = dict(h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
+                    d_w_partial_ptr=partial) if fused else dict.fromkeys(EPILOGUE_POINTERS)  # fmt: skip
+    _launch_row_tiles(
+        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
+        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a, **epilogue,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
+        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=0 if fused else d_a.stride(0),
+        stride_h_r=h.stride(0), stride_a_r=a.stride(0), partial_stride=partial.stride(0), TMA=tma, FUSED=fused,
+        **family,
+    )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
@@ -798,12 +774,14 @@ SWEEP_KEEPS_ONE_STEP_LEFT = True
 # deepseek-v3, within 3 % elsewhere; the same bits.
 JOIN_GATE_UP = True
 
-# down_dgrad's GEMM and its epilogue in one kernel (_down_dgrad_fused_kernel, "down_dgrad_fused"): dA'
+# down_dgrad's GEMM and its epilogue in one kernel (_down_dgrad_gemm_kernel's FUSED, "down_dgrad_fused"): dA'
 # never goes to memory (qwen3-30b-a3b: 403 MB written and read again in fp32), the epilogue runs on the
 # 128x128 accumulator a 64-column half at a time. dh and w*A are the same bits; the router partials
 # are 64 columns wide instead of 128, so the router-score gradient rounds differently (v45, written
 # without a GPU, off until timed: `mok bench ab --set mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True`).
 FUSE_DOWN_DGRAD = False
+# _down_dgrad_gemm_kernel's epilogue pointers: None when it stores dA' for the epilogue kernel instead
+EPILOGUE_POINTERS = ("h_ptr", "topk_weights_ptr", "row_to_tk_ptr", "d_h_ptr", "a_weighted_ptr", "d_w_partial_ptr")
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)
