@@ -288,7 +288,7 @@ def test_down_dgrad_launch_passes_the_alignment_of_its_sizes_and_strides(fused, 
     )  # fmt: skip
     gemm = [kw for kw in launches if "FUSED" in kw]
     assert len(gemm) == 1 and gemm[0]["FUSED"] == fused and gemm[0]["ALIGN"] == 8, gemm
-    assert gemm[0]["partial_stride"] % 2 == 1  # odd: had it counted, ALIGN would be 1
+    assert gemm[0]["J"] % 2 == 1  # odd: had it counted, ALIGN would be 1
     assert len(launches) == (2 if fused else 3)  # the epilogue kernel only when not fused; the bias's partial
 
 

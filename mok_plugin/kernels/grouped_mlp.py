@@ -151,7 +151,7 @@ def _down_fwd_kernel(
 def _down_dgrad_gemm_kernel(
     d_out_ptr, w2, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
     row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r,
-    stride_h_r, stride_a_r, partial_stride, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_h_r, stride_a_r, J, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     FUSED: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
     H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
@@ -159,8 +159,8 @@ def _down_dgrad_gemm_kernel(
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p computes the fp32 dA' tile p and
     stores it (rows in use only) for _down_dgrad_epilogue_kernel; FUSED (FUSE_DOWN_DGRAD), runs the
     down-dgrad epilogue on it instead, in two halves, and dA' never goes to memory (d_a_ptr None;
-    without FUSED the epilogue's arguments are None and ACT etc. unused). partial_stride, the fp32
-    partials' row stride (J, often odd), is not named stride_*: it must not pull ALIGN down."""
+    without FUSED the epilogue's arguments are None and ACT etc. unused). J, the fp32 partials'
+    columns and so their row stride (often odd), is not named stride_*: it must not pull ALIGN down."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -183,7 +183,7 @@ def _down_dgrad_gemm_kernel(
                 d_a_prime, rows, row_ok, pid_n, h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr,
                 row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr,
                 d_w_partial_ptr=d_w_partial_ptr, I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
-                stride_part_r=partial_stride, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_TY=h_ptr.dtype.element_ty,
+                stride_part_r=J, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_TY=h_ptr.dtype.element_ty,
                 ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
             )
         else:
@@ -488,7 +488,7 @@ def down_dgrad(
         w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a, **epilogue,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
         stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=0 if fused else d_a.stride(0),
-        stride_h_r=h.stride(0), stride_a_r=a.stride(0), partial_stride=partial.stride(0), TMA=tma, FUSED=fused,
+        stride_h_r=h.stride(0), stride_a_r=a.stride(0), J=partial.stride(0), TMA=tma, FUSED=fused,
         **family,
     )
     block_m = min(epi.block_m, cfg.block_m)
