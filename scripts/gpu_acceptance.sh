@@ -209,6 +209,8 @@ for part in "${parts[@]}"; do
             for shape in qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3; do
                 candidates+=("--shape $shape $fused")
             done
+            # 128x64: 106 registers, so two programs an SM, one's epilogue under the other's MMAs
+            candidates+=("--shape qwen3-30b-a3b $fused --override down_dgrad_fused=128x64x64w8s4t")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
