@@ -70,9 +70,10 @@ def interpreter_on() -> bool:
 # each kernel, one entry for both shapes where they agreed.
 _TABLE: dict[str, MoKTileConfig] = {
     # 128 gate and 128 up columns: one 128x256 fp32 accumulator over both halves of one TMA load
-    # (grouped_mlp.JOIN_GATE_UP; pointer loads: two accumulators). The forward's weights (and fc2's A rows) through
-    # TMA, 4 stages: fwd+bwd 0.953-0.984 of pointer loads at 3 stages on qwen3-30b-a3b, mixtral-8x7b and
-    # gpt-oss-120b (session 49, H100; gate_up_fwd 1.73 -> 1.56 ms and down_fwd 0.89 -> 0.81 on qwen3).
+    # (grouped_mlp.JOIN_GATE_UP; pointer loads: two accumulators). The forward's weights (and fc2's
+    # A rows) through TMA, 4 stages: fwd+bwd 0.953-0.984 of pointer loads at 3 stages on
+    # qwen3-30b-a3b, mixtral-8x7b and gpt-oss-120b (session 49, H100; gate_up_fwd 1.73 -> 1.56 ms
+    # and down_fwd 0.89 -> 0.81 on qwen3).
     "gate_up_fwd": MoKTileConfig(128, 128, 64, 8, 4, tma=True),
     # A non-gated (mlp) expert's fc1: one accumulator, so the tile takes down_fwd's 128x256.
     "mlp_up_fwd": MoKTileConfig(128, 256, 64, 8, 3),

@@ -774,11 +774,12 @@ SWEEP_KEEPS_ONE_STEP_LEFT = True
 # deepseek-v3, within 3 % elsewhere; the same bits.
 JOIN_GATE_UP = True
 
-# down_dgrad's GEMM and its epilogue in one kernel (_down_dgrad_gemm_kernel's FUSED, "down_dgrad_fused"): dA'
-# never goes to memory (qwen3-30b-a3b: 403 MB written and read again in fp32), the epilogue runs on the
-# 128x128 accumulator a 64-column half at a time. dh and w*A are the same bits; the router partials
-# are 64 columns wide instead of 128, so the router-score gradient rounds differently (v45, written
-# without a GPU, off until timed: `mok bench ab --set mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True`).
+# down_dgrad's GEMM and its epilogue in one kernel (_down_dgrad_gemm_kernel's FUSED, config
+# "down_dgrad_fused"): dA' never goes to memory (qwen3-30b-a3b: 403 MB written and read again in
+# fp32), the epilogue runs on the 128x128 accumulator a 64-column half at a time. dh and w*A are the
+# same bits; the router partials are 64 columns wide instead of 128, so the router-score gradient
+# rounds differently (v45, written without a GPU, off until timed: `mok bench ab --set
+# mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True`).
 FUSE_DOWN_DGRAD = False
 # _down_dgrad_gemm_kernel's epilogue pointers: None when it stores dA' for the epilogue kernel instead
 EPILOGUE_POINTERS = ("h_ptr", "topk_weights_ptr", "row_to_tk_ptr", "d_h_ptr", "a_weighted_ptr", "d_w_partial_ptr")
