@@ -266,8 +266,8 @@ def test_weight_gradient_launch_passes_the_alignment_of_its_sizes_and_strides(
 
 @pytest.mark.parametrize("fused", [False, True], ids=["gemm_then_epilogue", "fused"])
 def test_down_dgrad_launch_passes_the_alignment_of_its_sizes_and_strides(fused, monkeypatch):
-    # H = 3000, I = 1000: ALIGN 8 for the GEMM, fused or not; the router partials' row stride (here
-    # 9 or 17 columns with the fc2 bias's) must not pull it down (it is no operand's row pitch).
+    # H = 3000, I = 1000: ALIGN 8 for the GEMM, fused or not; the router partials' row stride (odd
+    # here: a column per I-block and the fc2 bias's) must not pull it down (no operand's row pitch).
     launches = []
 
     class Recorder:
