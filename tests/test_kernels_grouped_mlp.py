@@ -337,7 +337,8 @@ def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monk
 @pytest.mark.parametrize("family", ["swiglu", "gpt_oss", "mlp_gelu_bias", "linear_bias"])
 @pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
 @pytest.mark.parametrize("T, H, I", SMALL_AND_TILES)
-def test_down_dgrad_fused_gives_the_two_kernels_dh_and_weighted_a(family, dtype, T, H, I, monkeypatch):
+@pytest.mark.parametrize("h_by_pair", [False, True], ids=["h_per_row", "h_per_pair"])
+def test_down_dgrad_fused_gives_the_two_kernels_dh_and_weighted_a(family, dtype, T, H, I, h_by_pair, monkeypatch):
     # The fused down_dgrad (FUSE_DOWN_DGRAD) runs the epilogue on its accumulator a half-tile at a
     # time: dh and w*A are elementwise in dA', so the same bits as the GEMM + epilogue kernels (also
     # where I is not a multiple of the tile: the last half may lie past I); the router partials are
@@ -349,7 +350,7 @@ def test_down_dgrad_fused_gives_the_two_kernels_dh_and_weighted_a(family, dtype,
     g = torch.Generator().manual_seed(12)
     s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
     n1 = fam.fc1_width(I) or H  # a linear expert's h: its gathered input rows
-    h = torch.randn(T * K if T * K * 2 <= s.num_rows else s.num_rows, n1, generator=g).to(DEVICE, dtype)
+    h = torch.randn(T * K if h_by_pair else s.num_rows, n1, generator=g).to(DEVICE, dtype)
     d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
     b2 = torch.randn(E, H, generator=g).to(DEVICE, dtype) if fam.fc2_bias else None
