@@ -66,10 +66,9 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
                    "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
-                                         H_BY_PAIR=False, JOINED=_joined(cfg))  # fmt: skip
+                                         H_BY_PAIR=False, JOINED=gm.gate_up_joined(True, cfg.tma))  # fmt: skip
     if kernel == "down_dgrad":  # the GEMM alone (the elementwise epilogue kernel that follows is not inspected)
-        return row_kernels[kernel], dict(row_tiles, **dict.fromkeys(gm.EPILOGUE_POINTERS), FUSED=False, ACT="silu",
-                                         GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)  # fmt: skip
+        return row_kernels[kernel], dict(row_tiles, **gm.UNFUSED_EPILOGUE, FUSED=False)
     if kernel == "down_dgrad_fused":  # a bias-free SwiGLU expert's, h per row, dA' not stored
         return row_kernels[kernel], dict(row_tiles, d_a_ptr=None, FUSED=True, ACT="silu", GATED=True, CLAMP=None,
                                          OFFSET=0.0, H_BY_PAIR=False)  # fmt: skip
@@ -89,12 +88,6 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
                                          stride_d_w_n=1)  # fmt: skip
 
 
-def _joined(cfg: MoKTileConfig) -> bool:
-    """Whether gate_up_fwd's launcher loads the gate and up blocks together under cfg (as
-    grouped_mlp.gate_up_fwd decides for a bias-free SwiGLU expert)."""
-    return gm.JOIN_GATE_UP and cfg.tma
-
-
 def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
     """The arguments a TMA launch passes as tensor descriptors, with their block shapes (as the
     launchers in grouped_mlp.py build them)."""
@@ -102,7 +95,7 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
         return {}
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     blocks = {
-        "gate_up_fwd": {"w13": [2, n, k] if _joined(cfg) else [n, k]},
+        "gate_up_fwd": {"w13": [2, n, k] if gm.gate_up_joined(True, cfg.tma) else [n, k]},
         "down_fwd": {"a": [m, k], "w2": [n, k]},
         "down_dgrad": {"w2": [k, n]},
         "down_dgrad_fused": {"w2": [k, n]},

@@ -159,7 +159,7 @@ def _down_dgrad_gemm_kernel(
     """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p computes the fp32 dA' tile p and
     stores it (rows in use only) for _down_dgrad_epilogue_kernel; FUSED (FUSE_DOWN_DGRAD), runs the
     down-dgrad epilogue on it instead, in two halves, and dA' never goes to memory (d_a_ptr None;
-    without FUSED the epilogue's arguments are None and ACT etc. unused). J, the fp32 partials'
+    without FUSED the epilogue's arguments are UNFUSED_EPILOGUE, unused). J, the fp32 partials'
     columns and so their row stride (often odd), is not named stride_*: it must not pull ALIGN down."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
@@ -390,7 +390,7 @@ def gate_up_fwd(
     h = torch.empty(h_rows, N1, dtype=x.dtype, device=x.device)
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
-    joined = JOIN_GATE_UP and gated and tma
+    joined = gate_up_joined(gated, tma)
     if joined:  # half 2e the gate rows of expert e, 2e + 1 its up rows (tiles.joined_gate_up_block)
         w13 = descriptor(gate_up_proj.view(E * 2, I, H), [2, cfg.block_n, cfg.block_k], flatten=False)
     else:
@@ -403,6 +403,12 @@ def gate_up_fwd(
         GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_pairs is not None, JOINED=joined,
     )
     return h, a
+
+
+def gate_up_joined(gated: bool, tma: bool) -> bool:
+    """Whether fc1's forward loads the gate and up blocks together into one accumulator
+    (JOIN_GATE_UP): a gated family whose weights go through TMA."""
+    return JOIN_GATE_UP and gated and tma
 
 
 def _stride0(t: torch.Tensor | None) -> int:
@@ -482,14 +488,13 @@ def down_dgrad(
     d_a = None if fused else torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     # fused, the GEMM's program runs the epilogue; else it stores dA' and the epilogue kernel follows
     epilogue = dict(h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
-                    d_w_partial_ptr=partial) if fused else dict.fromkeys(EPILOGUE_POINTERS)  # fmt: skip
+                    d_w_partial_ptr=partial, **family) if fused else UNFUSED_EPILOGUE  # fmt: skip
     _launch_row_tiles(
         _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
         w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a, **epilogue,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
         stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=0 if fused else d_a.stride(0),
         stride_h_r=h.stride(0), stride_a_r=a.stride(0), J=partial.stride(0), TMA=tma, FUSED=fused,
-        **family,
     )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
@@ -781,8 +786,10 @@ JOIN_GATE_UP = True
 # rounds differently (v45, written without a GPU, off until timed: `mok bench ab --set
 # mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True`).
 FUSE_DOWN_DGRAD = False
-# _down_dgrad_gemm_kernel's epilogue pointers: None when it stores dA' for the epilogue kernel instead
-EPILOGUE_POINTERS = ("h_ptr", "topk_weights_ptr", "row_to_tk_ptr", "d_h_ptr", "a_weighted_ptr", "d_w_partial_ptr")
+# _down_dgrad_gemm_kernel's epilogue arguments when it stores dA' for the epilogue kernel instead: no
+# pointers, and one fixed family, so that a single compiled GEMM serves every family and h layout
+UNFUSED_EPILOGUE = dict(h_ptr=None, topk_weights_ptr=None, row_to_tk_ptr=None, d_h_ptr=None, a_weighted_ptr=None,
+                        d_w_partial_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)

@@ -315,10 +315,7 @@ def gate_up_tile(
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                xa = tl.load(
-                    x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & (ks < H)[None, :],
-                    other=0.0,
-                )
+                xa = _row_block(x_ptr, 0, tokens, row_ok, stride_x_t, k0, ks, ks < H, TMA=False)  # by token
                 acc = tl.dot(xa, joined_gate_up_block(w13, expert, n0, k0, BLOCK_N, BLOCK_K), acc,
                              input_precision=DOT_PRECISION)  # fmt: skip
             acc_gate, acc_up = column_halves(acc, BLOCK_M, BLOCK_N)
@@ -328,10 +325,7 @@ def gate_up_tile(
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < H
-                xa = tl.load(
-                    x_ptr + tokens[:, None] * stride_x_t + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
+                xa = _row_block(x_ptr, 0, tokens, row_ok, stride_x_t, k0, ks, k_ok, TMA=False)  # by token
                 wg = _weight_block(
                     w13, expert, stride_w_e, gate_row0, k0, n0, ks, cols, k_ok, col_ok, 1, stride_w_n, N_MAJOR=True,
                     TMA=TMA,
