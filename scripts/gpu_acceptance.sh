@@ -37,9 +37,9 @@
 #              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
 #              (`candidates`: bench ab's arguments, --override or --set each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
-#              removed, and the candidates below but one; session 52 the rest; session 53 wrote v45).
-#              Now: v45 (down_dgrad's GEMM and epilogue fused) as the switch and on four coarse shapes, after a
-#              null A/B (the method's check). The host-bound eager parts (perf-small,
+#              removed, and the candidates below but one; session 52 the rest; session 54 timed v45,
+#              removed; the switch list is empty).
+#              Candidates now: a null A/B only (the method's check). The host-bound eager parts (perf-small,
 #              perf-host, untimed-all-eager) run with --no-clock: no nvidia-smi process beside a timing that is
 #              the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -82,7 +82,7 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
 fi
 summary=()
 # The switches written without a GPU and off until timed (the untimed part).
-untimed_switches=("mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True")
+untimed_switches=()
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
 # sets `spread` to N workers, sized for the H200's 141 GB, half of them on a GPU under 100 GB (12 ran an
@@ -176,7 +176,7 @@ for part in "${parts[@]}"; do
             spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
-                -k "sweep or compact or per_pair or pair_map or on_the_gpu or fused"
+                -k "sweep or compact or per_pair or pair_map or on_the_gpu"
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()
@@ -201,16 +201,10 @@ for part in "${parts[@]}"; do
             fi
             # First a null A/B (B sets an attribute to its own value): every B/A 1.00 +- 0.02 and the sides'
             # clocks within ~20 MHz show the method settled (session 52's three: 0.985-1.012 on every GEMM, 4-15
-            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates: v45 where its dA' round trip is
-            # largest against the GEMM (the router gradient's bits differ by design; dh and w*A must not).
+            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates, none now (session 52 timed the
+            # forward's loads before the TMA pin on five shapes: the pin stays).
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
-            fused="--set mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True"
             candidates=("--shape deepseek-v3 $null")
-            for shape in qwen3-30b-a3b olmoe mixtral-8x7b deepseek-v3; do
-                candidates+=("--shape $shape $fused")
-            done
-            # 128x64: 106 registers, so two programs an SM, one's epilogue under the other's MMAs
-            candidates+=("--shape qwen3-30b-a3b $fused --override down_dgrad_fused=128x64x64w8s4t")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

@@ -51,7 +51,7 @@ def test_swap_pinned_rejects_unknown_kernels_and_changes_nothing(pinned_table):
 
 def test_unknown_kernel_is_a_key_error(pinned_table):
     with pytest.raises(KeyError):
-        kernel_config("down_dgrad_fast", 64)
+        kernel_config("down_dgrad_fused", 64)
 
 
 def test_row_tiles_narrow_for_narrow_outputs_only(pinned_table):

@@ -44,7 +44,7 @@ __all__ = [
     "resource_usage",
 ]
 
-KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "down_dgrad_fused", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
+KERNELS = ("gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "wgrad_down", "wgrad_gate_up")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {"row_to_token_ptr", "row_to_tk_ptr", "expert_offsets_ptr", "tokens_per_expert_ptr",
@@ -61,17 +61,12 @@ def _kernel_and_constexprs(kernel: str, cfg: MoKTileConfig) -> tuple[object, dic
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "tf32",
               "TMA": cfg.tma, "ALIGN": 16}  # fmt: skip
     row_tiles = dict(common, TILE_M=128, BLOCK_N=cfg.block_n)
+    # down_dgrad: its GEMM (the elementwise epilogue kernel that follows it is not inspected)
     row_kernels = {"gate_up_fwd": gm._gate_up_fwd_kernel, "down_fwd": gm._down_fwd_kernel,
-                   "down_dgrad": gm._down_dgrad_gemm_kernel, "down_dgrad_fused": gm._down_dgrad_gemm_kernel,
-                   "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
+                   "down_dgrad": gm._down_dgrad_gemm_kernel, "gate_up_dgrad": gm._gate_up_dgrad_kernel}  # fmt: skip
     if kernel == "gate_up_fwd":  # a bias-free SwiGLU expert's, h per row (the large batches')
         return row_kernels[kernel], dict(row_tiles, b1_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0,
                                          H_BY_PAIR=False, JOINED=gm.gate_up_joined(True, cfg.tma))  # fmt: skip
-    if kernel == "down_dgrad":  # the GEMM alone (the elementwise epilogue kernel that follows is not inspected)
-        return row_kernels[kernel], dict(row_tiles, **gm.UNFUSED_EPILOGUE, FUSED=False)
-    if kernel == "down_dgrad_fused":  # a bias-free SwiGLU expert's, h per row, dA' not stored
-        return row_kernels[kernel], dict(row_tiles, d_a_ptr=None, FUSED=True, ACT="silu", GATED=True, CLAMP=None,
-                                         OFFSET=0.0, H_BY_PAIR=False)  # fmt: skip
     if kernel == "down_fwd":
         return row_kernels[kernel], dict(row_tiles, b2_ptr=None)
     if kernel == "gate_up_dgrad":
@@ -98,7 +93,6 @@ def _descriptor_blocks(kernel: str, cfg: MoKTileConfig) -> dict[str, list[int]]:
         "gate_up_fwd": {"w13": [2, n, k] if gm.gate_up_joined(True, cfg.tma) else [n, k]},
         "down_fwd": {"a": [m, k], "w2": [n, k]},
         "down_dgrad": {"w2": [k, n]},
-        "down_dgrad_fused": {"w2": [k, n]},
         "gate_up_dgrad": {"d_h": [m, k], "w13": [k, n]},
         # only by-row operands: with pre-gathered rows both are
         "wgrad_down": {"right": [k, n]} | ({"left": [k, m]} if cfg.gather_rows else {}),

@@ -82,10 +82,6 @@ _TABLE: dict[str, MoKTileConfig] = {
     # (dSwiGLU, router partials, w*A). Fused into the GEMM the epilogue held the tile to 128x64
     # accumulators (255 registers); split, the GEMM takes down_fwd's 128x256 tile (BENCHMARKS.md).
     "down_dgrad": MoKTileConfig(128, 256, 64, 8, 3),
-    # down_dgrad's GEMM and epilogue in one kernel (grouped_mlp.FUSE_DOWN_DGRAD, v45, not yet timed):
-    # the epilogue runs on the accumulator's two 64-column halves one after the other, which fits
-    # 128x128 in 188 registers without spills (the whole tile at once: 255 and 1 KiB of spills).
-    "down_dgrad_fused": MoKTileConfig(128, 128, 64, 8, 4, tma=True),
     # The epilogue kernel: block_m rows x block_n columns (its router partials are block_n wide) in
     # num_warps warps; no K loop. 32x128 in 8 warps was the fastest of 32x64 w4, 16x64, 64x64 and
     # 64x128 on the four named shapes (0.49 / 0.66 / 1.06 / 0.73 ms, 3.0-3.9 TB/s).

@@ -62,7 +62,6 @@ from mok_plugin.kernels.tiles import (
     bias_router_grad_tile,
     down_dgrad_block,
     down_dgrad_epilogue,
-    down_dgrad_epilogue_by_halves,
     down_tile,
     gate_up_dgrad_tile,
     gate_up_tile,
@@ -149,18 +148,13 @@ def _down_fwd_kernel(
 
 @triton.jit
 def _down_dgrad_gemm_kernel(
-    d_out_ptr, w2, d_a_ptr, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
-    row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r,
-    stride_h_r, stride_a_r, J, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
+    stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FUSED: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p computes the fp32 dA' tile p and
-    stores it (rows in use only) for _down_dgrad_epilogue_kernel; FUSED (FUSE_DOWN_DGRAD), runs the
-    down-dgrad epilogue on it instead, in two halves, and dA' never goes to memory (d_a_ptr None;
-    without FUSED the epilogue's arguments are UNFUSED_EPILOGUE, unused). J, the fp32 partials'
-    columns and so their row stride (often odd), is not named stride_*: it must not pull ALIGN down."""
+    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
+    (rows in use only) for _down_dgrad_epilogue_kernel."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -168,8 +162,6 @@ def _down_dgrad_gemm_kernel(
     stride_w_e = aligned(stride_w_e, ALIGN)
     stride_w_h = aligned(stride_w_h, ALIGN)
     stride_d_a_r = aligned(stride_d_a_r, ALIGN)
-    stride_h_r = aligned(stride_h_r, ALIGN)
-    stride_a_r = aligned(stride_a_r, ALIGN)
     pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
     expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
         pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
@@ -178,17 +170,8 @@ def _down_dgrad_gemm_kernel(
         DOT_PRECISION=DOT_PRECISION, TMA=TMA,
     )
     if expert >= 0:
-        if FUSED:
-            down_dgrad_epilogue_by_halves(
-                d_a_prime, rows, row_ok, pid_n, h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr,
-                row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr, a_weighted_ptr=a_weighted_ptr,
-                d_w_partial_ptr=d_w_partial_ptr, I=I, stride_h_r=stride_h_r, stride_a_r=stride_a_r,
-                stride_part_r=J, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_TY=h_ptr.dtype.element_ty,
-                ACT=ACT, GATED=GATED, CLAMP=CLAMP, OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-            )
-        else:
-            d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
-            tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
+        d_a_tile = d_a_ptr + rows[:, None] * stride_d_a_r + cols[None, :]
+        tl.store(d_a_tile, d_a_prime, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -456,10 +439,9 @@ def down_dgrad(
     (`gate_up_fwd`'s h_pairs), and then dh is too (padding rows have none). Two launches: a plain GEMM stores
     dA' = dO[t_r] @ W2_e in fp32, then an elementwise epilogue kernel fills dh, w*A and the router
     partials from it (kept apart, the GEMM keeps a plain epilogue and takes a 128x256 tile; fused,
-    the epilogue's registers held it to 128x64). dA' is freed on return. With FUSE_DOWN_DGRAD one
-    launch instead, its epilogue on the accumulator's halves (partials half its tile wide). Padding
-    rows of every active row block hold zeros in dh and w*A. With the fc2 bias, a further launch
-    writes each row's <dO, b2_e> into the last partial column (J = I-blocks + 1).
+    the epilogue's registers held it to 128x64). dA' is freed on return. Padding rows of every
+    active row block hold zeros in dh and w*A. With the fc2 bias, a third launch writes each row's
+    <dO, b2_e> into the last partial column (J = I-blocks + 1).
     """
     check_tensor("d_out", d_out, 2)
     check_tensor("down_proj", down_proj, 3, d_out.dtype)
@@ -469,44 +451,36 @@ def down_dgrad(
     if down_bias is not None:
         check_tensor("down_bias", down_bias, 2, d_out.dtype)
     E, H, I = down_proj.shape
-    fused = FUSE_DOWN_DGRAD
-    cfg, num_rows = _row_gemm_config("down_dgrad_fused" if fused else "down_dgrad", I, row_to_token, tile_to_expert,
-                                     tile_m, config)  # fmt: skip
+    cfg, num_rows = _row_gemm_config("down_dgrad", I, row_to_token, tile_to_expert, tile_m, config)
     epi = kernel_config("down_dgrad_epilogue", I)
     h_by_pair = h.shape[0] != num_rows
     if h_by_pair and h.shape[0] != num_pairs:
         raise ValueError(f"h has {h.shape[0]} rows: neither the schedule's {num_rows} nor one per pair ({num_pairs})")
     d_h = torch.empty(h.shape[0], h.shape[1], dtype=d_out.dtype, device=d_out.device)
     a = torch.empty(num_rows, I, dtype=d_out.dtype, device=d_out.device)
-    # the fused kernel's partials are half its tile wide, two a column block (the last may be past I: zeros)
-    i_blocks = 2 * cdiv(I, cfg.block_n) if fused else cdiv(I, epi.block_n)
+    i_blocks = cdiv(I, epi.block_n)
     # Written for every routed row (all that reduce_router_grad reads); padding rows' entries are
     # left unset, which saved a fill launch (host time at small T).
     partial = torch.empty(num_rows, i_blocks + (down_bias is not None), dtype=torch.float32, device=d_out.device)
+    d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
-    family = dict(ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset, H_BY_PAIR=h_by_pair)
-    d_a = None if fused else torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
-    # fused, the GEMM's program runs the epilogue; else it stores dA' and the epilogue kernel follows
-    epilogue = dict(h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
-                    d_w_partial_ptr=partial, **family) if fused else UNFUSED_EPILOGUE  # fmt: skip
     _launch_row_tiles(
         _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
-        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a, **epilogue,
+        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
-        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=0 if fused else d_a.stride(0),
-        stride_h_r=h.stride(0), stride_a_r=a.stride(0), J=partial.stride(0), TMA=tma, FUSED=fused,
+        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
     )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
         raise ValueError(f"down_dgrad epilogue BLOCK_M={block_m} must divide the schedule's tile_m={tile_m}")
-    if not fused:
-        launch(_down_dgrad_epilogue_kernel, (num_rows // block_m, i_blocks),
-            d_a_ptr=d_a, h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h,
-            a_weighted_ptr=a, d_w_partial_ptr=partial, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert,
-            I=I, stride_d_a_r=d_a.stride(0), stride_h_r=h.stride(0), stride_a_r=a.stride(0),
-            stride_part_r=partial.stride(0), TILE_M=tile_m, BLOCK_M=block_m, BLOCK_N=epi.block_n,
-            ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps, **family,
-        )  # fmt: skip
+    launch(_down_dgrad_epilogue_kernel, (num_rows // block_m, i_blocks),
+        d_a_ptr=d_a, h_ptr=h, topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, d_h_ptr=d_h, a_weighted_ptr=a,
+        d_w_partial_ptr=partial,
+        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, I=I, stride_d_a_r=d_a.stride(0),
+        stride_h_r=h.stride(0), stride_a_r=a.stride(0), stride_part_r=partial.stride(0), TILE_M=tile_m,
+        BLOCK_M=block_m, BLOCK_N=epi.block_n, ACT=activation, GATED=gated, CLAMP=clamp, OFFSET=offset,
+        H_BY_PAIR=h_by_pair, ALIGN=alignment(I, d_a.stride(0), h.stride(0), a.stride(0)), num_warps=epi.num_warps,
+    )
     if down_bias is not None:
         launch(_bias_router_grad_kernel, (num_rows // block_m,),
             d_out, down_bias, partial, row_to_token, tile_to_expert, H, d_out.stride(0), down_bias.stride(0),
@@ -778,18 +752,6 @@ SWEEP_KEEPS_ONE_STEP_LEFT = True
 # back): gate_up_fwd 6-7 % faster on qwen3-30b-a3b, olmoe and gpt-oss-120b, 0-1.5 % slower on
 # deepseek-v3, within 3 % elsewhere; the same bits.
 JOIN_GATE_UP = True
-
-# down_dgrad's GEMM and its epilogue in one kernel (_down_dgrad_gemm_kernel's FUSED, config
-# "down_dgrad_fused"): dA' never goes to memory (qwen3-30b-a3b: 403 MB written and read again in
-# fp32), the epilogue runs on the 128x128 accumulator a 64-column half at a time. dh and w*A are the
-# same bits; the router partials are 64 columns wide instead of 128, so the router-score gradient
-# rounds differently (v45, written without a GPU, off until timed: `mok bench ab --set
-# mok_plugin.kernels.grouped_mlp.FUSE_DOWN_DGRAD=True`).
-FUSE_DOWN_DGRAD = False
-# _down_dgrad_gemm_kernel's epilogue arguments when it stores dA' for the epilogue kernel instead: no
-# pointers, and one fixed family, so that a single compiled GEMM serves every family and h layout
-UNFUSED_EPILOGUE = dict(h_ptr=None, topk_weights_ptr=None, row_to_tk_ptr=None, d_h_ptr=None, a_weighted_ptr=None,
-                        d_w_partial_ptr=None, ACT="silu", GATED=True, CLAMP=None, OFFSET=0.0, H_BY_PAIR=False)
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)

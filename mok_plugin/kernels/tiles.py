@@ -485,31 +485,6 @@ def down_dgrad_epilogue(
 
 
 @triton.jit
-def down_dgrad_epilogue_by_halves(
-    d_a_prime, rows, row_ok, pid_n, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr,
-    d_w_partial_ptr, I, stride_h_r, stride_a_r, stride_part_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    OUT_TY: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, OFFSET: tl.constexpr,
-    H_BY_PAIR: tl.constexpr,
-):
-    """down_dgrad_epilogue on the GEMM's accumulator itself (dA' of column block pid_n), one
-    BLOCK_N / 2-column half after the other: the whole tile's h, dh and activation at once would not
-    fit the registers beside the accumulator. Each half writes router partial slot 2 * pid_n + j,
-    so the partials are BLOCK_N / 2 columns wide; dh and w*A are elementwise, the same values as
-    the epilogue kernel's."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    halves = column_halves(d_a_prime, BLOCK_M, HALF)
-    for j in tl.static_range(2):
-        cols = pid_n.to(tl.int64) * BLOCK_N + j * HALF + tl.arange(0, HALF)
-        down_dgrad_epilogue(
-            d_a_prime=halves[j], rows=rows, row_ok=row_ok, cols=cols, col_ok=cols < I, slot=2 * pid_n + j,
-            h_ptr=h_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr, d_h_ptr=d_h_ptr,
-            a_weighted_ptr=a_weighted_ptr, d_w_partial_ptr=d_w_partial_ptr, I=I, stride_h_r=stride_h_r,
-            stride_a_r=stride_a_r, stride_part_r=stride_part_r, OUT_TY=OUT_TY, ACT=ACT, GATED=GATED, CLAMP=CLAMP,
-            OFFSET=OFFSET, H_BY_PAIR=H_BY_PAIR,
-        )
-
-
-@triton.jit
 def down_dgrad_tile(
     pid_m, pid_n, d_out_ptr, w2, h_ptr, topk_weights_ptr, row_to_tk_ptr, d_h_ptr, a_weighted_ptr, d_w_partial_ptr,
     row_to_token_ptr,
