@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from triton_cases import CASES, DEVICE, DTYPES, GRADIENT_NAMES, compare_with_reference, crafted_routing  # noqa: E402
 
-from mok_plugin.kernels import grouped_mlp  # noqa: E402
+from mok_plugin.kernels import configs, grouped_mlp  # noqa: E402
 from mok_plugin.kernels.configs import MoKTileConfig, kernel_config  # noqa: E402
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule, values_per_row  # noqa: E402
 from mok_plugin.testing import EXPERT_FAMILIES, assert_close  # noqa: E402
@@ -333,6 +333,64 @@ def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monk
     for name, a, b in zip(["h", "A"], results[True], results[False], strict=True):
         assert torch.equal(a[used], b[used]), name
     assert results[True][1][used].abs().sum() > 0  # not a vacuous comparison
+
+
+@pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
+@pytest.mark.parametrize(
+    "T, H, I",
+    [
+        pytest.param(50, 72, 40, id="small"),  # the interpreter's 32-wide tiles: 8 columns past the full blocks
+        pytest.param(  # the GPU's pinned tiles: 576 = 2 x 256 + 64, 320 = 2 x 128 + 64 = 256 + 64
+            300, 576, 320, id="tiles", marks=pytest.mark.skipif(DEVICE != "cuda", reason="the GPU's tile widths")
+        ),
+    ],
+)
+def test_column_tail_launched_apart_gives_the_same_bits(dtype, T, H, I, monkeypatch):
+    # SPLIT_COLUMN_TAIL: each row GEMM's last, partial column block as a second launch at a narrower
+    # tile. Every output sums its BLOCK_K steps in the same order at any tile width: the same bits
+    # in all four row GEMMs, and each of them did split.
+    E, K = 5, 2
+    g = torch.Generator().manual_seed(13)
+    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    tails = []
+    column_tail = grouped_mlp.column_tail
+    monkeypatch.setattr(grouped_mlp, "column_tail", lambda cfg, n: tails.append(column_tail(cfg, n)) or tails[-1])
+    results = {}
+    for split in (False, True):
+        monkeypatch.setattr(configs, "SPLIT_COLUMN_TAIL", split)
+        h, a = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m,
+                                       kernel_config("gate_up_fwd", I))  # fmt: skip
+        y = grouped_mlp.down_fwd(a, w2, topk_weights, s.row_to_tk, s.row_to_token, s.tile_to_expert, s.tile_m,
+                                 kernel_config("down_fwd", H))  # fmt: skip
+        d_h, a_w, _ = grouped_mlp.down_dgrad(d_out, w2, h, topk_weights, s.row_to_tk, s.row_to_token,
+                                             s.tile_to_expert, s.tile_m, kernel_config("down_dgrad", I))  # fmt: skip
+        d_x = grouped_mlp.gate_up_dgrad(d_h, w13, s.row_to_token, s.tile_to_expert, s.tile_m,
+                                        kernel_config("gate_up_dgrad", H))  # fmt: skip
+        results[split] = dict(h=h, a=a, y=y, d_h=d_h, a_w=a_w, d_x=d_x)
+    assert [tail is not None for tail in tails] == [False] * 4 + [True] * 4, tails
+    used = s.row_to_token >= 0
+    for name, value in results[True].items():
+        assert torch.equal(value[used], results[False][name][used]), name
+    assert results[True]["d_x"][used].abs().sum() > 0  # not a vacuous comparison
+
+
+def test_column_tail_only_where_it_narrows_the_last_block(monkeypatch):
+    monkeypatch.setattr(configs, "SPLIT_COLUMN_TAIL", True)
+    wide, half = MoKTileConfig(128, 256, 64, 8, 3), MoKTileConfig(128, 128, 64, 8, 4, tma=True)
+    assert configs.column_tail(wide, 2880).block_n == 64  # gpt-oss-120b: 11 x 256 + 64
+    assert configs.column_tail(half, 2880).block_n == 64  # 22 x 128 + 64
+    assert configs.column_tail(wide, 2944).block_n == 128  # 11 x 256 + 128
+    assert configs.column_tail(half, 2880) == replace(half, block_n=64)  # the rest of the config kept
+    assert configs.column_tail(wide, 3000) is None  # 184 columns left: a 256-wide block either way
+    assert configs.column_tail(wide, 2048) is None  # no partial block
+    assert configs.column_tail(wide, 100) is None  # no full block: the one launch narrows already
+    monkeypatch.setattr(configs, "SPLIT_COLUMN_TAIL", False)
+    assert configs.column_tail(wide, 2880) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

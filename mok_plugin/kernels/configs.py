@@ -26,6 +26,7 @@ __all__ = [
     "interpreter_on",
     "kernel_config",
     "spread_over_sms",
+    "column_tail",
     "swap_pinned",
     "wgrad_config",
     "wgrad_kernel",
@@ -211,6 +212,26 @@ def spread_over_sms(cfg: MoKTileConfig, row_blocks: int, n_out: int, sms: int) -
     while cfg.block_n > SPREAD_MIN_BLOCK_N and 0 < row_blocks * -(-n_out // cfg.block_n) < sms:
         cfg = replace(cfg, block_n=cfg.block_n // 2)
     return cfg
+
+
+# A row GEMM's last column block, where the output's width leaves it mostly empty (gpt-oss-120b's
+# 2880 = 11 x 256 + 64, or 22 x 128 + 64 for fc1's halves): its MMAs run over the whole BLOCK_N all
+# the same, 1/12 of the work of three of its four row GEMMs for 64 of 2880 columns. Launched on its
+# own at a narrower tile, it costs about its width (v46, off until timed: `mok bench ab --set
+# mok_plugin.kernels.configs.SPLIT_COLUMN_TAIL=True`). The same bits: a tile's width changes none.
+SPLIT_COLUMN_TAIL = False
+
+
+def column_tail(cfg: MoKTileConfig, n_out: int) -> MoKTileConfig | None:
+    """The config for a row GEMM's last, partial column block launched on its own (SPLIT_COLUMN_TAIL):
+    cfg at the narrowest power-of-two BLOCK_N (SPREAD_MIN_BLOCK_N or half cfg's, at least) that holds the columns
+    left past the full blocks, where that is narrower than cfg's; else None (one launch)."""
+    full, rest = divmod(n_out, cfg.block_n)
+    if not SPLIT_COLUMN_TAIL or full == 0 or rest == 0:
+        return None
+    narrowest = min(SPREAD_MIN_BLOCK_N, cfg.block_n // 2)  # the interpreter's tiles are 32 wide
+    block_n = max(narrowest, 1 << (rest - 1).bit_length())
+    return replace(cfg, block_n=block_n) if block_n < cfg.block_n else None
 
 
 def swap_pinned(entries: dict[str, MoKTileConfig]) -> dict[str, MoKTileConfig]:

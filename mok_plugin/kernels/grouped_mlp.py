@@ -26,7 +26,7 @@ schedule-ordered row buffers) go through TMA tensor descriptors where a config a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -37,6 +37,7 @@ from mok_plugin.kernels.configs import (
     HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
     MoKTileConfig,
+    column_tail,
     kernel_config,
     spread_over_sms,
     wgrad_kernel,
@@ -92,13 +93,13 @@ __all__ = [
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
-    stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
+    x_ptr, w13, b1_ptr, h_ptr, a_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, COL_TILES,
+    FIRST_COL_TILE, H, I, stride_x_t, stride_w_e, stride_w_n, stride_b1_e, stride_h_r, stride_a_r, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
     OFFSET: tl.constexpr, H_BY_PAIR: tl.constexpr, JOINED: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p owns gate/up tile p."""
+    """Grid: (R_pad / BLOCK_M * COL_TILES,), grouped; program p owns gate/up tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -108,7 +109,8 @@ def _gate_up_fwd_kernel(
     stride_b1_e = aligned(stride_b1_e, ALIGN)
     stride_h_r = aligned(stride_h_r, ALIGN)
     stride_a_r = aligned(stride_a_r, ALIGN)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, COL_TILES, GROUP_M)
+    pid_n += FIRST_COL_TILE  # a column-tail launch's tiles follow the full ones (_launch_row_tiles)
     gate_up_tile(
         pid_m, pid_n, x_ptr=x_ptr, w13=w13, b1_ptr=b1_ptr, h_ptr=h_ptr, a_ptr=a_ptr, row_to_token_ptr=row_to_token_ptr,
         row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_x_t=stride_x_t,
@@ -121,13 +123,12 @@ def _gate_up_fwd_kernel(
 
 @triton.jit
 def _down_fwd_kernel(
-    a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I,
-    stride_a_r, stride_w_e,
-    stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    ALIGN: tl.constexpr,
+    a, w2, b2_ptr, topk_weights_ptr, row_to_tk_ptr, y_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, COL_TILES,
+    FIRST_COL_TILE, H, I, stride_a_r, stride_w_e, stride_w_h, stride_b2_e, stride_y_r, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns down tile p."""
+    """Grid: (R_pad / BLOCK_M * COL_TILES,), grouped; program p owns down tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     I = aligned(I, ALIGN)
@@ -136,7 +137,8 @@ def _down_fwd_kernel(
     stride_w_h = aligned(stride_w_h, ALIGN)
     stride_b2_e = aligned(stride_b2_e, ALIGN)
     stride_y_r = aligned(stride_y_r, ALIGN)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, COL_TILES, GROUP_M)
+    pid_n += FIRST_COL_TILE  # a column-tail launch's tiles follow the full ones (_launch_row_tiles)
     down_tile(
         pid_m, pid_n, a=a, w2=w2, b2_ptr=b2_ptr, topk_weights_ptr=topk_weights_ptr, row_to_tk_ptr=row_to_tk_ptr,
         y_ptr=y_ptr, row_to_token_ptr=row_to_token_ptr,
@@ -148,12 +150,12 @@ def _down_fwd_kernel(
 
 @triton.jit
 def _down_dgrad_gemm_kernel(
-    d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, H, I, stride_d_out_t, stride_w_e,
-    stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    d_out_ptr, w2, d_a_ptr, row_to_token_ptr, tile_to_expert_ptr, NUM_ROWS, COL_TILES, FIRST_COL_TILE, H, I,
+    stride_d_out_t, stride_w_e, stride_w_h, stride_d_a_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(I, BLOCK_N),), grouped; program p stores the fp32 dA' tile p
+    """Grid: (R_pad / BLOCK_M * COL_TILES,), grouped; program p stores the fp32 dA' tile p
     (rows in use only) for _down_dgrad_epilogue_kernel."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
@@ -162,7 +164,8 @@ def _down_dgrad_gemm_kernel(
     stride_w_e = aligned(stride_w_e, ALIGN)
     stride_w_h = aligned(stride_w_h, ALIGN)
     stride_d_a_r = aligned(stride_d_a_r, ALIGN)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, COL_TILES, GROUP_M)
+    pid_n += FIRST_COL_TILE  # a column-tail launch's tiles follow the full ones (_launch_row_tiles)
     expert, rows, row_ok, cols, col_ok, d_a_prime = down_dgrad_block(
         pid_m, pid_n, d_out_ptr=d_out_ptr, w2=w2, row_to_token_ptr=row_to_token_ptr,
         tile_to_expert_ptr=tile_to_expert_ptr, H=H, I=I, stride_d_out_t=stride_d_out_t, stride_w_e=stride_w_e,
@@ -209,12 +212,12 @@ def _down_dgrad_epilogue_kernel(
 
 @triton.jit
 def _gate_up_dgrad_kernel(
-    d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, H, N1, stride_d_h_r,
-    stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    d_h, w13, d_x_rows_ptr, row_to_token_ptr, row_to_tk_ptr, tile_to_expert_ptr, NUM_ROWS, COL_TILES, FIRST_COL_TILE, H,
+    N1, stride_d_h_r, stride_w_e, stride_w_j, stride_d_x_r, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     H_BY_PAIR: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid: (R_pad / BLOCK_M * cdiv(H, BLOCK_N),), grouped; program p owns dx-rows tile p."""
+    """Grid: (R_pad / BLOCK_M * COL_TILES,), grouped; program p owns dx-rows tile p."""
     # sizes and strides restated as multiples of ALIGN, so that loads vectorise (tiles.aligned)
     H = aligned(H, ALIGN)
     N1 = aligned(N1, ALIGN)
@@ -222,7 +225,8 @@ def _gate_up_dgrad_kernel(
     stride_w_e = aligned(stride_w_e, ALIGN)
     stride_w_j = aligned(stride_w_j, ALIGN)
     stride_d_x_r = aligned(stride_d_x_r, ALIGN)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, tl.cdiv(H, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), NUM_ROWS // BLOCK_M, COL_TILES, GROUP_M)
+    pid_n += FIRST_COL_TILE  # a column-tail launch's tiles follow the full ones (_launch_row_tiles)
     gate_up_dgrad_tile(
         pid_m, pid_n, d_h=d_h, w13=w13, d_x_rows_ptr=d_x_rows_ptr, row_to_token_ptr=row_to_token_ptr,
         row_to_tk_ptr=row_to_tk_ptr, tile_to_expert_ptr=tile_to_expert_ptr, H=H, N1=N1, stride_d_h_r=stride_d_h_r,
@@ -334,17 +338,26 @@ def _row_gemm_config(
 
 
 def _launch_row_tiles(
-    kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int, **args
+    kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int,
+    by_tile: Callable[[MoKTileConfig], dict] = lambda cfg: {}, **args,
 ) -> None:
-    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg."""
-    cfg = stages_for(cfg, dtype)
-    grid = (num_rows // cfg.block_m * cdiv(n_out, cfg.block_n),)
+    """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg;
+    with SPLIT_COLUMN_TAIL, the last partial column block as a second launch at a narrower tile
+    (`configs.column_tail`). by_tile(config): the arguments that depend on the tile (descriptors)."""
+    tail = column_tail(cfg, n_out)
+    full = n_out // cfg.block_n if tail else cdiv(n_out, cfg.block_n)
+    launches = [(cfg, full, 0)]
+    if tail:
+        launches.append((tail, cdiv(n_out - full * cfg.block_n, tail.block_n), full * cfg.block_n // tail.block_n))
     sizes = [value for name, value in args.items() if is_size_or_stride(name)]  # what the kernels restate
-    launch(kernel, grid,
-        NUM_ROWS=num_rows, TILE_M=tile_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **args,
-    )
+    for tile_cfg, col_tiles, first_col_tile in launches:
+        tile_cfg = stages_for(tile_cfg, dtype)
+        launch(kernel, (num_rows // tile_cfg.block_m * col_tiles,),
+            NUM_ROWS=num_rows, COL_TILES=col_tiles, FIRST_COL_TILE=first_col_tile, TILE_M=tile_m,
+            BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n, BLOCK_K=tile_cfg.block_k, GROUP_M=tile_cfg.group_m,
+            DOT_PRECISION=dot_precision(dtype), ALIGN=alignment(*sizes), num_warps=tile_cfg.num_warps,
+            num_stages=tile_cfg.num_stages, **by_tile(tile_cfg), **args,
+        )  # fmt: skip
 
 
 def gate_up_fwd(
@@ -374,12 +387,14 @@ def gate_up_fwd(
     a = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
     tma = tma_ok(cfg, gate_up_proj)
     joined = gate_up_joined(gated, tma)
-    if joined:  # half 2e the gate rows of expert e, 2e + 1 its up rows (tiles.joined_gate_up_block)
-        w13 = descriptor(gate_up_proj.view(E * 2, I, H), [2, cfg.block_n, cfg.block_k], flatten=False)
-    else:
-        w13 = descriptor(gate_up_proj, [cfg.block_n, cfg.block_k]) if tma else gate_up_proj
+
+    def weights(c: MoKTileConfig) -> dict:
+        if joined:  # half 2e the gate rows of expert e, 2e + 1 its up rows (tiles.joined_gate_up_block)
+            return dict(w13=descriptor(gate_up_proj.view(E * 2, I, H), [2, c.block_n, c.block_k], flatten=False))
+        return dict(w13=descriptor(gate_up_proj, [c.block_n, c.block_k]) if tma else gate_up_proj)
+
     _launch_row_tiles(
-        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, x_ptr=x, w13=w13, b1_ptr=gate_up_bias,
+        _gate_up_fwd_kernel, cfg, num_rows, I, x.dtype, tile_m, weights, x_ptr=x, b1_ptr=gate_up_bias,
         h_ptr=h, a_ptr=a, row_to_token_ptr=row_to_token, row_to_tk_ptr=row_to_tk, tile_to_expert_ptr=tile_to_expert,
         H=H, I=I, stride_x_t=x.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_n=gate_up_proj.stride(1),
         stride_b1_e=_stride0(gate_up_bias), stride_h_r=h.stride(0), stride_a_r=a.stride(0), TMA=tma, ACT=activation,
@@ -416,8 +431,8 @@ def down_fwd(
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
-        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a,
-        w2=descriptor(down_proj, [cfg.block_n, cfg.block_k]) if tma else down_proj, b2_ptr=down_bias,
+        lambda c: dict(w2=descriptor(down_proj, [c.block_n, c.block_k]) if tma else down_proj),
+        a=descriptor(a, [cfg.block_m, cfg.block_k]) if tma else a, b2_ptr=down_bias,
         topk_weights_ptr=topk_weights, row_to_tk_ptr=row_to_tk, y_ptr=y, row_to_token_ptr=row_to_token,
         tile_to_expert_ptr=tile_to_expert, H=H, I=I,
         stride_a_r=a.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
@@ -465,8 +480,9 @@ def down_dgrad(
     d_a = torch.empty(num_rows, I, dtype=torch.float32, device=d_out.device)
     tma = tma_ok(cfg, down_proj)
     _launch_row_tiles(
-        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m, d_out_ptr=d_out,
-        w2=descriptor(down_proj, [cfg.block_k, cfg.block_n]) if tma else down_proj, d_a_ptr=d_a,
+        _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
+        lambda c: dict(w2=descriptor(down_proj, [c.block_k, c.block_n]) if tma else down_proj), d_out_ptr=d_out,
+        d_a_ptr=d_a,
         row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
         stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
     )
@@ -506,8 +522,8 @@ def gate_up_dgrad(
     tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
-        d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h,
-        w13=descriptor(gate_up_proj, [cfg.block_k, cfg.block_n]) if tma else gate_up_proj, d_x_rows_ptr=d_x_rows,
+        lambda c: dict(w13=descriptor(gate_up_proj, [c.block_k, c.block_n]) if tma else gate_up_proj),
+        d_h=descriptor(d_h, [cfg.block_m, cfg.block_k]) if tma and not by_pair else d_h, d_x_rows_ptr=d_x_rows,
         row_to_token_ptr=row_to_token, row_to_tk_ptr=d_h_row_to_pair, tile_to_expert_ptr=tile_to_expert, H=H, N1=N1,
         stride_d_h_r=d_h.stride(0), stride_w_e=gate_up_proj.stride(0), stride_w_j=gate_up_proj.stride(1),
         stride_d_x_r=d_x_rows.stride(0), TMA=tma, H_BY_PAIR=by_pair,
