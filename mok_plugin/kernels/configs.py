@@ -217,9 +217,10 @@ def spread_over_sms(cfg: MoKTileConfig, row_blocks: int, n_out: int, sms: int) -
 # A row GEMM's last column block, where the output's width leaves it mostly empty (gpt-oss-120b's
 # 2880 = 11 x 256 + 64, or 22 x 128 + 64 for fc1's halves): its MMAs run over the whole BLOCK_N all
 # the same, 1/12 of the work of three of its four row GEMMs for 64 of 2880 columns. Launched on its
-# own at a narrower tile, it costs about its width (v46, off until timed: `mok bench ab --set
-# mok_plugin.kernels.configs.SPLIT_COLUMN_TAIL=True`). The same bits: a tile's width changes none.
-SPLIT_COLUMN_TAIL = False
+# own at a narrower tile, it costs about its width (v46). gpt-oss-120b on an H100, three A/Bs:
+# fwd+bwd B/A 0.976-0.988, gate_up_dgrad -8 to -10 %, down_dgrad's GEMM -1 to -4 %, the forward's
+# two within their +-2 % noise; the same bits (a tile's width changes none).
+SPLIT_COLUMN_TAIL = True
 
 
 def column_tail(cfg: MoKTileConfig, n_out: int) -> MoKTileConfig | None:
