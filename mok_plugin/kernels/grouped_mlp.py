@@ -339,7 +339,7 @@ def _row_gemm_config(
 
 def _launch_row_tiles(
     kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int,
-    by_tile: Callable[[MoKTileConfig], dict] = lambda cfg: {}, **args,
+    by_tile: Callable[[MoKTileConfig], dict], **args,
 ) -> None:
     """Launch a row-tile kernel over (R_pad / BLOCK_M) x cdiv(n_out, BLOCK_N) tiles with config cfg;
     with SPLIT_COLUMN_TAIL, the last partial column block as a second launch at a narrower tile
@@ -482,9 +482,9 @@ def down_dgrad(
     _launch_row_tiles(
         _down_dgrad_gemm_kernel, cfg, num_rows, I, d_out.dtype, tile_m,
         lambda c: dict(w2=descriptor(down_proj, [c.block_k, c.block_n]) if tma else down_proj), d_out_ptr=d_out,
-        d_a_ptr=d_a,
-        row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I, stride_d_out_t=d_out.stride(0),
-        stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1), stride_d_a_r=d_a.stride(0), TMA=tma,
+        d_a_ptr=d_a, row_to_token_ptr=row_to_token, tile_to_expert_ptr=tile_to_expert, H=H, I=I,
+        stride_d_out_t=d_out.stride(0), stride_w_e=down_proj.stride(0), stride_w_h=down_proj.stride(1),
+        stride_d_a_r=d_a.stride(0), TMA=tma,
     )
     block_m = min(epi.block_m, cfg.block_m)
     if tile_m % block_m:
