@@ -335,6 +335,17 @@ def test_gate_up_joined_is_bitwise_two_accumulators(family, dtype, T, H, I, monk
     assert results[True][1][used].abs().sum() > 0  # not a vacuous comparison
 
 
+def _layer_inputs(T, H, I, E, K, dtype, seed):
+    """A skewed schedule, x, W13, W2, dO and fp32 routing weights for the row GEMMs, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    return s, x, w13, w2, d_out, torch.rand(T, K, generator=g).to(DEVICE)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + GPU_BF16)
 @pytest.mark.parametrize(
     "T, H, I",
@@ -350,13 +361,7 @@ def test_column_tail_launched_apart_gives_the_same_bits(dtype, T, H, I, monkeypa
     # tile. Every output sums its BLOCK_K steps in the same order at any tile width: the same bits
     # in all four row GEMMs, and each of them did split.
     E, K = 5, 2
-    g = torch.Generator().manual_seed(13)
-    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    s, x, w13, w2, d_out, topk_weights = _layer_inputs(T, H, I, E, K, dtype, seed=13)
     tails = []
     column_tail = grouped_mlp.column_tail
     monkeypatch.setattr(grouped_mlp, "column_tail", lambda cfg, n: tails.append(column_tail(cfg, n)) or tails[-1])
@@ -400,13 +405,7 @@ def test_down_dgrad_matches_float64(dtype):
     # I-block of the epilogue's width, in their slots; padding rows hold zeros in dh and w*A (the
     # weight gradients' TMA reads them whole).
     T, H, I, E, K = 50, 48, 72, 5, 2  # I = 72: three epilogue blocks of 32 in the interpreter, the last partial
-    g = torch.Generator().manual_seed(6)
-    s = build_schedule(crafted_routing(T, E, K, "skewed", g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    d_out = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    s, x, w13, w2, d_out, topk_weights = _layer_inputs(T, H, I, E, K, dtype, seed=6)
     w_rows = values_per_row(topk_weights, s.row_to_tk)  # the weight the kernel must read for each row
     h, _ = grouped_mlp.gate_up_fwd(x, w13, s.row_to_token, s.tile_to_expert, s.tile_m)
     routed = (topk_weights, s.row_to_tk, s.row_to_token, s.tile_to_expert, s.tile_m)
