@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok_plugin.kernels import wgrad_hopper
+from mok_plugin.kernels import rows_hopper, wgrad_hopper
 from mok_plugin.kernels.configs import (
     HOPPER_WGRAD_MIN_WIDTH,
     HOPPER_WGRAD_REPLACES,
@@ -337,6 +337,14 @@ def _row_gemm_config(
     return cfg, num_rows
 
 
+def _on_hopper_rows(
+    kernel: str, config: MoKTileConfig | None, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int
+) -> bool:
+    """Whether row GEMM `kernel` runs on rows_hopper's Gluon kernel: named in HOPPER_ROW_GEMMS, no
+    config asked for (a given config means the Triton kernel at that tile), and the kernel takes it."""
+    return kernel in HOPPER_ROW_GEMMS and config is None and rows_hopper.usable(rows, weights, out, tile_m)
+
+
 def _launch_row_tiles(
     kernel, cfg: MoKTileConfig, num_rows: int, n_out: int, dtype: torch.dtype, tile_m: int,
     by_tile: Callable[[MoKTileConfig], dict], **args,
@@ -428,6 +436,10 @@ def down_fwd(
     E, H, I = down_proj.shape
     cfg, num_rows = _row_gemm_config("down_fwd", H, row_to_token, tile_to_expert, tile_m, config)
     y = torch.empty(num_rows, H, dtype=a.dtype, device=a.device)
+    if _on_hopper_rows("down_fwd", config, a, down_proj, y, tile_m):
+        rows_hopper.row_gemm_hopper(a, down_proj, y, tile_to_expert, tile_m, b_k_major=True, down_bias=down_bias,
+                                    routing=(topk_weights, row_to_tk))  # fmt: skip
+        return y
     tma = tma_ok(cfg, a, down_proj)
     _launch_row_tiles(
         _down_fwd_kernel, cfg, num_rows, H, a.dtype, tile_m,
@@ -519,6 +531,9 @@ def gate_up_dgrad(
     cfg, num_rows = _row_gemm_config("gate_up_dgrad", H, row_to_token, tile_to_expert, tile_m, config)
     d_x_rows = torch.empty(num_rows, H, dtype=d_h.dtype, device=d_h.device)
     by_pair = d_h_row_to_pair is not None
+    if not by_pair and _on_hopper_rows("gate_up_dgrad", config, d_h, gate_up_proj, d_x_rows, tile_m):
+        rows_hopper.row_gemm_hopper(d_h, gate_up_proj, d_x_rows, tile_to_expert, tile_m, b_k_major=False)
+        return d_x_rows
     tma = tma_ok(cfg, gate_up_proj) if by_pair else tma_ok(cfg, d_h, gate_up_proj)
     _launch_row_tiles(
         _gate_up_dgrad_kernel, cfg, num_rows, H, d_h.dtype, tile_m,
@@ -768,6 +783,12 @@ SWEEP_KEEPS_ONE_STEP_LEFT = True
 # back): gate_up_fwd 6-7 % faster on qwen3-30b-a3b, olmoe and gpt-oss-120b, 0-1.5 % slower on
 # deepseek-v3, within 3 % elsewhere; the same bits.
 JOIN_GATE_UP = True
+
+# The row GEMMs whose operands are whole rows, fc2's forward ("down_fwd") and fc1's dgrad of dh per row
+# ("gate_up_dgrad"), that run on the persistent, warp-specialised Gluon kernel on Hopper (v47,
+# kernels/rows_hopper.py) where it takes them and no config is given; the same bits as the Triton
+# kernels. Off until timed (`mok bench ab --set "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd',)"`).
+HOPPER_ROW_GEMMS: tuple[str, ...] = ()
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)

@@ -1,0 +1,306 @@
+"""fc2's forward and fc1's dgrad on Hopper as a warp-specialised, persistent Gluon kernel (v47).
+
+out[r] = A[r] @ B_e for the rows r of expert e, both operands read whole by TMA: A the rows in
+schedule order ([R_pad, K]: fc2's forward reads the activation A, fc1's dgrad reads dh), B the
+expert's weight flattened to 2-D (W2 [E * H, I], K-major; W13 [E * N1, H], N-major). The gathered-row
+GEMMs (fc1's forward, fc2's dgrad: rows of x and dO by token) stay on Triton: TMA cannot gather rows
+on Hopper.
+
+Why: these GEMMs are short in K at the named shapes (qwen3-30b-a3b's fc2: I = 768, 12 K steps a
+tile), and Triton 3.6 neither warp-specialises nor overlaps a tile's epilogue with the next tile on
+Hopper: its row GEMMs ran at 474-589 TFLOP/s against a dense GEMM of ~690 on an H100 (session 54).
+Here, as `wgrad_hopper` does for the weight gradients (the same ring, loader and schedules): one
+loader warp streams both operands through TMA into a ring of stages, running ahead across tiles, and
+the MMA warpgroups hand each finished tile to an asynchronous TMA store; under the ping-pong schedule
+one warpgroup's epilogue runs under the other's MMAs.
+
+Determinism: each output tile has one owner that sums K in ascending BLOCK_K steps into one fp32
+accumulator, then applies fc2's epilogue with the Triton kernel's expressions (`tiles.down_tile`:
+`+ b2[e]`, `* topk_weights[row_to_tk[r]]`), so the result is meant to be bitwise the Triton
+kernels' (tests/test_rows_hopper.py checks it on the GPU). Past K's end both operands' TMA blocks
+are zero-filled (A's columns; or B's rows belong to the next expert, multiplied by A's zeros), as in
+the Triton kernels' TMA path. Padding rows inside a tile are stored as zeros (the Triton kernels
+leave them; nothing reads them); row blocks of padding (tile_to_expert < 0) are neither computed nor
+stored.
+
+Off until timed: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_plugin.kernels.launch import cdiv, sm_count
+from mok_plugin.kernels.wgrad_hopper import (
+    BLOCK_K,
+    BLOCK_M,
+    LOADER_REGS,
+    LOADER_WARPS,
+    MAX_REGS,
+    PINGPONG_MMA_REGS,
+    SCHEDULES,
+    _layout,
+    gluon,
+    tma_rows,
+)
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mok_plugin.kernels.wgrad_hopper import store_tile
+
+__all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
+
+SCHEDULE = "pingpong"  # one of wgrad_hopper.SCHEDULES (the same stages and registers fit: 48 or 32 KiB a stage)
+
+
+def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int) -> bool:
+    """Whether the kernel takes this GEMM: rows [R_pad, K] and out [R_pad, N] TMA can read and write,
+    weights [E, ., .] contiguous (read flattened to 2-D), the schedule's row blocks whole tiles."""
+    return weights.is_contiguous() and tile_m % BLOCK_M == 0 and tma_rows(rows, weights.flatten(0, 1), out)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def row_tile(t, tile_to_expert_ptr, N, tile_m, BM: gl.constexpr, BN: gl.constexpr):
+        """(expert, m0, n0) of row tile t, column blocks fastest (the row block's A stays in L2 while
+        its columns are swept; the programs in flight cover a few experts' weights); expert < 0: a row
+        block of padding."""
+        tiles_n = gl.cdiv(N, BN)
+        m0 = (t // tiles_n) * BM
+        expert = gl.load(tile_to_expert_ptr + m0 // tile_m).to(gl.int32)
+        return expert, m0, (t % tiles_n) * BN
+
+    @gluon.jit
+    def rows_loader(a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN: gl.constexpr,
+                    B_K_MAJOR: gl.constexpr):  # fmt: skip
+        """Every K step of this program's tiles into the ring: A at (m0, k), B at (e * N + n0, k)
+        (K-major) or (e * K + k, n0) (N-major); a block past N or K reads the next expert's rows,
+        which the store clips or A's zero-filled columns cancel."""
+        a_bufs, b_bufs = bufs
+        ready, empty = bars[0], bars[1]
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        k_steps = gl.cdiv(K, BK)
+        p = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            steps = gl.where(expert >= 0, k_steps, 0)
+            for s in range(steps):
+                idx = p % S
+                mbarrier.wait(empty.index(idx), ((p // S) & 1) ^ 1)  # first round passes at once
+                mbarrier.expect(ready.index(idx), nbytes)
+                k = s * BK
+                tma.async_copy_global_to_shared(a_desc, [m0, k], ready.index(idx), a_bufs.index(idx))
+                if B_K_MAJOR:
+                    tma.async_copy_global_to_shared(b_desc, [expert * N + n0, k], ready.index(idx), b_bufs.index(idx))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [expert * K + k, n0], ready.index(idx), b_bufs.index(idx))
+                p += 1
+
+    @gluon.jit
+    def rows_accumulate(acc, bufs, bars, c, steps, B_K_MAJOR: gl.constexpr):
+        """acc plus a tile's `steps` K steps from the ring's positions c, c + 1, ...: async wgmma with
+        at most one in flight, each stage freed once the MMA after it is issued (wgrad_hopper.accumulate
+        with A [BM, BK] as it is and B as the weights lie)."""
+        a_bufs, b_bufs = bufs
+        ready, empty = bars[0], bars[1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        for s in range(steps):
+            idx = (c + s) % S
+            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
+            if B_K_MAJOR:
+                acc = warpgroup_mma(a_bufs.index(idx), b_bufs.index(idx).permute((1, 0)), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(idx), b_bufs.index(idx), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous stage's MMA is done: free it
+            mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
+        return acc
+
+    @gluon.jit
+    def finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS: gl.constexpr,
+                    ROUTING: gl.constexpr):  # fmt: skip
+        """fc2's epilogue where asked, as `tiles.down_tile` computes it (`acc += b2[e]`, then `acc *
+        w_r`; padding rows, row_to_tk < 0, to zeros), then out by an asynchronous TMA store that
+        clips at R and N."""
+        num_warps: gl.constexpr = gl.num_warps()
+        compact: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        layout: gl.constexpr = acc.type.layout
+        if BIAS:
+            bias_ptr, stride_bias_e = epilogue[0], epilogue[1]
+            ns = n0 + gl.arange(0, acc.type.shape[1], layout=compact)
+            b2 = gl.load(bias_ptr + expert * stride_bias_e + ns, mask=ns < N, other=0.0)
+            acc += gl.convert_layout(b2, gl.SliceLayout(0, layout)).to(gl.float32)[None, :]
+        if ROUTING:
+            topk_weights_ptr, row_to_tk_ptr = epilogue[2], epilogue[3]
+            ms = m0 + gl.arange(0, acc.type.shape[0], layout=compact)
+            tk = gl.load(row_to_tk_ptr + ms, mask=ms < M, other=-1)
+            w = gl.convert_layout(gl.load(topk_weights_ptr + tk, mask=tk >= 0, other=0.0), gl.SliceLayout(1, layout))
+            routed = gl.convert_layout(tk.to(gl.int32), gl.SliceLayout(1, layout)) >= 0
+            acc = gl.where(routed[:, None], acc * w[:, None], 0.0)
+        store_tile(out_desc, c_smem, acc, expert * 0, m0, n0)  # out_desc: the rows as [1, R, N]
+
+    @gluon.jit
+    def rows_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
+                        B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr,
+                        num_warps: gl.constexpr):  # fmt: skip
+        """The cooperative schedule: all MMA warps on each tile's accumulator."""
+        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, BN] blocks
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        BK: gl.constexpr = bufs[0].type.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+        )
+        k_steps = gl.cdiv(K, BK)
+        c = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            if expert >= 0:
+                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                acc = rows_accumulate(acc, bufs, bars, c, k_steps, B_K_MAJOR)
+                finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
+                c += k_steps
+        tma.store_wait(0)
+
+    @gluon.jit
+    def rows_pingpong_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
+                                 B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr,
+                                 WHICH: gl.constexpr):  # fmt: skip
+        """The ping-pong schedule: one of two MMA warpgroups taking this program's non-padding tiles in
+        turn (wgrad_hopper.pingpong_multiplier: main loops taking turns on the `turn` barriers, since
+        a stage's ready barrier is waited on by parity)."""
+        turn = bars[2]
+        BM: gl.constexpr = out_desc.block_type.shape[1]
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        BK: gl.constexpr = bufs[0].type.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])  # fmt: skip
+        k_steps = gl.cdiv(K, BK)
+        c = 0
+        i = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            if expert >= 0:
+                if i % 2 == WHICH:
+                    k = i // 2
+                    mbarrier.wait(turn.index(WHICH), (k & 1) ^ (1 - WHICH))
+                    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                    acc = rows_accumulate(acc, bufs, bars, c, k_steps, B_K_MAJOR)
+                    mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's main loop may start
+                    finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
+                c += k_steps
+                i += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def rows_ring(a_desc, b_desc, STAGES: gl.constexpr):
+        """The operands' shared-memory stages and their ready and empty barriers."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return (a_bufs, b_bufs), (ready, empty)
+
+    @gluon.jit
+    def _rows_kernel(
+        a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        bufs, bars = rows_ring(a_desc, b_desc, STAGES)
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        gl.warp_specialize(
+            [
+                (rows_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars,
+                                   c_smem, B_K_MAJOR, BIAS, ROUTING, num_warps)),
+                (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
+                               B_K_MAJOR)),
+            ],  # fmt: skip
+            [LOADER_WARPS],
+            [LOADER_REGS],
+        )
+
+    @gluon.jit
+    def _rows_pingpong_kernel(
+        a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    ):  # fmt: skip
+        BN: gl.constexpr = out_desc.block_type.shape[2]
+        bufs, bars = rows_ring(a_desc, b_desc, STAGES)
+        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        turns = (bars[0], bars[1], turn)
+        gl.warp_specialize(
+            [
+                (rows_pingpong_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
+                                            turns, c0_smem, B_K_MAJOR, BIAS, ROUTING, 0)),
+                (rows_pingpong_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
+                                            turns, c1_smem, B_K_MAJOR, BIAS, ROUTING, 1)),
+                (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
+                               B_K_MAJOR)),
+            ],  # fmt: skip
+            [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
+            [MMA_REGS, LOADER_REGS],
+        )
+
+
+def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: bool, routing: bool) -> tuple:
+    """(the Gluon kernel, its constexprs, launch options) for this operand dtype, schedule and
+    epilogue: what `row_gemm_hopper` passes and what `mok bench inspect` compiles without a GPU."""
+    plan = SCHEDULES[schedule]
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, STAGES=plan.stages,
+                      C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), LOADER_WARPS=LOADER_WARPS,
+                      LOADER_REGS=LOADER_REGS)  # fmt: skip
+    if plan.pingpong:
+        return _rows_pingpong_kernel, constexprs | {"MMA_REGS": PINGPONG_MMA_REGS}, plan
+    return _rows_kernel, constexprs, plan
+
+
+def row_gemm_hopper(
+    rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_to_expert: torch.Tensor, tile_m: int, *,
+    b_k_major: bool, down_bias: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    schedule: str | None = None,
+) -> None:  # fmt: skip
+    """out [R_pad, N] = rows[r] @ B_e for the rows r of expert e (tile_to_expert per tile_m rows):
+    weights [E, N, K] read as B_e^T (b_k_major: W2) or [E, K, N] as B_e (W13); with down_bias (b2
+    [E, N]) and routing (topk_weights fp32, row_to_tk), fc2's epilogue (acc + b2[e]) * w_r. Row blocks
+    of padding are left as they are, padding rows in a tile get zeros. Call only where `usable`."""
+    R, N = out.shape
+    K = rows.shape[1]
+    if R == 0 or N == 0:
+        return
+    kernel, constexprs, plan = kernel_arguments(rows.dtype, schedule or SCHEDULE, b_k_major, down_bias is not None,
+                                                routing is not None)  # fmt: skip
+    element = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t: torch.Tensor, block: tuple[int, ...]):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
+
+    flat = weights.flatten(0, 1)
+    b_block = (plan.block_n, BLOCK_K) if b_k_major else (BLOCK_K, plan.block_n)
+    topk, row_to_tk = routing if routing is not None else (out, out)  # not read without the epilogue
+    epilogue = (down_bias if down_bias is not None else out, 0 if down_bias is None else down_bias.stride(0), topk,
+                row_to_tk)  # fmt: skip
+    num_tiles = R // BLOCK_M * cdiv(N, plan.block_n)
+    grid = (min(num_tiles, sm_count(out.device.index)),)
+    kernel[grid](
+        desc(rows, (BLOCK_M, BLOCK_K)), desc(flat, b_block), desc(out.unsqueeze(0), (1, BLOCK_M, plan.block_n)),
+        tile_to_expert, epilogue, R, N, K, tile_m, num_tiles, num_warps=plan.num_warps, maxnreg=MAX_REGS,
+        **constexprs,
+    )  # fmt: skip

@@ -1,0 +1,95 @@
+"""fc2's forward and fc1's dgrad on Hopper's Gluon row kernel (kernels/rows_hopper.py, v47): on an sm_90
+GPU, bitwise the Triton kernels' rows (so ranks and processes that take either agree), repeatable,
+padding rows inside a tile stored as zeros even where A holds NaN there; elsewhere never chosen."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton backend needs triton")
+
+from triton_cases import DEVICE, crafted_routing, hopper_only  # noqa: E402
+
+from mok_plugin.kernels import grouped_mlp, rows_hopper, wgrad_hopper  # noqa: E402
+from mok_plugin.kernels.configs import kernel_config  # noqa: E402
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule  # noqa: E402
+
+SHAPES = [
+    pytest.param((700, 576, 320, 6, 2, "uniform"), id="partial_column_block"),  # 576 = 4.5 x 128, 2.25 x 256
+    pytest.param((512, 384, 200, 16, 2, "skewed"), id="K_tail_and_empty_experts"),  # I = 200: 3 x 64 + 8
+    pytest.param((2048, 1024, 768, 8, 4, "uniform"), id="qwen3_like"),
+]
+
+
+def _operands(T, H, I, E, K, kind, dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    schedule = build_schedule(crafted_routing(T, E, K, kind, g).to(DEVICE), E, tile_m=DEFAULT_TILE_M)
+    rows = schedule.row_to_token.shape[0]
+    padding = schedule.row_to_token < 0
+    a = torch.randn(rows, I, generator=g).to(DEVICE, dtype)
+    a[padding] = float("nan")  # gate_up_fwd leaves A's padding rows unwritten: anything may be there
+    d_h = torch.randn(rows, 2 * I, generator=g).to(DEVICE, dtype)
+    d_h[padding] = 0  # down_dgrad writes zeros on dh's padding rows
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    b2 = torch.randn(E, H, generator=g).to(DEVICE, dtype)
+    topk_weights = torch.rand(T, K, generator=g).to(DEVICE)
+    return schedule, a, d_h, w2, w13, b2, topk_weights
+
+
+@pytest.fixture(params=list(wgrad_hopper.SCHEDULES))
+def gluon_calls(request, monkeypatch):
+    """Both row GEMMs on the Gluon kernel under one schedule; its launches counted."""
+    calls = []
+    launch = rows_hopper.row_gemm_hopper
+    monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd", "gate_up_dgrad"))
+    monkeypatch.setattr(rows_hopper, "SCHEDULE", request.param)
+    monkeypatch.setattr(rows_hopper, "row_gemm_hopper", lambda *a, **k: calls.append(k["b_k_major"]) or launch(*a, **k))
+    return calls
+
+
+def _down_fwd(s, a, w2, topk_weights, b2, config=None):
+    return grouped_mlp.down_fwd(a, w2, topk_weights, s.row_to_tk, s.row_to_token, s.tile_to_expert, s.tile_m, config,
+                                down_bias=b2)  # fmt: skip
+
+
+def _gate_up_dgrad(s, d_h, w13, config=None):
+    return grouped_mlp.gate_up_dgrad(d_h, w13, s.row_to_token, s.tile_to_expert, s.tile_m, config)
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hopper_rows_are_bitwise_the_triton_kernels(shape, bias, dtype, gluon_calls):
+    s, a, d_h, w2, w13, b2, topk_weights = _operands(*shape, dtype)
+    b2 = b2 if bias else None
+    used = s.row_to_token >= 0
+    y = _down_fwd(s, a, w2, topk_weights, b2)
+    d_x = _gate_up_dgrad(s, d_h, w13)
+    assert gluon_calls == [True, False], "the Gluon kernel did not run both GEMMs"
+    assert torch.equal(y, _down_fwd(s, a, w2, topk_weights, b2)), "down_fwd not bitwise repeatable"
+    assert torch.equal(d_x, _gate_up_dgrad(s, d_h, w13)), "gate_up_dgrad not bitwise repeatable"
+    H = w2.shape[1]
+    triton_y = _down_fwd(s, a, w2, topk_weights, b2, kernel_config("down_fwd", H))
+    triton_d_x = _gate_up_dgrad(s, d_h, w13, kernel_config("gate_up_dgrad", H))
+    assert torch.equal(y[used], triton_y[used]), "down_fwd differs from the Triton kernel"
+    assert torch.equal(d_x[used], triton_d_x[used]), "gate_up_dgrad differs from the Triton kernel"
+    assert y[used].isfinite().all() and y[used].abs().sum() > 0  # not a vacuous comparison
+    # padding rows inside the row blocks of experts: zeros, though A holds NaN there
+    blocks = s.tile_to_expert.repeat_interleave(s.tile_m) >= 0
+    padding = ~used & blocks
+    assert padding.any() and not y[padding].any() and not d_x[padding].any()
+
+
+def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
+    # The switch on, the Gluon kernel still needs an sm_90 GPU; and a config asks for the Triton kernel.
+    monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd", "gate_up_dgrad"))
+    monkeypatch.setattr(rows_hopper, "row_gemm_hopper", lambda *a, **k: pytest.fail("the Gluon kernel ran"))
+    s, a, d_h, w2, w13, b2, topk_weights = _operands(50, 64, 40, 4, 2, "uniform", torch.float32)
+    a = a.nan_to_num()
+    y = _down_fwd(s, a, w2, topk_weights, b2)  # fp32 (and off Hopper): never the Gluon kernel
+    assert y.shape == (s.row_to_token.shape[0], 64)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        x16 = a.to(torch.bfloat16), w2.to(torch.bfloat16)
+        _down_fwd(s, *x16, topk_weights, None, kernel_config("down_fwd", 64))
