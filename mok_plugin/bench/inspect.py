@@ -38,6 +38,7 @@ __all__ = [
     "compile_fp8_hopper",
     "compile_gluon_for_hopper",
     "compile_jit_for_hopper",
+    "compile_rows_hopper",
     "compile_wgrad_hopper",
     "main",
     "pipeline_report",
@@ -209,6 +210,27 @@ def compile_wgrad_hopper(schedule: str = "cooperative"):
         kernel, descriptors, {"offsets_ptr": "*i64", "counts_ptr": "*i64"}, ("M", "N", "num_tiles"), constexprs,
         {"num_warps": plan.num_warps, "maxnreg": wh.MAX_REGS},
     )  # fmt: skip
+
+
+def compile_rows_hopper(schedule: str = "pingpong", b_k_major: bool = True, bias: bool = False, routing: bool = True):
+    """The Gluon row-GEMM kernel (kernels/rows_hopper.py) under one of wgrad_hopper's SCHEDULES, its
+    weights K-major (fc2's forward, with its epilogue's bias and routing weights where asked) or
+    N-major (fc1's dgrad), compiled for sm_90 as its launcher specialises a bf16 call. Needs Triton's
+    Gluon (ImportError without it)."""
+    from triton.experimental.gluon import language as gl
+
+    from mok_plugin.kernels import rows_hopper as rh
+    from mok_plugin.kernels import wgrad_hopper as wh
+
+    kernel, constexprs, plan = rh.kernel_arguments(torch.bfloat16, schedule, b_k_major, bias, routing)
+    blocks = {"a_desc": (rh.BLOCK_M, rh.BLOCK_K), "out_desc": (1, rh.BLOCK_M, plan.block_n),
+              "b_desc": (plan.block_n, rh.BLOCK_K) if b_k_major else (rh.BLOCK_K, plan.block_n)}  # fmt: skip
+    descriptors = {name: ("bf16", block, wh._layout(block, gl.bfloat16)) for name, block in blocks.items()}
+    if not plan.pingpong:
+        constexprs |= {"num_warps": plan.num_warps}
+    pointers = {"tile_to_expert_ptr": "*i64", "epilogue": ("*bf16", "i32", "*fp32", "*i64")}
+    return compile_gluon_for_hopper(kernel, descriptors, pointers, ("M", "N", "K", "tile_m", "num_tiles"), constexprs,
+                                    {"num_warps": plan.num_warps, "maxnreg": wh.MAX_REGS})  # fmt: skip
 
 
 def _fp8_descriptors(blocks: dict) -> dict:

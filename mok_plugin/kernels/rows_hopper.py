@@ -260,8 +260,8 @@ if gluon is not None:
 
 
 def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: bool, routing: bool) -> tuple:
-    """(the Gluon kernel, its constexprs, launch options) for this operand dtype, schedule and
-    epilogue: what `row_gemm_hopper` passes and what `mok bench inspect` compiles without a GPU."""
+    """(the Gluon kernel, its constexprs, the schedule's plan) for this operand dtype, schedule and
+    epilogue: what `row_gemm_hopper` launches and what `mok bench inspect` compiles without a GPU."""
     plan = SCHEDULES[schedule]
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, STAGES=plan.stages,
