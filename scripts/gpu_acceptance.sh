@@ -38,8 +38,9 @@
 #              (`candidates`: bench ab's arguments, --override or --set each). Edit the lists as switches and
 #              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
 #              removed, and the candidates below but one; session 52 the rest; session 54 timed v45,
-#              removed; the switch list is empty).
-#              Candidates now: a null A/B only (the method's check). The host-bound eager parts (perf-small,
+#              removed; session 55 wrote v47 and timed it in part: the switch list holds it).
+#              Candidates now: a null A/B (the method's check), then v47 at qwen3-30b-a3b under graphs (the
+#              GPU's time) and eager on six coarse shapes (~100 s each: a call of their own). The host-bound eager parts (perf-small,
 #              perf-host, untimed-all-eager) run with --no-clock: no nvidia-smi process beside a timing that is
 #              the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -81,8 +82,11 @@ if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed
     exit 2
 fi
 summary=()
-# The switches written without a GPU and off until timed (the untimed part).
-untimed_switches=()
+# The switches written without a GPU and off until timed (the untimed part). v47 (session 55): fc2's forward and
+# fc1's dgrad on the Gluon row kernel; bitwise on an H100, its kernels 12 % faster on qwen3-30b-a3b, the eager
+# layer not (BENCHMARKS.md, "v47"): timed again below, under graphs and eager, on the coarse shapes too.
+v47="mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')"
+untimed_switches=("$v47")
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
 # sets `spread` to N workers, sized for the H200's 141 GB, half of them on a GPU under 100 GB (12 ran an
@@ -176,7 +180,7 @@ for part in "${parts[@]}"; do
             spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
-                -k "sweep or compact or per_pair or pair_map or on_the_gpu"
+                tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows"
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()
@@ -204,7 +208,10 @@ for part in "${parts[@]}"; do
             # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates, none now (session 52 timed the
             # forward's loads before the TMA pin on five shapes: the pin stays).
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
-            candidates=("--shape deepseek-v3 $null")
+            candidates=("--shape deepseek-v3 $null" "--shape qwen3-30b-a3b --graphs --set $v47")
+            for shape in qwen3-30b-a3b olmoe gpt-oss-120b mixtral-8x7b deepseek-v3 8192,3000,1000,160,6; do
+                candidates+=("--shape $shape --set $v47")
+            done
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
