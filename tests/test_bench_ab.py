@@ -173,3 +173,24 @@ def test_the_ab_tags_its_rounds_and_profiles_by_side_and_reports_the_clocks():
     a, b = result["clocks"]["A"], result["clocks"]["B"]
     assert f"A {a['sm_mhz']:.0f} MHz {a['watts']:.0f} W (5 samples), B {b['sm_mhz']:.0f} MHz" in report
     assert "SM clock and power" not in ab.format_report("tiny", "uniform", "X=1", dict(result, clocks={}), ["output"])
+
+
+def test_host_issue_time_per_side_where_asked():
+    # With a host timer (eager calls), each side's median host time to issue a call, measured under
+    # that side after the rounds, and a report line; without one (graph replays), neither.
+    state = {"b": False}
+    sides = []
+
+    def host_timer(fn, iters):
+        sides.append(("B" if state["b"] else "A", iters))
+        return [3.0, 1.0, 2.0] if state["b"] else [0.5, 0.4, 0.6]
+
+    common = dict(rounds=1, iters=3, settle_s=0.0, timer=lambda fn, iters, settle_s: [1.0] * iters, profile=False)
+    result = ab.run_ab(lambda: [torch.ones(2)], flag_side(state), host_timer=host_timer, **common)
+    assert sides == [("A", 3), ("B", 3)]
+    assert result["a_host_ms"] == 0.5 and result["b_host_ms"] == 2.0
+    assert "host time to issue a call (GPU kept busy ahead): A 0.500 ms, B 2.000 ms" in ab.format_report(
+        "tiny", "uniform", "X=1", result, ["output"]
+    )
+    plain = ab.run_ab(lambda: [torch.ones(2)], flag_side(state), **common)
+    assert "a_host_ms" not in plain and "host time" not in ab.format_report("tiny", "uniform", "X=1", plain, ["output"])

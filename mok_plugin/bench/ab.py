@@ -3,7 +3,9 @@ module attributes set or pinned tile configs replaced (B), alternated round by r
 inputs so that both see the same clock drift; each kernel's GPU time from profiles in A B B A B A A B
 order (the mean of each side's four, each profile settled as the first round is); the SM clock and
 power draw while each side ran (`bench/clocks.py`: a side can read slower because it ran at a lower clock);
-and whether B gives A's bits.
+eager, each side's host time to issue a call with the GPU busy ahead (`timing.host_issue_ms`: where it
+nears the call's time, the host bounds it, as the GPU kernels' sum falling while the call does not
+suggested for v47, BENCHMARKS.md); and whether B gives A's bits.
 
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp
@@ -35,7 +37,7 @@ from mok_plugin.bench.families import EXPERT_FAMILIES, shapes_it_cannot_take
 from mok_plugin.bench.layer import time_graph_replay
 from mok_plugin.bench.providers import fwd_bwd, make_inputs, provider_mok, result_names
 from mok_plugin.bench.report import run_metadata
-from mok_plugin.bench.timing import time_ms
+from mok_plugin.bench.timing import host_issue_ms, time_ms
 from mok_plugin.bench.tuning import Setting, changed, parse_overrides, parse_setting, tile_config_label
 from mok_plugin.testing import parse_shape
 
@@ -75,6 +77,7 @@ def run_ab(
     timer: Callable[..., list[float]] = time_ms,
     profiler: Callable[..., tuple[list[dict], dict]] = kernel_breakdown,
     clock: ClockLog | None = None,
+    host_timer: Callable[..., list[float]] | None = None,
 ) -> dict:
     """Time `work` as is (A) and inside `b_side()` (B), rounds of each in A B, B A, A B ... order
     (the median of `iters` calls a round, the first round settled `settle_s` after as long again of
@@ -83,13 +86,15 @@ def run_ab(
     `settle_s`, each kernel's mean over its side's profiles kept (the order's drift cancels); and B's
     results against A's, bitwise. A running `clock` samples under side "A" or "B" through the
     rounds, under "A profile N" (N counting from 1 in order) through each profile, and under
-    "warm-up" through the first.
+    "warm-up" through the first. With `host_timer` (eager calls), each side's host time to issue a call
+    (`timing.host_issue_ms`), the median of `iters`, after the rounds.
 
     Returns:
         {"a_ms": [per round], "b_ms": [...], "a_kernels": {kernel: ms}, "b_kernels": {...},
          "profiles": [{"side" ("A", "B" or "warm-up"), "ms" (its kernels' sum), "clock" (its summary
                        entry or None)}, in order],
-         "bitwise": [per result tensor: B equal to A], "clocks": {side: summary entry} or {}}
+         "bitwise": [per result tensor: B equal to A], "clocks": {side: summary entry} or {},
+         "a_host_ms", "b_host_ms": the host's issue time a call (with host_timer only)}
     """
 
     @contextlib.contextmanager
@@ -109,6 +114,10 @@ def run_ab(
             with side(is_b):
                 samples = timer(work, iters, settle_s=settle_s if r == 0 else min(settle_s, LATER_SETTLE_S))
             times[is_b].append(statistics.median(samples))
+    host = {}
+    for is_b in (False, True) if host_timer else ():
+        with side(is_b, timed=False):
+            host[is_b] = statistics.median(host_timer(work, iters))
     profiled: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     profiles = []
     last_side = "A" if rounds % 2 == 0 else "B"
@@ -126,9 +135,10 @@ def run_ab(
         entry["clock"] = summary.get(label)
     kernels = {is_b: {name: statistics.fmean(ms) for name, ms in by_name.items()} for is_b, by_name in profiled.items()}
     bitwise = [torch.equal(a, b) for a, b in zip(first[False], first[True], strict=True)]
+    hosts = {"a_host_ms": host[False], "b_host_ms": host[True]} if host else {}
     return {"a_ms": times[False], "b_ms": times[True], "a_kernels": kernels[False], "b_kernels": kernels[True],
             "profiles": profiles, "bitwise": bitwise,
-            "clocks": clock.summary(group=side_of) if clock else {}}  # fmt: skip
+            "clocks": clock.summary(group=side_of) if clock else {}, **hosts}  # fmt: skip
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -186,16 +196,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     b_label = ", ".join([str(s) for s in settings] + [f"{k}={tile_config_label(c)}" for k, c in overrides.items()])
     inputs = make_inputs(shape, args.routing, args.seed, family=family)
     run = provider_mok("multi_kernel")(inputs, shape, family)
-    timer = time_ms
+    timer, host_timer = time_ms, host_issue_ms
     if args.graphs:  # captured inside each side: which kernels run is decided on the host at capture
 
         def timer(work, iters, settle_s):
             return time_graph_replay(run, inputs, iters, settle_s)
 
+        host_timer = None  # a replay's host time is the graph launch's
+
     clock = clock_log(enabled=not args.no_clock)
     with running(clock):
         result = run_ab(lambda: fwd_bwd(run, inputs), lambda: changed(settings, overrides), args.rounds, args.iters,
-                        args.settle_s, profile=not args.no_profile, timer=timer, clock=clock)  # fmt: skip
+                        args.settle_s, profile=not args.no_profile, timer=timer, clock=clock,
+                        host_timer=host_timer)  # fmt: skip
     timed = "fwd+bwd replayed from a CUDA graph" if args.graphs else "fwd+bwd"
     print(format_report(args.shape, args.routing, b_label, result, result_names(family), timed))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -222,6 +235,11 @@ def format_report(
             lines.append(f"  {short_kernel_name(name):<56} {x:8.3f} {y:8.3f} {y / x if x else float('nan'):6.3f}")
         sa, sb = sum(ka.values()), sum(kb.values())
         lines.append(f"  {'sum':<56} {sa:8.3f} {sb:8.3f} {sb / sa if sa else float('nan'):6.3f}")
+    if "a_host_ms" in result:
+        lines.append(
+            f"  host time to issue a call (GPU kept busy ahead): A {result['a_host_ms']:.3f} ms, "
+            f"B {result['b_host_ms']:.3f} ms (a call bounded by the host where this reaches its time)"
+        )
     if profiles := result.get("profiles"):
         lines.append("  profiles in order, the kernels' sum (ms) at the mean SM clock: " + ", ".join(
             f"{p['side']} {p['ms']:.3f}" + (f" @ {p['clock']['sm_mhz']:.0f} MHz" if p["clock"] else "")

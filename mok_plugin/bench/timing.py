@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SETTLE_S", "settle", "slowest_rank_median", "summarize", "time_ms"]
+__all__ = ["SETTLE_S", "host_issue_ms", "settle", "slowest_rank_median", "summarize", "time_ms"]
 
 # The H200 holds its 700 W cap by lowering the SM clock under sustained load (1980 MHz after an
 # idle spell, mostly 1440-1650 MHz once loaded), so work timed in its first calls after idle runs fast:
@@ -59,6 +59,23 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3, settle_s: flo
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return times
+
+
+def host_issue_ms(fn: Callable[[], object], iters: int, cover_s: float = 0.5) -> list[float]:
+    """The host's milliseconds to issue each of `iters` calls of `fn`, the GPU kept busy ahead of them
+    (a sleep kernel of about `cover_s` queued first) so that no call waits for it: the host's own time
+    a call, which bounds an eager call where it reaches the GPU's (and takes in the sleep, where a
+    call synchronises).
+    """
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(cover_s * 2e9))  # cycles: cover_s or more at up to 2 GHz
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
     return times
 
 
