@@ -30,7 +30,7 @@ eager forward + backward did not follow (B/A 1.008: the GPU idled 0.4 ms more a 
 explained: `mok bench ab` now reports each side's host time, and `--graphs` the GPU's). Ping-pong
 lost: 2.41 ms there, and 30 % / 88 % over Triton on deepseek-v3's dimensions and gpt-oss-120b, whose
 32-45 K steps a tile leave one warpgroup's MMAs waiting on the other's turn (it pays only where tiles
-are a few steps, as the weight gradients' are). A first version of fc2's forward alone (session 24,
+are a few steps, as the weight gradients' are). A first version of fc2's forward alone (8ea86d9,
 never merged) was 4-8 % faster than Triton on three shapes (BENCHMARKS.md, "the Gluon row GEMMs").
 """
 
