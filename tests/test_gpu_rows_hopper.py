@@ -7,7 +7,14 @@ import torch
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from triton_cases import DEVICE, crafted_routing, hopper_only, outside_the_interpreter  # noqa: E402
+from triton_cases import (  # noqa: E402
+    DEVICE,
+    ON_HOPPER,
+    WGMMA_PER_STEP,
+    crafted_routing,
+    gluon_sm90_report,
+    hopper_only,
+)
 
 from mok_plugin.kernels import grouped_mlp, rows_hopper, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import kernel_config  # noqa: E402
@@ -90,15 +97,9 @@ def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
     a = a.nan_to_num()
     y = _down_fwd(s, a, w2, topk_weights, b2)  # fp32 (and off Hopper): never the Gluon kernel
     assert y.shape == (s.row_to_token.shape[0], 64)
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+    if ON_HOPPER:
         x16 = a.to(torch.bfloat16), w2.to(torch.bfloat16)
         _down_fwd(s, *x16, topk_weights, None, kernel_config("down_fwd", 64))
-
-
-# Each K step's wgmma per warpgroup: the cooperative schedule's two warpgroups each 64 rows of a
-# 128 x 256 tile (4 of m64n256k16 in one function); each ping-pong warpgroup a whole 128 x 128 tile
-# (8 of m64n128k16 in each of its two functions).
-WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16)}
 
 
 @pytest.mark.parametrize("epilogue", [(True, False, True), (True, True, True), (False, False, False)],
@@ -109,13 +110,7 @@ def test_hopper_rows_compile_for_sm90_without_a_gpu(schedule, epilogue):
     # within Hopper's 227 KiB of shared memory, nothing spilled, the wgmma its tiles need.
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     shape, count = WGMMA_PER_STEP[schedule]
-    code = (
-        "from mok_plugin.bench.inspect import compile_rows_hopper, resource_usage\n"
-        f"k = compile_rows_hopper({schedule!r}, *{epilogue!r})\n"
-        f"wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.{shape}')\n"
-        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
-    )
-    shared, registers, stack, wgmma = map(int, outside_the_interpreter("-c", code).split()[-4:])
+    shared, registers, stack, wgmma = gluon_sm90_report(f"compile_rows_hopper({schedule!r}, *{epilogue!r})", shape)
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= wgrad_hopper.MAX_REGS

@@ -8,7 +8,13 @@ import torch
 
 pytest.importorskip("triton", reason="the triton backend needs triton")
 
-from triton_cases import ON_HOPPER, crafted_routing, hopper_only, outside_the_interpreter  # noqa: E402
+from triton_cases import (  # noqa: E402
+    ON_HOPPER,
+    WGMMA_PER_STEP,
+    crafted_routing,
+    gluon_sm90_report,
+    hopper_only,
+)
 
 from mok_plugin.kernels import grouped_mlp, wgrad_hopper  # noqa: E402
 from mok_plugin.kernels.configs import PINNED_KERNELS, kernel_config  # noqa: E402
@@ -116,12 +122,6 @@ def test_hopper_wgrad_is_not_chosen_off_hopper(monkeypatch):
     assert not wgrad_hopper.usable(rows, rows, DEFAULT_TILE_M)
 
 
-# Each K step's wgmma per warpgroup on operands in shared memory: the cooperative schedule's two
-# warpgroups each 64 rows of a 128 x 256 tile (4 of m64n256k16 in one function); each ping-pong
-# warpgroup a whole 128 x 128 tile (8 of m64n128k16 in each of its two functions).
-WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16)}
-
-
 @pytest.mark.parametrize("schedule", list(wgrad_hopper.SCHEDULES))
 def test_hopper_wgrad_compiles_for_sm90_without_a_gpu(schedule):
     # Compiled as its launcher specialises a bf16 call (outside the interpreter the test session
@@ -129,13 +129,7 @@ def test_hopper_wgrad_compiles_for_sm90_without_a_gpu(schedule):
     # and the MMAs are the wgmma its tiles need.
     pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon")
     shape, count = WGMMA_PER_STEP[schedule]
-    code = (
-        "from mok_plugin.bench.inspect import compile_wgrad_hopper, resource_usage\n"
-        f"k = compile_wgrad_hopper({schedule!r})\n"
-        f"wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.{shape}')\n"
-        "print(k.metadata.shared, *resource_usage(k.asm['cubin']), wgmma)\n"
-    )
-    shared, registers, stack, wgmma = map(int, outside_the_interpreter("-c", code).split()[-4:])
+    shared, registers, stack, wgmma = gluon_sm90_report(f"compile_wgrad_hopper({schedule!r})", shape)
     assert shared <= 227 * 1024
     assert stack == 0, f"{stack} bytes of stack per thread: registers spill"
     assert 0 < registers <= wgrad_hopper.MAX_REGS

@@ -55,6 +55,27 @@ def outside_the_interpreter(*python_args: str, timeout: int = 300, cwd: Path = R
     return run.stdout
 
 
+# Each K step's wgmma per warpgroup of the bf16 Gluon kernels (wgrad_hopper, rows_hopper) on operands in
+# shared memory: the cooperative schedule's two warpgroups each 64 rows of a 128 x 256 tile (4 of
+# m64n256k16 in one function); each ping-pong warpgroup a whole 128 x 128 tile (8 of m64n128k16 in each
+# of its two functions).
+WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16)}
+
+
+def gluon_sm90_report(compile_call: str, wgmma_shape: str) -> tuple[int, int, int, int]:
+    """(shared memory bytes, registers, stack bytes per thread, wgmma instructions of `wgmma_shape`, e.g.
+    "m64n256k16") of the Gluon kernel `compile_call` returns, a call of mok_plugin.bench.inspect's (e.g.
+    "compile_wgrad_hopper('pingpong')"), compiled for sm_90 outside the interpreter."""
+    code = (
+        "from mok_plugin.bench import inspect\n"
+        f"k = inspect.{compile_call}\n"
+        f"wgmma = k.asm['ptx'].count('wgmma.mma_async.sync.aligned.{wgmma_shape}')\n"
+        "print(k.metadata.shared, *inspect.resource_usage(k.asm['cubin']), wgmma)\n"
+    )
+    shared, registers, stack, wgmma = map(int, outside_the_interpreter("-c", code).split()[-4:])
+    return shared, registers, stack, wgmma
+
+
 def crafted_routing(T: int, E: int, K: int, kind: str, generator: torch.Generator) -> torch.Tensor:
     """int64 [T, K] expert ids: 'uniform', 'one_expert' (every first choice on E-1) or 'skewed'."""
     if kind == "uniform":

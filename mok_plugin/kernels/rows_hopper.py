@@ -57,7 +57,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mok_plugin.kernels.wgrad_hopper import store_tile
+    from mok_plugin.kernels.wgrad_hopper import ring, store_tile
 
 __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
@@ -208,25 +208,13 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def rows_ring(a_desc, b_desc, STAGES: gl.constexpr):
-        """The operands' shared-memory stages and their ready and empty barriers."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        return (a_bufs, b_bufs), (ready, empty)
-
-    @gluon.jit
     def _rows_kernel(
         a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
         BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         BN: gl.constexpr = out_desc.block_type.shape[2]
-        bufs, bars = rows_ring(a_desc, b_desc, STAGES)
+        bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         gl.warp_specialize(
             [
@@ -246,7 +234,7 @@ if gluon is not None:
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
         BN: gl.constexpr = out_desc.block_type.shape[2]
-        bufs, bars = rows_ring(a_desc, b_desc, STAGES)
+        bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
         c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
