@@ -54,10 +54,10 @@ from mok_plugin.kernels.wgrad_hopper import (
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mok_plugin.kernels.wgrad_hopper import ring, store_tile
+    from mok_plugin.kernels.wgrad_hopper import accumulate, ring, store_tile
 
 __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
@@ -112,27 +112,6 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def rows_accumulate(acc, bufs, bars, c, steps, B_K_MAJOR: gl.constexpr):
-        """acc plus a tile's `steps` K steps from the ring's positions c, c + 1, ...: async wgmma with
-        at most one in flight, each stage freed once the MMA after it is issued (wgrad_hopper.accumulate
-        with A [BM, BK] as it is and B as the weights lie)."""
-        a_bufs, b_bufs = bufs
-        ready, empty = bars[0], bars[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
-        for s in range(steps):
-            idx = (c + s) % S
-            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-            if B_K_MAJOR:
-                acc = warpgroup_mma(a_bufs.index(idx), b_bufs.index(idx).permute((1, 0)), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(a_bufs.index(idx), b_bufs.index(idx), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous stage's MMA is done: free it
-            mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
-        return acc
-
-    @gluon.jit
     def finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS: gl.constexpr,
                     ROUTING: gl.constexpr):  # fmt: skip
         """fc2's epilogue where asked, as `tiles.down_tile` computes it (`acc += b2[e]`, then `acc *
@@ -172,7 +151,7 @@ if gluon is not None:
             expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
             if expert >= 0:
                 acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-                acc = rows_accumulate(acc, bufs, bars, c, k_steps, B_K_MAJOR)
+                acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
                 finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
                 c += k_steps
         tma.store_wait(0)
@@ -200,7 +179,7 @@ if gluon is not None:
                     k = i // 2
                     mbarrier.wait(turn.index(WHICH), (k & 1) ^ (1 - WHICH))
                     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-                    acc = rows_accumulate(acc, bufs, bars, c, k_steps, B_K_MAJOR)
+                    acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
                     mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's main loop may start
                     finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
                 c += k_steps

@@ -146,16 +146,26 @@ if gluon is not None:
                 p += 1
 
     @gluon.jit
-    def accumulate(acc, bufs, bars, c, steps):
+    def accumulate(acc, bufs, bars, c, steps, A_K_MAJOR: gl.constexpr = False, B_K_MAJOR: gl.constexpr = False):
         """acc plus one tile's `steps` K steps, read from the ring's positions c, c + 1, ...: async
-        wgmma with at most one in flight, each stage freed once the MMA after it is issued."""
+        wgmma with at most one in flight, each stage freed once the MMA after it is issued. A's
+        blocks are [BK, BM] (the weight gradients' left rows) or, A_K_MAJOR, [BM, BK] (a row GEMM's
+        rows); B's [BK, BN] or, B_K_MAJOR, [BN, BK] (kernels/rows_hopper.py's W2)."""
         l_bufs, r_bufs = bufs
         ready, empty = bars[0], bars[1]
         S: gl.constexpr = l_bufs.type.shape[0]
         for s in range(steps):
             idx = (c + s) % S
             mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-            acc = warpgroup_mma(l_bufs.index(idx).permute((1, 0)), r_bufs.index(idx), acc, is_async=True)
+            if A_K_MAJOR:
+                a = l_bufs.index(idx)
+            else:
+                a = l_bufs.index(idx).permute((1, 0))
+            if B_K_MAJOR:
+                b = r_bufs.index(idx).permute((1, 0))
+            else:
+                b = r_bufs.index(idx)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous stage's MMA is done: free it
             mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
         acc = warpgroup_mma_wait(0, deps=(acc,))
