@@ -4,8 +4,8 @@ inputs so that both see the same clock drift; each kernel's GPU time from profil
 order (the mean of each side's four, each profile settled as the first round is); the SM clock and
 power draw while each side ran (`bench/clocks.py`: a side can read slower because it ran at a lower clock);
 eager, each side's host time to issue a call with the GPU busy ahead (`timing.host_issue_ms`: where it
-nears the call's time, the host bounds it, as the GPU kernels' sum falling while the call does not
-suggested for v47, BENCHMARKS.md); and whether B gives A's bits.
+nears the call's time, the host bounds the call; v47's kernels' sum fell while its eager call did not,
+BENCHMARKS.md); and whether B gives A's bits.
 
     mok bench ab --shape deepseek-v3 --set mok_plugin.kernels.grouped_mlp.HOPPER_WGRAD_MIN_WIDTH=8192
     mok bench ab --shape 512,2048,768,128,8 --override wgrad_sweep_few_rows=64x128x64w4s2tp

@@ -212,7 +212,9 @@ def compile_wgrad_hopper(schedule: str = "cooperative"):
     )  # fmt: skip
 
 
-def compile_rows_hopper(schedule: str = "pingpong", b_k_major: bool = True, bias: bool = False, routing: bool = True):
+def compile_rows_hopper(
+    schedule: str = "cooperative", b_k_major: bool = True, bias: bool = False, routing: bool = True
+):
     """The Gluon row-GEMM kernel (kernels/rows_hopper.py) under one of wgrad_hopper's SCHEDULES, its
     weights K-major (fc2's forward, with its epilogue's bias and routing weights where asked) or
     N-major (fc1's dgrad), compiled for sm_90 as its launcher specialises a bf16 call. Needs Triton's

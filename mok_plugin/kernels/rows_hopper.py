@@ -17,7 +17,7 @@ one warpgroup's epilogue runs under the other's MMAs.
 Determinism: each output tile has one owner that sums K in ascending BLOCK_K steps into one fp32
 accumulator, then applies fc2's epilogue with the Triton kernel's expressions (`tiles.down_tile`:
 `+ b2[e]`, `* topk_weights[row_to_tk[r]]`), so the result is meant to be bitwise the Triton
-kernels' (tests/test_rows_hopper.py checks it on the GPU). Past K's end both operands' TMA blocks
+kernels' (tests/test_gpu_rows_hopper.py checks it on the GPU). Past K's end both operands' TMA blocks
 are zero-filled (A's columns; or B's rows belong to the next expert, multiplied by A's zeros), as in
 the Triton kernels' TMA path. Padding rows inside a tile are stored as zeros (the Triton kernels
 leave them; nothing reads them); row blocks of padding (tile_to_expert < 0) are neither computed nor
