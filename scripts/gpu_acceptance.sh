@@ -118,7 +118,7 @@ for part in "${parts[@]}"; do
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
             tests/test_bench_host.py tests/test_compile_eager_parts.py tests/test_deepspeed_structure.py \
-            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py ;;
+            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py tests/test_gpu_rows_hopper.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
@@ -180,7 +180,7 @@ for part in "${parts[@]}"; do
             spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
-                tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows"
+                tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows or not_chosen"
         fi
         if [ "$part" != untimed-tests ]; then
             sets=()

@@ -84,7 +84,8 @@ def test_hopper_rows_are_bitwise_the_triton_kernels(shape, bias, dtype, gluon_ca
     assert torch.equal(y[used], triton_y[used]), "down_fwd differs from the Triton kernel"
     assert torch.equal(d_x[used], triton_d_x[used]), "gate_up_dgrad differs from the Triton kernel"
     assert y[used].isfinite().all() and y[used].abs().sum() > 0  # not a vacuous comparison
-    # padding rows inside the row blocks of experts: zeros, though A holds NaN there
+    # padding rows inside the row blocks of experts: zeros in y though A holds NaN there (the epilogue's
+    # doing); in dx what dh's zero padding rows give
     padding = ~used & blocks
     assert padding.any() and not y[padding].any() and not d_x[padding].any()
 
@@ -100,6 +101,10 @@ def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
     if ON_HOPPER:
         x16 = a.to(torch.bfloat16), w2.to(torch.bfloat16)
         _down_fwd(s, *x16, topk_weights, None, kernel_config("down_fwd", 64))
+        out = torch.empty(a.shape[0], 64, dtype=torch.bfloat16, device=DEVICE)
+        assert rows_hopper.usable(*x16, out, s.tile_m, b_k_major=True)
+        assert not rows_hopper.usable(*x16, out, s.tile_m, b_k_major=False)  # W2 read as [E, K, N]: sizes differ
+        assert not rows_hopper.usable(x16[0][:, :32], x16[1], out, s.tile_m, b_k_major=True)  # K differs
 
 
 @pytest.mark.parametrize("epilogue", [(True, False, True), (True, True, True), (False, False, False)],

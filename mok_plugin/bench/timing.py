@@ -66,7 +66,8 @@ def host_issue_ms(fn: Callable[[], object], iters: int, cover_s: float = 0.5) ->
     """The host's milliseconds to issue each of `iters` calls of `fn`, the GPU kept busy ahead of them
     (a sleep kernel of about `cover_s` queued first) so that no call waits for it: the host's own time
     a call, which bounds an eager call where it reaches the GPU's (and takes in the sleep, where a
-    call synchronises).
+    call synchronises). All `iters` calls' launches wait in CUDA's queue behind the sleep: keep iters
+    times a call's launches under its ~1,000 pending launches (ten of the layer's ~13-launch calls).
     """
     torch.cuda.synchronize()
     torch.cuda._sleep(int(cover_s * 2e9))  # cycles: cover_s or more at up to 2 GHz

@@ -341,8 +341,12 @@ def _on_hopper_rows(
     kernel: str, config: MoKTileConfig | None, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int
 ) -> bool:
     """Whether row GEMM `kernel` runs on rows_hopper's Gluon kernel: named in HOPPER_ROW_GEMMS, no
-    config asked for (a given config means the Triton kernel at that tile), and the kernel takes it."""
-    return kernel in HOPPER_ROW_GEMMS and config is None and rows_hopper.usable(rows, weights, out, tile_m)
+    config asked for (a given config means the Triton kernel at that tile), and the kernel takes it
+    (down_fwd reads W2 K-major, gate_up_dgrad W13 N-major)."""
+    return (
+        kernel in HOPPER_ROW_GEMMS and config is None
+        and rows_hopper.usable(rows, weights, out, tile_m, b_k_major=kernel == "down_fwd")
+    )  # fmt: skip
 
 
 def _launch_row_tiles(

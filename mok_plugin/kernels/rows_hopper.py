@@ -9,7 +9,7 @@ on Hopper.
 Why: these GEMMs are short in K at the named shapes (qwen3-30b-a3b's fc2: I = 768, 12 K steps a
 tile), and Triton 3.6 neither warp-specialises nor overlaps a tile's epilogue with the next tile on
 Hopper: its row GEMMs ran at 474-589 TFLOP/s against a dense GEMM of ~690 on an H100 (session 54).
-Here, as `wgrad_hopper` does for the weight gradients (the same ring, loader and schedules): one
+Here, as `wgrad_hopper` does for the weight gradients (its ring, accumulate, store and schedules): one
 loader warp streams both operands through TMA into a ring of stages, running ahead across tiles, and
 the MMA warpgroups hand each finished tile to an asynchronous TMA store; under the ping-pong schedule
 one warpgroup's epilogue runs under the other's MMAs.
@@ -19,8 +19,9 @@ accumulator, then applies fc2's epilogue with the Triton kernel's expressions (`
 `+ b2[e]`, `* topk_weights[row_to_tk[r]]`), so the result is meant to be bitwise the Triton
 kernels' (tests/test_gpu_rows_hopper.py checks it on the GPU). Past K's end both operands' TMA blocks
 are zero-filled (A's columns; or B's rows belong to the next expert, multiplied by A's zeros), as in
-the Triton kernels' TMA path. Padding rows inside a tile are stored as zeros (the Triton kernels
-leave them; nothing reads them); row blocks of padding (tile_to_expert < 0) are neither computed nor
+the Triton kernels' TMA path. Padding rows inside a tile are stored, which the Triton kernels leave
+(nothing reads them): zeros with fc2's epilogue, and in fc1's dgrad what dh's padding rows give
+(down_dgrad writes zeros there); row blocks of padding (tile_to_expert < 0) are neither computed nor
 stored.
 
 Off until timed at the layer: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`.
@@ -64,10 +65,16 @@ __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the module docstring)
 
 
-def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int) -> bool:
+def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int, b_k_major: bool) -> bool:
     """Whether the kernel takes this GEMM: rows [R_pad, K] and out [R_pad, N] TMA can read and write,
-    weights [E, ., .] contiguous (read flattened to 2-D), the schedule's row blocks whole tiles."""
-    return weights.is_contiguous() and tile_m % BLOCK_M == 0 and tma_rows(rows, weights.flatten(0, 1), out)
+    weights [E, N, K] (b_k_major) or [E, K, N] contiguous (read flattened to 2-D, an expert every N or
+    K rows: the sizes must agree), the schedule's row blocks whole tiles."""
+    n, k = weights.shape[1:] if b_k_major else weights.shape[:0:-1]
+    sizes_agree = rows.shape[0] == out.shape[0] and rows.shape[1] == k and out.shape[1] == n
+    return (
+        sizes_agree and weights.is_contiguous() and tile_m % BLOCK_M == 0
+        and tma_rows(rows, weights.flatten(0, 1), out)
+    )  # fmt: skip
 
 
 if gluon is not None:
@@ -255,7 +262,8 @@ def row_gemm_hopper(
     """out [R_pad, N] = rows[r] @ B_e for the rows r of expert e (tile_to_expert per tile_m rows):
     weights [E, N, K] read as B_e^T (b_k_major: W2) or [E, K, N] as B_e (W13); with down_bias (b2
     [E, N]) and routing (topk_weights fp32, row_to_tk), fc2's epilogue (acc + b2[e]) * w_r. Row blocks
-    of padding are left as they are, padding rows in a tile get zeros. Call only where `usable`."""
+    of padding are left as they are; padding rows in a tile are stored (zeros with routing). Call only
+    where `usable`."""
     R, N = out.shape
     K = rows.shape[1]
     if R == 0 or N == 0:
