@@ -49,6 +49,7 @@ from mok_plugin.kernels.wgrad_hopper import (
     PINGPONG_MMA_REGS,
     SCHEDULES,
     _layout,
+    gl_element,
     gluon,
     tma_rows,
 )
@@ -58,7 +59,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mok_plugin.kernels.wgrad_hopper import accumulate, ring, store_tile
+    from mok_plugin.kernels.wgrad_hopper import accumulate, pingpong_state, ring, store_tile
 
 __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
@@ -221,12 +222,7 @@ if gluon is not None:
     ):  # fmt: skip
         BN: gl.constexpr = out_desc.block_type.shape[2]
         bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
-        c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        turns = (bars[0], bars[1], turn)
+        c0_smem, c1_smem, turns = pingpong_state(out_desc, bars, C_LAYOUT)
         gl.warp_specialize(
             [
                 (rows_pingpong_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
@@ -245,7 +241,7 @@ def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: b
     """(the Gluon kernel, its constexprs, the schedule's plan) for this operand dtype, schedule and
     epilogue: what `row_gemm_hopper` launches and what `mok bench inspect` compiles without a GPU."""
     plan = SCHEDULES[schedule]
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    element = gl_element(dtype)
     constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, STAGES=plan.stages,
                       C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), LOADER_WARPS=LOADER_WARPS,
                       LOADER_REGS=LOADER_REGS)  # fmt: skip
@@ -270,7 +266,7 @@ def row_gemm_hopper(
         return
     kernel, constexprs, plan = kernel_arguments(rows.dtype, schedule or SCHEDULE, b_k_major, down_bias is not None,
                                                 routing is not None)  # fmt: skip
-    element = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
+    element = gl_element(rows.dtype)
 
     def desc(t: torch.Tensor, block: tuple[int, ...]):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))

@@ -263,17 +263,23 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _wgrad_pingpong_kernel(
-        left_desc, right_desc, out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, C_LAYOUT: gl.constexpr,
-        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    ):  # fmt: skip
-        bufs, bars = ring(left_desc, right_desc, STAGES)
+    def pingpong_state(out_desc, bars, C_LAYOUT: gl.constexpr):
+        """A ping-pong launch's two output tiles (one a warpgroup) and the ring's barriers with the
+        warpgroups' `turn` barriers (see pingpong_multiplier)."""
         c0_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         c1_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        turns = (bars[0], bars[1], turn)
+        return c0_smem, c1_smem, (bars[0], bars[1], turn)
+
+    @gluon.jit
+    def _wgrad_pingpong_kernel(
+        left_desc, right_desc, out_desc, offsets_ptr, counts_ptr, M, N, num_tiles, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    ):  # fmt: skip
+        bufs, bars = ring(left_desc, right_desc, STAGES)
+        c0_smem, c1_smem, turns = pingpong_state(out_desc, bars, C_LAYOUT)
         gl.warp_specialize(
             [
                 (pingpong_multiplier, (out_desc, counts_ptr, M, N, num_tiles, bufs, turns, c0_smem, 0)),
@@ -291,6 +297,11 @@ def _layout(block: tuple[int, ...], element):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
+def gl_element(dtype: torch.dtype):
+    """Gluon's element type of a 2-byte torch dtype these kernels take (bf16, else fp16)."""
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
 def expert_wgrad_hopper(
     left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor, schedule: str = "cooperative",
@@ -303,7 +314,7 @@ def expert_wgrad_hopper(
     num_tiles = E * cdiv(M, BLOCK_M) * cdiv(N, plan.block_n)
     if num_tiles == 0:
         return
-    element = gl.bfloat16 if left.dtype == torch.bfloat16 else gl.float16
+    element = gl_element(left.dtype)
 
     def desc(t: torch.Tensor, block: tuple[int, ...]):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
