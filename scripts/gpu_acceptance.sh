@@ -205,8 +205,8 @@ for part in "${parts[@]}"; do
             fi
             # First a null A/B (B sets an attribute to its own value): every B/A 1.00 +- 0.02 and the sides'
             # clocks within ~20 MHz show the method settled (session 52's three: 0.985-1.012 on every GEMM, 4-15
-            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates, none now (session 52 timed the
-            # forward's loads before the TMA pin on five shapes: the pin stays).
+            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates: v47 under graphs on qwen3-30b-a3b
+            # (the GPU's time without the host's) and eager on six coarse shapes.
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
             candidates=("--shape deepseek-v3 $null" "--shape qwen3-30b-a3b --graphs --set $v47")
             for shape in qwen3-30b-a3b olmoe gpt-oss-120b mixtral-8x7b deepseek-v3 8192,3000,1000,160,6; do
