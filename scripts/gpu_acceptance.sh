@@ -54,14 +54,10 @@
 #              and row GEMMs on the Triton kernels and on the Gluon ones, fc1 fused and split, bits compared);
 #              fp8-hopper-tests and fp8-hopper-bench run one half each (if one call cannot hold both)
 # Needs torch, triton, megatron-core, deepspeed and pydantic importable. On a machine without a registry
-# (this project's device), install the carried wheels first: python3 -m pip install --no-index --no-deps
-# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD. The wheels (~8 MB, a few seconds; .whl/ is
-# git-ignored), made on a machine with the registry:
-#   pip download --no-deps -d .whl "megatron-core>=0.19,<0.20" pydantic pydantic-core annotated-types \
-#       typing-inspection typing-extensions hjson py-cpuinfo msgpack pytest-xdist execnet --python-version 3.12 \
-#       --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
-#   DS_BUILD_OPS=0 pip wheel --no-deps -w .whl "deepspeed>=0.19.4,<0.20"    # pure Python
-# (pydantic pins its pydantic-core: download them together.)
+# (this project's device) carry the wheels of .whl/, made on a machine with one by `bash scripts/device_wheels.sh`
+# (~8 MB, git-ignored): where the imports fail, this script installs them into a folder of its own first.
+# GPU_ACCEPTANCE_BUDGET=SECONDS bounds the whole run: each part is killed when the budget runs out and the parts
+# after it are listed as skipped, so that a device call's limit never takes the summary with it.
 # The JSON names the commit from the copy's .git; where that may be stale (a device copy), run with
 # MOK_COMMIT=<the commit sent> (bench/report.py).
 # Usage: bash scripts/gpu_acceptance.sh [PART...]   (default: all parts; logs and JSON under $OUT or out/)
@@ -70,13 +66,23 @@
 # On an 80 GB H100 (2026-12-07, 6 workers): tests 426 s, perf-graphs 80 s: `tests` leaves room for little else.
 # Each part's log is kept whole under the output folder; the summary lines print last.
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the parts' paths are the repository's
 out="${OUT:-out}/acceptance"
 mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests compare layer)
+budget=${GPU_ACCEPTANCE_BUDGET:-0}  # seconds for the whole run; 0: no bound
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+imports="import pydantic, yaml, tqdm, megatron.core, deepspeed"
+if ! python3 -c "$imports" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    site="${TMPDIR:-/tmp}/mok-acceptance-site"
+    echo "==> installing the carried wheels (.whl/) into $site"
+    python3 -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl >"$out/wheels.log" 2>&1 ||
+        { tail -n 5 "$out/wheels.log" >&2; exit 2; }
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # Fail in a second, not after minutes of device time, when a dependency is missing.
-if ! missing=$(python3 -c "import pydantic, yaml, tqdm, megatron.core, deepspeed" 2>&1); then
+if ! missing=$(python3 -c "$imports" 2>&1); then
     echo "gpu_acceptance.sh: a dependency is not importable (see the header for the carried wheels):" >&2
     echo "$missing" | tail -n 1 >&2
     exit 2
@@ -102,10 +108,20 @@ spread_over() {
 run_part() {  # name, command...
     local name=$1
     shift
-    local start=$SECONDS
-    "$@" >"$out/$name.log" 2>&1
+    local start=$SECONDS limit=()
+    if [ "$budget" -gt 0 ]; then
+        local left=$((budget - SECONDS))
+        if [ "$left" -lt 10 ]; then
+            summary+=("$(printf '%-22s skipped: GPU_ACCEPTANCE_BUDGET (%ss) spent' "$name" "$budget")")
+            return
+        fi
+        limit=(timeout -s KILL "$left")
+    fi
+    "${limit[@]}" "$@" >"$out/$name.log" 2>&1
     local rc=$?
-    summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+    local note=""
+    [ "$rc" -eq 137 ] && [ "$budget" -gt 0 ] && [ $((budget - SECONDS)) -lt 10 ] && note="  (killed: the budget ran out)"
+    summary+=("$(printf '%-22s rc=%-3s %4ss%s' "$name" "$rc" "$((SECONDS - start))" "$note")")
 }
 
 for part in "${parts[@]}"; do
