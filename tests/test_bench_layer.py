@@ -369,6 +369,25 @@ def test_graph_rows_print_against_their_floor(capsys):
     assert "0.600 ms against the floor 0.300 ms (1.20 GB at 4.00 TB/s): 2.00x" in lines[0]
 
 
+def test_rows_their_bytes_bound_print_against_that_bound(capsys):
+    # 4096,7168,2048,384,8 at 660 TFLOP/s and 4.0 TB/s: 13.12 ms of FLOPs, 101.7 GB in 25.43 ms, so at
+    # most 52 % of dense; a row at 40.0 ms is 33 % of dense, 64 % of that bound (25.43 / 40.0). qwen3's FLOPs outlast
+    # its bytes: no line.
+    shape = MoEShape(4096, 7168, 2048, 384, 8)
+    common = {"routing": "uniform", "provider": "mok-multi", "error": None}
+    held = {**common, "shape": "kimi", "dims": list(shape.as_tuple()), "fwd+bwd": {"ms": 40.0},
+            "floor_bytes": floor_bytes(shape, 384)}  # fmt: skip
+    qwen3 = MoEShape(16384, 2048, 768, 128, 8)
+    free = {**common, "shape": "qwen3", "dims": list(qwen3.as_tuple()), "fwd+bwd": {"ms": 8.0},
+            "floor_bytes": floor_bytes(qwen3, 128)}  # fmt: skip
+    wrong = {**held, "error": "max |diff| 1.0"}
+    layer.print_bounds([held, free, wrong], gemm=660.0, copy=4.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi")
+    assert "fwd+bwd 33 % of dense; its bytes allow 52 % (101.7 GB at 4.00 TB/s against 13.12 ms of FLOPs)" in lines[0]
+    assert lines[0].endswith(": 64 % of that bound")
+
+
 def test_set_holds_its_value_for_the_whole_run_and_is_undone_after(monkeypatch):
     from mok_plugin.kernels import grouped_mlp
 

@@ -9,8 +9,9 @@ autotunes 32 configs for each of its GEMM kernels at every new shape (about 4 mi
 the H200); LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
 
 Every provider is checked against the reference backend and for bitwise repeatability before it
-is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling is measured in
-the same run. Each timing follows SETTLE_S seconds of the same work, so that all of them run at the
+is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling and the
+device-copy rate are measured in the same run; a row whose bytes hold it under the dense rate (its
+memory floor at the copy rate outlasts its FLOPs: bench/bound.py) prints a line against that bound. Each timing follows SETTLE_S seconds of the same work, so that all of them run at the
 clock the chip holds under sustained load (its power cap). Router logits and the top-k choice are
 the same for every provider and are not timed (the megatron peer includes its own router).
 
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from mok_plugin.bench.bound import Bound
 from mok_plugin.bench.breakdown import host_profile, host_time, kernel_breakdown, print_breakdown, print_host_profile
 from mok_plugin.bench.ceiling import dense_gemm_tflops
 from mok_plugin.bench.clocks import ClockLog, clock_log, describe, running, summary_of, tagged
@@ -270,10 +272,9 @@ def _run_clocked(args: argparse.Namespace, overrides: dict, shapes: list[tuple[s
         f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s after {args.settle_s:g} s of load "
         f"({burst:.0f} in its first calls after idle)" + (f", SM clock {describe(dense_clock)}" if dense_clock else "")
     )
-    copy = None
-    if args.graphs:  # the floor the graph rows are held against (floor.py)
-        copy = copy_tbps(settle_s=args.settle_s)
-        dense_line += f"; device copy {copy:.2f} TB/s"
+    # the floor's rate: the graph rows are held against it, and every row's bytes bound it (bound.py)
+    copy = copy_tbps(settle_s=args.settle_s)
+    dense_line += f"; device copy {copy:.2f} TB/s"
     print(dense_line, flush=True)
     rows = []
     for shape_name, shape in shapes:
@@ -298,8 +299,8 @@ def _run_clocked(args: argparse.Namespace, overrides: dict, shapes: list[tuple[s
     print()
     print_families(args.expert)
     print_table(rows, gemm)
-    if copy is not None:
-        print_floors(rows, copy)
+    print_floors(rows, copy)
+    print_bounds(rows, gemm, copy)
     for row in rows:
         if "kernels" in row:
             print_breakdown(row)
@@ -347,8 +348,7 @@ def _bench_case(args: argparse.Namespace, shape_name: str, shape: MoEShape, expe
             row["memory"] = memory_breakdown(lambda fn=fn, inputs=inputs: fwd_bwd(fn, inputs))
         row.update(shape=shape_name, dims=list(shape.as_tuple()), expert=expert, family=family.describe(),
                    routing=routing)  # fmt: skip
-        if GRAPH_PASS in row:
-            row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
+        row["floor_bytes"] = floor_bytes(shape, routed_experts(inputs["topk_ids"]), family)
         row["clock_label"], row["clock"] = label, summary_of(clock, label)
         rows.append(row)
         if not row["error"]:
@@ -384,6 +384,27 @@ def print_floors(rows: list[dict], copy: float) -> None:
             f"{row['shape']:<16} {row.get('expert', 'swiglu'):<16} {row['routing']:<8} {row['provider']:<10} "
             f"{GRAPH_PASS} {ms:.3f} ms against the floor {floor_ms:.3f} ms ({row['floor_bytes'] / 1e9:.2f} GB at "
             f"{copy:.2f} TB/s): {ms / floor_ms:.2f}x"
+        )
+
+
+def print_bounds(rows: list[dict], gemm: float, copy: float) -> None:
+    """Each fwd+bwd row whose bytes hold it under the dense rate (bound.py: its floor at the copy
+    rate outlasts its FLOPs at the dense rate) against that bound: how far a kernel could still go."""
+    for row in rows:
+        if row["error"] or "fwd+bwd" not in row or "floor_bytes" not in row:
+            continue
+        shape = MoEShape(*row["dims"])
+        flops = moe_flops(shape, "fwd+bwd", EXPERT_FAMILIES[row.get("expert", "swiglu")])
+        flop_ms, floor_ms = flops / gemm / 1e9, row["floor_bytes"] / copy / 1e9
+        bound = Bound(shape.as_tuple(), flops / 1e9, flop_ms, row["floor_bytes"] / 1e9, floor_ms)
+        if bound.allowed >= 1:
+            continue
+        share = flop_ms / row["fwd+bwd"]["ms"]
+        print(
+            f"{row['shape']:<16} {row.get('expert', 'swiglu'):<16} {row['routing']:<8} {row['provider']:<10} "
+            f"fwd+bwd {100 * share:.0f} % of dense; its bytes allow {100 * bound.allowed:.0f} % "
+            f"({bound.floor_gb:.1f} GB at {copy:.2f} TB/s against {flop_ms:.2f} ms of FLOPs): "
+            f"{100 * share / bound.allowed:.0f} % of that bound"
         )
 
 
