@@ -11,8 +11,9 @@ the H200); LIGER_FUSED_MOE_AUTOTUNE=0 runs its one default config instead.
 Every provider is checked against the reference backend and for bitwise repeatability before it
 is timed; a wrong provider is reported and not timed. The dense bf16 GEMM ceiling and the
 device-copy rate are measured in the same run; a row whose bytes hold it under the dense rate (its
-memory floor at the copy rate outlasts its FLOPs: bench/bound.py) prints a line against that bound. Each timing follows SETTLE_S seconds of the same work, so that all of them run at the
-clock the chip holds under sustained load (its power cap). Router logits and the top-k choice are
+memory floor at the copy rate outlasts its FLOPs: bench/bound.py) prints a line against that bound.
+Each timing follows SETTLE_S seconds of the same work, so that all of them run at the clock the
+chip holds under sustained load (its power cap). Router logits and the top-k choice are
 the same for every provider and are not timed (the megatron peer includes its own router).
 
     mok bench layer --shapes qwen3-30b-a3b olmoe --routing uniform --out out/
