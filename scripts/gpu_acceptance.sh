@@ -31,18 +31,15 @@
 #                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
-#              that say "not yet timed"): their GPU tests (untimed-tests), then (untimed-ab) each switch A/B'd
-#              with `mok bench ab --graphs` at qwen3-30b-a3b's dimensions, T = 1, 37, 512 (one process each:
-#              bits compared, GPU time per kernel), all of them together against the code as is, and eager at
-#              T = 1 and 37 (where the host's time is the step's). Then the pinned-config candidates
-#              (`candidates`: bench ab's arguments, --override or --set each). Edit the lists as switches and
-#              candidates come and go (session 48 timed v38, landed, and v39, removed; session 51 timed v41,
-#              removed, and the candidates below but one; session 52 the rest; session 54 timed v45,
-#              removed; session 55 wrote v47 and timed it in part: the switch list holds it).
-#              Candidates now: a null A/B (the method's check), then v47 at qwen3-30b-a3b under graphs (the
-#              GPU's time) and eager on six coarse shapes (~100 s each: a call of their own). The host-bound eager parts (perf-small,
-#              perf-host, untimed-all-eager) run with --no-clock: no nvidia-smi process beside a timing that is
-#              the host's
+#              that say "not yet timed"): their GPU tests (untimed-tests); the candidates (untimed-candidates:
+#              `mok bench ab`'s arguments, --set or --override each; now v47 at qwen3-30b-a3b under graphs and
+#              eager, a null A/B, the method's check, and v47 eager on five more shapes, ~100 s each); each switch
+#              A/B'd at qwen3-30b-a3b's dimensions, T = 1, 37, 512, under graphs, all of them together, and eager
+#              at T = 1 and 37 (untimed-small). untimed-ab is the candidates, then the small batches. Edit the
+#              lists as switches and candidates come and go (session 48 timed v38, landed, and v39, removed;
+#              session 51 timed v41, removed; session 54 v45, removed; session 55 wrote v47 and timed it in part).
+#              The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with --no-clock: no
+#              nvidia-smi process beside a timing that is the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
 #              fused expert family, MoK against the PyTorch path written for that family
 #   fp8        issue 25: the FP8 test modules compiled; scripts/bench_fp8.py on qwen3-30b-a3b, mixtral-8x7b and
@@ -191,14 +188,34 @@ for part in "${parts[@]}"; do
                     --out "$out/perf-small-T$tokens"
             done
         fi ;;
-    untimed | untimed-tests | untimed-ab)
-        if [ "$part" != untimed-ab ]; then
+    untimed | untimed-tests | untimed-ab | untimed-candidates | untimed-small)
+        if [ "$part" = untimed ] || [ "$part" = untimed-tests ]; then
             spread_over 12
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
                 tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows or not_chosen"
         fi
-        if [ "$part" != untimed-tests ]; then
+        if [ "$part" != untimed-tests ] && [ "$part" != untimed-small ]; then
+            # The candidates first (what the next session asks first, so that a budget cuts the rest): v47 on
+            # qwen3-30b-a3b under graphs (the GPU's time without the host's) and eager (with the host-time line),
+            # then a null A/B (B sets an attribute to its own value: every B/A 1.00 +- 0.02 and the sides' clocks
+            # within ~20 MHz show the method settled; session 52's three: 0.985-1.012 on every GEMM, 4-15 MHz;
+            # BENCHMARKS.md, "The A/B's clock again"), then v47 eager on five more shapes.
+            null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
+            candidates=("--shape qwen3-30b-a3b --graphs --set $v47" "--shape qwen3-30b-a3b --set $v47"
+                        "--shape deepseek-v3 $null")
+            for shape in olmoe gpt-oss-120b mixtral-8x7b deepseek-v3 8192,3000,1000,160,6; do
+                candidates+=("--shape $shape --set $v47")
+            done
+            for i in "${!candidates[@]}"; do
+                # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
+                run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
+                    --out "$out/untimed-candidate-$i"
+            done
+        fi
+        if [ "$part" != untimed-tests ] && [ "$part" != untimed-candidates ]; then
+            # Each switch at small batches (qwen3-30b-a3b's dimensions, T = 1, 37, 512) under graphs, all of them
+            # together, and together eager at T = 1 and 37 (where the host's time is the step's).
             sets=()
             for switch in "${untimed_switches[@]}"; do
                 sets+=(--set "$switch")
@@ -219,20 +236,6 @@ for part in "${parts[@]}"; do
                         --out "$out/untimed-all-eager-T$tokens"
                 done
             fi
-            # First a null A/B (B sets an attribute to its own value): every B/A 1.00 +- 0.02 and the sides'
-            # clocks within ~20 MHz show the method settled (session 52's three: 0.985-1.012 on every GEMM, 4-15
-            # MHz; BENCHMARKS.md, "The A/B's clock again"). Then the candidates: v47 under graphs on qwen3-30b-a3b
-            # (the GPU's time without the host's) and eager on six coarse shapes.
-            null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
-            candidates=("--shape deepseek-v3 $null" "--shape qwen3-30b-a3b --graphs --set $v47")
-            for shape in qwen3-30b-a3b olmoe gpt-oss-120b mixtral-8x7b deepseek-v3 8192,3000,1000,160,6; do
-                candidates+=("--shape $shape --set $v47")
-            done
-            for i in "${!candidates[@]}"; do
-                # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
-                run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \
-                    --out "$out/untimed-candidate-$i"
-            done
         fi ;;
     families)
         families=(swiglu swiglu-bias gpt-oss glu-gelu glu-gelu-tanh glu-quick-gelu glu-relu mlp-silu mlp-gelu
