@@ -60,6 +60,11 @@ class Bound:
     floor_gb: float
     floor_ms: float
 
+    @classmethod
+    def of(cls, shape: MoEShape, flops: float, nbytes: float, dense_tflops: float, copy_tbps: float) -> Bound:
+        """The bound of `flops` at `dense_tflops` against `nbytes` at `copy_tbps`."""
+        return cls(shape.as_tuple(), flops / 1e9, flops / dense_tflops / 1e9, nbytes / 1e9, nbytes / copy_tbps / 1e9)
+
     @property
     def floor_per_flop(self) -> float:
         """The floor's time over the FLOPs' time: how much traffic must hide under the GEMMs."""
@@ -79,10 +84,9 @@ def bound_of(shape: MoEShape, dense_tflops: float = DENSE_TFLOPS, copy_tbps: flo
     """
     if dense_tflops <= 0 or copy_tbps <= 0:
         raise ValueError(f"rates must be positive: {dense_tflops} TFLOP/s, {copy_tbps} TB/s")
-    flops = moe_flops(shape, "fwd+bwd")
-    nbytes = floor_bytes(shape, used_experts=shape.E)
-    return Bound(shape.as_tuple(), flops / 1e9, flops / (dense_tflops * 1e12) * 1e3, nbytes / 1e9,
-                 nbytes / (copy_tbps * 1e12) * 1e3)  # fmt: skip
+    return Bound.of(
+        shape, moe_flops(shape, "fwd+bwd"), floor_bytes(shape, used_experts=shape.E), dense_tflops, copy_tbps
+    )
 
 
 def class_grid() -> list[MoEShape]:

@@ -396,15 +396,14 @@ def print_bounds(rows: list[dict], gemm: float, copy: float) -> None:
             continue
         shape = MoEShape(*row["dims"])
         flops = moe_flops(shape, "fwd+bwd", EXPERT_FAMILIES[row.get("expert", "swiglu")])
-        flop_ms, floor_ms = flops / gemm / 1e9, row["floor_bytes"] / copy / 1e9
-        bound = Bound(shape.as_tuple(), flops / 1e9, flop_ms, row["floor_bytes"] / 1e9, floor_ms)
+        bound = Bound.of(shape, flops, row["floor_bytes"], gemm, copy)
         if bound.allowed >= 1:
             continue
-        share = flop_ms / row["fwd+bwd"]["ms"]
+        share = bound.flop_ms / row["fwd+bwd"]["ms"]
         print(
             f"{row['shape']:<16} {row.get('expert', 'swiglu'):<16} {row['routing']:<8} {row['provider']:<10} "
             f"fwd+bwd {100 * share:.0f} % of dense; its bytes allow {100 * bound.allowed:.0f} % "
-            f"({bound.floor_gb:.1f} GB at {copy:.2f} TB/s against {flop_ms:.2f} ms of FLOPs): "
+            f"({bound.floor_gb:.1f} GB at {copy:.2f} TB/s against {bound.flop_ms:.2f} ms of FLOPs): "
             f"{100 * share / bound.allowed:.0f} % of that bound"
         )
 

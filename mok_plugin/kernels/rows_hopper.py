@@ -51,13 +51,13 @@ from mok_plugin.kernels.wgrad_hopper import (
     _layout,
     gl_element,
     gluon,
+    gluon_descriptor,
     tma_rows,
 )
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mok_plugin.kernels.wgrad_hopper import accumulate, pingpong_state, ring, store_tile
 
@@ -266,11 +266,6 @@ def row_gemm_hopper(
         return
     kernel, constexprs, plan = kernel_arguments(rows.dtype, schedule or SCHEDULE, b_k_major, down_bias is not None,
                                                 routing is not None)  # fmt: skip
-    element = gl_element(rows.dtype)
-
-    def desc(t: torch.Tensor, block: tuple[int, ...]):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
-
     flat = weights.flatten(0, 1)
     b_block = (plan.block_n, BLOCK_K) if b_k_major else (BLOCK_K, plan.block_n)
     topk, row_to_tk = routing if routing is not None else (out, out)  # not read without the epilogue
@@ -279,7 +274,8 @@ def row_gemm_hopper(
     num_tiles = R // BLOCK_M * cdiv(N, plan.block_n)
     grid = (min(num_tiles, sm_count(out.device.index)),)
     kernel[grid](
-        desc(rows, (BLOCK_M, BLOCK_K)), desc(flat, b_block), desc(out.unsqueeze(0), (1, BLOCK_M, plan.block_n)),
+        gluon_descriptor(rows, (BLOCK_M, BLOCK_K)), gluon_descriptor(flat, b_block),
+        gluon_descriptor(out.unsqueeze(0), (1, BLOCK_M, plan.block_n)),
         tile_to_expert, epilogue, R, N, K, tile_m, num_tiles, num_warps=plan.num_warps, maxnreg=MAX_REGS,
         **constexprs,
     )  # fmt: skip

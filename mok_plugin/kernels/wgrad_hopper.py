@@ -55,7 +55,9 @@ try:  # Gluon is experimental: absent from older Triton, so this module works wi
 except ImportError:
     gluon = None
 
-__all__ = ["BLOCK_K", "BLOCK_M", "SCHEDULES", "Schedule", "expert_wgrad_hopper", "tma_rows", "usable"]
+__all__ = [
+    "BLOCK_K", "BLOCK_M", "SCHEDULES", "Schedule", "expert_wgrad_hopper", "gluon_descriptor", "tma_rows", "usable",
+]  # fmt: skip
 
 BLOCK_M, BLOCK_K = 128, 64
 LOADER_WARPS, LOADER_REGS = 1, 24
@@ -302,6 +304,12 @@ def gl_element(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+def gluon_descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
+    """A Gluon TMA descriptor of the whole of `t` in `block`s, with the shared layout these kernels
+    give a block of t's element type (`_layout`)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, gl_element(t.dtype)))
+
+
 def expert_wgrad_hopper(
     left: torch.Tensor, right: torch.Tensor, d_w: torch.Tensor, expert_offsets: torch.Tensor,
     tokens_per_expert: torch.Tensor, schedule: str = "cooperative",
@@ -316,11 +324,9 @@ def expert_wgrad_hopper(
         return
     element = gl_element(left.dtype)
 
-    def desc(t: torch.Tensor, block: tuple[int, ...]):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, element))
-
     args = (
-        desc(left, (BLOCK_K, BLOCK_M)), desc(right, (BLOCK_K, plan.block_n)), desc(d_w, (1, BLOCK_M, plan.block_n)),
+        gluon_descriptor(left, (BLOCK_K, BLOCK_M)), gluon_descriptor(right, (BLOCK_K, plan.block_n)),
+        gluon_descriptor(d_w, (1, BLOCK_M, plan.block_n)),
         expert_offsets, tokens_per_expert, M, N, num_tiles,
     )  # fmt: skip
     common = dict(C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), STAGES=plan.stages,
