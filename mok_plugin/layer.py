@@ -432,6 +432,9 @@ class MoKMoE(nn.Module):
         self.sequence_group, self.global_batch_group = sequence_group, global_batch_group
         # The terms of the last forward's aux_loss (routing.LOSS_NAMES -> fp32 [], in the graph).
         self.last_router_losses: dict[str, torch.Tensor] = {}
+        # The last forward's routed pairs per expert that balancing counts: a padding token's are left
+        # out (MoKRouting.counted_tokens_per_expert); int64 [E], None before the first forward.
+        self.last_counted_tokens_per_expert: torch.Tensor | None = None
         if config.global_aux_loss_coeff > 0:
             # int64, unlike Megatron's fp32: sums of counts stay exact (and independent of the order
             # of addition) past 2**24; below that the fp32 mean is the same bits. Never converted
@@ -564,6 +567,7 @@ class MoKMoE(nn.Module):
         *,
         num_sequences: int | None = None,
         attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+        padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, run the experts, combine.
 
@@ -575,6 +579,9 @@ class MoKMoE(nn.Module):
             attach_losses: f(routing weights [T, K], router losses) -> the weights to route with
                 (for example the weights carrying the losses into the backward, as Megatron's
                 MoEAuxLossAutoScaler does); see `begin`.
+            padding: bool [T] over x's tokens flattened, True for a padding token: computed like
+                any other, left out of the router losses and of the counted pairs
+                (`routing.route`'s `padding`; Megatron's padding_mask).
         Returns:
             (output shaped like x, aux_loss fp32 scalar: the load-balancing losses + z-loss, zero
             when every coefficient is zero; its terms are in `last_router_losses`).
@@ -584,7 +591,7 @@ class MoKMoE(nn.Module):
                 logits (under expert parallelism on every rank alike).
             ValueError / TypeError: wrong last dimension, dtype or device.
         """
-        step = self.begin(x, num_sequences=num_sequences, attach_losses=attach_losses)
+        step = self.begin(x, num_sequences=num_sequences, attach_losses=attach_losses, padding=padding)
         return self.finish(step, self.run_routed_experts(step), step.shared_out)
 
     def run_routed_experts(self, step: MoKForwardStep) -> torch.Tensor:
@@ -627,6 +634,7 @@ class MoKMoE(nn.Module):
         x: torch.Tensor,
         num_sequences: int | None = None,
         attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+        padding: torch.Tensor | None = None,
     ) -> MoKForwardStep:
         """The first stage: check x, route (`last_router_losses` set), size the expert capacity and
         issue the shared experts. The shared experts are issued after routing and before the routed
@@ -635,7 +643,7 @@ class MoKMoE(nn.Module):
         bits. attach_losses(weights, losses) runs on the routing weights before anything uses them."""
         self.prepare_forward(x)
         self._check_not_captured_with_host_reads()
-        routing = self.route_step(x, num_sequences, attach_losses)
+        routing = self.route_step(x, num_sequences, attach_losses, padding)
         shared_out = self.start_shared_experts(x) if self.shared_experts is not None else None
         return self._step(x, routing, shared_out)
 
@@ -659,11 +667,15 @@ class MoKMoE(nn.Module):
         x: torch.Tensor,
         num_sequences: int | None = None,
         attach_losses: Callable[[torch.Tensor, dict], torch.Tensor] | None = None,
+        padding: torch.Tensor | None = None,
     ) -> MoKRouting:
-        """Route x (`last_router_losses` set; attach_losses applied to the weights). Reads nothing on
-        the host (unless debug checks are on): Megatron's partial CUDA graphs capture it alone."""
-        routing = self.route(x.reshape(-1, self.config.hidden_size), debug=self.debug, num_sequences=num_sequences)
+        """Route x (`last_router_losses` and `last_counted_tokens_per_expert` set; attach_losses
+        applied to the weights). Reads nothing on the host (unless debug checks are on): Megatron's
+        partial CUDA graphs capture it alone."""
+        routing = self.route(x.reshape(-1, self.config.hidden_size), debug=self.debug, num_sequences=num_sequences,
+                             padding=padding)  # fmt: skip
         self.last_router_losses = routing.losses
+        self.last_counted_tokens_per_expert = routing.counted_tokens_per_expert
         if attach_losses is not None:
             routing = dataclasses.replace(routing, topk_weights=attach_losses(routing.topk_weights, routing.losses))
         return routing
@@ -788,7 +800,10 @@ class MoKMoE(nn.Module):
         torch.distributed.all_reduce(total, group=self.ep_group)
         return int(total)  # host-ok: exact exchange, sized on the host (parallel/dispatch.py)
 
-    def route(self, x_TH: torch.Tensor, debug: bool = False, num_sequences: int | None = None) -> MoKRouting:
+    def route(
+        self, x_TH: torch.Tensor, debug: bool = False, num_sequences: int | None = None,
+        padding: torch.Tensor | None = None,
+    ) -> MoKRouting:  # fmt: skip
         """The routing decision for tokens x_TH [T, H]: logits in fp64, then `routing.route`, with
         the token counts of the load-balancing losses summed over `sequence_group` /
         `global_batch_group` (int64: exact in any order, so the same bits on every rank); or
@@ -798,12 +813,16 @@ class MoKMoE(nn.Module):
             x_TH: [T, H].
             debug: check the logits (syncs the host).
             num_sequences: B for `seq_aux_loss` (see `forward`).
+            padding: bool [T], True for a padding token (see `forward`).
         Raises:
             ValueError: with `debug`, when a router logit is NaN or infinite; seq_aux_loss without
-                num_sequences, or T not a multiple of it.
+                num_sequences, or T not a multiple of it; padding not bool [T], or given with a
+                `routing_fn`.
         """
         cfg = self.config
         if self.routing_fn is not None:
+            if padding is not None:
+                raise ValueError("MoK: a padding mask needs MoK's own router, not a routing_fn")
             return self.routing_fn(x_TH, self.router.weight, self.router.bias, training=self.training)
         # A GEMM's result for one row may depend on how many rows share the call (BLAS and cuBLAS
         # pick kernels by shape), which would make routing depend on the batch and on ep_size.
@@ -828,6 +847,7 @@ class MoKMoE(nn.Module):
             sum_over_sequence_ranks=functools.partial(_sum_over, group=self.sequence_group),
             global_ranks=_group_size(self.global_batch_group),
             global_tokens_per_expert=self._global_tokens_per_expert if cfg.global_aux_loss_coeff > 0 else None,
+            sum_over_global_ranks=functools.partial(_sum_over, group=self.global_batch_group),
         )
         return route(
             router_logits,
@@ -843,6 +863,7 @@ class MoKMoE(nn.Module):
             seq_aux_loss_coeff=cfg.seq_aux_loss_coeff,
             global_aux_loss_coeff=cfg.global_aux_loss_coeff,
             scope=scope,
+            padding=padding,
         )
 
     def _global_tokens_per_expert(self, counts: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,14 @@ class MoKRouting:
     tokens_per_expert: torch.Tensor  # int64 [E], routed (token, k) pairs per expert, before any drop
     # name (LOSS_NAMES) -> fp32 [], each enabled term already scaled by its coefficient; differentiable
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    # With a padding mask: int64 [E], the pairs of the tokens that are not padding (what Megatron's
+    # expert-bias balancing counts); None without one (then every pair counts: tokens_per_expert).
+    unpadded_tokens_per_expert: torch.Tensor | None = None
+
+    @property
+    def counted_tokens_per_expert(self) -> torch.Tensor:
+        """int64 [E]: the routed pairs that balancing counts (every pair but a padding token's)."""
+        return self.tokens_per_expert if self.unpadded_tokens_per_expert is None else self.unpadded_tokens_per_expert
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +88,18 @@ class MoKTokenScope:
     # int64 [E] this call's counts -> fp32 [E]: counts summed over the global ranks, averaged over
     # the micro-batches of the global batch so far, this one included (None: the counts themselves).
     global_tokens_per_expert: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # int64 [N] -> int64 [N]: the sum over the global ranks (None: one rank). Asked only with a
+    # padding mask, whose global_aux_loss divides by the global batch's tokens that are not padding.
+    sum_over_global_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def sum_sequence(self, counts: torch.Tensor) -> torch.Tensor:
         return counts if self.sum_over_sequence_ranks is None else self.sum_over_sequence_ranks(counts)
 
     def global_average(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.float() if self.global_tokens_per_expert is None else self.global_tokens_per_expert(counts)
+
+    def sum_global(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts if self.sum_over_global_ranks is None else self.sum_over_global_ranks(counts)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -120,15 +134,19 @@ def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def count_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [E]: how many (token, k) pairs chose each expert.
+def count_per_expert(topk_ids: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [E]: how many (token, k) pairs chose each expert; with `valid` (bool [T]), only the
+    pairs of the tokens it marks.
 
     Integer adds commute, so the result is exact in any order; unlike `torch.bincount`, the output
-    size does not depend on the data, which `torch.compile(fullgraph=True)` needs.
+    size does not depend on the data, which `torch.compile(fullgraph=True)` needs (and a mask adds
+    zeros instead of selecting rows, for the same reason).
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=topk_ids.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if valid is None:
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.scatter_add_(0, flat, valid.to(torch.int64).unsqueeze(1).expand_as(topk_ids).reshape(-1))
 
 
 def _group_limited_mask(selection_scores: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
@@ -162,9 +180,15 @@ def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
 
 
 def _switch_loss(
-    probs_per_expert: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens: int, top_k: int, E: int, coeff: float
+    probs_per_expert: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_tokens: int | torch.Tensor,
+    top_k: int,
+    E: int,
+    coeff: float,
 ) -> torch.Tensor:
-    """Megatron-Core's switch_load_balancing_loss_func: sum(P * N) * E * coeff / (K * T_total^2)."""
+    """Megatron-Core's switch_load_balancing_loss_func: sum(P * N) * E * coeff / (K * T_total^2);
+    T_total a tensor where a padding mask makes it a count of the tokens that are not padding."""
     return (probs_per_expert * tokens_per_expert).sum() * (E * coeff / (top_k * total_tokens * total_tokens))
 
 
@@ -183,6 +207,7 @@ def route(
     seq_aux_loss_coeff: float = 0.0,
     global_aux_loss_coeff: float = 0.0,
     scope: MoKTokenScope | None = None,
+    padding: torch.Tensor | None = None,
 ) -> MoKRouting:
     """Choose K experts per token and compute their weights and the router losses.
 
@@ -199,6 +224,13 @@ def route(
     The z-loss is z_loss_coeff / scope.sequence_ranks * mean_t logsumexp(logits_t)^2 (each rank
     averages its own tokens; the ranks' terms add up to the micro-batch mean).
 
+    With `padding` (Megatron-Core's `padding_mask` as its router code reads it: True for a padding
+    token), padding tokens are routed like any other, and left out of every loss as Megatron leaves
+    them out: their aux scores and counts are zero, each T above becomes the count of the tokens
+    that are not padding (over the same ranks; seq_aux_loss's per sequence is that count over the
+    micro-batch divided by B), the z-loss averages those tokens only (over at least one), and
+    `unpadded_tokens_per_expert` counts their pairs.
+
     Args:
         router_logits: float [T, E] (differentiable); fp64 keeps the router batch-invariant.
         top_k: K.
@@ -211,11 +243,12 @@ def route(
             losses' coefficients (0: the term is not computed).
         z_loss_coeff: the z-loss coefficient.
         scope: where these tokens sit (sequences, ranks); default: one rank, one sequence.
+        padding: bool [T], True for a padding token (see above); None: every token counts.
     Returns:
         MoKRouting.
     Raises:
-        ValueError: logits not 2-D float, top_k out of range, an unknown score function, or
-            seq_aux_loss with T not a multiple of scope.num_sequences.
+        ValueError: logits not 2-D float, top_k out of range, an unknown score function,
+            seq_aux_loss with T not a multiple of scope.num_sequences, or padding not bool [T].
     """
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(
@@ -224,6 +257,9 @@ def route(
     T, E = router_logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={E}")
+    if padding is not None and (padding.dtype != torch.bool or tuple(padding.shape) != (T,)):
+        raise ValueError(f"padding must be a bool [T={T}] tensor, got {padding.dtype} {tuple(padding.shape)}")
+    valid = None if padding is None else ~padding
     scope = scope or MoKTokenScope()
     B = scope.num_sequences
     if seq_aux_loss_coeff > 0.0 and (B < 1 or T % B != 0):
@@ -257,42 +293,54 @@ def route(
         # Megatron-Core's scores_for_aux_loss: softmax scores, or sigmoid/sqrtsoftplus scores
         # normalised per token so that P_e is a distribution.
         probs = scores if score_function == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        if valid is not None:
+            probs = probs * valid.unsqueeze(1)
         # Counted from each token's plain top-K of those scores. The softmax selection without bias
         # or groups is that top-K already; elsewhere it can differ (a biased or group-limited
         # choice, or a tie made by the normalisation), so it is taken again.
         if score_function == "softmax" and expert_bias is None and n_group is None:
-            aux_ids, aux_counts = topk_ids, tokens_per_expert
+            aux_ids = topk_ids
+            aux_counts = tokens_per_expert if valid is None else count_per_expert(aux_ids, E, valid)
         else:
             aux_ids = stable_topk(probs.detach(), top_k)
-            aux_counts = count_per_expert(aux_ids, E)
+            aux_counts = count_per_expert(aux_ids, E, valid)
         if aux_loss_coeff > 0.0:
             counts = scope.sum_sequence(aux_counts)
-            losses["aux_loss"] = _switch_loss(
-                probs.sum(dim=0), counts, T * scope.sequence_ranks, top_k, E, aux_loss_coeff
-            )
+            total = T * scope.sequence_ranks if valid is None else _unpadded_tokens(counts, top_k)
+            losses["aux_loss"] = _switch_loss(probs.sum(dim=0), counts, total, top_k, E, aux_loss_coeff)
         if seq_aux_loss_coeff > 0.0:
             # Megatron folds the B sequences into the expert dimension: [S, B * E].
             S = T // B
             sequence_of_pick = (torch.arange(T, device=aux_ids.device) % B).unsqueeze(1)
-            counts = scope.sum_sequence(count_per_expert(sequence_of_pick * E + aux_ids, B * E))
-            per_sequence = _switch_loss(
-                probs.reshape(S, B * E).sum(dim=0), counts, S * scope.sequence_ranks, top_k, E, seq_aux_loss_coeff
-            )
+            counts = scope.sum_sequence(count_per_expert(sequence_of_pick * E + aux_ids, B * E, valid))
+            total = S * scope.sequence_ranks if valid is None else _unpadded_tokens(counts, top_k * B)
+            per_sequence = _switch_loss(probs.reshape(S, B * E).sum(dim=0), counts, total, top_k, E, seq_aux_loss_coeff)
             losses["seq_aux_loss"] = per_sequence / B
         if global_aux_loss_coeff > 0.0:
             counts = scope.global_average(aux_counts)
-            losses["global_aux_loss"] = _switch_loss(
-                probs.sum(dim=0), counts, T * scope.global_ranks, top_k, E, global_aux_loss_coeff
-            )
+            total = T * scope.global_ranks if valid is None else _unpadded_tokens(scope.sum_global(aux_counts), top_k)
+            losses["global_aux_loss"] = _switch_loss(probs.sum(dim=0), counts, total, top_k, E, global_aux_loss_coeff)
     if z_loss_coeff > 0.0 and T > 0:
         coeff = z_loss_coeff / scope.sequence_ranks
-        losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean() * coeff).float()
+        squares = torch.logsumexp(logits, dim=-1).square()
+        if valid is None:
+            mean = squares.mean()
+        else:  # Megatron's z_loss_func: the tokens that are not padding, over at least one
+            mean = (squares * valid).sum() / valid.sum().clamp(min=1)
+        losses["z_loss"] = (mean * coeff).float()
 
     aux_loss = scores.new_zeros(())
     for name in LOSS_NAMES:
         if name in losses:
             aux_loss = aux_loss + losses[name]
-    return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert, losses)
+    unpadded = None if valid is None else count_per_expert(topk_ids, E, valid)
+    return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert, losses, unpadded)
+
+
+def _unpadded_tokens(counts: torch.Tensor, pairs_per_token: int) -> torch.Tensor:
+    """fp32 []: the tokens that are not padding behind `counts` (each gave `pairs_per_token` pairs),
+    as Megatron's get_tokens_per_expert_and_token_count divides it under a padding mask."""
+    return counts.sum() / pairs_per_token
 
 
 @torch.no_grad()

@@ -81,9 +81,9 @@ def _stock_and_mok(cfg: TransformerConfig):
     return stock, mok
 
 
-def _fwd_bwd(layer, x, probe):
+def _fwd_bwd(layer, x, probe, **forward_kwargs):
     x = x.detach().clone().requires_grad_()
-    out, bias = layer(x)
+    out, bias = layer(x, **forward_kwargs)
     assert bias is None
     (out * probe).sum().backward()
     grads = {name: p.grad for name, p in layer.named_parameters()}

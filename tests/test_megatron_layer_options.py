@@ -231,6 +231,26 @@ def test_moe_recompute_gives_the_same_gradients(fields):
 
 
 @pytest.mark.usefixtures("megatron_world")
+def test_moe_recompute_with_a_padding_mask_gives_the_same_gradients():
+    # The mask goes through the checkpoint with the input: the recomputation leaves the same
+    # tokens out of the losses, and the expert-bias counts (taken once) leave them out too.
+    fields = dict(EXPERT_BIAS, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                  moe_aux_loss_coeff=[0.01, 0.02, 0.005], moe_z_loss_coeff=1e-3)  # fmt: skip
+    base = _mok(_config(**fields))
+    recomputed = _mok(_config(**fields, **_recompute("moe")), base)
+    for layer in (base, recomputed):
+        layer.train()
+    x, probe = _inputs()
+    padding_mask = torch.rand(x.shape[1], x.shape[0], generator=torch.Generator().manual_seed(3)) < 0.4  # [B, S]
+    want = _fwd_bwd(base, x, probe, padding_mask=padding_mask)
+    got = _fwd_bwd(recomputed, x, probe, padding_mask=padding_mask)
+    _assert_bitwise(got, want)
+    counts = recomputed.mok.local_tokens_per_expert
+    assert torch.equal(counts, base.mok.local_tokens_per_expert)
+    assert counts.sum() == int((~padding_mask).sum()) * recomputed.config.moe_router_topk
+
+
+@pytest.mark.usefixtures("megatron_world")
 def test_moe_recompute_logs_the_losses_once(monkeypatch):
     # The losses ride on the routing weights, inside the recomputed region: the recomputation
     # attaches them again to a graph the backward does not use (so their gradient counts once:

@@ -22,6 +22,7 @@ from megatron.core.distributed.finalize_model_grads import (  # noqa: E402
 )
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.transformer.moe import moe_logging  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from test_megatron import E, H, _config, _fwd_bwd, _init, megatron_world  # noqa: E402, F401
 
 from mok_plugin import random_stream  # noqa: E402
@@ -67,16 +68,25 @@ def _build(cfg, expert_bias: torch.Tensor | None = None):
     return stock, mok
 
 
-def _run(layer, steps: int = MICRO_BATCHES, seed: int = 0, s: int = S, b: int = B):
-    """Forward + backward over `steps` micro-batches (gradients accumulate, as in one training step).
-    Returns (outputs, input gradients, parameter gradients under the stock names, the logged
-    metrics {name: (values, reduce_group, avg_group, needs_dp_avg)})."""
+def _padding_mask(b: int, s: int, seed: int) -> torch.Tensor:
+    """bool [B, S], True for a padding token (as Megatron's router code reads it): about a third of
+    the tokens, the first sequence's last two always among them."""
+    mask = torch.rand(b, s, generator=torch.Generator().manual_seed(seed)) < 1 / 3
+    mask[0, -2:] = True
+    return mask
+
+
+def _run(layer, steps: int = MICRO_BATCHES, seed: int = 0, s: int = S, b: int = B, padded: bool = False):
+    """Forward + backward over `steps` micro-batches (gradients accumulate, as in one training step),
+    with a padding mask where `padded`. Returns (outputs, input gradients, parameter gradients under
+    the stock names, the logged metrics {name: (values, reduce_group, avg_group, needs_dp_avg)})."""
     moe_logging.destroy_moe_metrics_tracker()
     outs, d_xs = [], []
     for step in range(steps):
         x = make_layer_inputs(s * b, H, seed=seed + 10 * step).view(s, b, H)
         probe = make_layer_inputs(s * b, H, seed=seed + 10 * step + 1).view(s, b, H)
-        out, d_x, grads = _fwd_bwd(layer, x, probe)
+        padding = {"padding_mask": _padding_mask(b, s, seed + 10 * step + 2)} if padded else {}
+        out, d_x, grads = _fwd_bwd(layer, x, probe, **padding)
         outs.append(out)
         d_xs.append(d_x)
     logged = {
@@ -217,6 +227,60 @@ def test_aux_loss_beside_expert_bias_matches_stock(case):
     _assert_same(stock, mok)
     # Megatron's finalize_model_grads updates the bias from these: the same counts.
     assert torch.equal(mok.mok.local_tokens_per_expert, stock.router.local_tokens_per_expert)
+
+
+# A padding mask (packed or padded sequences; GPTModel.forward's padding_mask): its tokens run
+# through the experts and stay out of every router loss (micro-batch, per sequence, global, z) and
+# out of the expert-bias counts.
+PADDED = {
+    "list_of_three_with_z_loss": BALANCING["list_of_three_with_z_loss"],
+    "per_token_loss": PER_TOKEN_LOSS,
+    "sigmoid_groups_aux": BALANCING["sigmoid_groups_aux"],
+    "sqrtsoftplus": SCORE_FUNCTIONS["sqrtsoftplus"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PADDED))
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_padding_mask_matches_stock(case):
+    stock, mok = _build(_config(**PADDED[case]))
+    _assert_same(stock, mok, padded=True)
+    # The mask changes the losses (and so the router's gradient), not the experts' outputs.
+    _, plain = _build(_config(**PADDED[case]))
+    plain.load_state_dict(mok.state_dict())
+    padded_run, plain_run = _run(mok, padded=True), _run(plain)
+    assert torch.equal(padded_run[0][0], plain_run[0][0])
+    assert not torch.equal(padded_run[2]["router.weight"], plain_run[2]["router.weight"])
+
+
+def _expert_bias_counts_as_fixed_upstream(self, routing_map, padding_mask=None):
+    """TopKRouter._apply_expert_bias as Megatron-LM fixed it (commit 723db5a, PR #6114): 0.19's
+    `routing_map & ~padding_mask` broadcasts the [T] mask against [T, E] and fails (or, where T = E,
+    masks experts instead of tokens). MoK counts as the fix does."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask).unsqueeze(-1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_padding_mask_leaves_padding_out_of_the_expert_bias_counts(monkeypatch):
+    monkeypatch.setattr(TopKRouter, "_apply_expert_bias", _expert_bias_counts_as_fixed_upstream)
+    cfg = _config(moe_router_enable_expert_bias=True, **BIASED["sigmoid_bias_aux"])
+    stock, mok = _build(cfg, expert_bias=0.3 * make_layer_inputs(1, E, seed=5)[0])
+    _assert_same(stock, mok, padded=True)
+    assert torch.equal(mok.mok.local_tokens_per_expert, stock.router.local_tokens_per_expert)
+    padding = sum(int(_padding_mask(B, S, 10 * step + 2).sum()) for step in range(MICRO_BATCHES))
+    assert int(mok.mok.local_tokens_per_expert.sum()) == (MICRO_BATCHES * S * B - padding) * cfg.moe_router_topk
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_padding_mask_of_the_wrong_shape_is_an_error():
+    _, mok = _build(_config())
+    x = make_layer_inputs(S * B, H, seed=0).view(S, B, H)
+    with pytest.raises(ValueError, match=r"padding_mask must be \[B=2, S=6\]"):
+        mok(x, padding_mask=torch.zeros(S, B, dtype=torch.bool))
 
 
 @pytest.mark.usefixtures("megatron_world", "cpu_buffers")
@@ -414,6 +478,9 @@ def _parallel_worker(rank: int, world: int, port: int) -> None:
             assert dist.get_world_size(mok.mok.sequence_group) == cp
             assert dist.get_world_size(mok.mok.global_batch_group) == world
             _assert_same(stock, mok, seed=1000 * rank)  # each rank its own tokens (sequence shards)
+            # With padding: the tokens that are not padding, counted over the same groups.
+            stock, mok = _build(cfg)
+            _assert_same(stock, mok, seed=1000 * rank, padded=True)
             parallel_state.destroy_model_parallel()
     finally:
         if parallel_state.model_parallel_is_initialized():

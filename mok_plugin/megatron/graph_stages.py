@@ -104,10 +104,11 @@ class PartialGraphStages:
         """(x, routing weights, shared experts' output or None): the graphed part. The experts
         chosen go to the stand-in dispatcher's `topk_ids`. Nothing here reads the host or the
         host's per-forward state (`MoKMoE.prepare_forward` runs in the eager part, every forward)."""
-        self._check_forward(x, padding_mask)
+        self._check_forward(x)
         self.mok.check_input(x)
-        routing = self.mok.route_step(x, x.shape[1], self._loss_attacher(x))
-        self._count_and_log(routing.losses, routing.tokens_per_expert)
+        padding = self._padding_of(x, padding_mask)
+        routing = self.mok.route_step(x, x.shape[1], self._loss_attacher(x, padding), padding)
+        self._count_and_log(routing.losses, routing.counted_tokens_per_expert)
         self.token_dispatcher.topk_ids = routing.topk_ids
         shared_out = self.mok.start_shared_experts(x) if self._shared_in_graph() else None
         return x, routing.topk_weights, shared_out
@@ -115,7 +116,7 @@ class PartialGraphStages:
     def _resumed_step(self, x: torch.Tensor, probs: torch.Tensor, shared_out: torch.Tensor | None) -> MoKForwardStep:
         """The forward's step from the graph's outputs; overlapped shared experts are issued here,
         after the routing and before the routed experts, as in the whole-layer forward."""
-        self._check_forward(x, None)
+        self._check_forward(x)
         self._defer_weight_grads_as_configured()
         store = self.cudagraph_tensor_store
         topk_ids = store.routing_map if store.routing_map is not None else self.token_dispatcher.topk_ids

@@ -49,7 +49,7 @@ import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from mok_plugin.config import MoKConfig
-from mok_plugin.layer import MoKForwardStep, MoKMoE, _group_size
+from mok_plugin.layer import MoKForwardStep, MoKMoE, _group_size, _sum_over
 from mok_plugin.megatron.checkpoint import install_state_dict_hooks, megatron_sharded_state_dict
 from mok_plugin.megatron.config_map import (
     MOE_OFFLOAD_MODULES,
@@ -284,7 +284,9 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         """(output [S, B, H], None); under Megatron's partial CUDA graphs, a stage's outputs
-        (graph_stages.py). Raises NotImplementedError for padding masks (packed sequences)."""
+        (graph_stages.py). padding_mask [B, S] (True for a padding token, as TopKRouter's code reads
+        it): those tokens run through the experts like any other and are left out of the router
+        losses and the expert-bias counts, as in the stock layer."""
         if self.partial_graphs:
             staged = self.graph_stage_output(hidden_states, intermediate_tensors, padding_mask)
             if staged is not None:
@@ -294,16 +296,27 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
             raise NotImplementedError(
                 "MoKMoELayer: intermediate_tensors without --cuda-graph-modules moe_router / moe_preprocess"
             )
-        self._check_forward(hidden_states, padding_mask)
-        output, _ = self._run_mok(hidden_states)
-        self._count_and_log(self.mok.last_router_losses, self.mok.last_tokens_per_expert)
+        self._check_forward(hidden_states)
+        padding = self._padding_of(hidden_states, padding_mask)
+        output, _ = self._run_mok(hidden_states, padding)
+        self._count_and_log(self.mok.last_router_losses, self.mok.last_counted_tokens_per_expert)
         return output, None
 
-    def _check_forward(self, hidden_states: torch.Tensor, padding_mask) -> None:
-        if padding_mask is not None:
-            raise NotImplementedError(
-                "MoKMoELayer does not take a padding_mask yet (packed/THD sequences route every token)"
+    @staticmethod
+    def _padding_of(hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Megatron's padding_mask [B, S] as MoK's padding over the flattened [S x B] tokens: what
+        MoELayer.forward (the transpose) and TopKRouter.routing (the flattening) make of it."""
+        if padding_mask is None:
+            return None
+        S, B = hidden_states.shape[:2]
+        if tuple(padding_mask.shape) != (B, S):
+            raise ValueError(
+                f"MoKMoELayer: padding_mask must be [B={B}, S={S}] for hidden_states [S, B, H], "
+                f"got {tuple(padding_mask.shape)}"
             )
+        return padding_mask.transpose(0, 1).bool().reshape(-1)
+
+    def _check_forward(self, hidden_states: torch.Tensor) -> None:
         if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
             # MoELayer.forward's own check, word for word.
             raise ValueError(
@@ -329,7 +342,7 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
         # TopKRouter computes and attaches its losses only when training with gradients on.
         return self.training and torch.is_grad_enabled()
 
-    def _run_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_mok(self, hidden_states: torch.Tensor, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, aux_loss) of the MoK layer; under --recompute-modules moe while training, through
         a non-reentrant activation checkpoint: the forward keeps only its input, and the backward
         runs it again (MoK's forward is deterministic, so bitwise the same values) before its own.
@@ -342,37 +355,40 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
         stop is off, so the recomputation always runs the whole forward: under expert parallelism
         every rank makes the same collective calls in the same order."""
         if not (self.moe_layer_recompute and self.training and torch.is_grad_enabled()):
-            return self._call_mok(hidden_states)
+            return self._call_mok(hidden_states, padding)
         mok = self.mok
         seen = []  # the state the forward started from (MoKMoE.forward_state)
 
-        def run(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def run(hidden_states: torch.Tensor, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             if not seen:  # the forward
                 seen.append(mok.forward_state())
-                return self._call_mok(hidden_states)
+                return self._call_mok(hidden_states, padding)
             now = mok.forward_state()  # the recomputation, in the backward
             mok.restore_forward_state(seen[0])
             try:
-                return self._call_mok(hidden_states)
+                return self._call_mok(hidden_states, padding)
             finally:
                 mok.restore_forward_state(now)
 
         # (The context manager, not checkpoint's early_stop argument: torch 2.8 has only the former.)
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(run, hidden_states, padding, use_reentrant=False)
 
-    def _call_mok(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _call_mok(self, hidden_states: torch.Tensor, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.offload_activations:
-            return self._call_mok_on_device(hidden_states)
+            return self._call_mok_on_device(hidden_states, padding)
         with torch.autograd.graph.save_on_cpu(pin_memory=hidden_states.is_cuda):
-            return self._call_mok_on_device(hidden_states)
+            return self._call_mok_on_device(hidden_states, padding)
 
-    def _call_mok_on_device(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _call_mok_on_device(
+        self, hidden_states: torch.Tensor, padding: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._defer_weight_grads_as_configured()
         with self._expert_weights_into_main_grad():
             return self.mok(
-                hidden_states, num_sequences=hidden_states.shape[1], attach_losses=self._loss_attacher(hidden_states)
-            )
+                hidden_states, num_sequences=hidden_states.shape[1],
+                attach_losses=self._loss_attacher(hidden_states, padding), padding=padding,
+            )  # fmt: skip
 
     @contextlib.contextmanager
     def _expert_weights_into_main_grad(self):
@@ -446,36 +462,61 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
             return cfg.mtp_num_layers
         return 1
 
-    def _loss_attacher(self, hidden_states: torch.Tensor):
+    def _loss_attacher(self, hidden_states: torch.Tensor, padding: torch.Tensor | None = None):
         """f(routing weights, router losses) for MoKMoE.begin: the weights carrying the losses into
         the backward, scaled as TopKRouter's attach_and_log_load_balancing_loss (each load-balancing
         loss) and apply_z_loss do, on the routing weights as TopKRouter attaches them to its probs
         (so that Megatron's EP-overlap schedule, which splits the layer into stages, keeps the
         losses' backward in the routing stage); None when no loss is attached (evaluation).
 
-        With --calculate-per-token-loss Megatron divides every gradient by the global token count,
-        so the router multiplies each loss by its rank's tokens x the TP x CP size (the
-        micro-batch's tokens on this rank, S x B, for every loss, seq_aux_loss included); repeated
-        MTP layers divide the load-balancing losses (not the z-loss) by mtp_num_layers. One
-        `MoEAuxLossAutoScaler` on their sum gives each loss the same gradient as one per loss."""
+        With --calculate-per-token-loss each loss is multiplied by the tokens TopKRouter counts for
+        it (`_per_token_scales`); repeated MTP layers divide the load-balancing losses (not the
+        z-loss) by mtp_num_layers. One `MoEAuxLossAutoScaler` on their sum gives each loss the same
+        gradient as one per loss."""
         if not self._attaching_losses():
             return None
-        cfg, repeats = self.config, self._mtp_repeats()
-        num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
+        repeats = self._mtp_repeats()
+        scale = self._per_token_scales(hidden_states, padding) if self.config.calculate_per_token_loss else None
 
         def attach(weights: torch.Tensor, losses: dict[str, torch.Tensor]) -> torch.Tensor:
             attached = None
             for name in LOSS_NAMES:
                 if name in losses:
                     loss = losses[name] if name == "z_loss" or repeats == 1 else losses[name] / repeats
+                    if scale is not None:
+                        loss = loss * scale(name)
                     attached = loss if attached is None else attached + loss
-            if attached is None:
-                return weights
-            if cfg.calculate_per_token_loss:
-                attached = attached * (num_tokens * _group_size(self.mok.sequence_group))
-            return MoEAuxLossAutoScaler.apply(weights, attached)
+            return weights if attached is None else MoEAuxLossAutoScaler.apply(weights, attached)
 
         return attach
+
+    def _per_token_scales(
+        self, hidden_states: torch.Tensor, padding: torch.Tensor | None
+    ) -> Callable[[str], int | torch.Tensor]:
+        """name (LOSS_NAMES) -> what TopKRouter multiplies that loss by under --calculate-per-token-loss
+        (Megatron then divides every gradient by the global token count): the tokens it counts for
+        the loss x the TP x CP size. Without a padding mask, this rank's S x B for every loss. With
+        one, the z-loss counts this rank's tokens that are not padding, and each load-balancing loss
+        those of its whole group (TP x CP; TP x DP x CP for the global loss): the "local" count of
+        get_tokens_per_expert_and_token_count is read after reduce_from_tensor_model_parallel_region
+        summed the counts over the group in place (Megatron-Core 0.19, as Megatron-LM's main still
+        does). The group sums are taken when a loss first asks, on every rank alike."""
+        mok = self.mok
+        size = _group_size(mok.sequence_group)
+        if padding is None:
+            tokens = hidden_states.shape[0] * hidden_states.shape[1] * size
+            return lambda name: tokens
+        local = (~padding).sum().reshape(1)
+        groups = {"z_loss": None, "aux_loss": mok.sequence_group, "seq_aux_loss": mok.sequence_group,
+                  "global_aux_loss": mok.global_batch_group}  # fmt: skip
+        scales: dict[str, torch.Tensor] = {}
+
+        def scale(name: str) -> torch.Tensor:
+            if name not in scales:
+                scales[name] = _sum_over(local, groups[name])[0] * size
+            return scales[name]
+
+        return scale
 
     def _log_router_losses(self, losses: dict[str, torch.Tensor], repeats: int) -> None:
         """Record each loss in Megatron's MoE metrics tracker as the stock router does: the value
@@ -531,20 +572,26 @@ class MoKMoELayer(PartialGraphStages, MoELayer):
     def shared_experts_compute(self, hidden_states: torch.Tensor):
         """The first stage (Megatron calls it before route): route, then issue the shared experts.
         Returns their output [S x B, H] (None without shared experts)."""
-        self._check_forward(hidden_states, None)
+        self._check_forward(hidden_states)
         self._defer_weight_grads_as_configured()
         if self.mok.ep_group is None:
             raise RuntimeError(
                 "MoKMoELayer's EP-overlap stages need expert parallelism (--expert-model-parallel-size > 1)"
             )
         step = self.mok.begin(hidden_states, hidden_states.shape[1], self._loss_attacher(hidden_states))
-        self._count_and_log(step.routing.losses, step.routing.tokens_per_expert)
+        self._count_and_log(step.routing.losses, step.routing.counted_tokens_per_expert)
         self._overlap_step = step
         return step.shared_out
 
     def route(self, hidden_states: torch.Tensor, padding_mask=None):
         """(routing weights [T, K], expert ids [T, K]) as shared_experts_compute routed (or, after a
-        partial CUDA graph's replay, as the graph routed)."""
+        partial CUDA graph's replay, as the graph routed). Megatron's EP-overlap schedule calls this
+        without a padding mask (so its stock layer routes without one); one given here would come
+        too late for the routing, so it is refused."""
+        if padding_mask is not None:
+            raise NotImplementedError(
+                "MoKMoELayer.route: the EP-overlap stages route in shared_experts_compute, which takes no padding_mask"
+            )
         self._resume_overlap_step(hidden_states)
         routing = self._stage().routing
         return routing.topk_weights, routing.topk_ids
