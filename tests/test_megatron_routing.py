@@ -4,9 +4,10 @@ their coefficients (0 included), the aux loss beside expert bias and group-limit
 from the plain top-K), the sqrtsoftplus score function (with expert bias), --calculate-per-token-loss,
 each logged loss (name, value, groups), over two micro-batches (the global loss's running counts),
 their reset by finalize_model_grads and its expert-bias update; evaluation attaches nothing.
-Context parallelism 2 and data parallelism 2 in two gloo processes (the TP x CP and TP x DP x CP
-reductions). The flags that map to these fields, and those still refused. Helpers come from
-test_megatron.py."""
+Padding masks (the layer's and GPTModel's padding_mask): the losses, the per-token-loss scales and
+the expert-bias counts leave padding tokens out. Context parallelism 2 and data parallelism 2 in two
+gloo processes (the TP x CP and TP x DP x CP reductions), with and without a padding mask. The
+flags that map to these fields, and those still refused. Helpers come from test_megatron.py."""
 
 import pytest
 import torch
@@ -273,6 +274,47 @@ def test_padding_mask_leaves_padding_out_of_the_expert_bias_counts(monkeypatch):
     assert torch.equal(mok.mok.local_tokens_per_expert, stock.router.local_tokens_per_expert)
     padding = sum(int(_padding_mask(B, S, 10 * step + 2).sum()) for step in range(MICRO_BATCHES))
     assert int(mok.mok.local_tokens_per_expert.sum()) == (MICRO_BATCHES * S * B - padding) * cfg.moe_router_topk
+
+
+@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
+def test_gpt_model_hands_its_padding_mask_to_mok(monkeypatch):
+    # GPTModel.forward(..., padding_mask=) reaches the MoE layers through TransformerLayer: the whole
+    # model with MoK's layers against the stock model with the same weights.
+    import contextlib
+
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from mok_plugin.megatron import moe_block_spec
+
+    # The local attention forks the CUDA RNG tracker for its dropout (0 here): nothing to fork on the CPU.
+    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
+    cfg = _config(num_layers=2, transformer_impl="local", moe_layer_freq=[0, 1], attention_dropout=0.0,
+                  hidden_dropout=0.0, **BALANCING["list_of_three_with_z_loss"])  # fmt: skip
+    groups = ProcessGroupCollection.use_mpu_process_groups
+    stock = GPTModelBuilder(GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=S)).build_model(groups())
+    mok = GPTModelBuilder(GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=S,
+                                         transformer_layer_spec=moe_block_spec)).build_model(groups())  # fmt: skip
+    make_stock_router_cpu_safe(stock.decoder.layers[1].mlp)
+    mok.load_state_dict(stock.state_dict())
+    tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(S).expand(B, S)
+    causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)
+
+    def router_grad(model, padding_mask):
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, positions, causal, padding_mask=padding_mask)
+        out.square().sum().backward()
+        layer = model.decoder.layers[1].mlp
+        return out.detach(), (layer.router if type(layer) is MoELayer else layer.mok.router).weight.grad
+
+    padding_mask = _padding_mask(B, S, seed=7)
+    want, got = router_grad(stock, padding_mask), router_grad(mok, padding_mask)
+    _close(got[0], want[0], "logits")
+    _close(got[1], want[1], "router gradient")
+    assert not torch.equal(router_grad(mok, None)[1], got[1]), "the mask changes the router's losses"
 
 
 @pytest.mark.usefixtures("megatron_world")
