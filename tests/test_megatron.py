@@ -1,9 +1,11 @@
 """The Megatron-Core adapter on the CPU (gloo): MoKMoELayer against Megatron's stock MoELayer built
 from the same TransformerConfig with the same weights (outputs, input, router and expert
 gradients, aux loss), checkpoints both ways (state_dict and the sharded distributed-checkpoint
-layout), gradients into main_grad, unsupported flags, the --spec path, EP = 2 in two processes.
+layout), gradients into main_grad, unsupported flags, the --spec path, upcycling a dense model into
+MoK's experts (--moe-use-upcycling), EP = 2 in two processes.
 Experts other than SwiGLU (activations, clamp, offset, biases): test_megatron_families.py."""
 
+import contextlib
 import os
 
 import pytest
@@ -47,6 +49,43 @@ def megatron_world():
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture()
+def cpu_gpt_model(monkeypatch):
+    """What a whole GPTModel (local spec) needs on the CPU: buffers Megatron makes on
+    torch.cuda.current_device() (attention's, the router's) go to the CPU, the attention's
+    dropout RNG fork (dropout 0 in these tests) does nothing, and torch.compile'd helpers run eagerly."""
+    from megatron.core import tensor_parallel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
+    torch.compiler.set_stance("force_eager")
+    yield
+    torch.compiler.set_stance("default")
+
+
+def _gpt(cfg: TransformerConfig, seq_length: int, mok: bool):
+    """A GPTModel as Megatron's GPT builder makes it, with MoK's layers (`moe_block_spec`) or the stock ones."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from mok_plugin.megatron import moe_block_spec
+
+    spec = dict(transformer_layer_spec=moe_block_spec) if mok else {}
+    model_config = GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=seq_length, **spec)
+    model = GPTModelBuilder(model_config).build_model(pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    for layer in model.decoder.layers:
+        if type(layer.mlp) is MoELayer:
+            make_stock_router_cpu_safe(layer.mlp)
+    return model
+
+
+def _gpt_inputs(batch: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, position ids, causal attention mask) for a _gpt model."""
+    tokens = torch.randint(0, 64, (batch, seq_length), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq_length).expand(batch, seq_length)
+    return tokens, positions, torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool), diagonal=1)
 
 
 def _config(**overrides) -> TransformerConfig:
@@ -318,6 +357,61 @@ def test_spec_builds_gpt_model_with_mok_layers(megatron_world):
     expert_keys = {key for key, _ in got if key.endswith("experts.experts.linear_fc1.weight")}
     assert expert_keys == {"decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
                            "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"}  # fmt: skip
+
+
+# --- --moe-use-upcycling: a dense model's MLPs copied into every expert -----------------------------
+
+UPCYCLING = {
+    # Megatron's own upcycling test's layer (granularity 1): the MoE model computes the dense one.
+    "gelu": dict(gated_linear_unit=False, activation_func=F.gelu, moe_router_topk=2, granularity=1),
+    # SwiGLU experts of half the dense width ("granular" upcycling): each dense MLP split in two.
+    "swiglu_granular": dict(moe_router_topk=2, granularity=2),
+}
+
+
+@pytest.mark.parametrize("case", list(UPCYCLING))
+@pytest.mark.usefixtures("megatron_world", "cpu_gpt_model")
+def test_upcycling_fills_mok_experts_as_stock(case):
+    from megatron.core.transformer.moe import upcycling_utils
+
+    fields = dict(UPCYCLING[case])
+    granularity = fields.pop("granularity")
+    common = dict(num_layers=2, transformer_impl="local", attention_dropout=0.0, hidden_dropout=0.0,
+                  ffn_hidden_size=32, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)  # fmt: skip
+    activation = {k: fields[k] for k in ("gated_linear_unit", "activation_func") if k in fields}
+    dense_cfg = _config(**common, **activation, num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=None)
+    moe_cfg = _config(**common, **fields, num_moe_experts=4, moe_ffn_hidden_size=32 // granularity)
+    dense, stock, mok = _gpt(dense_cfg, 8, mok=False), _gpt(moe_cfg, 8, mok=False), _gpt(moe_cfg, 8, mok=True)
+    assert type(mok.decoder.layers[0].mlp) is MoKMoELayer
+    logits = {}
+    for name, model in (("dense", dense), ("stock", stock), ("mok", mok)):
+        if model is not dense:
+            model.load_state_dict(upcycling_utils.upcycle_state_dict([model], [dense])["model"], strict=True)
+        model.eval()
+        with torch.no_grad():
+            logits[name] = model(*_gpt_inputs(2, 8))
+    assert_close(logits["mok"], logits["stock"], torch.float32, name="MoK against the stock layer, upcycled")
+    if granularity == 1:
+        assert_close(logits["mok"], logits["dense"], torch.float32, name="MoK against the dense model")
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_moe_block_spec_builds_the_dense_model_of_upcycling(monkeypatch):
+    # Megatron's training clears --num-experts while it builds the dense model to upcycle from.
+    import argparse
+
+    from megatron.training import global_vars
+    from megatron.training.models.gpt import GPTModelConfig, default_layer_spec
+
+    from mok_plugin.megatron import moe_block_spec
+
+    dense_cfg = _config(num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=None, transformer_impl="local",
+                        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)  # fmt: skip
+    dense = GPTModelConfig(transformer=dense_cfg, vocab_size=64, seq_length=8)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        moe_block_spec(dense)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace(moe_use_upcycling=True, num_experts=None))
+    assert str(moe_block_spec(dense)) == str(default_layer_spec(dense, None))
 
 
 # --- EP = 2 in two gloo processes against EP = 1 ------------------------------------------------

@@ -24,7 +24,17 @@ from megatron.core.distributed.finalize_model_grads import (  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.transformer.moe import moe_logging  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from test_megatron import E, H, _config, _fwd_bwd, _init, megatron_world  # noqa: E402, F401
+from test_megatron import (  # noqa: E402, F401
+    E,
+    H,
+    _config,
+    _fwd_bwd,
+    _gpt,
+    _gpt_inputs,
+    _init,
+    cpu_gpt_model,
+    megatron_world,
+)
 
 from mok_plugin import random_stream  # noqa: E402
 from mok_plugin.compare.stock_cpu import make_stock_router_cpu_safe  # noqa: E402
@@ -276,36 +286,20 @@ def test_padding_mask_leaves_padding_out_of_the_expert_bias_counts(monkeypatch):
     assert int(mok.mok.local_tokens_per_expert.sum()) == (MICRO_BATCHES * S * B - padding) * cfg.moe_router_topk
 
 
-@pytest.mark.usefixtures("megatron_world", "cpu_buffers")
-def test_gpt_model_hands_its_padding_mask_to_mok(monkeypatch):
+@pytest.mark.usefixtures("megatron_world", "cpu_gpt_model")
+def test_gpt_model_hands_its_padding_mask_to_mok():
     # GPTModel.forward(..., padding_mask=) reaches the MoE layers through TransformerLayer: the whole
     # model with MoK's layers against the stock model with the same weights.
-    import contextlib
-
-    from megatron.core import tensor_parallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
-    from mok_plugin.megatron import moe_block_spec
-
-    # The local attention forks the CUDA RNG tracker for its dropout (0 here): nothing to fork on the CPU.
-    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", contextlib.nullcontext)
     cfg = _config(num_layers=2, transformer_impl="local", moe_layer_freq=[0, 1], attention_dropout=0.0,
                   hidden_dropout=0.0, **BALANCING["list_of_three_with_z_loss"])  # fmt: skip
-    groups = ProcessGroupCollection.use_mpu_process_groups
-    stock = GPTModelBuilder(GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=S)).build_model(groups())
-    mok = GPTModelBuilder(GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=S,
-                                         transformer_layer_spec=moe_block_spec)).build_model(groups())  # fmt: skip
-    make_stock_router_cpu_safe(stock.decoder.layers[1].mlp)
+    stock, mok = _gpt(cfg, S, mok=False), _gpt(cfg, S, mok=True)
     mok.load_state_dict(stock.state_dict())
-    tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(S).expand(B, S)
-    causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)
 
     def router_grad(model, padding_mask):
         model.zero_grad(set_to_none=True)
-        out = model(tokens, positions, causal, padding_mask=padding_mask)
+        out = model(*_gpt_inputs(B, S), padding_mask=padding_mask)
         out.square().sum().backward()
         layer = model.decoder.layers[1].mlp
         return out.detach(), (layer.router if type(layer) is MoELayer else layer.mok.router).weight.grad

@@ -75,9 +75,54 @@ def _install_mtp_swap() -> None:
     gpt.mtp_block_spec = mtp_block_spec
 
 
+def _install_upcycling_support() -> None:
+    """Let Megatron's upcycling (--moe-use-upcycling: a dense checkpoint's MLPs copied into every
+    expert) fill MoK layers (idempotent). upcycling_utils names the MoE state dict's expert keys
+    after the experts' class, SequentialMLP or TEGroupedMLP, and refuses any other; MoK's layer
+    loads SequentialMLP's keys (`experts.local_experts.{i}.linear_fc1.weight`), so for a MoK layer
+    it is told that class."""
+    from megatron.core.transformer.moe import upcycling_utils
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    stock = upcycling_utils._get_config
+    if getattr(stock, "_mok_wrapped", False):
+        return
+
+    @functools.wraps(stock)
+    def _get_config(moe_model, dense_model):
+        find = upcycling_utils._find_submodule
+        mlp = find(moe_model, "mlp")
+        if not isinstance(mlp, MoKMoELayer):
+            return stock(moe_model, dense_model)
+        keys_of = SequentialMLP.__new__(SequentialMLP)  # read by an isinstance check only
+
+        def find_stock_experts(model, name):
+            return keys_of if model is mlp and name == "experts" else find(model, name)
+
+        upcycling_utils._find_submodule = find_stock_experts
+        try:
+            return stock(moe_model, dense_model)
+        finally:
+            upcycling_utils._find_submodule = find
+
+    _get_config._mok_wrapped = True
+    upcycling_utils._get_config = _get_config
+
+
+def _upcycling_dense_model() -> bool:
+    """Whether Megatron's training is building the dense model of --moe-use-upcycling (it clears
+    --num-experts for that build, then restores it)."""
+    from megatron.training import global_vars
+
+    args = global_vars._GLOBAL_ARGS  # (get_args() asserts they were parsed: not in a bare build)
+    return bool(getattr(args, "moe_use_upcycling", False)) and not args.num_experts
+
+
 def moe_block_spec(model_config: Any, vp_stage: int | None = None) -> Any:
     """The stock GPT block spec for `model_config` (a megatron.training GPTModelConfig) with every
     MoE layer (MTP layers included) running MoK. Use as `--spec mok_plugin.megatron moe_block_spec`.
+    Under --moe-use-upcycling, the dense model Megatron builds first (no experts) gets the stock
+    spec, and the dense weights are then upcycled into MoK's experts.
 
     Raises:
         ValueError: the model has no MoE layers (`--num-experts` is not set).
@@ -85,6 +130,9 @@ def moe_block_spec(model_config: Any, vp_stage: int | None = None) -> Any:
     from megatron.training.models.gpt import default_layer_spec
 
     if not model_config.transformer.num_moe_experts:
+        if _upcycling_dense_model():
+            return default_layer_spec(model_config, vp_stage)
         raise ValueError("--spec mok_plugin.megatron moe_block_spec needs an MoE model: set --num-experts")
     _install_mtp_swap()
+    _install_upcycling_support()
     return use_mok(default_layer_spec(model_config, vp_stage))
