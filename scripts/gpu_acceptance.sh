@@ -3,7 +3,8 @@
 #   tests      the GPU test modules (layer vs reference, bitwise, torch.compile at one and several token counts
 #              and with experts run eagerly between graphs, CUDA graphs, EP transports,
 #              the Gluon weight gradients on Hopper)
-#              and the kernel, op and empty-work tests compiled, in one pytest run
+#              and the kernel, op and empty-work tests compiled, and Megatron's own MoE layer tests with MoK
+#              (their CUDA cases), in one pytest run
 #              (spread over the cores with pytest-xdist where installed: compiling the kernels is CPU-bound)
 #   compare    scripts/compare.py on the single-H200 config, through Megatron and through DeepSpeed
 #              (the DeepSpeed one is stock vs MoK under deepspeed.initialize: tokens/s, memory, losses)
@@ -131,7 +132,7 @@ for part in "${parts[@]}"; do
             tests/test_ops.py tests/test_parallel_multi_gpu.py tests/test_megatron_distributed_optimizer.py tests/test_wgrad.py \
             tests/test_schedule.py tests/test_gpu_wgrad_hopper.py tests/test_compact_h.py tests/test_kernel_launch.py \
             tests/test_bench_host.py tests/test_compile_eager_parts.py tests/test_deepspeed_structure.py \
-            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py tests/test_gpu_rows_hopper.py ;;
+            tests/test_fp8_hopper.py tests/test_mxfp8_mma.py tests/test_gpu_rows_hopper.py tests/test_megatron_upstream.py ;;
     compare)
         cfg=configs/topologies/qwen3-30b-a3b-4-layers_h200_single.yaml
         run_part compare-megatron python3 scripts/compare.py --config "$cfg" --out "$out/compare-megatron"
