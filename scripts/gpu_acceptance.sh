@@ -33,12 +33,13 @@
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
 #              that say "not yet timed"): their GPU tests (untimed-tests); the candidates (untimed-candidates:
-#              `mok bench ab`'s arguments, --set or --override each; now v47 at qwen3-30b-a3b under graphs and
-#              eager, a null A/B, the method's check, and v47 eager on five more shapes, ~100 s each); each switch
+#              `mok bench ab`'s arguments, --set or --override each, ~100 s each; now only a null A/B, the
+#              method's check); each switch
 #              A/B'd at qwen3-30b-a3b's dimensions, T = 1, 37, 512, under graphs, all of them together, and eager
 #              at T = 1 and 37 (untimed-small). untimed-ab is the candidates, then the small batches. Edit the
 #              lists as switches and candidates come and go (session 48 timed v38, landed, and v39, removed;
-#              session 51 timed v41, removed; session 54 v45, removed; session 55 wrote v47 and timed it in part).
+#              session 51 timed v41, removed; session 54 v45, removed; session 55 wrote v47, session 57 timed it:
+#              kept off).
 #              The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with --no-clock: no
 #              nvidia-smi process beside a timing that is the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -86,11 +87,11 @@ if ! missing=$(python3 -c "$imports" 2>&1); then
     exit 2
 fi
 summary=()
-# The switches written without a GPU and off until timed (the untimed part). v47 (session 55): fc2's forward and
-# fc1's dgrad on the Gluon row kernel; bitwise on an H100, its kernels 12 % faster on qwen3-30b-a3b, the eager
-# layer not (BENCHMARKS.md, "v47"): timed again below, under graphs and eager, on the coarse shapes too.
-v47="mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')"
-untimed_switches=("$v47")
+# The switches written without a GPU and off until timed (the untimed part): none now. v47 (fc2's forward and
+# fc1's dgrad on the Gluon row kernel, session 55) was timed in session 57 and kept off (BENCHMARKS.md, "v47 timed
+# at the layer on seven shapes"); its A/B sets
+# "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')".
+untimed_switches=()
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
 # sets `spread` to N workers, sized for the H200's 141 GB, half of them on a GPU under 100 GB (12 ran an
@@ -197,17 +198,13 @@ for part in "${parts[@]}"; do
                 tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows or not_chosen"
         fi
         if [ "$part" != untimed-tests ] && [ "$part" != untimed-small ]; then
-            # The candidates first (what the next session asks first, so that a budget cuts the rest): v47 on
-            # qwen3-30b-a3b under graphs (the GPU's time without the host's) and eager (with the host-time line),
-            # then a null A/B (B sets an attribute to its own value: every B/A 1.00 +- 0.02 and the sides' clocks
-            # within ~20 MHz show the method settled; session 52's three: 0.985-1.012 on every GEMM, 4-15 MHz;
-            # BENCHMARKS.md, "The A/B's clock again"), then v47 eager on five more shapes.
+            # The candidates first (what the next session asks first, so that a budget cuts the rest): none
+            # now but a null A/B (B sets an attribute to its own value: every B/A 1.00 +- 0.02 and the sides'
+            # clocks within ~20 MHz show the method settled; session 52's three: 0.985-1.012 on every GEMM,
+            # 4-15 MHz; session 57's 0.998; BENCHMARKS.md, "The A/B's clock again"). Add a candidate's
+            # `mok bench ab` arguments before it (session 57 ran v47 here on seven shapes).
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
-            candidates=("--shape qwen3-30b-a3b --graphs --set $v47" "--shape qwen3-30b-a3b --set $v47"
-                        "--shape deepseek-v3 $null")
-            for shape in olmoe gpt-oss-120b mixtral-8x7b deepseek-v3 8192,3000,1000,160,6; do
-                candidates+=("--shape $shape --set $v47")
-            done
+            candidates=("--shape deepseek-v3 $null")
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

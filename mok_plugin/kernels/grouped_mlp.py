@@ -791,8 +791,10 @@ JOIN_GATE_UP = True
 # The row GEMMs whose operands are whole rows, fc2's forward ("down_fwd") and fc1's dgrad of dh per row
 # ("gate_up_dgrad"), that run on the persistent, warp-specialised Gluon kernel on Hopper (v47,
 # kernels/rows_hopper.py) where it takes them and no config is given; the same bits as the Triton
-# kernels. Off until the layer is timed faster (H100, session 55: the two kernels -12 % on qwen3-30b-a3b,
-# the eager fwd+bwd +0.8 %; `mok bench ab --set "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd',)"`).
+# kernels. Off: timed on an H100 (session 57, BENCHMARKS.md "v47 timed at the layer on seven shapes"),
+# fwd+bwd -2.0 % on qwen3-30b-a3b and -1.3 % on olmoe (output width 2048), +1 to +6 % on the four wider
+# shapes, +1.9 % at qwen3's dimensions at T = 4096 and +34 % at T = 1 (a Gluon launch's host path).
+# `mok bench ab --set "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')"`.
 HOPPER_ROW_GEMMS: tuple[str, ...] = ()
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.

@@ -24,11 +24,13 @@ the Triton kernels' TMA path. Padding rows inside a tile are stored, which the T
 (down_dgrad writes zeros there); row blocks of padding (tile_to_expert < 0) are neither computed nor
 stored.
 
-Off until timed at the layer: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`.
-On an H100 (session 55, BENCHMARKS.md "v47"): bitwise the Triton kernels in every test and A/B. Under
-the cooperative schedule qwen3-30b-a3b's two GEMMs took 2.04 ms against Triton's 1.43 + 0.88, but the
-eager forward + backward did not follow (B/A 1.008: the GPU idled 0.4 ms more a call; not yet
-explained: `mok bench ab` now reports each side's host time, and `--graphs` the GPU's). Ping-pong
+Off: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`. On an H100 (sessions
+55 and 57, BENCHMARKS.md "v47"): bitwise the Triton kernels in every test and A/B. Under the
+cooperative schedule qwen3-30b-a3b's two GEMMs take 10-12 % less than Triton's and its forward +
+backward 2.0 % less (2.4 % under graphs), olmoe's 1.3 %; on the shapes with wider outputs (N = H of
+2880 to 7168) the two GEMMs take 5-26 % more, and at T = 1 its launch's host path costs 0.7 ms a
+step. Not yet tried: the Triton kernels' grouped tile order (8 row blocks a column sweep) in the
+persistent schedule, the first suspect for the wide shapes. Ping-pong
 lost: 2.41 ms there, and 30 % / 88 % over Triton on deepseek-v3's dimensions and gpt-oss-120b, whose
 32-45 K steps a tile leave one warpgroup's MMAs waiting on the other's turn (it pays only where tiles
 are a few steps, as the weight gradients' are). A first version of fc2's forward alone (8ea86d9,
