@@ -2,8 +2,8 @@
 selection-only expert bias, normalisation and scaling (softmax, sigmoid, sqrtsoftplus), aux loss and
 z-loss values and gradients, the per-sequence and global-batch load-balancing losses against
 per-sequence / per-micro-batch loops, their token counts (plain top-K of the normalised scores, not
-the biased or group-limited choice), the rank reductions of a MoKTokenScope, and the expert-bias
-update."""
+the biased or group-limited choice), the rank reductions of a MoKTokenScope, padding tokens left
+out of every loss, and the expert-bias update."""
 
 import pytest
 import torch
@@ -239,3 +239,44 @@ def test_sqrtsoftplus_with_expert_bias_selects_biased_weights_unbiased():
     assert r.topk_ids.tolist() == [[3, 0]]
     scores = F.softplus(logits.double()).sqrt()[0, [3, 0]]
     torch.testing.assert_close(r.topk_weights.double(), (scores / scores.sum()).unsqueeze(0), rtol=1e-6, atol=0)
+
+
+LOSSES = dict(aux_loss_coeff=0.01, seq_aux_loss_coeff=0.02, global_aux_loss_coeff=0.005, z_loss_coeff=1e-3)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_padding_tokens_stay_out_of_every_loss(score_function):
+    # Megatron's padding mask (True = padding): the padding tokens are routed, and nothing of theirs
+    # reaches a loss, so changing their logits leaves every loss unchanged; the others' count.
+    g = torch.Generator().manual_seed(4)
+    T, E, B = 12, 8, 2
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    padding = torch.rand(T, generator=g) < 0.4
+    kwargs = dict(top_k=2, score_function=score_function, scope=MoKTokenScope(num_sequences=B), **LOSSES)
+    masked = route(logits, padding=padding, **kwargs)
+    moved = route(torch.where(padding[:, None], -logits, logits), padding=padding, **kwargs)
+    assert set(masked.losses) == set(LOSS_NAMES)
+    for name in LOSS_NAMES:
+        assert torch.equal(masked.losses[name], moved.losses[name]), name
+    plain = route(logits, **kwargs)
+    for name in LOSS_NAMES:
+        assert not torch.equal(masked.losses[name], plain.losses[name]), name
+    # Routed like any other token; only the non-padding tokens' pairs are counted.
+    assert torch.equal(masked.topk_ids, plain.topk_ids) and torch.equal(masked.topk_weights, plain.topk_weights)
+    assert int(masked.counted_tokens_per_expert.sum()) == 2 * int((~padding).sum())
+    assert torch.equal(plain.counted_tokens_per_expert, plain.tokens_per_expert)
+
+
+def test_a_mask_without_padding_changes_nothing():
+    logits = torch.randn(12, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    kwargs = dict(top_k=2, scope=MoKTokenScope(num_sequences=2), **LOSSES)
+    unmasked, masked = route(logits, **kwargs), route(logits, padding=torch.zeros(12, dtype=torch.bool), **kwargs)
+    for name in LOSS_NAMES:
+        torch.testing.assert_close(masked.losses[name], unmasked.losses[name], rtol=1e-6, atol=0)
+
+
+def test_padding_must_be_bool_per_token():
+    logits = torch.randn(6, 4)
+    for bad in (torch.zeros(6), torch.zeros(5, dtype=torch.bool), torch.zeros(6, 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="padding must be a bool"):
+            route(logits, top_k=2, padding=bad)
