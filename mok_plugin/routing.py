@@ -286,6 +286,7 @@ def route(
         topk_weights = topk_weights * routed_scaling_factor
 
     tokens_per_expert = count_per_expert(topk_ids, E)
+    unpadded = None if valid is None else count_per_expert(topk_ids, E, valid)
 
     losses: dict[str, torch.Tensor] = {}
     balancing = (aux_loss_coeff, seq_aux_loss_coeff, global_aux_loss_coeff)
@@ -300,7 +301,7 @@ def route(
         # choice, or a tie made by the normalisation), so it is taken again.
         if score_function == "softmax" and expert_bias is None and n_group is None:
             aux_ids = topk_ids
-            aux_counts = tokens_per_expert if valid is None else count_per_expert(aux_ids, E, valid)
+            aux_counts = tokens_per_expert if valid is None else unpadded
         else:
             aux_ids = stable_topk(probs.detach(), top_k)
             aux_counts = count_per_expert(aux_ids, E, valid)
@@ -333,7 +334,6 @@ def route(
     for name in LOSS_NAMES:
         if name in losses:
             aux_loss = aux_loss + losses[name]
-    unpadded = None if valid is None else count_per_expert(topk_ids, E, valid)
     return MoKRouting(topk_ids, topk_weights, aux_loss, tokens_per_expert, losses, unpadded)
 
 

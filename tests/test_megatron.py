@@ -337,21 +337,14 @@ def test_overrides_conflicting_with_megatron_are_errors():
 def test_spec_builds_gpt_model_with_mok_layers(megatron_world):
     # What `--spec mok_plugin.megatron moe_block_spec` does in a stock launch: Megatron's GPT
     # builder calls the function with its GPTModelConfig; MoE layers (MTP too) come out as MoK.
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
-
-    from mok_plugin.megatron import moe_block_spec
-
     cfg = _config(num_layers=2, mtp_num_layers=1, transformer_impl="local", moe_layer_freq=[0, 1])
-    model_config = GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=16, transformer_layer_spec=moe_block_spec)
-    model = GPTModelBuilder(model_config).build_model(pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    model = _gpt(cfg, 16, mok=True)
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MLP", "MoKMoELayer"]
     mtp_moe = [m for name, m in model.named_modules() if name.startswith("mtp.") and isinstance(m, MoELayer)]
     assert mtp_moe and all(isinstance(m, MoKMoELayer) for m in mtp_moe)
     # The whole model's distributed checkpoint (the block renames keys after its layers built
     # them) stores the same tensors under the same keys as the stock model's.
-    stock_config = GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=16)
-    stock = GPTModelBuilder(stock_config).build_model(pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    stock = _gpt(cfg, 16, mok=False)
     want, got = _flat_sharded(stock.sharded_state_dict()), _flat_sharded(model.sharded_state_dict())
     assert set(got) == set(want)
     expert_keys = {key for key, _ in got if key.endswith("experts.experts.linear_fc1.weight")}

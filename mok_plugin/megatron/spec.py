@@ -78,35 +78,25 @@ def _install_mtp_swap() -> None:
 def _install_upcycling_support() -> None:
     """Let Megatron's upcycling (--moe-use-upcycling: a dense checkpoint's MLPs copied into every
     expert) fill MoK layers (idempotent). upcycling_utils names the MoE state dict's expert keys
-    after the experts' class, SequentialMLP or TEGroupedMLP, and refuses any other; MoK's layer
-    loads SequentialMLP's keys (`experts.local_experts.{i}.linear_fc1.weight`), so for a MoK layer
-    it is told that class."""
+    after the class of the module it finds as the layer's "experts", SequentialMLP or TEGroupedMLP,
+    and refuses any other; MoK's layer loads SequentialMLP's keys, so for a MoK layer it finds that
+    class."""
     from megatron.core.transformer.moe import upcycling_utils
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    stock = upcycling_utils._get_config
+    stock = upcycling_utils._find_submodule
     if getattr(stock, "_mok_wrapped", False):
         return
+    keys_of = SequentialMLP.__new__(SequentialMLP)  # read by an isinstance check only
 
     @functools.wraps(stock)
-    def _get_config(moe_model, dense_model):
-        find = upcycling_utils._find_submodule
-        mlp = find(moe_model, "mlp")
-        if not isinstance(mlp, MoKMoELayer):
-            return stock(moe_model, dense_model)
-        keys_of = SequentialMLP.__new__(SequentialMLP)  # read by an isinstance check only
+    def _find_submodule(model, submodule_name):
+        if submodule_name == "experts" and isinstance(model, MoKMoELayer):
+            return keys_of
+        return stock(model, submodule_name)
 
-        def find_stock_experts(model, name):
-            return keys_of if model is mlp and name == "experts" else find(model, name)
-
-        upcycling_utils._find_submodule = find_stock_experts
-        try:
-            return stock(moe_model, dense_model)
-        finally:
-            upcycling_utils._find_submodule = find
-
-    _get_config._mok_wrapped = True
-    upcycling_utils._get_config = _get_config
+    _find_submodule._mok_wrapped = True
+    upcycling_utils._find_submodule = _find_submodule
 
 
 def _upcycling_dense_model() -> bool:
