@@ -312,6 +312,16 @@ def test_gpt_model_hands_its_padding_mask_to_mok():
 
 
 @pytest.mark.usefixtures("megatron_world")
+def test_the_ep_overlap_route_refuses_a_padding_mask():
+    # The EP-overlap schedule routes in shared_experts_compute; a mask given to the later route stage
+    # could not change that routing, so it is refused rather than ignored.
+    _, mok = _build(_config())
+    x = make_layer_inputs(S * B, H, seed=0).view(S, B, H)
+    with pytest.raises(NotImplementedError, match="padding_mask"):
+        mok.route(x, padding_mask=torch.zeros(B, S, dtype=torch.bool))
+
+
+@pytest.mark.usefixtures("megatron_world")
 def test_padding_mask_of_the_wrong_shape_is_an_error():
     _, mok = _build(_config())
     x = make_layer_inputs(S * B, H, seed=0).view(S, B, H)

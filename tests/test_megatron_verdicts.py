@@ -14,12 +14,13 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e
 
 import megatron.core.transformer.moe as moe_package  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from test_megatron import _config  # noqa: E402
 
 from mok_plugin.config import MoKConfigError  # noqa: E402
 from mok_plugin.megatron import mok_config_from_megatron  # noqa: E402
 from mok_plugin.megatron.config_map import megatron_flag  # noqa: E402
-from mok_plugin.megatron.verdicts import VERDICTS  # noqa: E402
+from mok_plugin.megatron.verdicts import FORWARD_ARGUMENTS, TRAINING_ARGUMENTS, VERDICTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
@@ -89,6 +90,23 @@ def test_honoured_settings_name_existing_tests(field):
         file, _, name = ref.partition("::")
         assert (REPO / file).is_file(), f"{field}: {file} does not exist"
         assert name in _test_names(REPO / file), f"{field}: {ref} does not exist"
+
+
+def test_other_options_name_megatron_arguments_and_existing_tests():
+    # The options outside TransformerConfig: megatron.training's arguments and MoELayer.forward's.
+    import argparse
+    import inspect
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    dests = {action.dest for action in add_megatron_arguments(argparse.ArgumentParser())._actions}
+    assert set(TRAINING_ARGUMENTS) <= dests
+    assert set(FORWARD_ARGUMENTS) <= set(inspect.signature(MoELayer.forward).parameters)
+    for name, verdict in {**TRAINING_ARGUMENTS, **FORWARD_ARGUMENTS}.items():
+        assert verdict.kind in ("honoured", "depends") and verdict.tests, name
+        for ref in verdict.tests:
+            file, _, test = ref.partition("::")
+            assert test in _test_names(REPO / file), f"{name}: {ref} does not exist"
 
 
 def test_inference_optimized_layer_is_refused():

@@ -15,7 +15,8 @@ experts, the aux-loss plumbing) reads has exactly one verdict here (mok_plugin/v
 
 tests/test_megatron_verdicts.py fails when the installed Megatron has a `moe_*` field this table
 does not classify, so a new Megatron field cannot be accepted and ignored unnoticed. The table is
-the index; config_map.py holds the mapping and refusals themselves.
+the index; config_map.py holds the mapping and refusals themselves. TRAINING_ARGUMENTS and
+FORWARD_ARGUMENTS (at the end) give the same verdicts to what the layer meets outside the config.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mok_plugin.verdicts import honoured as _honoured
 from mok_plugin.verdicts import refused as _refused
 from mok_plugin.verdicts import replaced as _replaced
 
-__all__ = ["SHARED_FIELDS", "VERDICTS", "Verdict"]
+__all__ = ["FORWARD_ARGUMENTS", "SHARED_FIELDS", "TRAINING_ARGUMENTS", "VERDICTS", "Verdict"]
 
 _ROUTING = "tests/test_megatron_routing.py"
 _OPTIONS = "tests/test_megatron_layer_options.py"
@@ -382,3 +383,34 @@ SHARED_VERDICTS: dict[str, Verdict] = {
 
 SHARED_FIELDS = tuple(SHARED_VERDICTS)
 VERDICTS.update(SHARED_VERDICTS)
+
+
+# What the MoE layer meets outside TransformerConfig, with the same verdict kinds: megatron.training's
+# arguments that act on the layer without a config field (by their argparse name), and the arguments
+# of MoELayer.forward. tests/test_megatron_verdicts.py checks that each name exists in the installed
+# Megatron and that the tests named do.
+TRAINING_ARGUMENTS: dict[str, Verdict] = {
+    "moe_use_upcycling": _honoured(
+        "the dense model Megatron builds first gets the stock spec; upcycling_utils fills MoK's experts under "
+        "SequentialMLP's keys (spec.py)",
+        f"{_LAYER}::test_upcycling_fills_mok_experts_as_stock",
+        f"{_LAYER}::test_moe_block_spec_builds_the_dense_model_of_upcycling",
+    ),
+    "moe_upcycling_granularity": _honoured(
+        "each dense MLP split into that many experts, as upcycling_utils splits it",
+        f"{_LAYER}::test_upcycling_fills_mok_experts_as_stock",
+    ),
+}
+
+FORWARD_ARGUMENTS: dict[str, Verdict] = {
+    "padding_mask": _depends(
+        "[B, S], True for padding as TopKRouter's code reads it: the tokens run through the experts and stay out of "
+        "every router loss and the expert-bias counts (the layer's forward, the partial graphs' route stage); "
+        "refused by MoKMoELayer.route, the EP-overlap stage, whose routing ran before it (Megatron passes none)",
+        f"{_ROUTING}::test_padding_mask_matches_stock",
+        f"{_ROUTING}::test_padding_mask_leaves_padding_out_of_the_expert_bias_counts",
+        f"{_ROUTING}::test_gpt_model_hands_its_padding_mask_to_mok",
+        f"{_OPTIONS}::test_moe_recompute_with_a_padding_mask_gives_the_same_gradients",
+        f"{_ROUTING}::test_the_ep_overlap_route_refuses_a_padding_mask",
+    ),
+}
