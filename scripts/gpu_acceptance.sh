@@ -31,6 +31,9 @@
 #                           launches a step (against the multi-kernel's eleven) pay at small T; and `mok bench host
 #                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
+#   rows-probe v47's Gluon row kernel alone (scripts/probe_rows_hopper.py): fc2's forward and fc1's dgrad, the
+#              pinned Triton kernels against the Gluon kernel's schedules and tile orders, bits compared, on
+#              six shapes, one process each; and its GPU tests first
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
 #              that say "not yet timed"): their GPU tests (untimed-tests); the candidates (untimed-candidates:
 #              `mok bench ab`'s arguments, --set or --override each, ~100 s each; now only a null A/B, the
@@ -190,6 +193,17 @@ for part in "${parts[@]}"; do
                     --out "$out/perf-small-T$tokens"
             done
         fi ;;
+    rows-probe)
+        # v47's Gluon row kernel alone against the Triton row GEMMs, one process a shape: tile order and ring depth
+        spread_over 6
+        run_part rows-probe-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_rows_hopper.py \
+            -k group8
+        for shape in deepseek-v3 16384,2880,2880,128,4 mixtral-8x7b 8192,3000,1000,160,6 qwen3-30b-a3b \
+            4096,2048,768,128,8; do
+            PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+            run_part "rows-probe-${shape//,/x}" python3 scripts/probe_rows_hopper.py --shape "$shape" \
+                --out "$out/rows-probe-${shape//,/x}.json"
+        done ;;
     untimed | untimed-tests | untimed-ab | untimed-candidates | untimed-small)
         if [ "$part" = untimed ] || [ "$part" = untimed-tests ]; then
             spread_over 12

@@ -43,13 +43,14 @@ def _operands(T, H, I, E, K, kind, dtype, seed=3):
     return schedule, a, d_h, w2, w13, b2, topk_weights
 
 
-@pytest.fixture(params=list(wgrad_hopper.SCHEDULES))
+@pytest.fixture(params=[(s, g) for s in wgrad_hopper.SCHEDULES for g in (0, 8)], ids=lambda p: f"{p[0]}-group{p[1]}")
 def gluon_calls(request, monkeypatch):
-    """Both row GEMMs on the Gluon kernel under one schedule; its launches counted."""
+    """Both row GEMMs on the Gluon kernel under one schedule and tile order; its launches counted."""
     calls = []
     launch = rows_hopper.row_gemm_hopper
     monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd", "gate_up_dgrad"))
-    monkeypatch.setattr(rows_hopper, "SCHEDULE", request.param)
+    monkeypatch.setattr(rows_hopper, "SCHEDULE", request.param[0])
+    monkeypatch.setattr(rows_hopper, "GROUP_M", request.param[1])
     monkeypatch.setattr(rows_hopper, "row_gemm_hopper", lambda *a, **k: calls.append(k["b_k_major"]) or launch(*a, **k))
     return calls
 

@@ -66,6 +66,9 @@ if gluon is not None:
 __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
 SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the module docstring)
+# The tile order: 0, column blocks fastest; g > 0, g row blocks sweep the columns together, the Triton
+# row GEMMs' order (their GROUP_M, 8). Not yet timed against each other (the wide shapes' suspect).
+GROUP_M = 0
 
 
 def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int, b_k_major: bool) -> bool:
@@ -83,18 +86,29 @@ def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m:
 if gluon is not None:
 
     @gluon.jit
-    def row_tile(t, tile_to_expert_ptr, N, tile_m, BM: gl.constexpr, BN: gl.constexpr):
-        """(expert, m0, n0) of row tile t, column blocks fastest (the row block's A stays in L2 while
-        its columns are swept; the programs in flight cover a few experts' weights); expert < 0: a row
-        block of padding."""
+    def row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM: gl.constexpr, BN: gl.constexpr,
+                 GROUP_M: gl.constexpr):  # fmt: skip
+        """(expert, m0, n0) of row tile t; expert < 0: a row block of padding. GROUP_M 0: column
+        blocks fastest (the row block's A stays in L2 while its columns are swept; the programs in
+        flight cover a few experts' weights); else the Triton kernels' order (`tiles.grouped_pid`:
+        GROUP_M row blocks sweep the columns together)."""
         tiles_n = gl.cdiv(N, BN)
-        m0 = (t // tiles_n) * BM
+        if GROUP_M == 0:
+            pid_m = t // tiles_n
+            pid_n = t % tiles_n
+        else:
+            per_group = GROUP_M * tiles_n
+            first_m = (t // per_group) * GROUP_M
+            group_size = gl.minimum(num_tiles // tiles_n - first_m, GROUP_M)
+            pid_m = first_m + (t % per_group) % group_size
+            pid_n = (t % per_group) // group_size
+        m0 = pid_m * BM
         expert = gl.load(tile_to_expert_ptr + m0 // tile_m).to(gl.int32)
-        return expert, m0, (t % tiles_n) * BN
+        return expert, m0, pid_n * BN
 
     @gluon.jit
     def rows_loader(a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN: gl.constexpr,
-                    B_K_MAJOR: gl.constexpr):  # fmt: skip
+                    B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
         """Every K step of this program's tiles into the ring: A at (m0, k), B at (e * N + n0, k)
         (K-major) or (e * K + k, n0) (N-major); a block past N or K reads the next expert's rows,
         which the store clips or A's zero-filled columns cancel."""
@@ -107,7 +121,7 @@ if gluon is not None:
         k_steps = gl.cdiv(K, BK)
         p = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, BN, GROUP_M)
             steps = gl.where(expert >= 0, k_steps, 0)
             for s in range(steps):
                 idx = p % S
@@ -146,7 +160,7 @@ if gluon is not None:
 
     @gluon.jit
     def rows_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
-                        B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr,
+                        B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr,
                         num_warps: gl.constexpr):  # fmt: skip
         """The cooperative schedule: all MMA warps on each tile's accumulator."""
         BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, BN] blocks
@@ -158,7 +172,7 @@ if gluon is not None:
         k_steps = gl.cdiv(K, BK)
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, BN, GROUP_M)
             if expert >= 0:
                 acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
                 acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
@@ -169,7 +183,7 @@ if gluon is not None:
     @gluon.jit
     def rows_pingpong_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
                                  B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr,
-                                 WHICH: gl.constexpr):  # fmt: skip
+                                 GROUP_M: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
         """The ping-pong schedule: one of two MMA warpgroups taking this program's non-padding tiles in
         turn (wgrad_hopper.pingpong_multiplier: main loops taking turns on the `turn` barriers, since
         a stage's ready barrier is waited on by parity)."""
@@ -183,7 +197,7 @@ if gluon is not None:
         c = 0
         i = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, BM, BN)
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, BN, GROUP_M)
             if expert >= 0:
                 if i % 2 == WHICH:
                     k = i // 2
@@ -199,8 +213,8 @@ if gluon is not None:
     @gluon.jit
     def _rows_kernel(
         a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         BN: gl.constexpr = out_desc.block_type.shape[2]
         bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
@@ -208,9 +222,9 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (rows_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars,
-                                   c_smem, B_K_MAJOR, BIAS, ROUTING, num_warps)),
+                                   c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, num_warps)),
                 (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
-                               B_K_MAJOR)),
+                               B_K_MAJOR, GROUP_M)),
             ],  # fmt: skip
             [LOADER_WARPS],
             [LOADER_REGS],
@@ -219,8 +233,8 @@ if gluon is not None:
     @gluon.jit
     def _rows_pingpong_kernel(
         a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, C_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-        LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
         BN: gl.constexpr = out_desc.block_type.shape[2]
         bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
@@ -228,11 +242,11 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (rows_pingpong_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
-                                            turns, c0_smem, B_K_MAJOR, BIAS, ROUTING, 0)),
+                                            turns, c0_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, 0)),
                 (rows_pingpong_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
-                                            turns, c1_smem, B_K_MAJOR, BIAS, ROUTING, 1)),
+                                            turns, c1_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, 1)),
                 (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
-                               B_K_MAJOR)),
+                               B_K_MAJOR, GROUP_M)),
             ],  # fmt: skip
             [4, LOADER_WARPS],  # the second MMA warpgroup, the loader
             [MMA_REGS, LOADER_REGS],
@@ -244,7 +258,7 @@ def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: b
     epilogue: what `row_gemm_hopper` launches and what `mok bench inspect` compiles without a GPU."""
     plan = SCHEDULES[schedule]
     element = gl_element(dtype)
-    constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, STAGES=plan.stages,
+    constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, GROUP_M=GROUP_M, STAGES=plan.stages,
                       C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), LOADER_WARPS=LOADER_WARPS,
                       LOADER_REGS=LOADER_REGS)  # fmt: skip
     if plan.pingpong:

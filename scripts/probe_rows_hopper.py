@@ -1,0 +1,112 @@
+"""Time fc2's forward and fc1's dgrad alone on one shape: the pinned Triton kernels against the Gluon
+row kernel (kernels/rows_hopper.py) under several schedules and tile orders, alternated round by
+round in one process, each result compared bitwise with Triton's on the routed rows.
+
+Why: the Gluon kernel took 10-12 % less than Triton's on qwen3-30b-a3b's two GEMMs but 5-26 % more on
+the shapes with wider outputs (BENCHMARKS.md, "v47 timed at the layer"); this separates the suspects:
+the tile order (GROUP_M) and the ring's depth (a 128-wide tile leaves room for 5-6 stages, the
+256-wide one 3).
+
+    python scripts/probe_rows_hopper.py --shape deepseek-v3
+    python scripts/probe_rows_hopper.py --shape 4096,2048,768,128,8 --variant cooperative:0 --variant cooperative:8
+
+A variant is SCHEDULE:GROUP_M with SCHEDULE one of wgrad_hopper.SCHEDULES or coop128sN (a cooperative
+128-wide tile with N stages, defined here). One shape a process, as every timing here. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from mok_plugin.bench.providers import make_inputs
+from mok_plugin.bench.timing import SETTLE_S, time_ms
+from mok_plugin.kernels import grouped_mlp as gm
+from mok_plugin.kernels import rows_hopper, wgrad_hopper
+from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
+from mok_plugin.testing import parse_shape
+
+DEFAULT_VARIANTS = ["cooperative:0", "cooperative:8", "coop128s5:8", "coop128s6:8"]
+
+
+def _register(schedule: str) -> None:
+    """Define coop128sN (a 128-wide cooperative tile, N stages) in wgrad_hopper.SCHEDULES for this process."""
+    if schedule not in wgrad_hopper.SCHEDULES:
+        if not schedule.startswith("coop128s"):
+            raise SystemExit(f"unknown schedule {schedule!r}: one of {sorted(wgrad_hopper.SCHEDULES)} or coop128sN")
+        stages = int(schedule.removeprefix("coop128s"))
+        wgrad_hopper.SCHEDULES[schedule] = wgrad_hopper.Schedule(block_n=128, stages=stages, pingpong=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, help="a named shape or T,H,I,E,K")
+    parser.add_argument("--variant", action="append", default=None, metavar="SCHEDULE:GROUP_M")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    variants = args.variant or DEFAULT_VARIANTS
+    for v in variants:
+        _register(v.split(":")[0])
+
+    shape = parse_shape(args.shape)
+    T, H, I, E, K = shape.as_tuple()
+    inp = make_inputs(shape, "uniform", 0)
+    s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
+    rt = (s.row_to_token, s.tile_to_expert, s.tile_m)
+    weights = (inp["topk_weights"], s.row_to_tk)
+    gm.HOPPER_ROW_GEMMS = ()
+    h, a = gm.gate_up_fwd(inp["x"], inp["gate_up_proj"], *rt)
+    d_h, _, _ = gm.down_dgrad(inp["d_out"], inp["down_proj"], h, *weights, *rt)
+    del h
+    routed = s.row_to_tk >= 0
+    kernels = {
+        "down_fwd": (2 * T * K * H * I, lambda: gm.down_fwd(a, inp["down_proj"], *weights, *rt)),
+        "gate_up_dgrad": (4 * T * K * H * I, lambda: gm.gate_up_dgrad(d_h, inp["gate_up_proj"], *rt)),
+    }
+
+    def run_as(variant: str, fn):
+        if variant == "triton":
+            gm.HOPPER_ROW_GEMMS = ()
+        else:
+            schedule, group_m = variant.split(":")
+            gm.HOPPER_ROW_GEMMS = ("down_fwd", "gate_up_dgrad")
+            rows_hopper.SCHEDULE, rows_hopper.GROUP_M = schedule, int(group_m)
+        return fn()
+
+    rows = []
+    for name, (flops, fn) in kernels.items():
+        expected = run_as("triton", fn)[routed]
+        sides = ["triton", *variants]
+        samples: dict[str, list[float]] = {v: [] for v in sides}
+        bitwise = {}
+        for v in variants:
+            bitwise[v] = torch.equal(run_as(v, fn)[routed], expected)
+        for r in range(args.rounds):
+            for v in sides:
+                samples[v] += time_ms(lambda v=v: run_as(v, fn), args.iters, settle_s=SETTLE_S if r == 0 else 0.3)
+        base = statistics.median(samples["triton"])
+        for v in sides:
+            ms = statistics.median(samples[v])
+            rows.append({"shape": args.shape, "kernel": name, "variant": v, "ms": ms, "tflops": flops / ms / 1e9,
+                         "vs_triton": ms / base, "bitwise": bitwise.get(v, True)})  # fmt: skip
+        del expected
+    gm.HOPPER_ROW_GEMMS = ()
+    print(f"{'shape':<24} {'kernel':<14} {'variant':<16} {'ms':>8} {'TFLOP/s':>8} {'/ triton':>8} bitwise")
+    for row in rows:
+        print(f"{row['shape']:<24} {row['kernel']:<14} {row['variant']:<16} {row['ms']:8.3f} {row['tflops']:8.1f} "
+              f"{row['vs_triton']:8.3f} {row['bitwise']}")  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0 if all(row["bitwise"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
