@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             bitwise[v] = torch.equal(run_as(v, fn)[routed], expected)
         for r in range(args.rounds):
             for v in sides:
-                samples[v] += time_ms(lambda v=v: run_as(v, fn), args.iters, settle_s=SETTLE_S if r == 0 else 0.3)
+                samples[v] += time_ms(
+                    lambda v=v, fn=fn: run_as(v, fn), args.iters, settle_s=SETTLE_S if r == 0 else 0.3
+                )
         base = statistics.median(samples["triton"])
         for v in sides:
             ms = statistics.median(samples[v])
