@@ -2,7 +2,7 @@
 
     mok compare --config configs/topologies/tiny_cpu.yaml      stock vs MoK (mok_plugin.compare.cli)
     mok plan ...                                               the run planner (mok_plugin.run.plan)
-    mok bench layer|ab|generic|tune|inspect|ep|multi-gpu|ep-overlap|fp8|host|bound|wgrad-rows ...
+    mok bench layer|ab|generic|tune|inspect|ep|multi-gpu|ep-overlap|fp8|host|bound|rows|wgrad-rows ...
                                                                benchmarks (mok_plugin.bench)
     mok patch apply|check|revert megatron|deepspeed ...        source patches (mok_plugin.patching)
 
@@ -38,6 +38,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "fp8": ("mok_plugin.bench.fp8", "time the blockwise-FP8 experts against the bf16 ones on one GPU"),
     "host": ("mok_plugin.bench.host", "the experts' host work and launches a step, launches stubbed (no GPU)"),
     "bound": ("mok_plugin.bench.bound", "what each shape's bytes allow: FLOP time against its memory floor (no GPU)"),
+    "rows": ("mok_plugin.bench.rows_probe", "fc2's forward and fc1's dgrad alone: Triton against the Gluon row kernel"),
     "wgrad-rows": (
         "mok_plugin.bench.wgrad_rows",
         "the weight-gradient kernels alone, few rows an expert",

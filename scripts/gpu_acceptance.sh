@@ -31,7 +31,7 @@
 #                           launches a step (against the multi-kernel's eleven) pay at small T; and `mok bench host
 #                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
-#   rows-probe v47's Gluon row kernel alone (scripts/probe_rows_hopper.py): fc2's forward and fc1's dgrad, the
+#   rows-probe v47's Gluon row kernel alone (`mok bench rows`): fc2's forward and fc1's dgrad, the
 #              pinned Triton kernels against the Gluon kernel's schedules and tile orders, bits compared, on
 #              six shapes, one process each; and its GPU tests first
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
@@ -201,7 +201,7 @@ for part in "${parts[@]}"; do
         for shape in deepseek-v3 16384,2880,2880,128,4 mixtral-8x7b 8192,3000,1000,160,6 qwen3-30b-a3b \
             4096,2048,768,128,8; do
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-            run_part "rows-probe-${shape//,/x}" python3 scripts/probe_rows_hopper.py --shape "$shape" \
+            run_part "rows-probe-${shape//,/x}" python3 -m mok_plugin.cli bench rows --shape "$shape" \
                 --out "$out/rows-probe-${shape//,/x}.json"
         done ;;
     untimed | untimed-tests | untimed-ab | untimed-candidates | untimed-small)

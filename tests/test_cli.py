@@ -46,6 +46,7 @@ def test_mok_help_lists_every_command(capsys):
         pytest.param(["bench", "multi-gpu"], "usage: mok bench multi-gpu", "--job-timeout-s", id="bench_multi_gpu"),
         pytest.param(["bench", "fp8"], "usage: mok bench fp8", "--recipe", id="bench_fp8"),
         pytest.param(["bench", "host"], "usage: mok bench host", "--tokens", id="bench_host"),
+        pytest.param(["bench", "rows"], "usage: mok bench rows", "--variant", id="bench_rows"),
         pytest.param(["bench", "wgrad-rows"], "usage: mok bench wgrad-rows", "--rows", id="bench_wgrad_rows"),
         pytest.param(["bench", "bound"], "usage: mok bench bound", "--class-grid", id="bench_bound"),
         pytest.param(["patch"], "usage: mok patch", "--target", id="patch"),

@@ -7,8 +7,8 @@ the shapes with wider outputs (BENCHMARKS.md, "v47 timed at the layer"); this se
 the tile order (GROUP_M) and the ring's depth (a 128-wide tile leaves room for 5-6 stages, the
 256-wide one 3).
 
-    python scripts/probe_rows_hopper.py --shape deepseek-v3
-    python scripts/probe_rows_hopper.py --shape 4096,2048,768,128,8 --variant cooperative:0 --variant cooperative:8
+    mok bench rows --shape deepseek-v3
+    mok bench rows --shape 4096,2048,768,128,8 --variant cooperative:0 --variant cooperative:8
 
 A variant is SCHEDULE:GROUP_M with SCHEDULE one of wgrad_hopper.SCHEDULES or coop128sN (a cooperative
 128-wide tile with N stages, defined here). One shape a process, as every timing here. Needs a Hopper GPU.
@@ -31,6 +31,8 @@ from mok_plugin.kernels import rows_hopper, wgrad_hopper
 from mok_plugin.schedule import DEFAULT_TILE_M, build_schedule
 from mok_plugin.testing import parse_shape
 
+__all__ = ["build_parser", "main"]
+
 DEFAULT_VARIANTS = ["cooperative:0", "cooperative:8", "coop128s5:8", "coop128s6:8"]
 
 
@@ -43,14 +45,23 @@ def _register(schedule: str) -> None:
         wgrad_hopper.SCHEDULES[schedule] = wgrad_hopper.Schedule(block_n=128, stages=stages, pingpong=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of `mok bench rows`."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--shape", required=True, help="a named shape or T,H,I,E,K")
-    parser.add_argument("--variant", action="append", default=None, metavar="SCHEDULE:GROUP_M")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--variant", action="append", default=None, metavar="SCHEDULE:GROUP_M",
+                        help=f"a Gluon variant (repeatable; default: {' '.join(DEFAULT_VARIANTS)})")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every side, alternated (default 3)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls a side a round (default 20)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("mok bench rows needs a Hopper (sm_90) GPU: the Gluon row kernel runs there only", file=sys.stderr)
+        return 2
     variants = args.variant or DEFAULT_VARIANTS
     for v in variants:
         _register(v.split(":")[0])
@@ -108,7 +119,3 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(row["bitwise"] for row in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
