@@ -197,7 +197,7 @@ for part in "${parts[@]}"; do
         # v47's Gluon row kernel alone against the Triton row GEMMs, one process a shape: tile order and ring depth
         spread_over 6
         run_part rows-probe-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_rows_hopper.py \
-            -k group8
+            -k "group8 or halves"
         for shape in deepseek-v3 16384,2880,2880,128,4 mixtral-8x7b 8192,3000,1000,160,6 qwen3-30b-a3b \
             4096,2048,768,128,8; do
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
