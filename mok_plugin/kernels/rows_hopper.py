@@ -167,22 +167,29 @@ if gluon is not None:
     @gluon.jit
     def rows_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
                         B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr,
-                        num_warps: gl.constexpr):  # fmt: skip
-        """The cooperative schedule: all MMA warps on each tile's accumulator."""
-        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, BN] blocks
-        BN: gl.constexpr = out_desc.block_type.shape[2]
+                        HALVES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+        """The cooperative schedule: all MMA warps on each tile's accumulator; with HALVES, a tile twice
+        out_desc's block wide as two accumulators whose epilogues store one after the other through c_smem."""
+        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, OUT_N] blocks
+        OUT_N: gl.constexpr = out_desc.block_type.shape[2]
         BK: gl.constexpr = bufs[0].type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, OUT_N, 16]
         )
         k_steps = gl.cdiv(K, BK)
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, BN, GROUP_M)
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, OUT_N * (1 + HALVES), GROUP_M)
             if expert >= 0:
-                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-                acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
-                finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
+                acc = gl.zeros((BM, OUT_N), dtype=gl.float32, layout=acc_layout)
+                if HALVES:
+                    acc_right = gl.zeros((BM, OUT_N), dtype=gl.float32, layout=acc_layout)
+                    acc, acc_right = accumulate_halves(acc, acc_right, bufs, bars, c, k_steps, B_K_MAJOR)
+                    finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
+                    finish_tile(out_desc, c_smem, acc_right, expert, m0, n0 + OUT_N, epilogue, M, N, BIAS, ROUTING)
+                else:
+                    acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
+                    finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
                 c += k_steps
         tma.store_wait(0)
 
@@ -212,31 +219,6 @@ if gluon is not None:
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
         return acc0, acc1
-
-    @gluon.jit
-    def rows_halves_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
-                               B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr,
-                               GROUP_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """The cooperative schedule on a tile twice out_desc's block wide, as two accumulators whose
-        epilogues store one after the other through c_smem."""
-        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, HALF] blocks
-        HALF: gl.constexpr = out_desc.block_type.shape[2]
-        BK: gl.constexpr = bufs[0].type.shape[2]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HALF, 16]
-        )
-        k_steps = gl.cdiv(K, BK)
-        c = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, 2 * HALF, GROUP_M)
-            if expert >= 0:
-                acc0 = gl.zeros((BM, HALF), dtype=gl.float32, layout=acc_layout)
-                acc1 = gl.zeros((BM, HALF), dtype=gl.float32, layout=acc_layout)
-                acc0, acc1 = accumulate_halves(acc0, acc1, bufs, bars, c, k_steps, B_K_MAJOR)
-                finish_tile(out_desc, c_smem, acc0, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
-                finish_tile(out_desc, c_smem, acc1, expert, m0, n0 + HALF, epilogue, M, N, BIAS, ROUTING)
-                c += k_steps
-        tma.store_wait(0)
 
     @gluon.jit
     def rows_pingpong_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
@@ -271,36 +253,17 @@ if gluon is not None:
     @gluon.jit
     def _rows_kernel(
         a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, C_LAYOUT: gl.constexpr,
-        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, HALVES: gl.constexpr,
+        C_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        BN: gl.constexpr = out_desc.block_type.shape[2]
+        BN: gl.constexpr = out_desc.block_type.shape[2] * (1 + HALVES)
         bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         gl.warp_specialize(
             [
                 (rows_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars,
-                                   c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, num_warps)),
-                (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
-                               B_K_MAJOR, GROUP_M)),
-            ],  # fmt: skip
-            [LOADER_WARPS],
-            [LOADER_REGS],
-        )
-
-    @gluon.jit
-    def _rows_halves_kernel(
-        a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, C_LAYOUT: gl.constexpr,
-        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        BN: gl.constexpr = 2 * out_desc.block_type.shape[2]
-        bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
-        c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
-        gl.warp_specialize(
-            [
-                (rows_halves_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs,
-                                          bars, c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, num_warps)),
+                                   c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, HALVES, num_warps)),
                 (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
                                B_K_MAJOR, GROUP_M)),
             ],  # fmt: skip
@@ -344,11 +307,9 @@ def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: b
     constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, GROUP_M=GROUP_M, STAGES=plan.stages,
                       C_LAYOUT=_layout((BLOCK_M, out_block_n(schedule, plan)), element), LOADER_WARPS=LOADER_WARPS,
                       LOADER_REGS=LOADER_REGS)  # fmt: skip
-    if schedule == HALVES:
-        return _rows_halves_kernel, constexprs, plan
     if plan.pingpong:
         return _rows_pingpong_kernel, constexprs | {"MMA_REGS": PINGPONG_MMA_REGS}, plan
-    return _rows_kernel, constexprs, plan
+    return _rows_kernel, constexprs | {"HALVES": schedule == HALVES}, plan
 
 
 def row_gemm_hopper(
