@@ -93,7 +93,10 @@ summary=()
 # The switches written without a GPU and off until timed (the untimed part): none now. v47 (fc2's forward and
 # fc1's dgrad on the Gluon row kernel, session 55) was timed in session 57 and kept off (BENCHMARKS.md, "v47 timed
 # at the layer on seven shapes"); its A/B sets
-# "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')".
+# "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')". v48 (session 58: that kernel in the
+# Triton kernels' tile order, rows_hopper.GROUP_M=8, and as two halves with a 4-stage ring, rows_hopper.SCHEDULE=
+# 'cooperative-halves') is untimed: the rows-probe part times it alone first; if it beats the Triton kernels there,
+# A/B it at the layer with those three --set's.
 untimed_switches=()
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
