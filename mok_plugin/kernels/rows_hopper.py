@@ -29,8 +29,8 @@ Off: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`
 cooperative schedule qwen3-30b-a3b's two GEMMs take 10-12 % less than Triton's and its forward +
 backward 2.0 % less (2.4 % under graphs), olmoe's 1.3 %; on the shapes with wider outputs (N = H of
 2880 to 7168) the two GEMMs take 5-26 % more, and at T = 1 its launch's host path costs 0.7 ms a
-step. Not yet tried: the Triton kernels' grouped tile order (8 row blocks a column sweep) in the
-persistent schedule, the first suspect for the wide shapes. Ping-pong
+step. Two suspects for the wide shapes are switches, not yet timed (v48): GROUP_M (the Triton kernels'
+grouped tile order, 8 row blocks a column sweep) and HALVES (a ring of 4 stages, not 3). Ping-pong
 lost: 2.41 ms there, and 30 % / 88 % over Triton on deepseek-v3's dimensions and gpt-oss-120b, whose
 32-45 K steps a tile leave one warpgroup's MMAs waiting on the other's turn (it pays only where tiles
 are a few steps, as the weight gradients' are). A first version of fc2's forward alone (8ea86d9,
@@ -73,7 +73,7 @@ SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES or HALVES (ping-pong: 
 HALVES = "cooperative-halves"
 HALVES_PLAN = Schedule(block_n=256, stages=4, pingpong=False)
 # The tile order: 0, column blocks fastest; g > 0, g row blocks sweep the columns together, the Triton
-# row GEMMs' order (their GROUP_M, 8). Not yet timed against each other (the wide shapes' suspect).
+# row GEMMs' order (their GROUP_M, 8). Not yet timed against each other (v48; `mok bench rows`).
 GROUP_M = 0
 
 
