@@ -32,17 +32,17 @@
 #                           --cuda`: a step's host time with direct launches against Triton's own path
 #              (the named shapes are the `layer` part); each takes a call of its own on the H200
 #   rows-probe v47's Gluon row kernel alone (`mok bench rows`): fc2's forward and fc1's dgrad, the
-#              pinned Triton kernels against the Gluon kernel's schedules and tile orders, bits compared, on
-#              six shapes, one process each; and its GPU tests first
+#              pinned Triton kernels against the Gluon kernel's tile orders and a deeper 128-wide ring, bits
+#              compared, on six shapes, one process each; and its GPU tests (the grouped order) first
 #   untimed    the changes written without a GPU and switched off until timed (BENCHMARKS.md's prediction rows
 #              that say "not yet timed"): their GPU tests (untimed-tests); the candidates (untimed-candidates:
-#              `mok bench ab`'s arguments, --set or --override each, ~100 s each; now only a null A/B, the
-#              method's check); each switch
+#              `mok bench ab`'s arguments, --set or --override each, ~100 s each; a null A/B, the method's
+#              check, then v48 on six shapes); each switch
 #              A/B'd at qwen3-30b-a3b's dimensions, T = 1, 37, 512, under graphs, all of them together, and eager
 #              at T = 1 and 37 (untimed-small). untimed-ab is the candidates, then the small batches. Edit the
 #              lists as switches and candidates come and go (session 48 timed v38, landed, and v39, removed;
 #              session 51 timed v41, removed; session 54 v45, removed; session 55 wrote v47, session 57 timed it:
-#              kept off).
+#              kept off; session 58 found its tile order, v48).
 #              The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with --no-clock: no
 #              nvidia-smi process beside a timing that is the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -93,11 +93,11 @@ summary=()
 # The switches written without a GPU and off until timed (the untimed part): none now. v47 (fc2's forward and
 # fc1's dgrad on the Gluon row kernel, session 55) was timed in session 57 and kept off (BENCHMARKS.md, "v47 timed
 # at the layer on seven shapes"); its A/B sets
-# "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')". v48 (session 58: that kernel in the
-# Triton kernels' tile order, rows_hopper.GROUP_M=8, and as two halves with a 4-stage ring, rows_hopper.SCHEDULE=
-# 'cooperative-halves') is untimed: the rows-probe part times it alone first; if it beats the Triton kernels there,
-# A/B it at the layer with those three --set's.
-untimed_switches=()
+# "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')". v48 (session 58) found its
+# losses on wide outputs in its tile order: in the Triton kernels' (rows_hopper.GROUP_M = 8, now its default) the
+# two GEMMs alone beat Triton's on three of four shapes (the rows-probe part). Not yet timed at the layer beyond two
+# eager A/Bs: the candidates below, and the switch at small batches here.
+untimed_switches=("mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')")
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`
 # sets `spread` to N workers, sized for the H200's 141 GB, half of them on a GPU under 100 GB (12 ran an
@@ -200,7 +200,7 @@ for part in "${parts[@]}"; do
         # v47's Gluon row kernel alone against the Triton row GEMMs, one process a shape: tile order and ring depth
         spread_over 6
         run_part rows-probe-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_rows_hopper.py \
-            -k "group8 or halves"
+            -k group8
         for shape in deepseek-v3 16384,2880,2880,128,4 mixtral-8x7b 8192,3000,1000,160,6 qwen3-30b-a3b \
             4096,2048,768,128,8; do
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
@@ -215,13 +215,18 @@ for part in "${parts[@]}"; do
                 tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows or not_chosen"
         fi
         if [ "$part" != untimed-tests ] && [ "$part" != untimed-small ]; then
-            # The candidates first (what the next session asks first, so that a budget cuts the rest): none
-            # now but a null A/B (B sets an attribute to its own value: every B/A 1.00 +- 0.02 and the sides'
+            # The candidates first (what the next session asks first, so that a budget cuts the rest): a
+            # null A/B (B sets an attribute to its own value: every B/A 1.00 +- 0.02 and the sides'
             # clocks within ~20 MHz show the method settled; session 52's three: 0.985-1.012 on every GEMM,
             # 4-15 MHz; session 57's 0.998; BENCHMARKS.md, "The A/B's clock again"). Add a candidate's
-            # `mok bench ab` arguments before it (session 57 ran v47 here on seven shapes).
+            # `mok bench ab` arguments before it (session 57 ran v47 here on seven shapes; now v48 on the six
+            # shapes session 58 did not A/B at the layer).
             null="--set mok_plugin.kernels.configs.SWEEP_MAX_ROWS=1024"
+            v48="--set mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')"
             candidates=("--shape deepseek-v3 $null")
+            for shape in deepseek-v3 mixtral-8x7b olmoe 8192,3000,1000,160,6 4096,7168,2048,384,8 4096,2048,768,128,8; do
+                candidates+=("--shape $shape $v48")
+            done
             for i in "${!candidates[@]}"; do
                 # shellcheck disable=SC2086  # a candidate is a string of arguments, split on purpose
                 run_part "untimed-candidate-$i" python3 -m mok_plugin.cli bench ab ${candidates[$i]} \

@@ -43,11 +43,7 @@ def _operands(T, H, I, E, K, kind, dtype, seed=3):
     return schedule, a, d_h, w2, w13, b2, topk_weights
 
 
-# The row kernel's schedules: the weight gradients' two and its own 256-wide tile as two halves
-ROW_SCHEDULES = [*wgrad_hopper.SCHEDULES, rows_hopper.HALVES]
-
-
-@pytest.fixture(params=[(s, g) for s in ROW_SCHEDULES for g in (0, 8)], ids=lambda p: f"{p[0]}-group{p[1]}")
+@pytest.fixture(params=[(s, g) for s in wgrad_hopper.SCHEDULES for g in (0, 8)], ids=lambda p: f"{p[0]}-group{p[1]}")
 def gluon_calls(request, monkeypatch):
     """Both row GEMMs on the Gluon kernel under one schedule and tile order; its launches counted."""
     calls = []
@@ -114,7 +110,7 @@ def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
 
 @pytest.mark.parametrize("epilogue", [(True, False, True), (True, True, True), (False, False, False)],
                          ids=["down_fwd", "down_fwd_bias", "gate_up_dgrad"])  # fmt: skip
-@pytest.mark.parametrize("schedule", ROW_SCHEDULES)
+@pytest.mark.parametrize("schedule", list(wgrad_hopper.SCHEDULES))
 def test_hopper_rows_compile_for_sm90_without_a_gpu(schedule, epilogue):
     # As its launcher specialises a bf16 call (in a process of its own, outside the interpreter):
     # within Hopper's 227 KiB of shared memory, nothing spilled, the wgmma its tiles need.

@@ -59,8 +59,7 @@ def outside_the_interpreter(*python_args: str, timeout: int = 300, cwd: Path = R
 # shared memory: the cooperative schedule's two warpgroups each 64 rows of a 128 x 256 tile (4 of
 # m64n256k16 in one function); each ping-pong warpgroup a whole 128 x 128 tile (8 of m64n128k16 in each
 # of its two functions).
-WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16),
-                  "cooperative-halves": ("m64n128k16", 8)}  # fmt: skip
+WGMMA_PER_STEP = {"cooperative": ("m64n256k16", 4), "pingpong": ("m64n128k16", 16)}
 
 
 def gluon_sm90_report(compile_call: str, wgmma_shape: str) -> tuple[int, int, int, int]:

@@ -225,7 +225,7 @@ def compile_rows_hopper(
     from mok_plugin.kernels import wgrad_hopper as wh
 
     kernel, constexprs, plan = rh.kernel_arguments(torch.bfloat16, schedule, b_k_major, bias, routing)
-    blocks = {"a_desc": (rh.BLOCK_M, rh.BLOCK_K), "out_desc": (1, rh.BLOCK_M, rh.out_block_n(schedule, plan)),
+    blocks = {"a_desc": (rh.BLOCK_M, rh.BLOCK_K), "out_desc": (1, rh.BLOCK_M, plan.block_n),
               "b_desc": (plan.block_n, rh.BLOCK_K) if b_k_major else (rh.BLOCK_K, plan.block_n)}  # fmt: skip
     descriptors = {name: ("bf16", block, wh._layout(block, gl.bfloat16)) for name, block in blocks.items()}
     if not plan.pingpong:

@@ -2,16 +2,16 @@
 row kernel (kernels/rows_hopper.py) under several schedules and tile orders, alternated round by
 round in one process, each result compared bitwise with Triton's on the routed rows.
 
-Why: the Gluon kernel took 10-12 % less than Triton's on qwen3-30b-a3b's two GEMMs but 5-26 % more on
-the shapes with wider outputs (BENCHMARKS.md, "v47 timed at the layer"); this separates the suspects:
-the tile order (GROUP_M) and the ring's depth (the 256-wide tile holds 3 stages beside its 64 KiB output
-tile, 4 as two halves through a 32 KiB one (rows_hopper.HALVES), a 128-wide tile 6).
+Why: in its first tile order (column blocks fastest) the Gluon kernel took 10-12 % less than Triton's on
+qwen3-30b-a3b's two GEMMs but 5-26 % more on the shapes with wider outputs (BENCHMARKS.md, "v47 timed at
+the layer"); this probe separated the suspects, the tile order (rows_hopper.GROUP_M) and the ring's depth
+(BENCHMARKS.md, "v48"), and times any schedule or order against the Triton kernels.
 
     mok bench rows --shape deepseek-v3
     mok bench rows --shape 4096,2048,768,128,8 --variant cooperative:0 --variant cooperative:8
 
-A variant is SCHEDULE:GROUP_M with SCHEDULE one of wgrad_hopper.SCHEDULES, rows_hopper.HALVES or coop128sN
-(a cooperative 128-wide tile with N stages, defined here). One shape a process, as every timing here.
+A variant is SCHEDULE:GROUP_M with SCHEDULE one of wgrad_hopper.SCHEDULES or coop128sN (a cooperative
+128-wide tile with N stages, defined here). One shape a process, as every timing here.
 Needs a Hopper GPU.
 """
 
@@ -34,15 +34,14 @@ from mok_plugin.testing import parse_shape
 
 __all__ = ["build_parser", "main"]
 
-DEFAULT_VARIANTS = ["cooperative:0", "cooperative:8", "cooperative-halves:0", "cooperative-halves:8", "coop128s6:8"]
+DEFAULT_VARIANTS = ["cooperative:0", "cooperative:8", "coop128s6:8"]
 
 
 def _register(schedule: str) -> None:
     """Define coop128sN (a 128-wide cooperative tile, N stages) in wgrad_hopper.SCHEDULES for this process."""
-    if schedule not in wgrad_hopper.SCHEDULES and schedule != rows_hopper.HALVES:
+    if schedule not in wgrad_hopper.SCHEDULES:
         if not schedule.startswith("coop128s"):
-            known = [*wgrad_hopper.SCHEDULES, rows_hopper.HALVES]
-            raise SystemExit(f"unknown schedule {schedule!r}: one of {known} or coop128sN")
+            raise SystemExit(f"unknown schedule {schedule!r}: one of {list(wgrad_hopper.SCHEDULES)} or coop128sN")
         stages = int(schedule.removeprefix("coop128s"))
         wgrad_hopper.SCHEDULES[schedule] = wgrad_hopper.Schedule(block_n=128, stages=stages, pingpong=False)
 

@@ -29,8 +29,10 @@ Off: `grouped_mlp.HOPPER_ROW_GEMMS` names the GEMMs that take it, where `usable`
 cooperative schedule qwen3-30b-a3b's two GEMMs take 10-12 % less than Triton's and its forward +
 backward 2.0 % less (2.4 % under graphs), olmoe's 1.3 %; on the shapes with wider outputs (N = H of
 2880 to 7168) the two GEMMs take 5-26 % more, and at T = 1 its launch's host path costs 0.7 ms a
-step. Two suspects for the wide shapes are switches, not yet timed (v48): GROUP_M (the Triton kernels'
-grouped tile order, 8 row blocks a column sweep) and HALVES (a ring of 4 stages, not 3). Ping-pong
+step. Those losses were the tile order (v48, session 58, `mok bench rows` on an H100): in the Triton
+kernels' grouped order (GROUP_M) both GEMMs together take 4-7 % less than Triton's on deepseek-v3's,
+qwen3-30b-a3b's and gpt-oss-120b's dimensions and 1 % more on mixtral-8x7b's, bitwise; at the layer
+not yet timed beyond two eager A/Bs within their noise (kernels' sums -3.8 % and -1.6 %). Ping-pong
 lost: 2.41 ms there, and 30 % / 88 % over Triton on deepseek-v3's dimensions and gpt-oss-120b, whose
 32-45 K steps a tile leave one warpgroup's MMAs waiting on the other's turn (it pays only where tiles
 are a few steps, as the weight gradients' are). A first version of fc2's forward alone (8ea86d9,
@@ -50,7 +52,6 @@ from mok_plugin.kernels.wgrad_hopper import (
     MAX_REGS,
     PINGPONG_MMA_REGS,
     SCHEDULES,
-    Schedule,
     _layout,
     gl_element,
     gluon,
@@ -60,22 +61,18 @@ from mok_plugin.kernels.wgrad_hopper import (
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     from mok_plugin.kernels.wgrad_hopper import accumulate, pingpong_state, ring, store_tile
 
 __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
-SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES or HALVES (ping-pong: see the module docstring)
-# Cooperative on a 128 x 256 tile as two 128 x 128 accumulators, so that the output goes through a
-# 32 KiB staging tile, one half after the other, and the ring holds 4 stages instead of 3 (224 KiB):
-# a deeper ring for long K loops, as the Triton kernels' 4 stages. Not yet timed.
-HALVES = "cooperative-halves"
-HALVES_PLAN = Schedule(block_n=256, stages=4, pingpong=False)
-# The tile order: 0, column blocks fastest; g > 0, g row blocks sweep the columns together, the Triton
-# row GEMMs' order (their GROUP_M, 8). Not yet timed against each other (v48; `mok bench rows`).
-GROUP_M = 0
-
+SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the module docstring)
+# The tile order: 8 row blocks sweep the columns together, the Triton row GEMMs' order (their GROUP_M);
+# 0, column blocks fastest, which v47 had: on an H100 (session 58, `mok bench rows`) fc1's dgrad took
+# 12.03 ms in that order against 8.17 in this one on deepseek-v3's dimensions (Triton's 8.75), 4.78
+# against 3.93 on gpt-oss-120b's (Triton's 4.26).
+GROUP_M = 8
 
 def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int, b_k_major: bool) -> bool:
     """Whether the kernel takes this GEMM: rows [R_pad, K] and out [R_pad, N] TMA can read and write,
@@ -167,58 +164,24 @@ if gluon is not None:
     @gluon.jit
     def rows_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
                         B_K_MAJOR: gl.constexpr, BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr,
-                        HALVES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """The cooperative schedule: all MMA warps on each tile's accumulator; with HALVES, a tile twice
-        out_desc's block wide as two accumulators whose epilogues store one after the other through c_smem."""
-        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, OUT_N] blocks
-        OUT_N: gl.constexpr = out_desc.block_type.shape[2]
+                        num_warps: gl.constexpr):  # fmt: skip
+        """The cooperative schedule: all MMA warps on each tile's accumulator."""
+        BM: gl.constexpr = out_desc.block_type.shape[1]  # out_desc: [1, R, N] in [1, BM, BN] blocks
+        BN: gl.constexpr = out_desc.block_type.shape[2]
         BK: gl.constexpr = bufs[0].type.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, OUT_N, 16]
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
         )
         k_steps = gl.cdiv(K, BK)
         c = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, OUT_N * (1 + HALVES), GROUP_M)
+            expert, m0, n0 = row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM, BN, GROUP_M)
             if expert >= 0:
-                acc = gl.zeros((BM, OUT_N), dtype=gl.float32, layout=acc_layout)
-                if HALVES:
-                    acc_right = gl.zeros((BM, OUT_N), dtype=gl.float32, layout=acc_layout)
-                    acc, acc_right = accumulate_halves(acc, acc_right, bufs, bars, c, k_steps, B_K_MAJOR)
-                    finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
-                    finish_tile(out_desc, c_smem, acc_right, expert, m0, n0 + OUT_N, epilogue, M, N, BIAS, ROUTING)
-                else:
-                    acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
-                    finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
+                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+                acc = accumulate(acc, bufs, bars, c, k_steps, True, B_K_MAJOR)
+                finish_tile(out_desc, c_smem, acc, expert, m0, n0, epilogue, M, N, BIAS, ROUTING)
                 c += k_steps
         tma.store_wait(0)
-
-    @gluon.jit
-    def accumulate_halves(acc0, acc1, bufs, bars, c, steps, B_K_MAJOR: gl.constexpr):
-        """`accumulate` (wgrad_hopper) into two accumulators, the B block's column halves: per K step
-        both halves' MMAs in flight, the stage freed once the next step's are issued."""
-        a_bufs, b_bufs = bufs
-        ready, empty = bars[0], bars[1]
-        S: gl.constexpr = a_bufs.type.shape[0]
-        HALF: gl.constexpr = acc0.type.shape[1]
-        for s in range(steps):
-            idx = (c + s) % S
-            mbarrier.wait(ready.index(idx), ((c + s) // S) & 1)
-            a = a_bufs.index(idx)
-            b = b_bufs.index(idx)
-            if B_K_MAJOR:  # [BN, BK]
-                b0 = b.slice(0, HALF, dim=0).permute((1, 0))
-                b1 = b.slice(HALF, HALF, dim=0).permute((1, 0))
-            else:  # [BK, BN]
-                b0 = b.slice(0, HALF, dim=1)
-                b1 = b.slice(HALF, HALF, dim=1)
-            acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
-            acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))  # the previous step's are done: free it
-            mbarrier.arrive(empty.index((c + s + S - 1) % S), count=1, pred=s > 0)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-        mbarrier.arrive(empty.index((c + steps + S - 1) % S), count=1, pred=steps > 0)
-        return acc0, acc1
 
     @gluon.jit
     def rows_pingpong_multiplier(out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars, c_smem,
@@ -253,17 +216,16 @@ if gluon is not None:
     @gluon.jit
     def _rows_kernel(
         a_desc, b_desc, out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, B_K_MAJOR: gl.constexpr,
-        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, HALVES: gl.constexpr,
-        C_LAYOUT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        BIAS: gl.constexpr, ROUTING: gl.constexpr, GROUP_M: gl.constexpr, C_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        BN: gl.constexpr = out_desc.block_type.shape[2] * (1 + HALVES)
+        BN: gl.constexpr = out_desc.block_type.shape[2]
         bufs, bars = ring(a_desc, b_desc, STAGES)  # wgrad_hopper's: descriptors' blocks
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape[1:], C_LAYOUT)
         gl.warp_specialize(
             [
                 (rows_multiplier, (out_desc, tile_to_expert_ptr, epilogue, M, N, K, tile_m, num_tiles, bufs, bars,
-                                   c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, HALVES, num_warps)),
+                                   c_smem, B_K_MAJOR, BIAS, ROUTING, GROUP_M, num_warps)),
                 (rows_loader, (a_desc, b_desc, tile_to_expert_ptr, N, K, tile_m, num_tiles, bufs, bars, BN,
                                B_K_MAJOR, GROUP_M)),
             ],  # fmt: skip
@@ -294,22 +256,17 @@ if gluon is not None:
         )
 
 
-def out_block_n(schedule: str, plan: Schedule) -> int:
-    """The output's staging tile's width: half the tile under HALVES, else the tile's."""
-    return plan.block_n // 2 if schedule == HALVES else plan.block_n
-
-
 def kernel_arguments(dtype: torch.dtype, schedule: str, b_k_major: bool, bias: bool, routing: bool) -> tuple:
     """(the Gluon kernel, its constexprs, the schedule's plan) for this operand dtype, schedule and
     epilogue: what `row_gemm_hopper` launches and what `mok bench inspect` compiles without a GPU."""
-    plan = HALVES_PLAN if schedule == HALVES else SCHEDULES[schedule]
+    plan = SCHEDULES[schedule]
     element = gl_element(dtype)
     constexprs = dict(B_K_MAJOR=b_k_major, BIAS=bias, ROUTING=routing, GROUP_M=GROUP_M, STAGES=plan.stages,
-                      C_LAYOUT=_layout((BLOCK_M, out_block_n(schedule, plan)), element), LOADER_WARPS=LOADER_WARPS,
+                      C_LAYOUT=_layout((BLOCK_M, plan.block_n), element), LOADER_WARPS=LOADER_WARPS,
                       LOADER_REGS=LOADER_REGS)  # fmt: skip
     if plan.pingpong:
         return _rows_pingpong_kernel, constexprs | {"MMA_REGS": PINGPONG_MMA_REGS}, plan
-    return _rows_kernel, constexprs | {"HALVES": schedule == HALVES}, plan
+    return _rows_kernel, constexprs, plan
 
 
 def row_gemm_hopper(
@@ -326,8 +283,7 @@ def row_gemm_hopper(
     K = rows.shape[1]
     if R == 0 or N == 0:
         return
-    schedule = schedule or SCHEDULE
-    kernel, constexprs, plan = kernel_arguments(rows.dtype, schedule, b_k_major, down_bias is not None,
+    kernel, constexprs, plan = kernel_arguments(rows.dtype, schedule or SCHEDULE, b_k_major, down_bias is not None,
                                                 routing is not None)  # fmt: skip
     flat = weights.flatten(0, 1)
     b_block = (plan.block_n, BLOCK_K) if b_k_major else (BLOCK_K, plan.block_n)
@@ -338,7 +294,7 @@ def row_gemm_hopper(
     grid = (min(num_tiles, sm_count(out.device.index)),)
     kernel[grid](
         gluon_descriptor(rows, (BLOCK_M, BLOCK_K)), gluon_descriptor(flat, b_block),
-        gluon_descriptor(out.unsqueeze(0), (1, BLOCK_M, out_block_n(schedule, plan))),
+        gluon_descriptor(out.unsqueeze(0), (1, BLOCK_M, plan.block_n)),
         tile_to_expert, epilogue, R, N, K, tile_m, num_tiles, num_warps=plan.num_warps, maxnreg=MAX_REGS,
         **constexprs,
     )  # fmt: skip
