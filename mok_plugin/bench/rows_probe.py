@@ -73,45 +73,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
     rt = (s.row_to_token, s.tile_to_expert, s.tile_m)
     weights = (inp["topk_weights"], s.row_to_tk)
-    gm.HOPPER_ROW_GEMMS = ()
-    h, a = gm.gate_up_fwd(inp["x"], inp["gate_up_proj"], *rt)
-    d_h, _, _ = gm.down_dgrad(inp["d_out"], inp["down_proj"], h, *weights, *rt)
-    del h
-    routed = s.row_to_tk >= 0
-    kernels = {
-        "down_fwd": (2 * T * K * H * I, lambda: gm.down_fwd(a, inp["down_proj"], *weights, *rt)),
-        "gate_up_dgrad": (4 * T * K * H * I, lambda: gm.gate_up_dgrad(d_h, inp["gate_up_proj"], *rt)),
-    }
-
-    def run_as(variant: str, fn):
-        if variant == "triton":
-            gm.HOPPER_ROW_GEMMS = ()
-        else:
-            schedule, group_m = variant.split(":")
-            gm.HOPPER_ROW_GEMMS = ("down_fwd", "gate_up_dgrad")
-            rows_hopper.SCHEDULE, rows_hopper.GROUP_M = schedule, int(group_m)
-        return fn()
-
-    rows = []
-    for name, (flops, fn) in kernels.items():
-        expected = run_as("triton", fn)[routed]
-        sides = ["triton", *variants]
-        samples: dict[str, list[float]] = {v: [] for v in sides}
-        bitwise = {}
-        for v in variants:
-            bitwise[v] = torch.equal(run_as(v, fn)[routed], expected)
-        for r in range(args.rounds):
-            for v in sides:
-                samples[v] += time_ms(
-                    lambda v=v, fn=fn: run_as(v, fn), args.iters, settle_s=SETTLE_S if r == 0 else 0.3
-                )
-        base = statistics.median(samples["triton"])
-        for v in sides:
-            ms = statistics.median(samples[v])
-            rows.append({"shape": args.shape, "kernel": name, "variant": v, "ms": ms, "tflops": flops / ms / 1e9,
-                         "vs_triton": ms / base, "bitwise": bitwise.get(v, True)})  # fmt: skip
-        del expected
-    gm.HOPPER_ROW_GEMMS = ()
+    saved = gm.HOPPER_ROW_GEMMS, rows_hopper.SCHEDULE, rows_hopper.GROUP_M
+    try:
+        _as_variant("triton")
+        h, a = gm.gate_up_fwd(inp["x"], inp["gate_up_proj"], *rt)
+        d_h, _, _ = gm.down_dgrad(inp["d_out"], inp["down_proj"], h, *weights, *rt)
+        del h
+        gemms = {
+            "down_fwd": (2 * T * K * H * I, lambda: gm.down_fwd(a, inp["down_proj"], *weights, *rt)),
+            "gate_up_dgrad": (4 * T * K * H * I, lambda: gm.gate_up_dgrad(d_h, inp["gate_up_proj"], *rt)),
+        }
+        rows = [
+            {"shape": args.shape, "kernel": name, **row}
+            for name, (flops, fn) in gemms.items()
+            for row in _time_gemm(fn, flops, variants, s.row_to_tk >= 0, args.rounds, args.iters)
+        ]
+    finally:
+        gm.HOPPER_ROW_GEMMS, rows_hopper.SCHEDULE, rows_hopper.GROUP_M = saved
     print(f"{'shape':<24} {'kernel':<14} {'variant':<16} {'ms':>8} {'TFLOP/s':>8} {'/ triton':>8} bitwise")
     for row in rows:
         print(f"{row['shape']:<24} {row['kernel']:<14} {row['variant']:<16} {row['ms']:8.3f} {row['tflops']:8.1f} "
@@ -120,3 +98,38 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
     return 0 if all(row["bitwise"] for row in rows) else 1
+
+
+def _as_variant(variant: str) -> None:
+    """Route both GEMMs to the Triton kernels ("triton") or to the Gluon kernel under SCHEDULE:GROUP_M."""
+    if variant == "triton":
+        gm.HOPPER_ROW_GEMMS = ()
+        return
+    schedule, group_m = variant.split(":")
+    gm.HOPPER_ROW_GEMMS = ("down_fwd", "gate_up_dgrad")
+    rows_hopper.SCHEDULE, rows_hopper.GROUP_M = schedule, int(group_m)
+
+
+def _time_gemm(fn, flops: int, variants: list[str], routed: torch.Tensor, rounds: int, iters: int) -> list[dict]:
+    """fn's result under every variant compared with Triton's on the routed rows, then the sides timed in
+    turn for `rounds` rounds (the first settled): one row per side, the median ms of its calls."""
+    expected = (_as_variant("triton"), fn())[1][routed]
+    bitwise = {v: torch.equal((_as_variant(v), fn())[1][routed], expected) for v in variants}
+    del expected
+    sides = ["triton", *variants]
+    samples: dict[str, list[float]] = {v: [] for v in sides}
+
+    def call(variant: str):
+        _as_variant(variant)
+        return fn()
+
+    for r in range(rounds):
+        for v in sides:
+            samples[v] += time_ms(lambda v=v: call(v), iters, settle_s=SETTLE_S if r == 0 else 0.3)
+    base = statistics.median(samples["triton"])
+    rows = []
+    for v in sides:
+        ms = statistics.median(samples[v])
+        rows.append({"variant": v, "ms": ms, "tflops": flops / ms / 1e9, "vs_triton": ms / base,
+                     "bitwise": bitwise.get(v, True)})  # fmt: skip
+    return rows
