@@ -90,7 +90,7 @@ if ! missing=$(python3 -c "$imports" 2>&1); then
     exit 2
 fi
 summary=()
-# The switches written without a GPU and off until timed (the untimed part): none now. v47 (fc2's forward and
+# The switches written without a GPU and off until timed at the layer (the untimed part). v47 (fc2's forward and
 # fc1's dgrad on the Gluon row kernel, session 55) was timed in session 57 and kept off (BENCHMARKS.md, "v47 timed
 # at the layer on seven shapes"); its A/B sets
 # "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')". v48 (session 58) found its
