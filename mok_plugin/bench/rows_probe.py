@@ -8,7 +8,7 @@ the layer"); this probe separated the suspects, the tile order (rows_hopper.GROU
 (BENCHMARKS.md, "v48"), and times any schedule or order against the Triton kernels.
 
     mok bench rows --shape deepseek-v3
-    mok bench rows --shape 4096,2048,768,128,8 --variant cooperative:0 --variant cooperative:8
+    mok bench rows --shape 4096,2048,768,128,8 --variant cooperative:1 --variant cooperative:8
 
 A variant is SCHEDULE:GROUP_M with SCHEDULE one of wgrad_hopper.SCHEDULES or coop128sN (a cooperative
 128-wide tile with N stages, defined here). One shape a process, as every timing here.
@@ -34,7 +34,7 @@ from mok_plugin.testing import parse_shape
 
 __all__ = ["build_parser", "main"]
 
-DEFAULT_VARIANTS = ["cooperative:0", "cooperative:8", "coop128s6:8"]
+DEFAULT_VARIANTS = ["cooperative:1", "cooperative:8", "coop128s6:8"]  # :1 is v47's order
 
 
 def _register(schedule: str) -> None:
@@ -113,16 +113,16 @@ def _as_variant(variant: str) -> None:
 def _time_gemm(fn, flops: int, variants: list[str], routed: torch.Tensor, rounds: int, iters: int) -> list[dict]:
     """fn's result under every variant compared with Triton's on the routed rows, then the sides timed in
     turn for `rounds` rounds (the first settled): one row per side, the median ms of its calls."""
-    expected = (_as_variant("triton"), fn())[1][routed]
-    bitwise = {v: torch.equal((_as_variant(v), fn())[1][routed], expected) for v in variants}
-    del expected
-    sides = ["triton", *variants]
-    samples: dict[str, list[float]] = {v: [] for v in sides}
 
     def call(variant: str):
         _as_variant(variant)
         return fn()
 
+    expected = call("triton")[routed]
+    bitwise = {v: torch.equal(call(v)[routed], expected) for v in variants}
+    del expected
+    sides = ["triton", *variants]
+    samples: dict[str, list[float]] = {v: [] for v in sides}
     for r in range(rounds):
         for v in sides:
             samples[v] += time_ms(lambda v=v: call(v), iters, settle_s=SETTLE_S if r == 0 else 0.3)

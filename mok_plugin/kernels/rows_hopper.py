@@ -69,9 +69,9 @@ __all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
 
 SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the module docstring)
 # The tile order: 8 row blocks sweep the columns together, the Triton row GEMMs' order (their GROUP_M);
-# 0, column blocks fastest, which v47 had: on an H100 (session 58, `mok bench rows`) fc1's dgrad took
-# 12.03 ms in that order against 8.17 in this one on deepseek-v3's dimensions (Triton's 8.75), 4.78
-# against 3.93 on gpt-oss-120b's (Triton's 4.26).
+# 1, column blocks fastest, which v47 had (0 in session 58's runs): on an H100 (session 58, `mok bench
+# rows`) fc1's dgrad took 12.03 ms in that order against 8.17 in this one on deepseek-v3's dimensions
+# (Triton's 8.75), 4.78 against 3.93 on gpt-oss-120b's (Triton's 4.26).
 GROUP_M = 8
 
 def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int, b_k_major: bool) -> bool:
@@ -91,20 +91,15 @@ if gluon is not None:
     @gluon.jit
     def row_tile(t, tile_to_expert_ptr, N, tile_m, num_tiles, BM: gl.constexpr, BN: gl.constexpr,
                  GROUP_M: gl.constexpr):  # fmt: skip
-        """(expert, m0, n0) of row tile t; expert < 0: a row block of padding. GROUP_M 0: column
-        blocks fastest (the row block's A stays in L2 while its columns are swept; the programs in
-        flight cover a few experts' weights); else the Triton kernels' order (`tiles.grouped_pid`:
-        GROUP_M row blocks sweep the columns together)."""
+        """(expert, m0, n0) of row tile t; expert < 0: a row block of padding. GROUP_M row blocks sweep the
+        columns together (`tiles.grouped_pid`, the Triton kernels' order); GROUP_M 1 walks column blocks
+        fastest, v47's order."""
         tiles_n = gl.cdiv(N, BN)
-        if GROUP_M == 0:
-            pid_m = t // tiles_n
-            pid_n = t % tiles_n
-        else:
-            per_group = GROUP_M * tiles_n
-            first_m = (t // per_group) * GROUP_M
-            group_size = gl.minimum(num_tiles // tiles_n - first_m, GROUP_M)
-            pid_m = first_m + (t % per_group) % group_size
-            pid_n = (t % per_group) // group_size
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        group_size = gl.minimum(num_tiles // tiles_n - first_m, GROUP_M)
+        pid_m = first_m + (t % per_group) % group_size
+        pid_n = (t % per_group) // group_size
         m0 = pid_m * BM
         expert = gl.load(tile_to_expert_ptr + m0 // tile_m).to(gl.int32)
         return expert, m0, pid_n * BN
