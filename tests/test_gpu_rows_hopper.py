@@ -49,6 +49,7 @@ def gluon_calls(request, monkeypatch):
     calls = []
     launch = rows_hopper.row_gemm_hopper
     monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd", "gate_up_dgrad"))
+    monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_MIN_WAVES", 0)  # these shapes fill less than a wave
     monkeypatch.setattr(rows_hopper, "SCHEDULE", request.param[0])
     monkeypatch.setattr(rows_hopper, "GROUP_M", request.param[1])
     monkeypatch.setattr(rows_hopper, "row_gemm_hopper", lambda *a, **k: calls.append(k["b_k_major"]) or launch(*a, **k))
@@ -91,8 +92,9 @@ def test_hopper_rows_are_bitwise_the_triton_kernels(shape, bias, dtype, gluon_ca
     assert padding.any() and not y[padding].any() and not d_x[padding].any()
 
 
-def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
-    # The switch on, the Gluon kernel still needs an sm_90 GPU; and a config asks for the Triton kernel.
+def test_not_chosen_off_hopper_with_a_config_or_below_a_wave(monkeypatch):
+    # The switch on, the Gluon kernel still needs an sm_90 GPU; a config asks for the Triton kernel; and
+    # tiles that leave SMs idle stay on the Triton kernel (HOPPER_ROW_MIN_WAVES).
     monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd", "gate_up_dgrad"))
     monkeypatch.setattr(rows_hopper, "row_gemm_hopper", lambda *a, **k: pytest.fail("the Gluon kernel ran"))
     s, a, d_h, w2, w13, b2, topk_weights = _operands(50, 64, 40, 4, 2, "uniform", torch.float32)
@@ -104,6 +106,8 @@ def test_not_chosen_off_hopper_or_with_a_config(monkeypatch):
         _down_fwd(s, *x16, topk_weights, None, kernel_config("down_fwd", 64))
         out = torch.empty(a.shape[0], 64, dtype=torch.bfloat16, device=DEVICE)
         assert rows_hopper.usable(*x16, out, s.tile_m, b_k_major=True)
+        assert rows_hopper.tile_count(*out.shape) < torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        _down_fwd(s, *x16, topk_weights, None)  # usable, but under a wave: the Triton kernel
         assert not rows_hopper.usable(*x16, out, s.tile_m, b_k_major=False)  # W2 read as [E, K, N]: sizes differ
         assert not rows_hopper.usable(x16[0][:, :32], x16[1], out, s.tile_m, b_k_major=True)  # K differs
 

@@ -34,15 +34,13 @@ class _Compiled:
         self.launches.append(args)
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """A fresh JITFunction of _scale_kernel whose Triton path (compile + launch) is recorded,
-    bound by Triton's binder for sm_90, on "device 0" with "stream 7"."""
+def _recorded(kernel: JITFunction, monkeypatch) -> tuple:
+    """kernel with its Triton path (compile + launch) recorded, bound by Triton's binder for sm_90, on
+    "device 0" with "stream 7": (kernel, the compiled stand-in, the Triton path's calls)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    kernel = JITFunction(_scale_kernel.fn)  # compiled, whatever TRITON_INTERPRET says
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     kernel.device_caches = {0: (None, None, None, None, binder)}
     compiled, triton_path = _Compiled(), []
@@ -55,6 +53,12 @@ def recorded(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     return kernel, compiled, triton_path
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """A fresh JITFunction of _scale_kernel, recorded (`_recorded`)."""
+    return _recorded(JITFunction(_scale_kernel.fn), monkeypatch)  # compiled, whatever TRITON_INTERPRET says
 
 
 def test_a_repeated_specialization_launches_the_cached_binary_with_every_argument(recorded):
@@ -141,6 +145,32 @@ def test_hooks_compiling_and_stand_ins_keep_tritons_path(recorded, monkeypatch):
     monkeypatch.setattr(JITFunction, "__getitem__", lambda self, grid: lambda *a, **k: counted.append(grid))
     launch(kernel, (4,), x, out, 64, 2.0, BLOCK=16)
     assert counted == [(4,)] and (len(triton_path), len(compiled.launches)) == (5, 2)
+
+
+def test_gluon_kernels_launch_directly_keyed_by_their_descriptors_layouts(monkeypatch):
+    """A `gluon.jit` kernel (rows_hopper's) takes the direct path as a `triton.jit` one does; a
+    descriptor of another block, and so another shared layout, picks another binary."""
+    from mok_plugin.kernels import rows_hopper, wgrad_hopper
+
+    if rows_hopper.gluon is None:
+        pytest.skip("needs Triton's Gluon")
+    kernel, constexprs, plan = rows_hopper.kernel_arguments(torch.bfloat16, "cooperative", True, False, False)
+    kernel, compiled, triton_path = _recorded(type(kernel)(kernel.fn), monkeypatch)
+    rows, weights = torch.randn(256, 128).bfloat16(), torch.randn(2 * 256, 128).bfloat16()
+    out, tile_to_expert = torch.empty(1, 256, 256, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64)
+
+    def launch_rows(block_n: int) -> None:
+        blocks = ((rows, (128, 64)), (weights, (block_n, 64)), (out, (1, 128, block_n)))
+        descriptors = [wgrad_hopper.gluon_descriptor(t, block) for t, block in blocks]
+        launch(kernel, (2,), *descriptors, tile_to_expert, (out, 0, out, out), 256, 256, 128, 128, 4,
+               num_warps=plan.num_warps, **constexprs)  # fmt: skip
+
+    launch_rows(plan.block_n)
+    launch_rows(plan.block_n)
+    assert (len(triton_path), len(compiled.launches)) == (1, 1)
+    assert compiled.launches[0][:9] == (2, 1, 1, 7, "function", "packed metadata", None, None, None)
+    launch_rows(plan.block_n // 2)
+    assert (len(triton_path), len(compiled.launches)) == (2, 1)
 
 
 def test_anything_but_a_jit_kernel_is_indexed_and_called():

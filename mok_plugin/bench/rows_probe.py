@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     s = build_schedule(inp["topk_ids"], E, tile_m=DEFAULT_TILE_M)
     rt = (s.row_to_token, s.tile_to_expert, s.tile_m)
     weights = (inp["topk_weights"], s.row_to_tk)
-    saved = gm.HOPPER_ROW_GEMMS, rows_hopper.SCHEDULE, rows_hopper.GROUP_M
+    saved = gm.HOPPER_ROW_GEMMS, gm.HOPPER_ROW_MIN_WAVES, rows_hopper.SCHEDULE, rows_hopper.GROUP_M
     try:
         _as_variant("triton")
         h, a = gm.gate_up_fwd(inp["x"], inp["gate_up_proj"], *rt)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             for row in _time_gemm(fn, flops, variants, s.row_to_tk >= 0, args.rounds, args.iters)
         ]
     finally:
-        gm.HOPPER_ROW_GEMMS, rows_hopper.SCHEDULE, rows_hopper.GROUP_M = saved
+        gm.HOPPER_ROW_GEMMS, gm.HOPPER_ROW_MIN_WAVES, rows_hopper.SCHEDULE, rows_hopper.GROUP_M = saved
     print(f"{'shape':<24} {'kernel':<14} {'variant':<16} {'ms':>8} {'TFLOP/s':>8} {'/ triton':>8} bitwise")
     for row in rows:
         print(f"{row['shape']:<24} {row['kernel']:<14} {row['variant']:<16} {row['ms']:8.3f} {row['tflops']:8.1f} "
@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _as_variant(variant: str) -> None:
-    """Route both GEMMs to the Triton kernels ("triton") or to the Gluon kernel under SCHEDULE:GROUP_M."""
+    """Route both GEMMs to the Triton kernels ("triton") or to the Gluon kernel under SCHEDULE:GROUP_M
+    (at any batch: the layer's rule by waves set aside)."""
     if variant == "triton":
         gm.HOPPER_ROW_GEMMS = ()
         return
     schedule, group_m = variant.split(":")
-    gm.HOPPER_ROW_GEMMS = ("down_fwd", "gate_up_dgrad")
+    gm.HOPPER_ROW_GEMMS, gm.HOPPER_ROW_MIN_WAVES = ("down_fwd", "gate_up_dgrad"), 0
     rows_hopper.SCHEDULE, rows_hopper.GROUP_M = schedule, int(group_m)
 
 

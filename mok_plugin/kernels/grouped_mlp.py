@@ -341,11 +341,13 @@ def _on_hopper_rows(
     kernel: str, config: MoKTileConfig | None, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int
 ) -> bool:
     """Whether row GEMM `kernel` runs on rows_hopper's Gluon kernel: named in HOPPER_ROW_GEMMS, no
-    config asked for (a given config means the Triton kernel at that tile), and the kernel takes it
-    (down_fwd reads W2 K-major, gate_up_dgrad W13 N-major)."""
+    config asked for (a given config means the Triton kernel at that tile), the kernel takes it
+    (down_fwd reads W2 K-major, gate_up_dgrad W13 N-major), and its tiles fill HOPPER_ROW_MIN_WAVES
+    waves of the SMs."""
     return (
         kernel in HOPPER_ROW_GEMMS and config is None
         and rows_hopper.usable(rows, weights, out, tile_m, b_k_major=kernel == "down_fwd")
+        and rows_hopper.tile_count(*out.shape) >= HOPPER_ROW_MIN_WAVES * sm_count(out.device.index)
     )  # fmt: skip
 
 
@@ -796,6 +798,12 @@ JOIN_GATE_UP = True
 # shapes, +1.9 % at qwen3's dimensions at T = 4096 and +34 % at T = 1 (a Gluon launch's host path).
 # `mok bench ab --set "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')"`.
 HOPPER_ROW_GEMMS: tuple[str, ...] = ()
+# Below this many waves of the SMs in the Gluon kernel's tiles (128 x 256; R_pad's row blocks, padding
+# included) those GEMMs stay on the Triton kernels, whose tiles narrow to spread over the SMs
+# (`spread_over_sms`, v33): at T = 1 with qwen3-30b-a3b's dimensions fc2's forward is 8 row blocks x 8
+# column blocks, 64 tiles for 132 SMs, where v47 took the step from 2.03 to 2.73 ms on an H100 (session
+# 57). 0: the Gluon kernel at any batch (the GPU tests' small shapes).
+HOPPER_ROW_MIN_WAVES = 1
 
 # Rows per step and columns per program of the bias gradients: a [32, 128] fp32 block per step.
 _BIAS_GRAD_BLOCK = (32, 128)

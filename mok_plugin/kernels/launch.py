@@ -18,6 +18,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok_plugin.kernels.configs import MoKTileConfig, interpreter_on
 
+try:  # Gluon's kernels: a JITFunction whose binder makes Gluon's source; launched as Triton's are
+    from triton.experimental.gluon._runtime import GluonJITFunction
+except ImportError:  # a Triton without Gluon
+    GluonJITFunction = JITFunction
+
 __all__ = [
     "alignment",
     "cdiv",
@@ -154,6 +159,10 @@ def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
 
 # Triton's own launch entry, to notice a stand-in (`mok bench host` replaces it to count launches).
 _TRITON_GETITEM = JITFunction.__getitem__
+# The kernel types whose binary `launch` launches directly: plain `triton.jit` and `gluon.jit` kernels
+# (the same `run`, binder and launcher; Gluon's descriptors carry their shared layout, which is in
+# the specialization and so in the binary's key).
+_DIRECT_TYPES = (JITFunction, GluonJITFunction)
 # (kernel id, device, Triton's specialization of the arguments, the launch options) -> _Binary
 _binaries: dict[tuple, _Binary] = {}
 _direct = True  # False within `through_triton`
@@ -172,13 +181,14 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
 
     These go through `kernel[grid]` unchanged: the first launch of each specialization (Triton
     compiles it), launches while Triton's launch hooks or the kernel's pre-run hooks are set
-    (profilers), anything not a plain `triton.jit` kernel (the interpreter's kernels, stand-ins),
+    (profilers), anything not a plain `triton.jit` or `gluon.jit` kernel (the interpreter's kernels,
+    stand-ins),
     tracing under torch.compile, and launches within `through_triton`. Not seen after a
     specialization's first launch: Triton's debug and instrumentation knobs changed mid-process."""
     if (
         torch.compiler.is_compiling()
         or not _direct
-        or type(kernel) is not JITFunction
+        or type(kernel) not in _DIRECT_TYPES
         or JITFunction.__getitem__ is not _TRITON_GETITEM
         or not _hooks_idle(kernel)
     ):

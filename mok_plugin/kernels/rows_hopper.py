@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_plugin.kernels.launch import cdiv, sm_count
+from mok_plugin.kernels.launch import cdiv, launch, sm_count
 from mok_plugin.kernels.wgrad_hopper import (
     BLOCK_K,
     BLOCK_M,
@@ -65,7 +65,7 @@ if gluon is not None:
 
     from mok_plugin.kernels.wgrad_hopper import accumulate, pingpong_state, ring, store_tile
 
-__all__ = ["SCHEDULE", "row_gemm_hopper", "usable"]
+__all__ = ["SCHEDULE", "row_gemm_hopper", "tile_count", "usable"]
 
 SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the module docstring)
 # The tile order: 8 row blocks sweep the columns together, the Triton row GEMMs' order (their GROUP_M);
@@ -84,6 +84,12 @@ def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m:
         sizes_agree and weights.is_contiguous() and tile_m % BLOCK_M == 0
         and tma_rows(rows, weights.flatten(0, 1), out)
     )  # fmt: skip
+
+
+def tile_count(num_rows: int, n: int, schedule: str | None = None) -> int:
+    """The output tiles of a launch over num_rows rows (R_pad: row blocks of padding included) and n
+    columns under `schedule` (default SCHEDULE)."""
+    return num_rows // BLOCK_M * cdiv(n, SCHEDULES[schedule or SCHEDULE].block_n)
 
 
 if gluon is not None:
@@ -285,10 +291,10 @@ def row_gemm_hopper(
     topk, row_to_tk = routing if routing is not None else (out, out)  # not read without the epilogue
     epilogue = (down_bias if down_bias is not None else out, 0 if down_bias is None else down_bias.stride(0), topk,
                 row_to_tk)  # fmt: skip
-    num_tiles = R // BLOCK_M * cdiv(N, plan.block_n)
+    num_tiles = tile_count(R, N, schedule)
     grid = (min(num_tiles, sm_count(out.device.index)),)
-    kernel[grid](
-        gluon_descriptor(rows, (BLOCK_M, BLOCK_K)), gluon_descriptor(flat, b_block),
+    launch(
+        kernel, grid, gluon_descriptor(rows, (BLOCK_M, BLOCK_K)), gluon_descriptor(flat, b_block),
         gluon_descriptor(out.unsqueeze(0), (1, BLOCK_M, plan.block_n)),
         tile_to_expert, epilogue, R, N, K, tile_m, num_tiles, num_warps=plan.num_warps, maxnreg=MAX_REGS,
         **constexprs,
