@@ -213,10 +213,6 @@ for part in "${parts[@]}"; do
             run_part untimed-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider tests/test_gpu_layer.py \
                 tests/test_kernels_grouped_mlp.py tests/test_compact_h.py tests/test_kernel_launch.py \
                 tests/test_gpu_rows_hopper.py -k "sweep or compact or per_pair or pair_map or on_the_gpu or hopper_rows or not_chosen"
-            # Every Gluon kernel (weight gradients, FP8) now launches through launch.launch's direct path
-            # (session 59): their tests launch each twice or more, the second time directly
-            run_part untimed-gluon-tests python3 -m pytest -q "${spread[@]}" -p no:cacheprovider \
-                tests/test_gpu_wgrad_hopper.py tests/test_fp8_hopper.py
         fi
         if [ "$part" != untimed-tests ] && [ "$part" != untimed-small ]; then
             # The candidates first (what the next session asks first, so that a budget cuts the rest): a

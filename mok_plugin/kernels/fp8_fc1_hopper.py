@@ -28,7 +28,7 @@ import torch
 from mok_plugin.kernels import fp8_hopper
 from mok_plugin.kernels.fp8 import quantize_block
 from mok_plugin.kernels.fp8_hopper import BLOCK_K, BLOCK_M, BLOCK_N, HALF_M, SHARED_BYTES, gluon
-from mok_plugin.kernels.launch import cdiv, launch, sm_count
+from mok_plugin.kernels.launch import cdiv, sm_count
 from mok_plugin.kernels.tiles import expert_activation
 
 if gluon is not None:
@@ -285,8 +285,8 @@ def fp8_fc1_hopper(
     kernel, constexprs = kernel_arguments(h.dtype, a_q.dtype, gate_up_bias is not None, gated, activation, clamp,
                                           offset, fmt, power_of_2)  # fmt: skip
     grid = (min(num_tiles, fp8_hopper.PROGRAMS or sm_count(h.device.index)),)
-    launch(
-        kernel, grid, desc(x_rows, (BLOCK_M, BLOCK_K)), desc(w13_q.view(E * N1, H), (BLOCK_N, BLOCK_K)),
+    kernel[grid](
+        desc(x_rows, (BLOCK_M, BLOCK_K)), desc(w13_q.view(E * N1, H), (BLOCK_N, BLOCK_K)),
         desc(halves[0].unsqueeze(0), out_block), desc(halves[-1].unsqueeze(0), out_block),
         desc(a_q.unsqueeze(0), out_block), work, I, N1, R, num_tiles, num_warps=4,
         maxnreg=fp8_hopper.MAX_REGS, **constexprs,

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from mok_plugin.kernels.launch import cdiv, launch, sm_count
+from mok_plugin.kernels.launch import cdiv, sm_count
 
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
@@ -708,9 +708,9 @@ def _launch(a: tuple, b: tuple, out: torch.Tensor, work: tuple, epilogue: tuple,
         b_descs.append(_descriptor(scales[1], (1, BLOCK_N)))
     kernel, constexprs = kernel_arguments(out.dtype, rows, bias, routing, flat)
     grid = (min(num_tiles, PROGRAMS or sm_count(out.device.index)),)
-    launch(
-        kernel, grid, a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work,
-        epilogue, M, N, num_tiles, num_warps=4, maxnreg=MAX_REGS, **constexprs,
+    kernel[grid](
+        a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], _descriptor(out, (1, HALF_M, BLOCK_N)), work, epilogue,
+        M, N, num_tiles, num_warps=4, maxnreg=MAX_REGS, **constexprs,
     )  # fmt: skip
 
 

@@ -161,7 +161,9 @@ def stages_for(cfg: MoKTileConfig, dtype: torch.dtype) -> MoKTileConfig:
 _TRITON_GETITEM = JITFunction.__getitem__
 # The kernel types whose binary `launch` launches directly: plain `triton.jit` and `gluon.jit` kernels
 # (the same `run`, binder and launcher; Gluon's descriptors carry their shared layout, which is in
-# the specialization and so in the binary's key).
+# the specialization and so in the binary's key). Of the Gluon kernels only rows_hopper's (off by
+# default) comes here so far (session 59, written without a GPU); the weight-gradient and FP8 ones,
+# on by default, keep `kernel[grid]` until the GPU tests have run this path on Gluon.
 _DIRECT_TYPES = (JITFunction, GluonJITFunction)
 # (kernel id, device, Triton's specialization of the arguments, the launch options) -> _Binary
 _binaries: dict[tuple, _Binary] = {}

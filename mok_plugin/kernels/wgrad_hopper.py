@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_plugin.kernels.launch import cdiv, launch, sm_count
+from mok_plugin.kernels.launch import cdiv, sm_count
 
 try:  # Gluon is experimental: absent from older Triton, so this module works without it
     from triton.experimental import gluon
@@ -333,6 +333,6 @@ def expert_wgrad_hopper(
                   LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, maxnreg=MAX_REGS)  # fmt: skip
     grid = (min(num_tiles, sm_count(d_w.device.index)),)
     if plan.pingpong:
-        launch(_wgrad_pingpong_kernel, grid, *args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=plan.num_warps, **common)
+        _wgrad_pingpong_kernel[grid](*args, MMA_REGS=PINGPONG_MMA_REGS, num_warps=plan.num_warps, **common)
     else:
-        launch(_wgrad_kernel, grid, *args, num_warps=plan.num_warps, **common)
+        _wgrad_kernel[grid](*args, num_warps=plan.num_warps, **common)
