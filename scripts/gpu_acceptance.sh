@@ -42,7 +42,8 @@
 #              at T = 1 and 37 (untimed-small). untimed-ab is the candidates, then the small batches. Edit the
 #              lists as switches and candidates come and go (session 48 timed v38, landed, and v39, removed;
 #              session 51 timed v41, removed; session 54 v45, removed; session 55 wrote v47, session 57 timed it:
-#              kept off; session 58 found its tile order, v48).
+#              kept off; session 58 found its tile order, v48; session 59 wrote v49: its launches direct, and only
+#              where its tiles fill a wave of the SMs).
 #              The host-bound eager parts (perf-small, perf-host, untimed-all-eager) run with --no-clock: no
 #              nvidia-smi process beside a timing that is the host's
 #   families   scripts/bench_layer.py --expert on qwen3-30b-a3b and mixtral-8x7b (one process each): every
@@ -96,7 +97,9 @@ summary=()
 # "mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')". v48 (session 58) found its
 # losses on wide outputs in its tile order: in the Triton kernels' (rows_hopper.GROUP_M = 8, now its default) the
 # two GEMMs alone beat Triton's on three of four shapes (the rows-probe part). Not yet timed at the layer beyond two
-# eager A/Bs: the candidates below, and the switch at small batches here.
+# eager A/Bs: the candidates below, and the switch at small batches here, where v49 (session 59) keeps it on Triton
+# below a wave of tiles (T = 1) and launches it directly (tests/test_gpu_rows_hopper.py's direct-launch test in
+# untimed-tests checks the bits).
 untimed_switches=("mok_plugin.kernels.grouped_mlp.HOPPER_ROW_GEMMS=('down_fwd','gate_up_dgrad')")
 
 # pytest-xdist spreads the kernel compiles (CPU-bound) over the cores where it is installed: `spread_over N`

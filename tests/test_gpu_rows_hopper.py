@@ -92,6 +92,33 @@ def test_hopper_rows_are_bitwise_the_triton_kernels(shape, bias, dtype, gluon_ca
     assert padding.any() and not y[padding].any() and not d_x[padding].any()
 
 
+@hopper_only
+@pytest.mark.gpu
+def test_hopper_rows_direct_launches_give_tritons_launch_bits():
+    # The Gluon kernel's launches take launch.launch's direct path after the first (its descriptors'
+    # fills kept): the same bits as through Triton's own launch, at new addresses and on new values.
+    from mok_plugin.kernels.launch import through_triton
+
+    s, a, d_h, w2, w13, b2, topk_weights = _operands(2048, 1024, 768, 8, 4, "uniform", torch.bfloat16)
+    blocks = s.tile_to_expert.repeat_interleave(s.tile_m) >= 0
+
+    def down_fwd(a: torch.Tensor) -> torch.Tensor:
+        y = torch.full((a.shape[0], w2.shape[1]), float("nan"), dtype=a.dtype, device=DEVICE)
+        rows_hopper.row_gemm_hopper(a, w2, y, s.tile_to_expert, s.tile_m, b_k_major=True, down_bias=b2,
+                                    routing=(topk_weights, s.row_to_tk))  # fmt: skip
+        return y[blocks]
+
+    with through_triton():
+        by_triton = down_fwd(a)
+    for _ in range(2):
+        assert torch.equal(down_fwd(a), by_triton)
+        assert torch.equal(down_fwd(a.clone()), by_triton)  # another address
+    other = torch.randn_like(a)
+    with through_triton():
+        by_triton_other = down_fwd(other)
+    assert torch.equal(down_fwd(other), by_triton_other) and not torch.equal(by_triton_other, by_triton)
+
+
 def test_not_chosen_off_hopper_with_a_config_or_below_a_wave(monkeypatch):
     # The switch on, the Gluon kernel still needs an sm_90 GPU; a config asks for the Triton kernel; and
     # tiles that leave SMs idle stay on the Triton kernel (HOPPER_ROW_MIN_WAVES).
