@@ -37,6 +37,8 @@ lost: 2.41 ms there, and 30 % / 88 % over Triton on deepseek-v3's dimensions and
 32-45 K steps a tile leave one warpgroup's MMAs waiting on the other's turn (it pays only where tiles
 are a few steps, as the weight gradients' are). A first version of fc2's forward alone (8ea86d9,
 never merged) was 4-8 % faster than Triton on three shapes (BENCHMARKS.md, "the Gluon row GEMMs").
+Since v49 (session 59, not yet timed) it launches through `launch.launch`'s direct path, and the layer
+takes it only where its tiles fill a wave of the SMs (`grouped_mlp.HOPPER_ROW_MIN_WAVES`).
 """
 
 from __future__ import annotations
