@@ -34,7 +34,9 @@ from mok_plugin.testing import parse_shape
 
 __all__ = ["build_parser", "main"]
 
-DEFAULT_VARIANTS = ["cooperative:1", "cooperative:8", "coop128s6:8"]  # :1 is v47's order
+# The group size of the tile order around its default 8 (session 58 timed 1, v47's order, and 8 only: qwen3's
+# fc1 dgrad was faster at 1, mixtral's fc2 forward slower at 8 than Triton), and a 6-stage 128-wide ring
+DEFAULT_VARIANTS = ["cooperative:8", "cooperative:4", "cooperative:16", "coop128s6:8"]
 
 
 def _register(schedule: str) -> None:
