@@ -119,6 +119,26 @@ def test_hopper_rows_direct_launches_give_tritons_launch_bits():
     assert torch.equal(down_fwd(other), by_triton_other) and not torch.equal(by_triton_other, by_triton)
 
 
+@pytest.mark.parametrize(
+    "rows, n, waves, chosen",
+    [
+        (8 * 128, 2048, 1, False),  # T = 1 at qwen3-30b-a3b's dimensions: 8 x 8 tiles for 132 SMs
+        (130 * 128, 2048, 1, True),  # T = 37: 130 row blocks (padding included) x 8
+        (17 * 128, 1024, 1, True),  # 17 x 4 = 68 tiles on a GPU of 66 SMs
+        (8 * 128, 2048, 0, True),  # no rule
+    ],
+)
+def test_the_layer_takes_the_gluon_rows_from_a_wave_of_tiles(monkeypatch, rows, n, waves, chosen):
+    # The rule alone, on the CPU: the kernel said to take the GEMM, the SMs counted as a GPU would.
+    monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_GEMMS", ("down_fwd",))
+    monkeypatch.setattr(grouped_mlp, "HOPPER_ROW_MIN_WAVES", waves)
+    monkeypatch.setattr(rows_hopper, "usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(grouped_mlp, "sm_count", lambda device: 66 if n == 1024 else 132)
+    out = torch.empty(rows, n)
+    assert grouped_mlp._on_hopper_rows("down_fwd", None, out, out, out, 128) is chosen
+    assert not grouped_mlp._on_hopper_rows("gate_up_dgrad", None, out, out, out, 128)  # not named
+
+
 def test_not_chosen_off_hopper_with_a_config_or_below_a_wave(monkeypatch):
     # The switch on, the Gluon kernel still needs an sm_90 GPU; a config asks for the Triton kernel; and
     # tiles that leave SMs idle stay on the Triton kernel (HOPPER_ROW_MIN_WAVES).
