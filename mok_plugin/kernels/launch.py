@@ -184,8 +184,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
     These go through `kernel[grid]` unchanged: the first launch of each specialization (Triton
     compiles it), launches while Triton's launch hooks or the kernel's pre-run hooks are set
     (profilers), anything not a plain `triton.jit` or `gluon.jit` kernel (the interpreter's kernels,
-    stand-ins),
-    tracing under torch.compile, and launches within `through_triton`. Not seen after a
+    stand-ins), tracing under torch.compile, and launches within `through_triton`. Not seen after a
     specialization's first launch: Triton's debug and instrumentation knobs changed mid-process."""
     if (
         torch.compiler.is_compiling()
