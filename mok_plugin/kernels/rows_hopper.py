@@ -76,6 +76,7 @@ SCHEDULE = "cooperative"  # one of wgrad_hopper.SCHEDULES (ping-pong: see the mo
 # (Triton's 8.75), 4.78 against 3.93 on gpt-oss-120b's (Triton's 4.26).
 GROUP_M = 8
 
+
 def usable(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, tile_m: int, b_k_major: bool) -> bool:
     """Whether the kernel takes this GEMM: rows [R_pad, K] and out [R_pad, N] TMA can read and write,
     weights [E, N, K] (b_k_major) or [E, K, N] contiguous (read flattened to 2-D, an expert every N or
